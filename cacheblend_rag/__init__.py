@@ -1,0 +1,48 @@
+"""cacheblend-rag: CacheBlend (EuroSys'25) for RAG, in-process on Hugging Face transformers.
+
+Each retrieved chunk's KV cache is computed once and stored; a request loads the cached KV of all its chunks
+at their real positions and recomputes only the tokens whose KV deviates most. Start with `CacheBlendEngine`.
+
+Folders: `models/` (presets, loading, layer-wise adapter), `store/` (chunk KV and its stores), `fusion/` (token
+selection and the blended prefill), `engine/` (one request end to end), `retrieval/` (chunking, FAISS), `cli`.
+"""
+
+from .config import BlendConfig, EngineConfig, PrefillMode
+from .engine import (
+    QA_SHORT_TEMPLATE,
+    CacheBlendEngine,
+    GenerationResult,
+    PromptTemplate,
+    RequestMetrics,
+    TokenizedPrompt,
+)
+from .errors import (
+    CacheBlendError,
+    ConfigError,
+    ModelNotFoundError,
+    PromptError,
+    UnsupportedModelError,
+)
+from .store import ChunkKV, MemoryStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "QA_SHORT_TEMPLATE",
+    "BlendConfig",
+    "CacheBlendEngine",
+    "CacheBlendError",
+    "ChunkKV",
+    "ConfigError",
+    "EngineConfig",
+    "GenerationResult",
+    "MemoryStore",
+    "ModelNotFoundError",
+    "PrefillMode",
+    "PromptError",
+    "PromptTemplate",
+    "RequestMetrics",
+    "TokenizedPrompt",
+    "UnsupportedModelError",
+    "__version__",
+]

@@ -1,0 +1,153 @@
+"""Settings of the blend (fusion) step and of the engine, as frozen dataclasses validated on creation.
+
+`BlendConfig` holds the algorithm's hyperparameters (paper §4.3); `EngineConfig` holds where and how the model
+runs and how much chunk KV stays in memory. Per-request choices (mode, ratio override, sampling) are arguments
+of the engine's calls, never module state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .errors import ConfigError
+
+DEVIATION_KINDS = ("key", "value", "both")
+
+
+class PrefillMode(str, Enum):
+    """How the prompt's KV cache is built before decoding."""
+
+    FULL = "full"  # recompute every token (the reference)
+    PREFIX = "prefix"  # reuse the shared prefix and the first chunk (what prefix caching can reuse)
+    REUSE = "reuse"  # reuse every chunk's cached KV at its real position, recompute nothing (PromptCache)
+    BLEND = "blend"  # CacheBlend: reuse every chunk and recompute the tokens whose KV deviates most
+
+    @classmethod
+    def parse(cls, value: str | PrefillMode) -> PrefillMode:
+        if isinstance(value, PrefillMode):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            names = ", ".join(m.value for m in cls)
+            raise ConfigError(f"mode must be one of {names}, got {value!r}") from None
+
+
+def _check_ratio(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise ConfigError(f"{name} must be in [0, 1], got {value!r}")
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """Hyperparameters of selective KV recompute.
+
+    The share of reused chunk tokens recomputed is `recompute_ratio` on the layers after the last check layer.
+    On the check layers (gradual filtering, paper §4.3 / Fig. 9) the candidates shrink step by step: check
+    layer j keeps `check_ratios[j]` of the reused tokens, chosen among those kept by check layer j-1.
+    """
+
+    recompute_ratio: float = 0.15  # r: share of reused chunk tokens recomputed on the non-check layers
+    check_layers: tuple[int, ...] = (1, 2, 3)  # layers where deviations are measured; must be increasing, >= 1
+    check_ratios: tuple[float, ...] | None = None  # kept share per check layer; None: derived from the ratio
+    filter_slack: float = 0.5  # derived schedule: first check keeps (1 + slack) * r, falling linearly to r
+    deviation: str = "key"  # which fresh-vs-cached difference ranks tokens: "key", "value" or "both"
+
+    def __post_init__(self) -> None:
+        _check_ratio("recompute_ratio", self.recompute_ratio)
+        if not self.check_layers:
+            raise ConfigError("check_layers must name at least one layer, e.g. (1,), got ()")
+        layers = tuple(self.check_layers)
+        if any((not isinstance(x, int)) or x < 1 for x in layers):
+            raise ConfigError(
+                f"check_layers must be layer indices >= 1 (layer 0 sees no cross-chunk context), got {layers}"
+            )
+        if list(layers) != sorted(set(layers)):
+            raise ConfigError(f"check_layers must be strictly increasing, got {layers}")
+        object.__setattr__(self, "check_layers", layers)
+        if self.filter_slack < 0:
+            raise ConfigError(f"filter_slack must be >= 0, got {self.filter_slack}")
+        if self.deviation not in DEVIATION_KINDS:
+            raise ConfigError(f"deviation must be one of {DEVIATION_KINDS}, got {self.deviation!r}")
+        if self.check_ratios is not None:
+            ratios = tuple(float(x) for x in self.check_ratios)
+            if len(ratios) != len(layers):
+                raise ConfigError(
+                    f"check_ratios needs one ratio per check layer ({len(layers)}), got {len(ratios)}: {ratios}"
+                )
+            for i, x in enumerate(ratios):
+                _check_ratio(f"check_ratios[{i}]", x)
+            if any(b > a for a, b in zip(ratios, ratios[1:])):
+                raise ConfigError(f"check_ratios must not increase (each check filters the last), got {ratios}")
+            if ratios[-1] < self.recompute_ratio:
+                raise ConfigError(
+                    f"the last check ratio ({ratios[-1]}) must be >= recompute_ratio ({self.recompute_ratio}): "
+                    "later layers can only recompute tokens that survived the checks"
+                )
+            object.__setattr__(self, "check_ratios", ratios)
+
+    def schedule(self, recompute_ratio: float | None = None) -> tuple[float, ...]:
+        """Kept share of reused tokens after each check layer, ending at the recompute ratio."""
+        r = self.recompute_ratio if recompute_ratio is None else recompute_ratio
+        _check_ratio("recompute_ratio", r)
+        if self.check_ratios is not None and recompute_ratio is None:
+            return self.check_ratios
+        n = len(self.check_layers)
+        if n == 1:
+            return (r,)
+        return tuple(min(1.0, r * (1.0 + self.filter_slack * (n - 1 - j) / (n - 1))) for j in range(n))
+
+    def with_ratio(self, recompute_ratio: float) -> BlendConfig:
+        """The same settings at another ratio (explicit check ratios are dropped: they belong to the old r)."""
+        _check_ratio("recompute_ratio", recompute_ratio)
+        return BlendConfig(
+            recompute_ratio=recompute_ratio,
+            check_layers=self.check_layers,
+            check_ratios=None,
+            filter_slack=self.filter_slack,
+            deviation=self.deviation,
+        )
+
+
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+
+
+def normalize_dtype_name(dtype: object) -> str:
+    """'bf16', torch.bfloat16, ... -> 'bfloat16'; anything else is a ConfigError listing the choices."""
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in _DTYPES:
+        raise ConfigError(f"dtype must be one of float32, bfloat16, float16 (or fp32/bf16/fp16), got {dtype!r}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs: device and precision, memory budget for chunk KV, prompt assembly."""
+
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    dtype: str = "float32"  # "float32" for quality and exactness, "bfloat16"/"float16" for speed
+    memory_budget_bytes: int = 2 * 1024**3  # in-process chunk KV store, LRU beyond this
+    chunk_separator: str = "\n\n"  # appended to each chunk's text before tokenizing (part of its cache key)
+    max_prompt_tokens: int | None = None  # None: the model's context length
+    blend: BlendConfig = field(default_factory=BlendConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", normalize_dtype_name(self.dtype))
+        dev = str(self.device)
+        if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.memory_budget_bytes < 0:
+            raise ConfigError(f"memory_budget_bytes must be >= 0, got {self.memory_budget_bytes}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError(f"max_prompt_tokens must be >= 1 or None, got {self.max_prompt_tokens}")
+        if not isinstance(self.blend, BlendConfig):
+            raise ConfigError(f"blend must be a BlendConfig, got {type(self.blend).__name__}")

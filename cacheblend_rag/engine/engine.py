@@ -1,0 +1,510 @@
+"""The engine that serves one request: find the chunks' KV, build the prompt's KV in the chosen mode, decode.
+
+Modes (`PrefillMode`):
+- full:   the model's own forward over the whole prompt (the reference; uses no cache).
+- prefix: the shared prefix and the first chunk come from the cache (exactly what prefix caching can reuse:
+          the first chunk was precomputed right after the prefix), the rest is computed by the model's forward.
+- reuse:  every chunk's cached KV is placed at its real offset, only the suffix is computed (PromptCache).
+- blend:  CacheBlend's selective recompute (`fusion.fuse`).
+A chunk missing from the store is prefilled on the spot (after the prefix) and stored, in every cached mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from ..config import BlendConfig, EngineConfig, PrefillMode
+from ..errors import ConfigError, PromptError
+from ..fusion import FusionPlan, fuse, keep_counts
+from ..models.adapter import LayerwiseModel, rotate_keys
+from ..models.support import max_blend_length
+from ..store import ChunkKV, ChunkStore, MemoryStore, chunk_key
+from .generation import SamplingParams, TextAssembler, TokenPicker, eos_token_ids
+from .metrics import RequestMetrics
+from .prompt import PromptTemplate, TokenizedPrompt, tokenize_parts
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config"}
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A short digest that changes when the architecture or the weights change (not with dtype or device)."""
+    cfg = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
+    base = model.model
+    for w in (base.embed_tokens.weight, base.layers[-1].mlp.down_proj.weight, model.lm_head.weight):
+        h.update(w[:8].detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+@dataclass
+class Prefill:
+    """A built KV cache, ready for decoding."""
+
+    cache: DynamicCache
+    logits: torch.Tensor  # [vocab] float32, of the prompt's last token
+    num_tokens: int
+    metrics: RequestMetrics
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (end of turn or a stop string) or "length"
+    metrics: RequestMetrics
+
+
+class TextStream:
+    """Iterator over text deltas of one generation; `.result` holds the GenerationResult once exhausted."""
+
+    def __init__(self, events: Iterator[str | GenerationResult]) -> None:
+        self._events = events
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> str:
+        while True:
+            event = next(self._events)  # StopIteration ends the stream
+            if isinstance(event, GenerationResult):
+                self.result = event
+                continue
+            if event:
+                return event
+
+
+class CacheBlendEngine:
+    """One model, one chunk store, and the four ways to prefill a prompt made of chunks."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        config: EngineConfig | None = None,
+        store: ChunkStore | None = None,
+        template: PromptTemplate | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        dtype = _TORCH_DTYPES[self.config.dtype]
+        device = torch.device(self.config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.config.device!r} asked for, but no CUDA device is present; use 'cpu'")
+        model = model.to(device=device, dtype=dtype).eval()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.lm = LayerwiseModel(model)
+        self.device, self.dtype = device, dtype
+        self.store: ChunkStore = store if store is not None else MemoryStore(self.config.memory_budget_bytes)
+        self.template = template or PromptTemplate()
+        self.fingerprint = model_fingerprint(model)
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        limits = [self.lm.shape.max_positions]
+        if self.config.max_prompt_tokens is not None:
+            limits.append(self.config.max_prompt_tokens)
+        window = max_blend_length(model.config)
+        if window is not None:
+            limits.append(window)
+        self.max_tokens = min(limits)
+        last_check = self.config.blend.check_layers[-1]
+        if last_check >= self.lm.shape.num_layers:
+            raise ConfigError(
+                f"blend.check_layers has layer {last_check}, but the model has {self.lm.shape.num_layers} "
+                f"layers (0..{self.lm.shape.num_layers - 1})"
+            )
+        # One forward at a time: the model's modules are shared, and on CPU parallel forwards only contend.
+        self._lock = threading.RLock()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | None = None,
+        *,
+        config: EngineConfig | None = None,
+        store: ChunkStore | None = None,
+        template: PromptTemplate | None = None,
+        cache_dir: str | None = None,
+        show_progress: bool = True,
+    ) -> CacheBlendEngine:
+        """Load a preset (default: the default preset) or a local Llama/Mistral/Qwen2/Qwen3 checkpoint."""
+        from ..models import DEFAULT_PRESET, load_model
+
+        config = config or EngineConfig()
+        model, tokenizer = load_model(
+            name_or_path or DEFAULT_PRESET,
+            device=config.device,
+            dtype=config.dtype,
+            cache_dir=cache_dir,
+            show_progress=show_progress,
+        )
+        return cls(model, tokenizer, config=config, store=store, template=template)
+
+    # -- prompts --------------------------------------------------------------------------------------------
+
+    def build_prompt(
+        self,
+        chunks: Sequence[str],
+        question: str | None = None,
+        *,
+        template: PromptTemplate | None = None,
+        prefix: str | None = None,
+        suffix: str | None = None,
+    ) -> TokenizedPrompt:
+        """Tokenize a request. Either a question (rendered with the template) or an explicit prefix/suffix."""
+        if question is not None:
+            if prefix is not None or suffix is not None:
+                raise PromptError("give either a question (the template renders it) or prefix/suffix, not both")
+            if not question.strip():
+                raise PromptError("the question is empty")
+            prefix, suffix = (template or self.template).render(self.tokenizer, question)
+        elif suffix is None:
+            raise PromptError("give a question, or a suffix (the text after the chunks)")
+        return tokenize_parts(
+            self.tokenizer, prefix or "", list(chunks), suffix, separator=self.config.chunk_separator
+        )
+
+    def _check_length(self, prompt: TokenizedPrompt, max_new_tokens: int = 0) -> None:
+        total = prompt.num_tokens + max_new_tokens
+        if total > self.max_tokens:
+            raise PromptError(
+                f"prompt of {prompt.num_tokens} tokens + {max_new_tokens} new tokens exceeds the model's limit of "
+                f"{self.max_tokens}; retrieve fewer or shorter chunks, or lower max_new_tokens"
+            )
+
+    # -- chunk KV -------------------------------------------------------------------------------------------
+
+    def _key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
+        return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids)
+
+    def _layer_loader(self, parts: Sequence[ChunkKV], total: int) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+        """Loads layer l of the given KV parts laid end to end, padded with zeros up to `total` tokens."""
+        covered = sum(p.num_tokens for p in parts)
+        pad = total - covered
+        hkv, d = self.lm.shape.num_kv_heads, self.lm.shape.head_dim
+
+        def load(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+            ks = [p.keys[layer_idx] for p in parts]
+            vs = [p.values[layer_idx] for p in parts]
+            if pad:
+                z = torch.zeros(hkv, pad, d, dtype=self.dtype, device=self.device)
+                ks.append(z)
+                vs.append(z)
+            return torch.cat(ks, dim=1), torch.cat(vs, dim=1)  # [Hkv, total, D], fresh tensors
+
+        return load
+
+    def _prefill_kv(self, prefix: ChunkKV | None, prefix_ids: Sequence[int], ids: Sequence[int]) -> ChunkKV:
+        """Prefill `ids` after the (cached) prefix and keep only their KV."""
+        p = len(prefix_ids)
+        all_ids = torch.tensor([*prefix_ids, *ids], dtype=torch.long)
+        n = all_ids.shape[0]
+        exact = torch.zeros(n, dtype=torch.bool)
+        exact[:p] = True
+        plan = FusionPlan(
+            input_ids=all_ids,
+            positions=torch.arange(n),
+            exact=exact,
+            reused=torch.zeros(n, dtype=torch.bool),
+        )
+        parts = [prefix] if prefix is not None else []
+        result = fuse(self.lm, plan, self._layer_loader(parts, n), want_logits=False, keep_raw_keys=True)
+        assert result.raw_keys is not None
+        keys = torch.stack([k[:, p:] for k in result.raw_keys])  # [L, Hkv, T, D]
+        values = torch.stack([v[:, p:] for v in result.values])
+        return ChunkKV(self._key(prefix_ids, ids), keys, values)
+
+    def _get_or_prefill(
+        self, prefix: ChunkKV | None, prefix_ids: Sequence[int], ids: Sequence[int]
+    ) -> tuple[ChunkKV, bool]:
+        """-> (KV, True if it came from the store)"""
+        kv = self.store.get(self._key(prefix_ids, ids))
+        if kv is not None and kv.dtype == self.dtype and kv.num_tokens == len(ids):
+            return kv.to(self.device), True
+        kv = self._prefill_kv(prefix, prefix_ids, ids)
+        self.store.put(kv)
+        return kv, False
+
+    def _prefix_kv(self, prefix_ids: Sequence[int]) -> ChunkKV | None:
+        if not prefix_ids:
+            return None
+        return self._get_or_prefill(None, (), prefix_ids)[0]
+
+    def precompute(
+        self,
+        chunks: Sequence[str],
+        question: str | None = "?",
+        *,
+        template: PromptTemplate | None = None,
+        prefix: str | None = None,
+        show_progress: bool = False,
+    ) -> tuple[int, int]:
+        """Make sure every chunk's KV is in the store (for the template's prefix, or an explicit prefix).
+
+        Returns (already cached, newly computed).
+        """
+        if prefix is not None:
+            prompt = self.build_prompt(chunks, prefix=prefix, suffix=" ")
+        else:
+            prompt = self.build_prompt(chunks, question or "?", template=template)
+        hits = misses = 0
+        with self._lock:
+            prefix_kv = self._prefix_kv(prompt.prefix_ids)
+            for ids in tqdm(prompt.chunk_ids, desc="precomputing chunk KV", unit="chunk", disable=not show_progress):
+                _, hit = self._get_or_prefill(prefix_kv, prompt.prefix_ids, ids)
+                hits, misses = hits + hit, misses + (not hit)
+        return hits, misses
+
+    # -- prefill --------------------------------------------------------------------------------------------
+
+    def _cache_from(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> DynamicCache:
+        """A transformers DynamicCache holding rotated keys and values ([Hkv, N, D] per layer)."""
+        cache = DynamicCache(config=self.model.config)
+        for layer_idx, (k, v) in enumerate(zip(keys, values)):
+            cache.update(k.unsqueeze(0), v.unsqueeze(0), layer_idx)
+        return cache
+
+    @torch.inference_mode()
+    def _forward(self, ids: torch.Tensor, start: int, cache: DynamicCache) -> torch.Tensor:
+        """The model's own forward of `ids` ([T]) at positions start.., extending `cache`; -> last logits."""
+        positions = torch.arange(start, start + ids.shape[0], device=self.device).unsqueeze(0)
+        out = self.model(
+            input_ids=ids.to(self.device).unsqueeze(0),
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[0, -1].float()
+
+    def prefill(
+        self,
+        prompt: TokenizedPrompt,
+        mode: PrefillMode | str = PrefillMode.BLEND,
+        *,
+        recompute_ratio: float | None = None,
+        blend: BlendConfig | None = None,
+    ) -> Prefill:
+        """Build the prompt's KV cache in the given mode. Times exclude tokenization (see `generate`)."""
+        mode = PrefillMode.parse(mode)
+        if mode is not PrefillMode.BLEND and recompute_ratio is not None:
+            raise ConfigError(f"recompute_ratio applies to mode 'blend' only, got mode {mode.value!r}")
+        blend = blend or self.config.blend
+        if recompute_ratio is not None:
+            blend = blend.with_ratio(recompute_ratio)
+        if blend.check_layers[-1] >= self.lm.shape.num_layers:
+            raise ConfigError(f"check layer {blend.check_layers[-1]} >= the model's {self.lm.shape.num_layers} layers")
+        self._check_length(prompt)
+        with self._lock:
+            return self._prefill_locked(prompt, mode, blend)
+
+    def _prefill_locked(self, prompt: TokenizedPrompt, mode: PrefillMode, blend: BlendConfig) -> Prefill:
+        n = prompt.num_tokens
+        num_layers = self.lm.shape.num_layers
+        m = RequestMetrics(mode=mode.value, prompt_tokens=n)
+        input_ids = prompt.input_ids()
+        t0 = time.perf_counter()
+
+        if mode is PrefillMode.FULL:
+            cache = DynamicCache(config=self.model.config)
+            logits = self._forward(input_ids, 0, cache)
+            m.compute_s = time.perf_counter() - t0
+            m.recomputed_tokens = n
+            m.recomputed_per_layer = [n] * num_layers
+            m.compute_share = 1.0
+            return Prefill(cache, logits, n, m)
+
+        # Which chunks this mode reads from the cache: prefix caching can reuse only the first one.
+        n_chunks = 1 if mode is PrefillMode.PREFIX else len(prompt.chunk_ids)
+        prefix_kv = self._prefix_kv(prompt.prefix_ids)
+        parts: list[ChunkKV] = [prefix_kv] if prefix_kv is not None else []
+        for ids in prompt.chunk_ids[:n_chunks]:
+            t = time.perf_counter()
+            kv, hit = self._get_or_prefill(prefix_kv, prompt.prefix_ids, ids)
+            if hit:
+                m.chunks_hit += 1
+                m.bytes_loaded += kv.nbytes
+            else:
+                m.chunks_missed += 1
+                m.precompute_s += time.perf_counter() - t
+            parts.append(kv)
+        if prefix_kv is not None:
+            m.bytes_loaded += prefix_kv.nbytes
+        m.reused_tokens = sum(len(ids) for ids in prompt.chunk_ids[:n_chunks])
+        t_found = time.perf_counter()
+        m.load_s = t_found - t0 - m.precompute_s  # store lookups
+
+        if mode is PrefillMode.BLEND:
+            result, assemble_s = self._blend(prompt, parts, blend)
+            assert result.logits is not None
+            cache = self._cache_from(result.keys, result.values)
+            logits = result.logits
+            m.recompute_ratio = blend.recompute_ratio
+            m.recomputed_per_layer = result.recomputed_per_layer
+            m.recomputed_tokens = int(result.selected_positions.numel())
+        else:
+            t = time.perf_counter()
+            cached = sum(p.num_tokens for p in parts)  # leading tokens with KV: prefix + the chunks read
+            load = self._layer_loader(parts, cached)
+            cos, sin = self.lm.rope(torch.arange(cached, device=self.device))
+            keys, values = [], []
+            for layer_idx in range(num_layers):
+                k, v = load(layer_idx)
+                keys.append(rotate_keys(k, cos, sin))
+                values.append(v)
+            assemble_s = time.perf_counter() - t
+            cache = self._cache_from(keys, values)
+            logits = self._forward(input_ids[cached:], cached, cache)
+            m.recomputed_tokens = n - cached
+            m.recomputed_per_layer = [n - cached] * num_layers
+        m.load_s += assemble_s
+        m.compute_s = time.perf_counter() - t_found - assemble_s
+        m.compute_share = sum(m.recomputed_per_layer) / (n * num_layers)
+        return Prefill(cache, logits, n, m)
+
+    def _blend(self, prompt: TokenizedPrompt, parts: list[ChunkKV], blend: BlendConfig):
+        n = prompt.num_tokens
+        p = len(prompt.prefix_ids)
+        exact = torch.zeros(n, dtype=torch.bool)
+        exact[:p] = True
+        reused = torch.zeros(n, dtype=torch.bool)
+        for start, end in prompt.chunk_spans:
+            reused[start:end] = True
+        counts = keep_counts(int(reused.sum()), blend.schedule())
+        plan = FusionPlan(
+            input_ids=prompt.input_ids(),
+            positions=torch.arange(n),
+            exact=exact,
+            reused=reused,
+            check_layers=blend.check_layers,
+            keep_counts=counts,
+            deviation=blend.deviation,
+        )
+        load = self._layer_loader(parts, n)
+        load_time = 0.0
+
+        def timed_load(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+            nonlocal load_time
+            t = time.perf_counter()
+            out = load(layer_idx)
+            load_time += time.perf_counter() - t
+            return out
+
+        return fuse(self.lm, plan, timed_load), load_time
+
+    # -- generation -----------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        chunks: Sequence[str] | TokenizedPrompt,
+        question: str | None = None,
+        *,
+        mode: PrefillMode | str = PrefillMode.BLEND,
+        recompute_ratio: float | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] | str = (),
+        seed: int | None = None,
+        template: PromptTemplate | None = None,
+        prefix: str | None = None,
+        suffix: str | None = None,
+    ) -> GenerationResult:
+        """Answer a question over chunks (or a prebuilt prompt) and return the text with the request's metrics."""
+        stream = self.stream(
+            chunks, question, mode=mode, recompute_ratio=recompute_ratio, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed, template=template,
+            prefix=prefix, suffix=suffix,
+        )  # fmt: skip
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def stream(
+        self,
+        chunks: Sequence[str] | TokenizedPrompt,
+        question: str | None = None,
+        *,
+        mode: PrefillMode | str = PrefillMode.BLEND,
+        recompute_ratio: float | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] | str = (),
+        seed: int | None = None,
+        template: PromptTemplate | None = None,
+        prefix: str | None = None,
+        suffix: str | None = None,
+    ) -> TextStream:
+        """Like `generate`, but yields text as it is produced. Arguments are checked before the first token."""
+        t0 = time.perf_counter()
+        stops = (stop,) if isinstance(stop, str) else tuple(stop)
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, stops, seed)
+        if isinstance(chunks, TokenizedPrompt):
+            prompt = chunks
+        else:
+            if not chunks:
+                raise PromptError("no chunks given; pass at least one document chunk (or use the model directly)")
+            prompt = self.build_prompt(chunks, question, template=template, prefix=prefix, suffix=suffix)
+        self._check_length(prompt, params.max_new_tokens)
+        mode = PrefillMode.parse(mode)
+        if mode is not PrefillMode.BLEND and recompute_ratio is not None:
+            raise ConfigError(f"recompute_ratio applies to mode 'blend' only, got mode {mode.value!r}")
+        if recompute_ratio is not None:
+            self.config.blend.with_ratio(recompute_ratio)  # validate now, not at the first next()
+        return TextStream(self._events(prompt, mode, recompute_ratio, params, t0))
+
+    def _events(
+        self,
+        prompt: TokenizedPrompt,
+        mode: PrefillMode,
+        recompute_ratio: float | None,
+        params: SamplingParams,
+        t0: float,
+    ) -> Iterator[str | GenerationResult]:
+        # The lock is taken per forward, never across a yield: a consumer may pause, or resume from another thread.
+        pre = self.prefill(prompt, mode, recompute_ratio=recompute_ratio)
+        m = pre.metrics
+        picker = TokenPicker(params, self.device)
+        text = TextAssembler(self.tokenizer, params.stop)
+        generated: list[int] = []
+        token = picker(pre.logits, generated)
+        m.ttft_s = time.perf_counter() - t0
+        t_decode = time.perf_counter()
+        finish = "length"
+        pos = pre.num_tokens
+        while True:
+            if token in self.eos_ids:
+                finish = "stop"
+                break
+            generated.append(token)
+            delta = text.add(token)
+            if text.stopped:
+                finish = "stop"
+                yield delta
+                break
+            yield delta
+            if len(generated) >= params.max_new_tokens:
+                break
+            with self._lock:
+                logits = self._forward(torch.tensor([token]), pos, pre.cache)
+            pos += 1
+            token = picker(logits, generated)
+        yield text.flush()
+        m.decode_s = time.perf_counter() - t_decode
+        m.generated_tokens = len(generated)
+        yield GenerationResult(text.text, generated, finish, replace(m))

@@ -1,0 +1,46 @@
+"""What one request cost: time to first token, how much was recomputed, what the chunk cache gave."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestMetrics:
+    mode: str
+    recompute_ratio: float | None = None  # blend only
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # chunk tokens whose cached KV was loaded into this prompt
+    recomputed_tokens: int = 0  # tokens recomputed on the last layer (the question included)
+    compute_share: float = 0.0  # token-layers recomputed / token-layers of a full prefill
+    chunks_hit: int = 0
+    chunks_missed: int = 0  # not in the store: prefilled on the spot and stored
+    bytes_loaded: int = 0
+    load_s: float = 0.0  # store lookups and assembling loaded KV
+    precompute_s: float = 0.0  # prefilling chunks that missed
+    compute_s: float = 0.0  # the prefill itself
+    ttft_s: float = 0.0  # call -> first token, everything included
+    decode_s: float = 0.0
+    generated_tokens: int = 0
+    recomputed_per_layer: list[int] = field(default_factory=list)
+
+    @property
+    def recompute_share(self) -> float:
+        """Share of the prompt recomputed on the last layer."""
+        return self.recomputed_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["recompute_share"] = self.recompute_share
+        return d
+
+    def summary(self) -> str:
+        ratio = f" r={self.recompute_ratio:.2f}" if self.recompute_ratio is not None else ""
+        return (
+            f"mode={self.mode}{ratio} ttft={self.ttft_s * 1000:.0f}ms prompt={self.prompt_tokens} tok "
+            f"recomputed={self.recomputed_tokens} ({self.recompute_share:.0%}, compute {self.compute_share:.0%}) "
+            f"chunks hit/miss={self.chunks_hit}/{self.chunks_missed} loaded={self.bytes_loaded / 2**20:.1f}MiB "
+            f"load={self.load_s * 1000:.0f}ms compute={self.compute_s * 1000:.0f}ms "
+            f"decode={self.generated_tokens} tok in {self.decode_s:.2f}s"
+        )

@@ -1,0 +1,26 @@
+"""Exceptions raised by cacheblend-rag.
+
+Every error says what was wrong, the value that was given, and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class CacheBlendError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ConfigError(CacheBlendError, ValueError):
+    """A setting is out of range or inconsistent with another one."""
+
+
+class UnsupportedModelError(CacheBlendError):
+    """The model cannot be blended correctly (sliding-window attention, non-RoPE positions, ...)."""
+
+
+class ModelNotFoundError(CacheBlendError):
+    """A preset's files are missing or corrupt, or a model path does not exist."""
+
+
+class PromptError(CacheBlendError, ValueError):
+    """The request itself is invalid: no chunks, an empty chunk, a prompt longer than the context."""

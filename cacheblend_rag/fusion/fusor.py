@@ -1,0 +1,154 @@
+"""The fusion step: a prefill that reuses loaded KV and recomputes only selected tokens, layer by layer.
+
+Every prompt token is one of three kinds (a `FusionPlan`):
+- exact:    its loaded KV is what a full prefill would compute (the shared prefix). Never recomputed.
+- reused:   its loaded KV was computed without the other chunks (a chunk's tokens). Recomputed if selected.
+- computed: no loaded KV (the question, the chat template's tail). Always recomputed.
+
+Layers before the first check layer recompute every non-exact token. On each check layer the fresh K/V of the
+remaining candidates are compared with the loaded ones and only the most deviating reused tokens are kept
+(gradual filtering). Later layers recompute only the kept tokens. On every layer, the fresh K/V of recomputed
+tokens overwrite the loaded ones, and recomputed queries attend to all keys under a causal mask built from true
+positions. With every reused token kept this is a full prefill; with none kept it is full KV reuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CacheBlendError
+from ..models.adapter import LayerwiseModel, causal_mask, rotate_keys
+from .selection import select_recompute_tokens, token_deviation
+
+# layer_idx -> (raw keys [Hkv, N, D], values [Hkv, N, D]) of all N prompt tokens, loaded KV where there is
+# some (anything, e.g. zeros, for computed tokens). The fusor may write into the returned tensors.
+LayerLoader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class FusionPlan:
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64, true positions (normally 0..N-1)
+    exact: torch.Tensor  # [N] bool
+    reused: torch.Tensor  # [N] bool, disjoint from exact
+    check_layers: tuple[int, ...] = ()
+    keep_counts: tuple[int, ...] = ()  # reused tokens kept after each check layer
+    deviation: str = "key"
+
+    def __post_init__(self) -> None:
+        n = self.input_ids.shape[0]
+        for name in ("positions", "exact", "reused"):
+            if getattr(self, name).shape != (n,):
+                raise CacheBlendError(f"plan.{name} must have shape ({n},), got {tuple(getattr(self, name).shape)}")
+        if bool((self.exact & self.reused).any()):
+            raise CacheBlendError("a token cannot be both exact and reused")
+        if len(self.check_layers) != len(self.keep_counts):
+            raise CacheBlendError(
+                f"one keep count per check layer: {len(self.check_layers)} layers, {len(self.keep_counts)} counts"
+            )
+        if bool(self.exact[-1]) or bool(self.reused[-1]):
+            raise CacheBlendError("the prompt's last token must be computed (its hidden state gives the logits)")
+
+
+@dataclass
+class FusionResult:
+    keys: list[torch.Tensor]  # per layer, rotated [Hkv, N, D]: ready for the decode cache
+    values: list[torch.Tensor]  # per layer [Hkv, N, D]
+    raw_keys: list[torch.Tensor] | None  # per layer, before RoPE, when asked for
+    logits: torch.Tensor | None  # [vocab] float32, of the last token, when asked for
+    recomputed_per_layer: list[int]  # tokens whose KV was recomputed on each layer
+    selected_positions: torch.Tensor  # [R] positions recomputed on the last layer
+
+
+@torch.inference_mode()
+def fuse(
+    lm: LayerwiseModel,
+    plan: FusionPlan,
+    load_layer: LayerLoader,
+    *,
+    want_logits: bool = True,
+    keep_raw_keys: bool = False,
+) -> FusionResult:
+    """Run the blended prefill of one prompt. See the module docstring for the rule."""
+    num_layers = lm.shape.num_layers
+    if plan.check_layers and plan.check_layers[-1] >= num_layers:
+        raise CacheBlendError(
+            f"check layer {plan.check_layers[-1]} does not exist: the model has {num_layers} layers (0..{num_layers - 1})"
+        )
+    device = lm.device
+    positions = plan.positions.to(device)
+    cos, sin = lm.rope(positions)  # [N, D]
+    exact = plan.exact.to(device)
+    reused = plan.reused.to(device)
+    checks = dict(zip(plan.check_layers, plan.keep_counts))
+
+    active = (~exact).nonzero().squeeze(1)  # [A] indices of tokens being recomputed
+    hidden = lm.embed(plan.input_ids.to(device)[active])  # [A, hidden]
+    last = positions.shape[0] - 1
+
+    keys_out: list[torch.Tensor] = []
+    values_out: list[torch.Tensor] = []
+    raw_out: list[torch.Tensor] | None = [] if keep_raw_keys else None
+    counts: list[int] = []
+
+    for layer_idx in range(num_layers):
+        raw_k, v = load_layer(layer_idx)  # [Hkv, N, D] each
+        x = lm.normed_input(layer_idx, hidden)  # [A, hidden]
+        fresh_k, fresh_v = lm.project_kv(layer_idx, x)  # [Hkv, A, D]
+
+        if layer_idx in checks:
+            is_reused = reused[active]  # [A]
+            candidates = is_reused.nonzero().squeeze(1)  # [C] indices into active
+            if candidates.numel() > 0:
+                cand_tokens = active[candidates]
+                dev = token_deviation(
+                    fresh_k[:, candidates],
+                    raw_k[:, cand_tokens],
+                    fresh_v[:, candidates],
+                    v[:, cand_tokens],
+                    plan.deviation,
+                )  # [C]
+                keep = ~is_reused
+                keep[candidates[select_recompute_tokens(dev, checks[layer_idx])]] = True
+                active, hidden, x = active[keep], hidden[keep], x[keep]
+                fresh_k, fresh_v = fresh_k[:, keep], fresh_v[:, keep]
+
+        raw_k[:, active] = fresh_k
+        v[:, active] = fresh_v
+        keys = rotate_keys(raw_k, cos, sin)  # [Hkv, N, D]
+        keys_out.append(keys)
+        values_out.append(v)
+        if raw_out is not None:
+            raw_out.append(raw_k)
+        counts.append(int(active.numel()))
+        selected = active
+
+        if layer_idx == num_layers - 1:
+            # Only the last token's output is needed from the last layer; its K/V are already stored above.
+            if not want_logits:
+                break
+            active, hidden, x = active[-1:], hidden[-1:], x[-1:]
+        q_cos, q_sin = cos[active], sin[active]
+        query = lm.project_q(layer_idx, x, q_cos, q_sin)  # [H, A, D]
+        if active.numel() == positions.numel():
+            mask = None  # every token in order: the plain causal square
+        else:
+            mask = causal_mask(positions[active], positions)  # [A, N]
+        hidden = lm.finish_layer(layer_idx, hidden, lm.attend(layer_idx, query, keys, v, mask))
+
+    logits = None
+    if want_logits:
+        if int(active[-1]) != last:
+            raise CacheBlendError("internal: the last prompt token was not recomputed")
+        logits = lm.logits(hidden[-1:])[0]
+    return FusionResult(
+        keys=keys_out,
+        values=values_out,
+        raw_keys=raw_out,
+        logits=logits,
+        recomputed_per_layer=counts,
+        selected_positions=positions[selected],
+    )

@@ -1,0 +1,66 @@
+"""Which tokens to recompute: KV deviation per token and top-k selection (paper §4.3).
+
+Pure functions on tensors, so the selection rule can be tested without a model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import ConfigError
+
+
+def token_deviation(
+    fresh_keys: torch.Tensor,
+    cached_keys: torch.Tensor,
+    fresh_values: torch.Tensor,
+    cached_values: torch.Tensor,
+    kind: str = "key",
+) -> torch.Tensor:
+    """Squared L2 distance between fresh and cached KV of each token, summed over heads and head dims.
+
+    All inputs: [Hkv, T, D] (keys raw, before RoPE: a rotation preserves L2 distances, so raw and rotated keys
+    rank tokens identically). Returns [T] in float32.
+    kind: "key", "value", or "both" (each normalized by its mean over tokens, then added, so neither
+    dominates only because its scale is larger).
+    """
+    if kind not in ("key", "value", "both"):
+        raise ConfigError(f"deviation kind must be 'key', 'value' or 'both', got {kind!r}")
+
+    def sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a.float() - b.float()).pow(2).sum(dim=(0, 2))  # [T]
+
+    if kind == "key":
+        return sq_dist(fresh_keys, cached_keys)
+    if kind == "value":
+        return sq_dist(fresh_values, cached_values)
+    dk = sq_dist(fresh_keys, cached_keys)
+    dv = sq_dist(fresh_values, cached_values)
+    eps = torch.finfo(torch.float32).tiny
+    return dk / (dk.mean() + eps) + dv / (dv.mean() + eps)
+
+
+def select_recompute_tokens(deviation: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` largest deviations, in ascending index order. deviation: [T] -> [count]"""
+    if count < 0:
+        raise ConfigError(f"count must be >= 0, got {count}")
+    count = min(count, deviation.shape[0])
+    top = torch.topk(deviation, count, sorted=False).indices
+    return torch.sort(top).values
+
+
+def keep_counts(num_reused: int, ratios: Sequence[float]) -> tuple[int, ...]:
+    """Number of reused tokens kept after each check layer for the given ratio schedule.
+
+    Rounded up, so that any ratio above zero recomputes at least one token, and made non-increasing.
+    """
+    counts: list[int] = []
+    for r in ratios:
+        if not 0.0 <= r <= 1.0:
+            raise ConfigError(f"ratios must be in [0, 1], got {r}")
+        c = min(num_reused, math.ceil(r * num_reused - 1e-9))
+        counts.append(c if not counts else min(c, counts[-1]))
+    return tuple(counts)

@@ -1,0 +1,162 @@
+"""Layer-wise access to a Hugging Face decoder (Llama, Mistral, Qwen2, Qwen3) for selective recompute.
+
+`transformers` runs a whole layer on a whole sequence. CacheBlend needs finer steps: project K/V for some tokens,
+compare them with cached ones, then run attention and the MLP for a *subset* of query tokens against the full
+(partly cached) K/V. `LayerwiseModel` exposes those steps over the model's own modules and weights, so the
+arithmetic is the model's; only the order of work changes.
+
+Tensors here carry no batch dimension: one request at a time. Keys are handed around *before* RoPE ("raw"),
+which makes them position-free: `rotate_keys` places them at any position, exactly as an in-context prefill would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from .support import check_supported
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_keys(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE to raw keys (or queries).
+
+    x: [H, T, D]; cos, sin: [T, D] for the tokens' target positions. Same formula as transformers'
+    `apply_rotary_pos_emb`, so a raw key rotated here equals the key an in-context prefill computes.
+    """
+    return x * cos.unsqueeze(0) + rotate_half(x) * sin.unsqueeze(0)
+
+
+def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+    """Boolean attention mask from true positions: query i may see key j iff pos(j) <= pos(i).
+
+    q_positions: [A]; k_positions: [N] -> [A, N]. Built from positions, not from row/column order, so any
+    subset of queries in any order attends exactly as it would inside a full causal prefill.
+    """
+    return k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    max_positions: int
+
+
+class LayerwiseModel:
+    """Step-by-step forward over the modules of a `*ForCausalLM` of a supported family."""
+
+    def __init__(self, model: nn.Module) -> None:
+        check_supported(model.config)
+        base = getattr(model, "model", None)
+        if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} does not expose .model.layers and .model.rotary_emb; "
+                "pass a Llama, Mistral, Qwen2 or Qwen3 *ForCausalLM from transformers"
+            )
+        attn0 = base.layers[0].self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if not hasattr(attn0, name):
+                raise UnsupportedModelError(f"attention module {type(attn0).__name__} has no {name}")
+        cfg = model.config
+        self.model = model
+        self.base = base
+        self.layers = base.layers
+        self.has_qk_norm = hasattr(attn0, "q_norm") and hasattr(attn0, "k_norm")  # Qwen3 normalizes q/k per head
+        self.shape = ModelShape(
+            num_layers=len(base.layers),
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=attn0.head_dim,
+            hidden_size=cfg.hidden_size,
+            max_positions=cfg.max_position_embeddings,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.embed_tokens.weight.dtype
+
+    # -- pieces of one forward ------------------------------------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> hidden: [T, hidden]"""
+        return self.base.embed_tokens(input_ids)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> cos, sin: [T, D] in the model's dtype, from the model's own rotary module."""
+        dummy = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self.base.rotary_emb(dummy, positions.unsqueeze(0))
+        return cos[0], sin[0]
+
+    def normed_input(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The attention input of a layer. hidden: [T, hidden] -> [T, hidden]"""
+        return self.layers[layer_idx].input_layernorm(hidden)
+
+    def project_kv(self, layer_idx: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: normed input [T, hidden] -> raw keys (before RoPE) [Hkv, T, D], values [Hkv, T, D]"""
+        attn = self.layers[layer_idx].self_attn
+        t, d = x.shape[0], self.shape.head_dim
+        k = attn.k_proj(x).view(t, -1, d)  # [T, Hkv, D]
+        if self.has_qk_norm:
+            k = attn.k_norm(k)
+        v = attn.v_proj(x).view(t, -1, d)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def project_q(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [A, hidden]; cos, sin: [A, D] -> rotated queries [H, A, D]"""
+        attn = self.layers[layer_idx].self_attn
+        q = attn.q_proj(x).view(x.shape[0], -1, self.shape.head_dim)  # [A, H, D]
+        if self.has_qk_norm:
+            q = attn.q_norm(q)
+        return rotate_keys(q.transpose(0, 1), cos, sin)
+
+    def attend(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention of some queries over all keys, then the output projection.
+
+        query: [H, A, D] rotated; keys: [Hkv, N, D] rotated; values: [Hkv, N, D];
+        mask: [A, N] bool (True = may attend) or None for a plain causal square (A == N, same order).
+        Returns [A, hidden].
+        """
+        attn = self.layers[layer_idx].self_attn
+        out = F.scaled_dot_product_attention(
+            query.unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
+            is_causal=mask is None,
+            scale=attn.scaling,
+            enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
+        )[0]  # [H, A, D]
+        return attn.o_proj(out.transpose(0, 1).reshape(query.shape[1], -1))
+
+    def finish_layer(self, layer_idx: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual, post-attention norm and MLP. hidden, attn_out: [A, hidden] -> [A, hidden]"""
+        layer = self.layers[layer_idx]
+        hidden = hidden + attn_out
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head. hidden: [T, hidden] -> logits [T, vocab] (float32)"""
+        return self.model.lm_head(self.base.norm(hidden)).float()

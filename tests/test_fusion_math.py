@@ -1,0 +1,185 @@
+"""Invariants of the blended prefill on tiny random models: exactness at the ends of the ratio range,
+exact re-positioning of cached keys, and a selection that follows the deviations and the schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model, make_tiny_tokenizer, words
+
+from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, PrefillMode
+from cacheblend_rag.fusion import FusionPlan, fuse, keep_counts, select_recompute_tokens, token_deviation
+from cacheblend_rag.models import LayerwiseModel, rotate_keys
+
+
+def three_chunk_prompt(engine: CacheBlendEngine, chunk_len: int = 24):
+    chunks = [words(s, chunk_len) for s in (11, 12, 13)]
+    return engine.build_prompt(chunks, prefix=words(1, 5), suffix=words(2, 6))
+
+
+def logits_of(engine, prompt, mode, **kw):
+    return engine.prefill(prompt, mode, **kw).logits
+
+
+def cache_tensors(prefill):
+    layers = prefill.cache.layers
+    return [(layer.keys[0], layer.values[0]) for layer in layers]
+
+
+def test_blend_at_ratio_one_equals_full_prefill(tiny_engine):
+    prompt = three_chunk_prompt(tiny_engine)
+    full = tiny_engine.prefill(prompt, "full")
+    blend = tiny_engine.prefill(prompt, "blend", recompute_ratio=1.0)
+    torch.testing.assert_close(blend.logits, full.logits, atol=1e-4, rtol=0)
+    for (kf, vf), (kb, vb) in zip(cache_tensors(full), cache_tensors(blend)):
+        torch.testing.assert_close(kb, kf, atol=1e-4, rtol=0)
+        torch.testing.assert_close(vb, vf, atol=1e-4, rtol=0)
+    assert blend.metrics.recomputed_per_layer[-1] == prompt.num_tokens - len(prompt.prefix_ids)
+
+
+def test_blend_at_ratio_zero_equals_full_reuse(tiny_engine):
+    prompt = three_chunk_prompt(tiny_engine)
+    reuse = tiny_engine.prefill(prompt, "reuse")
+    blend = tiny_engine.prefill(prompt, "blend", recompute_ratio=0.0)
+    torch.testing.assert_close(blend.logits, reuse.logits, atol=1e-4, rtol=0)
+    for (kr, vr), (kb, vb) in zip(cache_tensors(reuse), cache_tensors(blend)):
+        torch.testing.assert_close(kb, kr, atol=1e-4, rtol=0)
+        torch.testing.assert_close(vb, vr, atol=1e-4, rtol=0)
+    # Only the suffix is recomputed after the check layers.
+    assert blend.metrics.recomputed_per_layer[-1] == len(prompt.suffix_ids)
+
+
+def test_reuse_really_differs_from_full(tiny_engine):
+    # Guards the two tests above from passing trivially: on these models cross-chunk attention matters.
+    prompt = three_chunk_prompt(tiny_engine)
+    diff = (logits_of(tiny_engine, prompt, "reuse") - logits_of(tiny_engine, prompt, "full")).abs().max()
+    assert diff > 1e-2
+
+
+def test_single_chunk_at_front_blend_equals_prefix_caching(tiny_engine):
+    prompt = tiny_engine.build_prompt([words(21, 30)], prefix=words(1, 5), suffix=words(2, 6))
+    prefix = logits_of(tiny_engine, prompt, "prefix")
+    for r in (0.0, 0.15, 1.0):
+        torch.testing.assert_close(logits_of(tiny_engine, prompt, "blend", recompute_ratio=r), prefix, atol=1e-4, rtol=0)
+    torch.testing.assert_close(prefix, logits_of(tiny_engine, prompt, "full"), atol=1e-4, rtol=0)
+
+
+def test_first_chunk_kv_equals_in_context_prefill(tiny_engine):
+    # A chunk precomputed right after the prefix is exactly what an in-context prefill holds there.
+    prompt = three_chunk_prompt(tiny_engine)
+    full = tiny_engine.prefill(prompt, "full")
+    start, end = prompt.chunk_spans[0]
+    key = tiny_engine._key(prompt.prefix_ids, prompt.chunk_ids[0])
+    kv = tiny_engine.store.get(key)
+    assert kv is None  # full mode touches no cache
+    tiny_engine.prefill(prompt, "reuse")
+    kv = tiny_engine.store.get(key)
+    lm = tiny_engine.lm
+    cos, sin = lm.rope(torch.arange(start, end))
+    for layer_idx, (kf, vf) in enumerate(cache_tensors(full)):
+        torch.testing.assert_close(rotate_keys(kv.keys[layer_idx], cos, sin), kf[:, start:end], atol=1e-5, rtol=0)
+        torch.testing.assert_close(kv.values[layer_idx], vf[:, start:end], atol=1e-5, rtol=0)
+
+
+def test_repositioned_keys_match_keys_computed_in_place(family):
+    # Layer 0 keys depend on the token and its position only: a key cached at one offset and rotated to
+    # another must equal the key an in-context prefill computes there.
+    model = make_tiny_model(family)
+    lm = LayerwiseModel(model)
+    ids = torch.randint(3, 99, (40,), generator=torch.Generator().manual_seed(5))
+    x = lm.normed_input(0, lm.embed(ids))
+    raw_k, _ = lm.project_kv(0, x)  # [Hkv, T, D]
+    for offset in (0, 17, 300):
+        positions = torch.arange(offset, offset + 40)
+        cos, sin = lm.rope(positions)
+        ours = rotate_keys(raw_k, cos, sin)
+        # transformers' own path: full forward with a cache, reading layer-0 keys at those positions
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids[None], position_ids=positions[None], past_key_values=cache, use_cache=True)
+        torch.testing.assert_close(ours, cache.layers[0].keys[0], atol=1e-5, rtol=0)
+    # Rotating twice composes: rotate to p then by d equals rotate to p + d.
+    cos_a, sin_a = lm.rope(torch.arange(10, 50))
+    cos_d, sin_d = lm.rope(torch.full((40,), 25))
+    cos_b, sin_b = lm.rope(torch.arange(35, 75))
+    torch.testing.assert_close(
+        rotate_keys(rotate_keys(raw_k, cos_a, sin_a), cos_d, sin_d), rotate_keys(raw_k, cos_b, sin_b), atol=1e-4, rtol=0
+    )
+
+
+def test_planted_outlier_is_always_selected():
+    torch.manual_seed(0)
+    k = torch.randn(2, 20, 8)
+    v = torch.randn(2, 20, 8)
+    k_cached = k + 0.01 * torch.randn_like(k)
+    v_cached = v + 0.01 * torch.randn_like(v)
+    k[:, 6] += 100.0
+    v[:, 13] += 100.0
+    assert 6 in select_recompute_tokens(token_deviation(k, k_cached, v, v_cached, "key"), 1).tolist()
+    assert 13 in select_recompute_tokens(token_deviation(k, k_cached, v, v_cached, "value"), 1).tolist()
+    both = select_recompute_tokens(token_deviation(k, k_cached, v, v_cached, "both"), 2).tolist()
+    assert both == [6, 13]
+
+
+def test_planted_outlier_in_loaded_kv_is_recomputed(family):
+    # Corrupt one reused token's cached key on the first check layer: its deviation explodes, so the fusor
+    # must pick it even at the smallest ratio that recomputes anything.
+    model = make_tiny_model(family)
+    engine = CacheBlendEngine(model, make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    prompt = three_chunk_prompt(engine)
+    engine.prefill(prompt, "reuse")  # fills the store
+    n = prompt.num_tokens
+    start, _ = prompt.chunk_spans[1]
+    victim = start + 7
+    parts = [engine.store.get(engine._key((), prompt.prefix_ids))] + [
+        engine.store.get(engine._key(prompt.prefix_ids, ids)) for ids in prompt.chunk_ids
+    ]
+    load = engine._layer_loader(parts, n)
+
+    def planted(layer_idx):
+        k, v = load(layer_idx)
+        if layer_idx == 1:
+            k[:, victim] += 100.0
+        return k, v
+
+    exact = torch.zeros(n, dtype=torch.bool)
+    exact[: len(prompt.prefix_ids)] = True
+    reused = torch.zeros(n, dtype=torch.bool)
+    for s, e in prompt.chunk_spans:
+        reused[s:e] = True
+    plan = FusionPlan(prompt.input_ids(), torch.arange(n), exact, reused, (1,), (1,), "key")
+    result = fuse(engine.lm, plan, planted)
+    assert victim in result.selected_positions.tolist()
+    assert result.recomputed_per_layer[2] == 1 + len(prompt.suffix_ids)
+
+
+@pytest.mark.parametrize("ratio", [0.05, 0.15, 0.3])
+def test_selected_count_follows_the_schedule(tiny_engine, ratio):
+    prompt = three_chunk_prompt(tiny_engine, chunk_len=40)
+    blend_cfg = BlendConfig(recompute_ratio=ratio, check_layers=(1, 2, 3), filter_slack=0.5)
+    out = tiny_engine.prefill(prompt, PrefillMode.BLEND, blend=blend_cfg)
+    reused = sum(len(c) for c in prompt.chunk_ids)
+    computed = len(prompt.suffix_ids)
+    counts = keep_counts(reused, blend_cfg.schedule())
+    assert counts[0] > counts[1] > counts[2] or ratio * reused < 3
+    per_layer = out.metrics.recomputed_per_layer
+    assert per_layer[0] == prompt.num_tokens - len(prompt.prefix_ids)  # before the first check: everything
+    assert per_layer[1:4] == [c + computed for c in counts]
+    assert all(x == counts[-1] + computed for x in per_layer[4:])
+    assert out.metrics.recomputed_tokens == counts[-1] + computed
+
+
+def test_keep_counts_round_up_and_never_increase():
+    assert keep_counts(100, (0.225, 0.1875, 0.15)) == (23, 19, 15)
+    assert keep_counts(10, (0.01,)) == (1,)
+    assert keep_counts(10, (0.0,)) == (0,)
+    assert keep_counts(7, (1.0, 1.0)) == (7, 7)
+
+
+def test_more_recompute_moves_closer_to_full(tiny_engine):
+    prompt = three_chunk_prompt(tiny_engine, chunk_len=40)
+    full = logits_of(tiny_engine, prompt, "full")
+    err = {r: (logits_of(tiny_engine, prompt, "blend", recompute_ratio=r) - full).abs().max().item() for r in (0.0, 1.0)}
+    assert err[1.0] < 1e-4 < err[0.0]
