@@ -31,7 +31,7 @@ from ..models.support import max_blend_length
 from ..store import ChunkKV, ChunkStore, MemoryStore, chunk_key
 from .generation import SamplingParams, TextAssembler, TokenPicker, eos_token_ids
 from .metrics import RequestMetrics
-from .prompt import PromptTemplate, TokenizedPrompt, tokenize_parts
+from .prompt import PromptTemplate, TokenizedPrompt, tokenize_chunks, tokenize_parts, tokenize_prefix
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config"}
@@ -171,9 +171,7 @@ class CacheBlendEngine:
             prefix, suffix = (template or self.template).render(self.tokenizer, question)
         elif suffix is None:
             raise PromptError("give a question, or a suffix (the text after the chunks)")
-        return tokenize_parts(
-            self.tokenizer, prefix or "", list(chunks), suffix, separator=self.config.chunk_separator
-        )
+        return tokenize_parts(self.tokenizer, prefix or "", chunks, suffix, separator=self.config.chunk_separator)
 
     def _check_length(self, prompt: TokenizedPrompt, max_new_tokens: int = 0) -> None:
         total = prompt.num_tokens + max_new_tokens
@@ -244,25 +242,26 @@ class CacheBlendEngine:
     def precompute(
         self,
         chunks: Sequence[str],
-        question: str | None = "?",
+        question: str | None = None,
         *,
         template: PromptTemplate | None = None,
         prefix: str | None = None,
         show_progress: bool = False,
     ) -> tuple[int, int]:
-        """Make sure every chunk's KV is in the store (for the template's prefix, or an explicit prefix).
+        """Make sure every chunk's KV is in the store, for the template's prefix or an explicit prefix.
 
-        Returns (already cached, newly computed).
+        The template's prefix does not depend on the question, so `question` is only needed by templates
+        that place it before the chunks. Returns (already cached, newly computed).
         """
-        if prefix is not None:
-            prompt = self.build_prompt(chunks, prefix=prefix, suffix=" ")
-        else:
-            prompt = self.build_prompt(chunks, question or "?", template=template)
+        if prefix is None:
+            prefix, _ = (template or self.template).render(self.tokenizer, question or "?")
+        prefix_ids = tokenize_prefix(self.tokenizer, prefix)
+        chunk_ids = tokenize_chunks(self.tokenizer, chunks, self.config.chunk_separator)
         hits = misses = 0
         with self._lock:
-            prefix_kv = self._prefix_kv(prompt.prefix_ids)
-            for ids in tqdm(prompt.chunk_ids, desc="precomputing chunk KV", unit="chunk", disable=not show_progress):
-                _, hit = self._get_or_prefill(prefix_kv, prompt.prefix_ids, ids)
+            prefix_kv = self._prefix_kv(prefix_ids)
+            for ids in tqdm(chunk_ids, desc="precomputing chunk KV", unit="chunk", disable=not show_progress):
+                _, hit = self._get_or_prefill(prefix_kv, prefix_ids, ids)
                 hits, misses = hits + hit, misses + (not hit)
         return hits, misses
 

@@ -109,10 +109,16 @@ def encode(tokenizer: Any, text: str) -> tuple[int, ...]:
     return tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
-def tokenize_parts(
-    tokenizer: Any, prefix: str, chunks: Sequence[str], suffix: str, *, separator: str = "\n\n"
-) -> TokenizedPrompt:
-    """Tokenize each part on its own. Each chunk is `text + separator`; empty chunks are an error."""
+def tokenize_prefix(tokenizer: Any, prefix: str) -> tuple[int, ...]:
+    ids = encode(tokenizer, prefix) if prefix else ()
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if getattr(tokenizer, "add_bos_token", False) and bos is not None and ids[:1] != (bos,):
+        ids = (bos, *ids)  # models trained with BOS expect it first, as their own encode adds it
+    return ids
+
+
+def tokenize_chunks(tokenizer: Any, chunks: Sequence[str], separator: str = "\n\n") -> tuple[tuple[int, ...], ...]:
+    """Each chunk is tokenized as `text + separator`; a non-string or blank chunk is an error."""
     if isinstance(chunks, str):
         raise PromptError("chunks must be a list of strings, got a single string; wrap it: [text]")
     for i, c in enumerate(chunks):
@@ -120,12 +126,15 @@ def tokenize_parts(
             raise PromptError(f"chunk {i} must be a string, got {type(c).__name__}")
         if not c.strip():
             raise PromptError(f"chunk {i} is empty or whitespace; drop it before the request")
-    prefix_ids = encode(tokenizer, prefix) if prefix else ()
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if getattr(tokenizer, "add_bos_token", False) and bos is not None and prefix_ids[:1] != (bos,):
-        prefix_ids = (bos, *prefix_ids)  # models trained with BOS expect it first, as their own encode adds it
+    return tuple(encode(tokenizer, c + separator) for c in chunks)
+
+
+def tokenize_parts(
+    tokenizer: Any, prefix: str, chunks: Sequence[str], suffix: str, *, separator: str = "\n\n"
+) -> TokenizedPrompt:
+    """Tokenize each part on its own."""
     return TokenizedPrompt(
-        prefix_ids=prefix_ids,
-        chunk_ids=tuple(encode(tokenizer, c + separator) for c in chunks),
+        prefix_ids=tokenize_prefix(tokenizer, prefix),
+        chunk_ids=tokenize_chunks(tokenizer, chunks, separator),
         suffix_ids=encode(tokenizer, suffix),
     )

@@ -1,0 +1,335 @@
+"""A FAISS index over chunks: build, search by cosine similarity, save and load.
+
+Scope: chunks in, ranked chunks out. Vectors are L2-normalized and stored in a `faiss.IndexFlatIP`, so the
+inner product FAISS returns is the cosine similarity. On disk an index is a folder of two files:
+`index.faiss` (written by `faiss.write_index`) and `chunks.json` (the chunks, the format version, the
+embedding model's name and dimension, and a checksum of `index.faiss`). No pickle anywhere, so loading an
+index from an untrusted folder cannot run code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cacheblend_rag.errors import CacheBlendError, ConfigError, PromptError
+from cacheblend_rag.retrieval.chunking import Chunk, Tokenizer, split_documents
+from cacheblend_rag.retrieval.documents import DEFAULT_SUFFIXES, load_documents
+from cacheblend_rag.retrieval.embeddings import (
+    EMBEDDING_MODEL_NAME,
+    Embedder,
+    embedder_name,
+    embedding_dimension,
+    load_embedder,
+)
+
+if TYPE_CHECKING:
+    import faiss
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+INDEX_FILE = "index.faiss"
+CHUNKS_FILE = "chunks.json"
+# Recorded for an embedder whose model name is unknown; loading such an index skips the name check.
+CUSTOM_EMBEDDER_NAME = "custom"
+
+
+class IndexFormatError(CacheBlendError):
+    """A saved index is missing, corrupt, from another format version, or from another embedding model."""
+
+
+@dataclass(frozen=True)
+class RetrievedChunk:
+    """One search hit."""
+
+    chunk: Chunk
+    score: float  # cosine similarity to the query, in [-1, 1]; higher is closer
+
+
+def _import_faiss() -> Any:
+    try:
+        import faiss
+    except ImportError as exc:
+        raise ImportError(
+            "the retriever needs FAISS; install it with `pip install 'faiss-cpu>=1.8'`"
+        ) from exc
+    return faiss
+
+
+def _embed(embedder: Embedder, texts: Sequence[str], *, batch_size: int, show_progress: bool) -> np.ndarray:
+    """Unit-length float32 vectors for `texts`, one row each."""
+    from tqdm.auto import tqdm
+
+    faiss = _import_faiss()
+    batches = []
+    starts = range(0, len(texts), batch_size)
+    for start in tqdm(starts, desc="Embedding chunks", unit="batch", disable=not show_progress):
+        batch = list(texts[start : start + batch_size])
+        vectors = embedder.encode(
+            batch,
+            batch_size=len(batch),
+            convert_to_numpy=True,
+            normalize_embeddings=True,
+            show_progress_bar=False,
+        )
+        batches.append(np.asarray(vectors, dtype=np.float32).reshape(len(batch), -1))
+    vectors = np.ascontiguousarray(np.concatenate(batches, axis=0))  # (N, dim)
+    # Normalize here too: a stand-in embedder may ignore normalize_embeddings, and cosine needs unit rows.
+    faiss.normalize_L2(vectors)
+    return vectors
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _rebuild_hint(folder: Path) -> str:
+    return f"rebuild the index (ChunkIndex.build(...).save({str(folder)!r}), or delete the folder and rerun)"
+
+
+def _model_name(embedder: Embedder | None, model_name: str | None) -> str | None:
+    """The embedding model's name: given explicitly, the packaged one by default, else as it reports it."""
+    if model_name is not None:
+        return model_name
+    return EMBEDDING_MODEL_NAME if embedder is None else embedder_name(embedder)
+
+
+def _chunk_from_json(item: Any) -> Chunk:
+    """A Chunk from its saved form; TypeError/KeyError/ValueError on anything malformed."""
+    text, source, index, token_count = item["text"], item["source"], item["index"], item["token_count"]
+    metadata = item.get("metadata", {})
+    if not isinstance(text, str) or not isinstance(source, str) or not isinstance(metadata, dict):
+        raise TypeError("chunk text and source must be strings and metadata an object")
+    if not isinstance(index, int) or not isinstance(token_count, int):
+        raise TypeError("chunk index and token_count must be integers")
+    if not text.strip():
+        raise ValueError("a chunk's text is empty")
+    return Chunk(text, source, index, token_count, metadata)
+
+
+class ChunkIndex:
+    """Chunks plus their embeddings in a FAISS inner-product index; build with `build` or `load`."""
+
+    def __init__(
+        self, chunks: Sequence[Chunk], index: faiss.Index, embedder: Embedder, model_name: str
+    ) -> None:
+        if index.ntotal != len(chunks):
+            raise ConfigError(
+                f"the FAISS index holds {index.ntotal} vectors but {len(chunks)} chunks were given; "
+                "build it with ChunkIndex.build(chunks)"
+            )
+        self._chunks = tuple(chunks)
+        self._index = index
+        self.embedder = embedder
+        self.model_name = model_name  # the embedding model's name, recorded when saved
+
+    @classmethod
+    def build(
+        cls,
+        chunks: Iterable[Chunk],
+        embedder: Embedder | None = None,
+        *,
+        batch_size: int = 32,
+        show_progress: bool = True,
+        model_name: str | None = None,
+    ) -> ChunkIndex:
+        """Embed `chunks` and index them.
+
+        `embedder` defaults to the packaged all-MiniLM-L6-v2 on CPU. `model_name` is the name saved with
+        the index so a later load can check it; by default it is the name the embedder reports (a
+        SentenceTransformer's model card base model), or "custom" when it reports none.
+        """
+        chunks = tuple(chunks)
+        if not chunks:
+            raise PromptError(
+                "cannot build an index from zero chunks; load some documents and split them first"
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}; use e.g. 32")
+        model_name = _model_name(embedder, model_name) or CUSTOM_EMBEDDER_NAME
+        if embedder is None:
+            embedder = load_embedder()
+
+        faiss = _import_faiss()
+        vectors = _embed(
+            embedder, [c.text for c in chunks], batch_size=batch_size, show_progress=show_progress
+        )
+        index = faiss.IndexFlatIP(vectors.shape[1])
+        index.add(vectors)
+        return cls(chunks, index, embedder, model_name)
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        return self._chunks
+
+    @property
+    def dimension(self) -> int:
+        return int(self._index.d)
+
+    def search(self, query: str, k: int = 6) -> list[RetrievedChunk]:
+        """The `k` chunks most similar to `query`, best first (all of them when k exceeds the size)."""
+        if not isinstance(query, str) or not query.strip():
+            raise PromptError(f"the search query must be non-empty text, got {query!r}; ask a question")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"k must be a positive integer, got {k!r}; use e.g. 6")
+        k = min(k, len(self._chunks))
+        query_vector = _embed(self.embedder, [query], batch_size=1, show_progress=False)  # (1, dim)
+        scores, ids = self._index.search(query_vector, k)  # (1, k) each
+        return [
+            RetrievedChunk(self._chunks[i], float(score))
+            for score, i in zip(scores[0], ids[0], strict=True)
+            if i >= 0  # FAISS pads with -1 when it has fewer hits than asked
+        ]
+
+    def save(self, folder: str | Path) -> Path:
+        """Write the index to `folder` (created if needed) and return its path."""
+        faiss = _import_faiss()
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        index_path, chunks_path = folder / INDEX_FILE, folder / CHUNKS_FILE
+
+        # Write to temporary names and rename, so an interrupted save never leaves a half-written pair
+        # that would look valid.
+        tmp_index = index_path.with_name(INDEX_FILE + ".tmp")
+        faiss.write_index(self._index, str(tmp_index))
+        payload = {
+            "format_version": FORMAT_VERSION,
+            "embedding_model": self.model_name,
+            "embedding_dim": self.dimension,
+            "index_sha256": _sha256(tmp_index),
+            "chunks": [
+                {
+                    "text": c.text,
+                    "source": c.source,
+                    "index": c.index,
+                    "token_count": c.token_count,
+                    "metadata": dict(c.metadata),
+                }
+                for c in self._chunks
+            ],
+        }
+        try:
+            encoded = json.dumps(payload, ensure_ascii=False, indent=1)
+        except (TypeError, ValueError) as exc:
+            tmp_index.unlink(missing_ok=True)
+            raise ConfigError(
+                f"chunk metadata must be JSON-serializable (str, numbers, bool, None, lists, dicts): {exc}; "
+                "convert the offending values to strings"
+            ) from exc
+        tmp_chunks = chunks_path.with_name(CHUNKS_FILE + ".tmp")
+        tmp_chunks.write_text(encoded, encoding="utf-8")
+        os.replace(tmp_index, index_path)
+        os.replace(tmp_chunks, chunks_path)
+        return folder
+
+    @classmethod
+    def load(
+        cls, folder: str | Path, embedder: Embedder | None = None, *, model_name: str | None = None
+    ) -> ChunkIndex:
+        """Read an index written by `save`.
+
+        With no `embedder` the packaged all-MiniLM-L6-v2 is used and the index must have been built with it.
+        The embedder's name (`model_name`, or the name it reports) must match the saved one; when neither
+        side knows its name ("custom") only the vector dimension is checked.
+        Raises IndexFormatError, saying to rebuild, on any missing, corrupt or mismatched file.
+        """
+        faiss = _import_faiss()
+        folder = Path(folder)
+        index_path, chunks_path = folder / INDEX_FILE, folder / CHUNKS_FILE
+        hint = _rebuild_hint(folder)
+        for path in (chunks_path, index_path):
+            if not path.is_file():
+                raise IndexFormatError(f"no saved index at {str(folder)!r}: {path.name} is missing; {hint}")
+
+        try:
+            payload = json.loads(chunks_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise IndexFormatError(f"{str(chunks_path)!r} is not valid JSON ({exc}); {hint}") from exc
+        if not isinstance(payload, dict):
+            raise IndexFormatError(f"{str(chunks_path)!r} does not hold an index description; {hint}")
+        version = payload.get("format_version")
+        if version != FORMAT_VERSION:
+            raise IndexFormatError(
+                f"{str(chunks_path)!r} has format version {version!r}, this version of cacheblend-rag reads "
+                f"{FORMAT_VERSION}; {hint}"
+            )
+
+        try:
+            stored_name = payload["embedding_model"]
+            stored_dim = payload["embedding_dim"]
+            stored_sha = payload["index_sha256"]
+            chunks = [_chunk_from_json(item) for item in payload["chunks"]]
+            if not isinstance(stored_dim, int) or not isinstance(stored_name, str):
+                raise TypeError("embedding_dim must be an int and embedding_model a string")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise IndexFormatError(
+                f"{str(chunks_path)!r} has a missing or malformed field ({exc}); {hint}"
+            ) from exc
+
+        expected = _model_name(embedder, model_name)
+        if expected is not None and stored_name != expected:
+            raise IndexFormatError(
+                f"the index at {str(folder)!r} was built with embedding model {stored_name!r} but is being "
+                f"loaded with {expected!r}; {hint} with this model, or load it with the one it was built with"
+            )
+
+        if _sha256(index_path) != stored_sha:
+            raise IndexFormatError(
+                f"{str(index_path)!r} does not match {CHUNKS_FILE} (checksum differs: changed or "
+                f"corrupt); {hint}"
+            )
+        try:
+            index = faiss.read_index(str(index_path))
+        except RuntimeError as exc:
+            raise IndexFormatError(f"FAISS cannot read {str(index_path)!r} ({exc}); {hint}") from exc
+        if index.d != stored_dim or index.ntotal != len(chunks):
+            raise IndexFormatError(
+                f"{str(index_path)!r} holds {index.ntotal} vectors of dimension {index.d}, but "
+                f"{CHUNKS_FILE} describes {len(chunks)} chunks of dimension {stored_dim}; {hint}"
+            )
+
+        if embedder is None:
+            embedder = load_embedder()
+        actual_dim = embedding_dimension(embedder)
+        if actual_dim != stored_dim:
+            raise IndexFormatError(
+                f"the index at {str(folder)!r} holds {stored_dim}-dimensional vectors but the embedder makes "
+                f"{actual_dim}-dimensional ones; {hint} with this embedder, or load it with the one it was "
+                "built with"
+            )
+        return cls(chunks, index, embedder, stored_name)
+
+
+def build_index_from_folder(
+    path: str | Path,
+    tokenizer: Tokenizer,
+    *,
+    chunk_tokens: int = 512,
+    overlap_tokens: int = 0,
+    suffixes: Iterable[str] = DEFAULT_SUFFIXES,
+    encoding: str = "utf-8",
+    embedder: Embedder | None = None,
+    batch_size: int = 32,
+    show_progress: bool = True,
+) -> ChunkIndex:
+    """Load the text files under `path`, split them with the LLM's `tokenizer`, and index the chunks."""
+    documents = load_documents(path, suffixes=suffixes, encoding=encoding)
+    chunks = split_documents(documents, tokenizer, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
+    logger.info("indexing %d chunks from %d documents under %s", len(chunks), len(documents), path)
+    return ChunkIndex.build(chunks, embedder, batch_size=batch_size, show_progress=show_progress)

