@@ -80,15 +80,16 @@ def build_engine(args, dtype: str) -> CacheBlendEngine:
     return CacheBlendEngine(model, tokenizer, config=config)
 
 
-def median_ttft(engine: CacheBlendEngine, prompt, repeats: int, **kw) -> tuple[float, object]:
-    times, metrics = [], None
+def measure(engine: CacheBlendEngine, prompt, runs: list[tuple[str, dict]], repeats: int) -> dict[str, list]:
+    """TTFT of each run, interleaved (run 1, run 2, ..., run 1, ...) so that machine noise hits all alike."""
+    out: dict[str, list] = {name: [] for name, _ in runs}
     for _ in range(repeats):
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize()
-        result = engine.generate(prompt, max_new_tokens=1, **kw)
-        times.append(result.metrics.ttft_s)
-        metrics = result.metrics
-    return statistics.median(times), metrics
+        for name, kw in runs:
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            result = engine.generate(prompt, max_new_tokens=1, **kw)
+            out[name].append(result.metrics)
+    return out
 
 
 def run(args) -> dict:
@@ -112,16 +113,15 @@ def run(args) -> dict:
         for mode in MODES:
             engine.generate(prompt, mode=mode, max_new_tokens=1)
         engine.generate(prompt, mode="blend", max_new_tokens=1)
+        runs = [(mode, {"mode": mode}) for mode in MODES]
+        runs += [(f"blend r={r:.2f}", {"mode": "blend", "recompute_ratio": r}) for r in args.ratios]
+        measured = measure(engine, prompt, runs, args.repeats)
         rows = {}
-        for mode in MODES:
-            rows[mode], m = median_ttft(engine, prompt, args.repeats, mode=mode)
-            print(f"  {mode:<12} TTFT {rows[mode] * 1000:8.0f} ms   ({m.summary()})", flush=True)
-        for r in args.ratios:
-            name = f"blend r={r:.2f}"
-            rows[name], m = median_ttft(engine, prompt, args.repeats, mode="blend", recompute_ratio=r)
-            print(f"  {name:<12} TTFT {rows[name] * 1000:8.0f} ms   ({m.summary()})", flush=True)
+        for name, ms in measured.items():
+            rows[name] = statistics.median(m.ttft_s for m in ms)
+            print(f"  {name:<12} TTFT {rows[name] * 1000:8.0f} ms   ({ms[-1].summary()})", flush=True)
         print(f"  prompt: {prompt.num_tokens} tokens ({len(prompt.chunk_ids)} chunks of "
-              f"{[len(c) for c in prompt.chunk_ids]} tokens)")
+              f"{[len(c) for c in prompt.chunk_ids]} tokens), medians of {args.repeats} interleaved runs")
         for r in args.ratios:
             print(f"  ratio full / blend(r={r:.2f}) = {rows['full'] / rows[f'blend r={r:.2f}']:.2f}")
         report["results"][dtype] = {k: round(v, 5) for k, v in rows.items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model, make_tiny_tokenizer, words
+from conftest import make_tiny_model, make_tiny_tokenizer, reference_logits_with_cache, words
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, PrefillMode
 from cacheblend_rag.fusion import FusionPlan, fuse, keep_counts, select_recompute_tokens, token_deviation
@@ -47,6 +47,16 @@ def test_blend_at_ratio_zero_equals_full_reuse(tiny_engine):
         torch.testing.assert_close(vb, vr, atol=1e-4, rtol=0)
     # Only the suffix is recomputed after the check layers.
     assert blend.metrics.recomputed_per_layer[-1] == len(prompt.suffix_ids)
+
+
+def test_cached_modes_match_the_models_own_forward_over_a_filled_cache(tiny_engine):
+    prompt = three_chunk_prompt(tiny_engine)
+    reuse = logits_of(tiny_engine, prompt, "reuse")
+    prefix = logits_of(tiny_engine, prompt, "prefix")
+    torch.testing.assert_close(reuse, reference_logits_with_cache(tiny_engine, prompt, 3), atol=1e-4, rtol=0)
+    torch.testing.assert_close(prefix, reference_logits_with_cache(tiny_engine, prompt, 1), atol=1e-4, rtol=0)
+    # Prefix caching loses nothing: the first chunk's cached KV is what a full prefill computes there.
+    torch.testing.assert_close(prefix, logits_of(tiny_engine, prompt, "full"), atol=1e-4, rtol=0)
 
 
 def test_reuse_really_differs_from_full(tiny_engine):

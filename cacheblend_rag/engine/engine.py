@@ -3,9 +3,11 @@
 Modes (`PrefillMode`):
 - full:   the model's own forward over the whole prompt (the reference; uses no cache).
 - prefix: the shared prefix and the first chunk come from the cache (exactly what prefix caching can reuse:
-          the first chunk was precomputed right after the prefix), the rest is computed by the model's forward.
+          the first chunk was precomputed right after the prefix); everything after is computed.
 - reuse:  every chunk's cached KV is placed at its real offset, only the suffix is computed (PromptCache).
-- blend:  CacheBlend's selective recompute (`fusion.fuse`).
+- blend:  CacheBlend's selective recompute.
+The three cached modes run through the same fusor (`fusion.fuse`) with different plans; tests check each
+against the model's own forward.
 A chunk missing from the store is prefilled on the spot (after the prefix) and stored, in every cached mode.
 """
 
@@ -26,7 +28,7 @@ from transformers import DynamicCache
 from ..config import BlendConfig, EngineConfig, PrefillMode
 from ..errors import ConfigError, PromptError
 from ..fusion import FusionPlan, fuse, keep_counts
-from ..models.adapter import LayerwiseModel, rotate_keys
+from ..models.adapter import LayerwiseModel
 from ..models.support import max_blend_length
 from ..store import ChunkKV, ChunkStore, MemoryStore, chunk_key
 from .generation import SamplingParams, TextAssembler, TokenPicker, eos_token_ids
@@ -345,50 +347,50 @@ class CacheBlendEngine:
         m.load_s = t_found - t0 - m.precompute_s  # store lookups
 
         if mode is PrefillMode.BLEND:
-            result, assemble_s = self._blend(prompt, parts, blend)
-            assert result.logits is not None
-            cache = self._cache_from(result.keys, result.values)
-            logits = result.logits
+            blend_cfg = blend
             m.recompute_ratio = blend.recompute_ratio
-            m.recomputed_per_layer = result.recomputed_per_layer
-            m.recomputed_tokens = int(result.selected_positions.numel())
         else:
-            t = time.perf_counter()
-            cached = sum(p.num_tokens for p in parts)  # leading tokens with KV: prefix + the chunks read
-            load = self._layer_loader(parts, cached)
-            cos, sin = self.lm.rope(torch.arange(cached, device=self.device))
-            keys, values = [], []
-            for layer_idx in range(num_layers):
-                k, v = load(layer_idx)
-                keys.append(rotate_keys(k, cos, sin))
-                values.append(v)
-            assemble_s = time.perf_counter() - t
-            cache = self._cache_from(keys, values)
-            logits = self._forward(input_ids[cached:], cached, cache)
-            m.recomputed_tokens = n - cached
-            m.recomputed_per_layer = [n - cached] * num_layers
+            # prefix / reuse: every token with loaded KV is used as is: no checks, nothing reused-but-recomputed
+            blend_cfg = None
+        result, assemble_s = self._fuse(prompt, parts, blend_cfg)
+        assert result.logits is not None
+        cache = self._cache_from(result.keys, result.values)
+        m.recomputed_per_layer = result.recomputed_per_layer
+        m.recomputed_tokens = int(result.selected_positions.numel())
         m.load_s += assemble_s
         m.compute_s = time.perf_counter() - t_found - assemble_s
         m.compute_share = sum(m.recomputed_per_layer) / (n * num_layers)
-        return Prefill(cache, logits, n, m)
+        return Prefill(cache, result.logits, n, m)
 
-    def _blend(self, prompt: TokenizedPrompt, parts: list[ChunkKV], blend: BlendConfig):
+    def _fuse(self, prompt: TokenizedPrompt, parts: list[ChunkKV], blend: BlendConfig | None):
+        """Run the fusor with the loaded `parts` (the prefix, then chunks in order) at the head of the prompt.
+
+        With a blend config, chunk tokens are candidates for recompute; without one, every loaded token is
+        used as is (prefix caching when `parts` stop after the first chunk, full KV reuse when they cover all).
+        Returns the result and the time spent assembling loaded KV.
+        """
         n = prompt.num_tokens
-        p = len(prompt.prefix_ids)
+        loaded = sum(p.num_tokens for p in parts)
         exact = torch.zeros(n, dtype=torch.bool)
-        exact[:p] = True
         reused = torch.zeros(n, dtype=torch.bool)
-        for start, end in prompt.chunk_spans:
-            reused[start:end] = True
-        counts = keep_counts(int(reused.sum()), blend.schedule())
+        if blend is None:
+            exact[:loaded] = True
+            check_layers, counts, deviation = (), (), "key"
+        else:
+            exact[: len(prompt.prefix_ids)] = True
+            for start, end in prompt.chunk_spans:
+                reused[start:end] = True
+            check_layers = blend.check_layers
+            counts = keep_counts(int(reused.sum()), blend.schedule())
+            deviation = blend.deviation
         plan = FusionPlan(
             input_ids=prompt.input_ids(),
             positions=torch.arange(n),
             exact=exact,
             reused=reused,
-            check_layers=blend.check_layers,
+            check_layers=check_layers,
             keep_counts=counts,
-            deviation=blend.deviation,
+            deviation=deviation,
         )
         load = self._layer_loader(parts, n)
         load_time = 0.0
