@@ -54,9 +54,27 @@ def chunk_texts(tokenizer, count: int, tokens: int, data_dir: Path | None) -> li
 
 RANDOM_SHAPES = {
     # Llama-2-7B / Mistral-7B-like shapes for GPU timing with random weights (timing does not depend on values).
-    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
-    "mistral-7b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
+    "7b": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+    ),
+    "mistral-7b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+    ),
 }
 
 
@@ -64,8 +82,8 @@ def build_engine(args, dtype: str) -> CacheBlendEngine:
     config = EngineConfig(device=args.device, dtype=dtype)
     if not args.random_weights:
         return CacheBlendEngine.from_pretrained(args.model, config=config, show_progress=False)
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     shape = RANDOM_SHAPES[args.model_shape]
     cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=8192, rope_theta=10000.0, **shape)
@@ -93,18 +111,30 @@ def measure(engine: CacheBlendEngine, prompt, runs: list[tuple[str, dict]], repe
 
 
 def run(args) -> dict:
+    from cacheblend_rag.models import DEFAULT_PRESET
+
     data_dir = Path(args.data_dir) if args.data_dir else None
-    report: dict = {"model": args.model if not args.random_weights else f"random-{args.model_shape}",
-                    "device": args.device, "chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "results": {}}
+    report: dict = {
+        "model": f"random-{args.model_shape}" if args.random_weights else (args.model or DEFAULT_PRESET),
+        "device": args.device,
+        "chunks": args.chunks,
+        "chunk_tokens": args.chunk_tokens,
+        "results": {},
+    }
     for dtype in args.dtypes:
         t = time.perf_counter()
         engine = build_engine(args, dtype)
-        print(f"\n== {report['model']} {dtype} on {args.device} (loaded in {time.perf_counter() - t:.1f}s, "
-              f"{torch.get_num_threads()} CPU threads)", flush=True)
+        print(
+            f"\n== {report['model']} {dtype} on {args.device} (loaded in {time.perf_counter() - t:.1f}s, "
+            f"{torch.get_num_threads()} CPU threads)",
+            flush=True,
+        )
         if args.random_weights:
             g = torch.Generator().manual_seed(1)
-            texts = [" ".join(f"w{int(i)}" for i in torch.randint(2, 32000, (args.chunk_tokens,), generator=g))
-                     for _ in range(args.chunks)]
+            texts = [
+                " ".join(f"w{int(i)}" for i in torch.randint(2, 32000, (args.chunk_tokens,), generator=g))
+                for _ in range(args.chunks)
+            ]
             prompt = engine.build_prompt(texts, prefix="w5 w6 w7 w8", suffix=" ".join(["w9"] * 24))
         else:
             texts = chunk_texts(engine.tokenizer, args.chunks, args.chunk_tokens, data_dir)
@@ -120,8 +150,10 @@ def run(args) -> dict:
         for name, ms in measured.items():
             rows[name] = statistics.median(m.ttft_s for m in ms)
             print(f"  {name:<12} TTFT {rows[name] * 1000:8.0f} ms   ({ms[-1].summary()})", flush=True)
-        print(f"  prompt: {prompt.num_tokens} tokens ({len(prompt.chunk_ids)} chunks of "
-              f"{[len(c) for c in prompt.chunk_ids]} tokens), medians of {args.repeats} interleaved runs")
+        print(
+            f"  prompt: {prompt.num_tokens} tokens ({len(prompt.chunk_ids)} chunks of "
+            f"{[len(c) for c in prompt.chunk_ids]} tokens), medians of {args.repeats} interleaved runs"
+        )
         for r in args.ratios:
             print(f"  ratio full / blend(r={r:.2f}) = {rows['full'] / rows[f'blend r={r:.2f}']:.2f}")
         report["results"][dtype] = {k: round(v, 5) for k, v in rows.items()}

@@ -49,7 +49,11 @@ class BlendConfig:
     """
 
     recompute_ratio: float = 0.15  # r: share of reused chunk tokens recomputed on the non-check layers
-    check_layers: tuple[int, ...] = (1, 2, 3)  # layers where deviations are measured; must be increasing, >= 1
+    check_layers: tuple[int, ...] = (
+        1,
+        2,
+        3,
+    )  # layers where deviations are measured; must be increasing, >= 1
     check_ratios: tuple[float, ...] | None = None  # kept share per check layer; None: derived from the ratio
     filter_slack: float = 0.5  # derived schedule: first check keeps (1 + slack) * r, falling linearly to r
     deviation: str = "key"  # which fresh-vs-cached difference ranks tokens: "key", "value" or "both"
@@ -78,8 +82,10 @@ class BlendConfig:
                 )
             for i, x in enumerate(ratios):
                 _check_ratio(f"check_ratios[{i}]", x)
-            if any(b > a for a, b in zip(ratios, ratios[1:])):
-                raise ConfigError(f"check_ratios must not increase (each check filters the last), got {ratios}")
+            if any(b > a for a, b in zip(ratios, ratios[1:], strict=False)):
+                raise ConfigError(
+                    f"check_ratios must not increase (each check filters the last), got {ratios}"
+                )
             if ratios[-1] < self.recompute_ratio:
                 raise ConfigError(
                     f"the last check ratio ({ratios[-1]}) must be >= recompute_ratio ({self.recompute_ratio}): "
@@ -125,7 +131,9 @@ def normalize_dtype_name(dtype: object) -> str:
     """'bf16', torch.bfloat16, ... -> 'bfloat16'; anything else is a ConfigError listing the choices."""
     name = str(dtype).removeprefix("torch.").lower()
     if name not in _DTYPES:
-        raise ConfigError(f"dtype must be one of float32, bfloat16, float16 (or fp32/bf16/fp16), got {dtype!r}")
+        raise ConfigError(
+            f"dtype must be one of float32, bfloat16, float16 (or fp32/bf16/fp16), got {dtype!r}"
+        )
     return _DTYPES[name]
 
 

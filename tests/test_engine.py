@@ -21,7 +21,9 @@ from cacheblend_rag.engine.generation import SamplingParams, TextAssembler
 
 @pytest.fixture(scope="module")
 def engine() -> CacheBlendEngine:
-    return CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    return CacheBlendEngine(
+        make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator="")
+    )
 
 
 def ask(engine, chunks=None, **kw):
@@ -38,7 +40,9 @@ def test_blend_at_ratio_one_generates_the_same_tokens_as_full(engine):
 
 def test_stream_yields_the_same_text_as_generate(engine):
     result = ask(engine, max_new_tokens=10)
-    stream = engine.stream([words(31, 20), words(32, 20)], prefix=words(1, 4), suffix=words(2, 5), max_new_tokens=10)
+    stream = engine.stream(
+        [words(31, 20), words(32, 20)], prefix=words(1, 4), suffix=words(2, 5), max_new_tokens=10
+    )
     pieces = list(stream)
     assert "".join(pieces) == result.text
     assert stream.result is not None and stream.result.token_ids == result.token_ids
@@ -80,7 +84,9 @@ def test_sampling_is_reproducible_with_a_seed(engine):
 
 
 def test_second_request_hits_the_chunk_cache():
-    eng = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    eng = CacheBlendEngine(
+        make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator="")
+    )
     first = ask(eng, [words(41, 15), words(42, 15)], max_new_tokens=1)
     assert (first.metrics.chunks_hit, first.metrics.chunks_missed) == (0, 2)
     second = ask(eng, [words(42, 15), words(43, 15)], max_new_tokens=1)  # one chunk shared, one new
@@ -91,8 +97,12 @@ def test_second_request_hits_the_chunk_cache():
 
 def test_cold_chunks_give_the_same_answer_as_warm_ones():
     chunks = [words(51, 15), words(52, 15), words(53, 15)]
-    cold = CacheBlendEngine(make_tiny_model("qwen3"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
-    warm = CacheBlendEngine(make_tiny_model("qwen3"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    cold = CacheBlendEngine(
+        make_tiny_model("qwen3"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator="")
+    )
+    warm = CacheBlendEngine(
+        make_tiny_model("qwen3"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator="")
+    )
     warm.precompute(chunks, prefix=words(1, 4))
     a, b = ask(cold, chunks, max_new_tokens=6), ask(warm, chunks, max_new_tokens=6)
     assert a.metrics.chunks_missed == 3 and b.metrics.chunks_hit == 3
@@ -100,7 +110,9 @@ def test_cold_chunks_give_the_same_answer_as_warm_ones():
 
 
 def test_memory_store_evicts_least_recently_used():
-    eng = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    eng = CacheBlendEngine(
+        make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator="")
+    )
     ask(eng, [words(61, 10)], max_new_tokens=1)
     one = max(eng.store._entries.values(), key=lambda kv: kv.nbytes).nbytes
     small = MemoryStore(budget_bytes=3 * one)
@@ -124,7 +136,9 @@ def test_metrics_account_for_the_request(engine):
 
 
 def test_the_template_renders_chunks_between_prefix_and_question(tiny_tokenizer):
-    tpl = PromptTemplate(system="w1", instruction="w2 ", question_template=" w3 {question}", use_chat_template=False)
+    tpl = PromptTemplate(
+        system="w1", instruction="w2 ", question_template=" w3 {question}", use_chat_template=False
+    )
     prefix, suffix = tpl.render(tiny_tokenizer, "w4")
     assert prefix == "w1\n\nw2 " and suffix == " w3 w4\n"
 
@@ -179,8 +193,11 @@ def test_engine_config_validation():
         EngineConfig(device="tpu")
     assert EngineConfig(dtype="bf16").dtype == "bfloat16"
     with pytest.raises(ConfigError, match="check_layers has layer 9"):
-        CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(),
-                         config=EngineConfig(blend=BlendConfig(check_layers=(1, 9))))
+        CacheBlendEngine(
+            make_tiny_model("llama"),
+            make_tiny_tokenizer(),
+            config=EngineConfig(blend=BlendConfig(check_layers=(1, 9))),
+        )
 
 
 def test_gradual_schedule_falls_to_the_ratio():
@@ -192,10 +209,32 @@ def test_gradual_schedule_falls_to_the_ratio():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_blend_stays_close_to_full(dtype):
-    eng = CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(dtype=dtype, chunk_separator=""))
+    eng = CacheBlendEngine(
+        make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(dtype=dtype, chunk_separator="")
+    )
     prompt = eng.build_prompt([words(81, 20), words(82, 20)], prefix=words(1, 4), suffix=words(2, 5))
     full = eng.prefill(prompt, "full").logits
     blend = eng.prefill(prompt, "blend", recompute_ratio=1.0).logits
     assert eng.store.get(eng._key(prompt.prefix_ids, prompt.chunk_ids[0])).dtype == getattr(torch, dtype)
     assert torch.argmax(full) == torch.argmax(blend)
     assert (full - blend).abs().max() < 0.1 * full.abs().max()
+
+
+def test_a_damaged_store_entry_is_recomputed_not_used(caplog):
+    from cacheblend_rag import ChunkKV
+
+    eng = CacheBlendEngine(
+        make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator="")
+    )
+    chunks = [words(91, 12), words(92, 12)]
+    good = ask(eng, chunks, max_new_tokens=4)
+    prompt = eng.build_prompt(chunks, prefix=words(1, 4), suffix=words(2, 5))
+    key = eng._key(prompt.prefix_ids, prompt.chunk_ids[0])
+    stored = eng.store.get(key)
+    eng.store.put(ChunkKV(key, stored.keys[:, :, :5].clone(), stored.values[:, :, :5].clone()))  # truncated
+    with caplog.at_level("WARNING"):
+        again = ask(eng, chunks, max_new_tokens=4)
+    assert "recomputing" in caplog.text
+    assert again.metrics.chunks_missed == 1 and again.metrics.chunks_hit == 1
+    assert again.token_ids == good.token_ids
+    assert eng.store.get(key).num_tokens == 12

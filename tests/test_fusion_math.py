@@ -31,7 +31,7 @@ def test_blend_at_ratio_one_equals_full_prefill(tiny_engine):
     full = tiny_engine.prefill(prompt, "full")
     blend = tiny_engine.prefill(prompt, "blend", recompute_ratio=1.0)
     torch.testing.assert_close(blend.logits, full.logits, atol=1e-4, rtol=0)
-    for (kf, vf), (kb, vb) in zip(cache_tensors(full), cache_tensors(blend)):
+    for (kf, vf), (kb, vb) in zip(cache_tensors(full), cache_tensors(blend), strict=False):
         torch.testing.assert_close(kb, kf, atol=1e-4, rtol=0)
         torch.testing.assert_close(vb, vf, atol=1e-4, rtol=0)
     assert blend.metrics.recomputed_per_layer[-1] == prompt.num_tokens - len(prompt.prefix_ids)
@@ -42,7 +42,7 @@ def test_blend_at_ratio_zero_equals_full_reuse(tiny_engine):
     reuse = tiny_engine.prefill(prompt, "reuse")
     blend = tiny_engine.prefill(prompt, "blend", recompute_ratio=0.0)
     torch.testing.assert_close(blend.logits, reuse.logits, atol=1e-4, rtol=0)
-    for (kr, vr), (kb, vb) in zip(cache_tensors(reuse), cache_tensors(blend)):
+    for (kr, vr), (kb, vb) in zip(cache_tensors(reuse), cache_tensors(blend), strict=False):
         torch.testing.assert_close(kb, kr, atol=1e-4, rtol=0)
         torch.testing.assert_close(vb, vr, atol=1e-4, rtol=0)
     # Only the suffix is recomputed after the check layers.
@@ -70,7 +70,9 @@ def test_single_chunk_at_front_blend_equals_prefix_caching(tiny_engine):
     prompt = tiny_engine.build_prompt([words(21, 30)], prefix=words(1, 5), suffix=words(2, 6))
     prefix = logits_of(tiny_engine, prompt, "prefix")
     for r in (0.0, 0.15, 1.0):
-        torch.testing.assert_close(logits_of(tiny_engine, prompt, "blend", recompute_ratio=r), prefix, atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            logits_of(tiny_engine, prompt, "blend", recompute_ratio=r), prefix, atol=1e-4, rtol=0
+        )
     torch.testing.assert_close(prefix, logits_of(tiny_engine, prompt, "full"), atol=1e-4, rtol=0)
 
 
@@ -87,7 +89,9 @@ def test_first_chunk_kv_equals_in_context_prefill(tiny_engine):
     lm = tiny_engine.lm
     cos, sin = lm.rope(torch.arange(start, end))
     for layer_idx, (kf, vf) in enumerate(cache_tensors(full)):
-        torch.testing.assert_close(rotate_keys(kv.keys[layer_idx], cos, sin), kf[:, start:end], atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            rotate_keys(kv.keys[layer_idx], cos, sin), kf[:, start:end], atol=1e-5, rtol=0
+        )
         torch.testing.assert_close(kv.values[layer_idx], vf[:, start:end], atol=1e-5, rtol=0)
 
 
@@ -115,7 +119,10 @@ def test_repositioned_keys_match_keys_computed_in_place(family):
     cos_d, sin_d = lm.rope(torch.full((40,), 25))
     cos_b, sin_b = lm.rope(torch.arange(35, 75))
     torch.testing.assert_close(
-        rotate_keys(rotate_keys(raw_k, cos_a, sin_a), cos_d, sin_d), rotate_keys(raw_k, cos_b, sin_b), atol=1e-4, rtol=0
+        rotate_keys(rotate_keys(raw_k, cos_a, sin_a), cos_d, sin_d),
+        rotate_keys(raw_k, cos_b, sin_b),
+        atol=1e-4,
+        rtol=0,
     )
 
 
@@ -191,5 +198,8 @@ def test_keep_counts_round_up_and_never_increase():
 def test_more_recompute_moves_closer_to_full(tiny_engine):
     prompt = three_chunk_prompt(tiny_engine, chunk_len=40)
     full = logits_of(tiny_engine, prompt, "full")
-    err = {r: (logits_of(tiny_engine, prompt, "blend", recompute_ratio=r) - full).abs().max().item() for r in (0.0, 1.0)}
+    err = {
+        r: (logits_of(tiny_engine, prompt, "blend", recompute_ratio=r) - full).abs().max().item()
+        for r in (0.0, 1.0)
+    }
     assert err[1.0] < 1e-4 < err[0.0]

@@ -22,8 +22,9 @@ QUESTION = "What is the capital of Zorbania?"
 
 @pytest.fixture(scope="module")
 def engine() -> CacheBlendEngine:
-    return CacheBlendEngine.from_pretrained("smollm2-135m-instruct", config=EngineConfig(dtype="float32"),
-                                            show_progress=False)
+    return CacheBlendEngine.from_pretrained(
+        "smollm2-135m-instruct", config=EngineConfig(dtype="float32"), show_progress=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,10 @@ def test_real_blend_at_ratio_zero_equals_full_reuse(engine, prompt):
 def test_real_single_front_chunk_blend_equals_prefix_caching(engine):
     p = engine.build_prompt(CHUNKS[:1], QUESTION)
     torch.testing.assert_close(
-        engine.prefill(p, "blend", recompute_ratio=0.15).logits, engine.prefill(p, "prefix").logits, atol=1e-4, rtol=0
+        engine.prefill(p, "blend", recompute_ratio=0.15).logits,
+        engine.prefill(p, "prefix").logits,
+        atol=1e-4,
+        rtol=0,
     )
 
 

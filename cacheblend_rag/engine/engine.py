@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,8 +36,16 @@ from .generation import SamplingParams, TextAssembler, TokenPicker, eos_token_id
 from .metrics import RequestMetrics
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_chunks, tokenize_parts, tokenize_prefix
 
+logger = logging.getLogger(__name__)
+
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config"}
+_VOLATILE_CONFIG_KEYS = {
+    "_name_or_path",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "quantization_config",
+}
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -103,7 +112,9 @@ class CacheBlendEngine:
         dtype = _TORCH_DTYPES[self.config.dtype]
         device = torch.device(self.config.device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device {self.config.device!r} asked for, but no CUDA device is present; use 'cpu'")
+            raise ConfigError(
+                f"device {self.config.device!r} asked for, but no CUDA device is present; use 'cpu'"
+            )
         model = model.to(device=device, dtype=dtype).eval()
         self.model = model
         self.tokenizer = tokenizer
@@ -167,13 +178,17 @@ class CacheBlendEngine:
         """Tokenize a request. Either a question (rendered with the template) or an explicit prefix/suffix."""
         if question is not None:
             if prefix is not None or suffix is not None:
-                raise PromptError("give either a question (the template renders it) or prefix/suffix, not both")
+                raise PromptError(
+                    "give either a question (the template renders it) or prefix/suffix, not both"
+                )
             if not question.strip():
                 raise PromptError("the question is empty")
             prefix, suffix = (template or self.template).render(self.tokenizer, question)
         elif suffix is None:
             raise PromptError("give a question, or a suffix (the text after the chunks)")
-        return tokenize_parts(self.tokenizer, prefix or "", chunks, suffix, separator=self.config.chunk_separator)
+        return tokenize_parts(
+            self.tokenizer, prefix or "", chunks, suffix, separator=self.config.chunk_separator
+        )
 
     def _check_length(self, prompt: TokenizedPrompt, max_new_tokens: int = 0) -> None:
         total = prompt.num_tokens + max_new_tokens
@@ -188,7 +203,9 @@ class CacheBlendEngine:
     def _key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
         return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids)
 
-    def _layer_loader(self, parts: Sequence[ChunkKV], total: int) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    def _layer_loader(
+        self, parts: Sequence[ChunkKV], total: int
+    ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
         """Loads layer l of the given KV parts laid end to end, padded with zeros up to `total` tokens."""
         covered = sum(p.num_tokens for p in parts)
         pad = total - covered
@@ -229,9 +246,21 @@ class CacheBlendEngine:
         self, prefix: ChunkKV | None, prefix_ids: Sequence[int], ids: Sequence[int]
     ) -> tuple[ChunkKV, bool]:
         """-> (KV, True if it came from the store)"""
-        kv = self.store.get(self._key(prefix_ids, ids))
-        if kv is not None and kv.dtype == self.dtype and kv.num_tokens == len(ids):
-            return kv.to(self.device), True
+        key = self._key(prefix_ids, ids)
+        kv = self.store.get(key)
+        if kv is not None:
+            shape = (self.lm.shape.num_layers, self.lm.shape.num_kv_heads, len(ids), self.lm.shape.head_dim)
+            if kv.dtype == self.dtype and tuple(kv.keys.shape) == shape:
+                return kv.to(self.device), True
+            # The key hashes model, dtype and tokens, so this is a damaged entry: recompute and overwrite it.
+            logger.warning(
+                "chunk %s in the store has dtype %s and shape %s, expected %s and %s; recomputing",
+                key[:12],
+                kv.dtype,
+                tuple(kv.keys.shape),
+                self.dtype,
+                shape,
+            )
         kv = self._prefill_kv(prefix, prefix_ids, ids)
         self.store.put(kv)
         return kv, False
@@ -272,7 +301,7 @@ class CacheBlendEngine:
     def _cache_from(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> DynamicCache:
         """A transformers DynamicCache holding rotated keys and values ([Hkv, N, D] per layer)."""
         cache = DynamicCache(config=self.model.config)
-        for layer_idx, (k, v) in enumerate(zip(keys, values)):
+        for layer_idx, (k, v) in enumerate(zip(keys, values, strict=True)):
             cache.update(k.unsqueeze(0), v.unsqueeze(0), layer_idx)
         return cache
 
@@ -305,7 +334,9 @@ class CacheBlendEngine:
         if recompute_ratio is not None:
             blend = blend.with_ratio(recompute_ratio)
         if blend.check_layers[-1] >= self.lm.shape.num_layers:
-            raise ConfigError(f"check layer {blend.check_layers[-1]} >= the model's {self.lm.shape.num_layers} layers")
+            raise ConfigError(
+                f"check layer {blend.check_layers[-1]} >= the model's {self.lm.shape.num_layers} layers"
+            )
         self._check_length(prompt)
         with self._lock:
             return self._prefill_locked(prompt, mode, blend)
@@ -459,7 +490,9 @@ class CacheBlendEngine:
             prompt = chunks
         else:
             if not chunks:
-                raise PromptError("no chunks given; pass at least one document chunk (or use the model directly)")
+                raise PromptError(
+                    "no chunks given; pass at least one document chunk (or use the model directly)"
+                )
             prompt = self.build_prompt(chunks, question, template=template, prefix=prefix, suffix=suffix)
         self._check_length(prompt, params.max_new_tokens)
         mode = PrefillMode.parse(mode)

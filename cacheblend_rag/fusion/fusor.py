@@ -42,7 +42,9 @@ class FusionPlan:
         n = self.input_ids.shape[0]
         for name in ("positions", "exact", "reused"):
             if getattr(self, name).shape != (n,):
-                raise CacheBlendError(f"plan.{name} must have shape ({n},), got {tuple(getattr(self, name).shape)}")
+                raise CacheBlendError(
+                    f"plan.{name} must have shape ({n},), got {tuple(getattr(self, name).shape)}"
+                )
         if bool((self.exact & self.reused).any()):
             raise CacheBlendError("a token cannot be both exact and reused")
         if len(self.check_layers) != len(self.keep_counts):
@@ -52,7 +54,9 @@ class FusionPlan:
         if self.positions.numel() > 1 and bool((self.positions[1:] <= self.positions[:-1]).any()):
             raise CacheBlendError("plan.positions must be strictly increasing (tokens in prompt order)")
         if bool(self.exact[-1]) or bool(self.reused[-1]):
-            raise CacheBlendError("the prompt's last token must be computed (its hidden state gives the logits)")
+            raise CacheBlendError(
+                "the prompt's last token must be computed (its hidden state gives the logits)"
+            )
 
 
 @dataclass
@@ -90,9 +94,13 @@ def attend_blocks(
     outs, start = [], 0
     for size in sizes.tolist():
         q_pos = q_positions[start : start + size]
-        end = int(torch.searchsorted(k_positions, q_pos[-1], right=True))  # keys at positions <= the block's last
+        end = int(
+            torch.searchsorted(k_positions, q_pos[-1], right=True)
+        )  # keys at positions <= the block's last
         mask = causal_mask(q_pos, k_positions[:end])  # [size, end]
-        outs.append(lm.attend(layer_idx, query[:, start : start + size], keys[:, :end], values[:, :end], mask))
+        outs.append(
+            lm.attend(layer_idx, query[:, start : start + size], keys[:, :end], values[:, :end], mask)
+        )
         start += size
     return torch.cat(outs, dim=0)
 
@@ -114,14 +122,15 @@ def fuse(
     num_layers = lm.shape.num_layers
     if plan.check_layers and plan.check_layers[-1] >= num_layers:
         raise CacheBlendError(
-            f"check layer {plan.check_layers[-1]} does not exist: the model has {num_layers} layers (0..{num_layers - 1})"
+            f"check layer {plan.check_layers[-1]} does not exist: "
+            f"the model has {num_layers} layers (0..{num_layers - 1})"
         )
     device = lm.device
     positions = plan.positions.to(device)
     cos, sin = lm.rope(positions)  # [N, D]
     exact = plan.exact.to(device)
     reused = plan.reused.to(device)
-    checks = dict(zip(plan.check_layers, plan.keep_counts))
+    checks = dict(zip(plan.check_layers, plan.keep_counts, strict=True))
 
     active = (~exact).nonzero().squeeze(1)  # [A] indices of tokens being recomputed
     hidden = lm.embed(plan.input_ids.to(device)[active])  # [A, hidden]

@@ -1,0 +1,55 @@
+"""The command line end to end: index a folder, retrieve, answer, print metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from cacheblend_rag.cli import main
+
+
+def test_models_lists_the_presets(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen2.5-0.5b-instruct (default)" in out and "smollm2-135m-instruct" in out
+
+
+def test_ask_without_docs_or_index_is_a_clear_error(capsys):
+    assert main(["ask", "--model", "smollm2-135m-instruct", "question?"]) == 2
+    assert "give --docs DIR" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_ask_answers_from_a_folder_and_reuses_chunks(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "zorbania.txt").write_text(
+        "The kingdom of Zorbania lies in the northern mountains. Its capital is Quillton, a city of stone bridges.\n\n"
+        "Zorbania exports wool, copper and a blue cheese called vessa."
+    )
+    (docs / "sports.md").write_text("The national sport of Zorbania is ice rowing, played on frozen lakes.")
+    index_dir = tmp_path / "index"
+    code = main(
+        [
+            "ask",
+            "--docs",
+            str(docs),
+            "--index",
+            str(index_dir),
+            "--model",
+            "smollm2-135m-instruct",
+            "--chunk-tokens",
+            "32",
+            "--top-k",
+            "2",
+            "--max-new-tokens",
+            "16",
+            "What is the capital of Zorbania?",
+            "What is the capital city of Zorbania called?",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "Quillton" in out
+    assert out.count("mode=blend") == 2
+    assert "chunks hit/miss=2/0" in out  # chunks precomputed before each request, then read from the store
+    assert (index_dir / "chunks.json").exists()
