@@ -16,9 +16,7 @@ import torch
 from ..errors import CacheBlendError
 
 
-def chunk_key(
-    fingerprint: str, dtype: torch.dtype | str, prefix_ids: Sequence[int], chunk_ids: Sequence[int]
-) -> str:
+def chunk_key(fingerprint: str, dtype: torch.dtype | str, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
     """Content address of a chunk's KV: sha256 of the model, the dtype, the prefix tokens and the chunk tokens.
 
     The prefix is part of the key because the chunk was prefilled after it: another prefix gives other KV.
@@ -52,9 +50,7 @@ class ChunkKV:
                 f"got keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)}"
             )
         if self.keys.dtype != self.values.dtype:
-            raise CacheBlendError(
-                f"keys and values differ in dtype: {self.keys.dtype} vs {self.values.dtype}"
-            )
+            raise CacheBlendError(f"keys and values differ in dtype: {self.keys.dtype} vs {self.values.dtype}")
 
     @property
     def num_tokens(self) -> int:

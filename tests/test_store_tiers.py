@@ -1,0 +1,350 @@
+"""The store tiers below process memory: serialization, the disk tier, the Redis tier, and the tiered stack.
+
+Redis tests run against a private `redis-server` on a free loopback port; they are skipped (with the reason) only
+where that binary or redis-py is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from cacheblend_rag.store.chunk_kv import ChunkKV
+from cacheblend_rag.store.disk import DiskStore
+from cacheblend_rag.store.memory import MemoryStore
+from cacheblend_rag.store.serialize import CorruptEntryError, deserialize_chunk, serialize_chunk
+from cacheblend_rag.store.tiered import TieredStore, build_store
+
+
+def make_kv(name: str, tokens: int = 4, dtype: torch.dtype = torch.float32, seed: int = 0) -> ChunkKV:
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, 2, tokens, 8)  # [L, Hkv, T, D]
+    keys = torch.randn(shape, generator=g).to(dtype)
+    values = torch.randn(shape, generator=g).to(dtype)
+    return ChunkKV(name, keys, values)
+
+
+def same(a: ChunkKV, b: ChunkKV) -> bool:
+    return a.key == b.key and a.dtype == b.dtype and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+# ---------------------------------------------------------------- serialization
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_serialization_round_trips_bit_exact(dtype):
+    kv = make_kv("chunk-a", dtype=dtype)
+    out = deserialize_chunk(serialize_chunk(kv, fingerprint="model-x"), "chunk-a")
+    assert same(out, kv)
+
+
+def test_serialization_accepts_non_contiguous_tensors():
+    base = make_kv("chunk-a", tokens=6)
+    # [L, Hkv, D, T] -> transposed view [L, Hkv, T, D]: same shape as a chunk, not contiguous
+    keys = base.keys.transpose(2, 3).contiguous().transpose(2, 3)
+    kv = ChunkKV("chunk-a", keys, base.values)
+    assert not kv.keys.is_contiguous()
+    assert same(deserialize_chunk(serialize_chunk(kv), "chunk-a"), kv)
+
+
+def _tamper(data: bytes, old: bytes, new: bytes) -> bytes:
+    assert len(old) == len(new) and data.count(old) == 1
+    return data.replace(old, new)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: d[:5], "too short"),
+        (lambda d: d[:40], "truncated"),
+        (lambda d: d[:-7], "sha256|valid 'values'"),
+        (lambda d: d[:-1] + bytes([d[-1] ^ 0x01]), "sha256"),  # one bit flipped in the tensor data
+        (lambda d: b"\xff" * len(d), "truncated|unreadable"),
+        (lambda d: _tamper(d, b'"float32"', b'"float16"'), "header says float16"),  # mislabelled dtype
+        (lambda d: _tamper(d, b'"2,2,4,8"', b'"2,2,8,4"'), "header says"),  # mislabelled shape
+        (lambda d: _tamper(d, b'"version":"1"', b'"version":"9"'), "format version"),
+    ],
+    ids=["header-cut", "body-cut", "tail-cut", "bit-flip", "garbage", "dtype", "shape", "version"],
+)
+def test_damaged_bytes_raise_corrupt_entry_error(damage, message):
+    data = serialize_chunk(make_kv("chunk-a"))
+    with pytest.raises(CorruptEntryError, match=message):
+        deserialize_chunk(damage(data), "chunk-a")
+
+
+def test_entry_of_another_key_is_corrupt():
+    data = serialize_chunk(make_kv("chunk-a"))
+    with pytest.raises(CorruptEntryError, match="belongs to chunk chunk-a"):
+        deserialize_chunk(data, "chunk-b")
+
+
+# ---------------------------------------------------------------- disk tier
+
+BIG_TOKENS = 1024  # 2 x [2, 2, 1024, 8] fp32 = 128 KiB per entry: above diskcache's 32 KiB file threshold
+
+
+def test_disk_round_trip_and_counters(tmp_path):
+    store = DiskStore(tmp_path, budget_bytes=10 * 1024**2)
+    kv = make_kv("chunk-a", dtype=torch.bfloat16)
+    assert store.get("chunk-a") is None
+    store.put(kv)
+    assert "chunk-a" in store and len(store) == 1
+    assert same(store.get("chunk-a"), kv)
+    assert (store.stats.hits, store.stats.misses, store.stats.puts) == (1, 1, 1)
+    store.discard("chunk-a")
+    assert "chunk-a" not in store and len(store) == 0
+
+
+def test_disk_eviction_keeps_budget_and_drops_least_recently_used(tmp_path):
+    entry = len(serialize_chunk(make_kv("x", tokens=BIG_TOKENS)))
+    budget = 32 * 1024 + 4 * entry + entry // 2  # the index plus four and a half entries
+    store = DiskStore(tmp_path, budget_bytes=budget)
+    for i, name in enumerate("abcd"):
+        store.put(make_kv(name, tokens=BIG_TOKENS, seed=i))
+    assert len(store) == 4 and store.stats.evictions == 0
+    assert store.get("a") is not None  # a becomes the most recently used; b is now the oldest
+    store.put(make_kv("e", tokens=BIG_TOKENS, seed=4))
+    assert store.nbytes <= budget
+    assert "b" not in store
+    assert all(name in store for name in "acde")
+    assert store.stats.evictions == 1
+
+
+def test_disk_entry_larger_than_budget_is_not_kept(tmp_path):
+    store = DiskStore(tmp_path, budget_bytes=64 * 1024)
+    store.put(make_kv("small"))
+    store.put(make_kv("huge", tokens=BIG_TOKENS))
+    assert "huge" not in store and "small" in store
+
+
+def test_disk_overwritten_value_file_is_a_logged_miss_and_removed(tmp_path, caplog):
+    store = DiskStore(tmp_path, budget_bytes=10 * 1024**2)
+    store.put(make_kv("chunk-a", tokens=BIG_TOKENS))
+    (value_file,) = tmp_path.rglob("*.val")
+    raw = bytearray(value_file.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 64] = b"\0" * 64
+    value_file.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.disk"):
+        assert store.get("chunk-a") is None
+    assert "chunk-a" not in store
+    assert store.stats.corrupt == 1 and store.stats.misses == 1
+    assert "corrupt" in caplog.text and "sha256" in caplog.text
+
+
+@pytest.mark.parametrize("planted", [b"garbage bytes", {"a pickled": "dict"}, "a string"])
+def test_disk_foreign_value_is_a_miss_and_never_unpickled(tmp_path, planted):
+    diskcache = pytest.importorskip("diskcache")
+    store = DiskStore(tmp_path, budget_bytes=10 * 1024**2)
+    diskcache.Cache(str(tmp_path)).set("chunk-a", planted)  # another writer sharing the directory
+    assert store.get("chunk-a") is None
+    assert "chunk-a" not in store
+    assert store.stats.corrupt == 1
+
+
+def test_disk_entries_survive_reopening(tmp_path):
+    DiskStore(tmp_path, budget_bytes=10 * 1024**2).put(make_kv("chunk-a"))
+    assert same(DiskStore(tmp_path, budget_bytes=10 * 1024**2).get("chunk-a"), make_kv("chunk-a"))
+
+
+# ---------------------------------------------------------------- tiered stack
+
+
+def test_tiered_hit_in_lower_tier_is_promoted(tmp_path):
+    memory, disk = MemoryStore(10 * 1024**2), DiskStore(tmp_path, 10 * 1024**2)
+    store = TieredStore([memory, disk], names=["memory", "disk"])
+    kv = make_kv("chunk-a")
+    disk.put(kv)
+    assert "chunk-a" not in memory
+    assert same(store.get("chunk-a"), kv)
+    assert "chunk-a" in memory
+    assert store.get("chunk-a") is not None
+    assert store.get("chunk-b") is None
+    assert store.hits_by_tier == {"memory": 1, "disk": 1}
+    assert (store.stats.hits, store.stats.misses) == (2, 1)
+
+
+def test_tiered_put_writes_through_and_serves_after_memory_eviction(tmp_path):
+    store = build_store(memory_bytes=make_kv("x").nbytes, disk_dir=tmp_path, disk_bytes=10 * 1024**2)
+    memory, disk = store.tiers
+    store.put(make_kv("chunk-a", seed=1))
+    store.put(make_kv("chunk-b", seed=2))  # memory holds one entry: chunk-a leaves it
+    assert "chunk-a" not in memory and "chunk-a" in disk
+    assert same(store.get("chunk-a"), make_kv("chunk-a", seed=1))
+    assert store.hits_by_tier == {"memory": 0, "disk": 1}
+    assert set(store.tier_stats()) == {"memory", "disk"}
+
+
+def test_tiered_rejects_duplicate_names():
+    from cacheblend_rag.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="distinct"):
+        TieredStore([MemoryStore(), MemoryStore()])
+
+
+# ---------------------------------------------------------------- Redis tier
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A throwaway redis-server on loopback, no persistence."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install redis)")
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if client.ping():
+                    client.close()
+                    return
+            except redis.ConnectionError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.skip(f"redis-server did not start on port {self.port}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_store(redis_server):
+    from cacheblend_rag.store.redis_store import RedisStore
+
+    store = RedisStore(redis_server.url, budget_bytes=10 * 1024**2, namespace=f"test-{uuid.uuid4().hex[:8]}")
+    yield store
+    store.clear()
+    store.close()
+
+
+def test_redis_round_trip(redis_store):
+    kv = make_kv("chunk-a", dtype=torch.bfloat16)
+    assert redis_store.get("chunk-a") is None
+    redis_store.put(kv)
+    assert "chunk-a" in redis_store and len(redis_store) == 1
+    assert same(redis_store.get("chunk-a"), kv)
+    assert redis_store.nbytes == len(serialize_chunk(kv))
+    redis_store.discard("chunk-a")
+    assert "chunk-a" not in redis_store and len(redis_store) == 0 and redis_store.nbytes == 0
+
+
+def test_redis_eviction_keeps_budget_and_drops_least_recently_used(redis_server):
+    from cacheblend_rag.store.redis_store import RedisStore
+
+    entry = len(serialize_chunk(make_kv("x")))
+    store = RedisStore(redis_server.url, budget_bytes=3 * entry + entry // 2, namespace=f"t-{uuid.uuid4().hex[:8]}")
+    for i, name in enumerate("abc"):
+        store.put(make_kv(name, seed=i))
+    assert store.get("a") is not None  # b is now the least recently used
+    store.put(make_kv("d", seed=3))
+    assert "b" not in store
+    assert all(name in store for name in "acd")
+    assert len(store) == 3 and store.nbytes == 3 * entry <= store.budget_bytes
+    assert store.stats.evictions == 1
+    store.clear()
+
+
+def test_redis_garbled_value_is_a_logged_miss_and_removed(redis_store, caplog):
+    redis_store.put(make_kv("chunk-a"))
+    client = redis_store._client
+    value_key = f"{redis_store.namespace}:chunk-a"
+    client.setrange(value_key, client.strlen(value_key) - 3, b"\x00\x01\x02")
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.redis_store"):
+        assert redis_store.get("chunk-a") is None
+    assert "corrupt" in caplog.text
+    assert "chunk-a" not in redis_store and len(redis_store) == 0 and redis_store.nbytes == 0
+    assert redis_store.stats.corrupt == 1
+    client.set(f"{redis_store.namespace}:chunk-b", b"not a chunk")  # planted by hand, no bookkeeping
+    assert redis_store.get("chunk-b") is None and "chunk-b" not in redis_store
+    assert redis_store.stats.corrupt == 2
+
+
+def test_redis_two_processes_see_each_others_chunks(redis_server, redis_store):
+    redis_store.put(make_kv("from-parent", seed=7))
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_store_tiers import make_kv, same
+        from cacheblend_rag.store.redis_store import RedisStore
+        store = RedisStore({redis_server.url!r}, namespace={redis_store.namespace!r})
+        got = store.get("from-parent")
+        assert got is not None and same(got, make_kv("from-parent", seed=7)), "child did not see the parent's chunk"
+        store.put(make_kv("from-child", seed=8))
+        """
+    )
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert same(redis_store.get("from-child"), make_kv("from-child", seed=8))
+
+
+def test_redis_stopped_mid_run_falls_back_without_errors(caplog):
+    from cacheblend_rag.store.redis_store import RedisStore
+
+    server = RedisServer()
+    server.start()
+    try:
+        redis = RedisStore(server.url, budget_bytes=10 * 1024**2, backoff_s=0.3)
+        store = TieredStore([MemoryStore(10 * 1024**2), redis], names=["memory", "redis"])
+        store.put(make_kv("chunk-a"))
+        assert "chunk-a" in redis
+        server.stop()
+
+        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.redis_store"):
+            t0 = time.monotonic()
+            assert redis.get("chunk-a") is None
+            assert redis.get("chunk-a") is None  # backing off: not even tried
+            store.put(make_kv("chunk-b"))
+            assert store.get("chunk-a") is not None and store.get("chunk-b") is not None
+            assert store.get("chunk-c") is None
+            elapsed = time.monotonic() - t0
+        assert elapsed < 2.0, f"calls during an outage must not wait on timeouts, took {elapsed:.2f}s"
+        assert store.hits_by_tier == {"memory": 2, "redis": 0}
+        assert redis.stats.errors == 1 and not redis.available
+        assert caplog.text.count("unreachable") == 1
+
+        # The server comes back on the same port: after the back-off the tier is used again.
+        server.start()
+        time.sleep(0.35)
+        redis.put(make_kv("chunk-d"))
+        assert redis.get("chunk-d") is not None
+        assert "reachable again" in caplog.text
+    finally:
+        server.stop()
