@@ -83,9 +83,7 @@ class BlendConfig:
             for i, x in enumerate(ratios):
                 _check_ratio(f"check_ratios[{i}]", x)
             if any(b > a for a, b in zip(ratios, ratios[1:], strict=False)):
-                raise ConfigError(
-                    f"check_ratios must not increase (each check filters the last), got {ratios}"
-                )
+                raise ConfigError(f"check_ratios must not increase (each check filters the last), got {ratios}")
             if ratios[-1] < self.recompute_ratio:
                 raise ConfigError(
                     f"the last check ratio ({ratios[-1]}) must be >= recompute_ratio ({self.recompute_ratio}): "
@@ -131,9 +129,7 @@ def normalize_dtype_name(dtype: object) -> str:
     """'bf16', torch.bfloat16, ... -> 'bfloat16'; anything else is a ConfigError listing the choices."""
     name = str(dtype).removeprefix("torch.").lower()
     if name not in _DTYPES:
-        raise ConfigError(
-            f"dtype must be one of float32, bfloat16, float16 (or fp32/bf16/fp16), got {dtype!r}"
-        )
+        raise ConfigError(f"dtype must be one of float32, bfloat16, float16 (or fp32/bf16/fp16), got {dtype!r}")
     return _DTYPES[name]
 
 
@@ -144,6 +140,10 @@ class EngineConfig:
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     dtype: str = "float32"  # "float32" for quality and exactness, "bfloat16"/"float16" for speed
     memory_budget_bytes: int = 2 * 1024**3  # in-process chunk KV store, LRU beyond this
+    disk_dir: str | None = None  # local disk tier (diskcache) under this folder; None: no disk tier
+    disk_budget_bytes: int = 20 * 1024**3
+    redis_url: str | None = None  # shared Redis tier, e.g. "redis://127.0.0.1:6379/0"; None: no Redis tier
+    redis_budget_bytes: int = 8 * 1024**3
     chunk_separator: str = "\n\n"  # appended to each chunk's text before tokenizing (part of its cache key)
     max_prompt_tokens: int | None = None  # None: the model's context length
     blend: BlendConfig = field(default_factory=BlendConfig)
@@ -153,8 +153,11 @@ class EngineConfig:
         dev = str(self.device)
         if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.memory_budget_bytes < 0:
-            raise ConfigError(f"memory_budget_bytes must be >= 0, got {self.memory_budget_bytes}")
+        for name in ("memory_budget_bytes", "disk_budget_bytes", "redis_budget_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.redis_url is not None and not str(self.redis_url).startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ConfigError(f"max_prompt_tokens must be >= 1 or None, got {self.max_prompt_tokens}")
         if not isinstance(self.blend, BlendConfig):

@@ -21,13 +21,9 @@ def test_cuda_blend_ends_match_full_and_reuse(family):
     )
     prompt = engine.build_prompt([words(s, 30) for s in (1, 2, 3)], prefix=words(4, 5), suffix=words(5, 6))
     full = engine.prefill(prompt, "full").logits
-    torch.testing.assert_close(
-        engine.prefill(prompt, "blend", recompute_ratio=1.0).logits, full, atol=1e-4, rtol=0
-    )
+    torch.testing.assert_close(engine.prefill(prompt, "blend", recompute_ratio=1.0).logits, full, atol=1e-4, rtol=0)
     reuse = engine.prefill(prompt, "reuse").logits
-    torch.testing.assert_close(
-        engine.prefill(prompt, "blend", recompute_ratio=0.0).logits, reuse, atol=1e-4, rtol=0
-    )
+    torch.testing.assert_close(engine.prefill(prompt, "blend", recompute_ratio=0.0).logits, reuse, atol=1e-4, rtol=0)
     assert engine.lm.device.type == "cuda"
 
 
@@ -37,7 +33,5 @@ def test_cuda_bf16_generation_runs():
         make_tiny_tokenizer(),
         config=EngineConfig(device="cuda", dtype="bfloat16", chunk_separator=""),
     )
-    out = engine.generate(
-        [words(7, 20), words(8, 20)], prefix=words(4, 5), suffix=words(5, 6), max_new_tokens=5
-    )
+    out = engine.generate([words(7, 20), words(8, 20)], prefix=words(4, 5), suffix=words(5, 6), max_new_tokens=5)
     assert out.metrics.prompt_tokens == 51

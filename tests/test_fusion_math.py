@@ -89,9 +89,7 @@ def test_first_chunk_kv_equals_in_context_prefill(tiny_engine):
     lm = tiny_engine.lm
     cos, sin = lm.rope(torch.arange(start, end))
     for layer_idx, (kf, vf) in enumerate(cache_tensors(full)):
-        torch.testing.assert_close(
-            rotate_keys(kv.keys[layer_idx], cos, sin), kf[:, start:end], atol=1e-5, rtol=0
-        )
+        torch.testing.assert_close(rotate_keys(kv.keys[layer_idx], cos, sin), kf[:, start:end], atol=1e-5, rtol=0)
         torch.testing.assert_close(kv.values[layer_idx], vf[:, start:end], atol=1e-5, rtol=0)
 
 
@@ -199,7 +197,6 @@ def test_more_recompute_moves_closer_to_full(tiny_engine):
     prompt = three_chunk_prompt(tiny_engine, chunk_len=40)
     full = logits_of(tiny_engine, prompt, "full")
     err = {
-        r: (logits_of(tiny_engine, prompt, "blend", recompute_ratio=r) - full).abs().max().item()
-        for r in (0.0, 1.0)
+        r: (logits_of(tiny_engine, prompt, "blend", recompute_ratio=r) - full).abs().max().item() for r in (0.0, 1.0)
     }
     assert err[1.0] < 1e-4 < err[0.0]

@@ -220,9 +220,7 @@ def _fake_preset(sha256: str | None) -> ModelPreset:
     )
 
 
-def test_joining_parts_with_right_digest_writes_the_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_joining_parts_with_right_digest_writes_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     whole = _install_fake_parts(tmp_path / "site", monkeypatch)
     preset = _fake_preset(hashlib.sha256(whole).hexdigest())
 
@@ -247,9 +245,7 @@ def test_digest_mismatch_raises_and_leaves_nothing(tmp_path: Path, monkeypatch: 
     assert list((tmp_path / "cache" / "models" / "fake-model").iterdir()) == []
 
 
-def test_preset_through_load_model_uses_the_patched_table(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_preset_through_load_model_uses_the_patched_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A digest mismatch surfaces through load_model too, and the failed first use leaves no hf/ folder.
     _install_fake_parts(tmp_path / "site", monkeypatch)
     monkeypatch.setattr(loader, "PRESETS", {"fake-model": _fake_preset("0" * 64)})
@@ -258,9 +254,7 @@ def test_preset_through_load_model_uses_the_patched_table(
     assert list((tmp_path / "cache" / "models" / "fake-model").iterdir()) == []
 
 
-def test_interrupted_first_conversion_leaves_no_half_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_interrupted_first_conversion_leaves_no_half_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     whole = _install_fake_parts(tmp_path / "site", monkeypatch)
     monkeypatch.setattr(loader, "PRESETS", {"fake-model": _fake_preset(hashlib.sha256(whole).hexdigest())})
 

@@ -44,9 +44,7 @@ def _sample_text() -> str:
     """Paragraphs of varied lengths, sentences of varied lengths, stray blank lines and indentation."""
     paragraphs = []
     for p in range(9):
-        sentences = [
-            " ".join(f"p{p}s{s}w{w}" for w in range(3 + (p * 7 + s * 5) % 23)) + "." for s in range(1 + p % 4)
-        ]
+        sentences = [" ".join(f"p{p}s{s}w{w}" for w in range(3 + (p * 7 + s * 5) % 23)) + "." for s in range(1 + p % 4)]
         paragraphs.append(" ".join(sentences))
     return "\n\n".join(paragraphs) + "\n\n   \n\n\t\n" + "Final words here!\n"
 
@@ -217,9 +215,7 @@ def test_only_empty_files_is_an_error(tmp_path: Path) -> None:
     assert str(tmp_path) in str(info.value)
 
 
-def test_undecodable_files_are_skipped_with_a_warning(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_undecodable_files_are_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\xfa binary")
     (tmp_path / "good.txt").write_text("Fine text.", encoding="utf-8")
     with caplog.at_level(logging.WARNING, logger="cacheblend_rag.retrieval.documents"):
@@ -381,16 +377,12 @@ def test_wrong_embedding_dimension_is_caught(index: ChunkIndex, tmp_path: Path) 
 def test_build_index_from_folder(embedder, tmp_path: Path) -> None:
     for name, text in TOPICS.items():
         (tmp_path / f"{name}.md").write_text(text, encoding="utf-8")
-    index = build_index_from_folder(
-        tmp_path, WordTokenizer(), chunk_tokens=16, embedder=embedder, show_progress=False
-    )
+    index = build_index_from_folder(tmp_path, WordTokenizer(), chunk_tokens=16, embedder=embedder, show_progress=False)
     assert all(c.token_count <= 16 for c in index.chunks)
     assert index.search("Tell me about magma and eruptions", k=1)[0].chunk.source == "volcano.md"
 
 
-def test_unnamed_embedder_is_saved_as_custom_and_reloads_with_itself(
-    embedder, chunks, tmp_path: Path
-) -> None:
+def test_unnamed_embedder_is_saved_as_custom_and_reloads_with_itself(embedder, chunks, tmp_path: Path) -> None:
     class Wrapped:
         """A stand-in embedder that reports no model name."""
 

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -178,10 +179,31 @@ def test_tiered_put_writes_through_and_serves_after_memory_eviction(tmp_path):
     memory, disk = store.tiers
     store.put(make_kv("chunk-a", seed=1))
     store.put(make_kv("chunk-b", seed=2))  # memory holds one entry: chunk-a leaves it
+    store.flush()  # lower tiers are written in the background
     assert "chunk-a" not in memory and "chunk-a" in disk
     assert same(store.get("chunk-a"), make_kv("chunk-a", seed=1))
     assert store.hits_by_tier == {"memory": 0, "disk": 1}
     assert set(store.tier_stats()) == {"memory", "disk"}
+
+
+def test_tiered_put_never_waits_on_a_slow_lower_tier():
+    release = threading.Event()
+
+    class SlowTier(MemoryStore):
+        name = "slow"
+
+        def put(self, kv):
+            release.wait(timeout=10)
+            super().put(kv)
+
+    slow = SlowTier(10 * 1024**2)
+    store = TieredStore([MemoryStore(10 * 1024**2), slow])
+    store.put(make_kv("chunk-a"))  # returns although the slow tier is still blocked
+    assert store.get("chunk-a") is not None and "chunk-a" not in slow
+    release.set()
+    store.flush(timeout=10)
+    assert "chunk-a" in slow
+    store.close()
 
 
 def test_tiered_rejects_duplicate_names():
@@ -324,6 +346,7 @@ def test_redis_stopped_mid_run_falls_back_without_errors(caplog):
         redis = RedisStore(server.url, budget_bytes=10 * 1024**2, backoff_s=0.3)
         store = TieredStore([MemoryStore(10 * 1024**2), redis], names=["memory", "redis"])
         store.put(make_kv("chunk-a"))
+        store.flush()
         assert "chunk-a" in redis
         server.stop()
 
@@ -332,6 +355,7 @@ def test_redis_stopped_mid_run_falls_back_without_errors(caplog):
             assert redis.get("chunk-a") is None
             assert redis.get("chunk-a") is None  # backing off: not even tried
             store.put(make_kv("chunk-b"))
+            store.flush()
             assert store.get("chunk-a") is not None and store.get("chunk-b") is not None
             assert store.get("chunk-c") is None
             elapsed = time.monotonic() - t0

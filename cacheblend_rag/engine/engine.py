@@ -31,7 +31,8 @@ from ..errors import ConfigError, PromptError
 from ..fusion import FusionPlan, fuse, keep_counts
 from ..models.adapter import LayerwiseModel
 from ..models.support import max_blend_length
-from ..store import ChunkKV, ChunkStore, MemoryStore, chunk_key
+from ..store import ChunkKV, ChunkStore, chunk_key
+from ..store.tiered import build_store
 from .generation import SamplingParams, TextAssembler, TokenPicker, eos_token_ids
 from .metrics import RequestMetrics
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_chunks, tokenize_parts, tokenize_prefix
@@ -112,15 +113,23 @@ class CacheBlendEngine:
         dtype = _TORCH_DTYPES[self.config.dtype]
         device = torch.device(self.config.device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(
-                f"device {self.config.device!r} asked for, but no CUDA device is present; use 'cpu'"
-            )
+            raise ConfigError(f"device {self.config.device!r} asked for, but no CUDA device is present; use 'cpu'")
         model = model.to(device=device, dtype=dtype).eval()
         self.model = model
         self.tokenizer = tokenizer
         self.lm = LayerwiseModel(model)
         self.device, self.dtype = device, dtype
-        self.store: ChunkStore = store if store is not None else MemoryStore(self.config.memory_budget_bytes)
+        self.store: ChunkStore = (
+            store
+            if store is not None
+            else build_store(
+                memory_bytes=self.config.memory_budget_bytes,
+                disk_dir=self.config.disk_dir,
+                disk_bytes=self.config.disk_budget_bytes,
+                redis_url=self.config.redis_url,
+                redis_bytes=self.config.redis_budget_bytes,
+            )
+        )
         self.template = template or PromptTemplate()
         self.fingerprint = model_fingerprint(model)
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -178,17 +187,13 @@ class CacheBlendEngine:
         """Tokenize a request. Either a question (rendered with the template) or an explicit prefix/suffix."""
         if question is not None:
             if prefix is not None or suffix is not None:
-                raise PromptError(
-                    "give either a question (the template renders it) or prefix/suffix, not both"
-                )
+                raise PromptError("give either a question (the template renders it) or prefix/suffix, not both")
             if not question.strip():
                 raise PromptError("the question is empty")
             prefix, suffix = (template or self.template).render(self.tokenizer, question)
         elif suffix is None:
             raise PromptError("give a question, or a suffix (the text after the chunks)")
-        return tokenize_parts(
-            self.tokenizer, prefix or "", chunks, suffix, separator=self.config.chunk_separator
-        )
+        return tokenize_parts(self.tokenizer, prefix or "", chunks, suffix, separator=self.config.chunk_separator)
 
     def _check_length(self, prompt: TokenizedPrompt, max_new_tokens: int = 0) -> None:
         total = prompt.num_tokens + max_new_tokens
@@ -203,9 +208,7 @@ class CacheBlendEngine:
     def _key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
         return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids)
 
-    def _layer_loader(
-        self, parts: Sequence[ChunkKV], total: int
-    ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    def _layer_loader(self, parts: Sequence[ChunkKV], total: int) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
         """Loads layer l of the given KV parts laid end to end, padded with zeros up to `total` tokens."""
         covered = sum(p.num_tokens for p in parts)
         pad = total - covered
@@ -242,16 +245,23 @@ class CacheBlendEngine:
         values = torch.stack([v[:, p:] for v in result.values])
         return ChunkKV(self._key(prefix_ids, ids), keys, values)
 
+    def _lookup(self, key: str) -> tuple[ChunkKV | None, str | None]:
+        lookup = getattr(self.store, "lookup", None)
+        if lookup is not None:
+            return lookup(key)
+        kv = self.store.get(key)
+        return kv, (None if kv is None else getattr(self.store, "name", type(self.store).__name__))
+
     def _get_or_prefill(
         self, prefix: ChunkKV | None, prefix_ids: Sequence[int], ids: Sequence[int]
-    ) -> tuple[ChunkKV, bool]:
-        """-> (KV, True if it came from the store)"""
+    ) -> tuple[ChunkKV, str | None]:
+        """-> (KV, the name of the store tier it came from, or None if it was prefilled now)"""
         key = self._key(prefix_ids, ids)
-        kv = self.store.get(key)
+        kv, tier = self._lookup(key)
         if kv is not None:
             shape = (self.lm.shape.num_layers, self.lm.shape.num_kv_heads, len(ids), self.lm.shape.head_dim)
             if kv.dtype == self.dtype and tuple(kv.keys.shape) == shape:
-                return kv.to(self.device), True
+                return kv.to(self.device), tier
             # The key hashes model, dtype and tokens, so this is a damaged entry: recompute and overwrite it.
             logger.warning(
                 "chunk %s in the store has dtype %s and shape %s, expected %s and %s; recomputing",
@@ -263,7 +273,7 @@ class CacheBlendEngine:
             )
         kv = self._prefill_kv(prefix, prefix_ids, ids)
         self.store.put(kv)
-        return kv, False
+        return kv, None
 
     def _prefix_kv(self, prefix_ids: Sequence[int]) -> ChunkKV | None:
         if not prefix_ids:
@@ -292,8 +302,8 @@ class CacheBlendEngine:
         with self._lock:
             prefix_kv = self._prefix_kv(prefix_ids)
             for ids in tqdm(chunk_ids, desc="precomputing chunk KV", unit="chunk", disable=not show_progress):
-                _, hit = self._get_or_prefill(prefix_kv, prefix_ids, ids)
-                hits, misses = hits + hit, misses + (not hit)
+                _, tier = self._get_or_prefill(prefix_kv, prefix_ids, ids)
+                hits, misses = hits + (tier is not None), misses + (tier is None)
         return hits, misses
 
     # -- prefill --------------------------------------------------------------------------------------------
@@ -334,9 +344,7 @@ class CacheBlendEngine:
         if recompute_ratio is not None:
             blend = blend.with_ratio(recompute_ratio)
         if blend.check_layers[-1] >= self.lm.shape.num_layers:
-            raise ConfigError(
-                f"check layer {blend.check_layers[-1]} >= the model's {self.lm.shape.num_layers} layers"
-            )
+            raise ConfigError(f"check layer {blend.check_layers[-1]} >= the model's {self.lm.shape.num_layers} layers")
         self._check_length(prompt)
         with self._lock:
             return self._prefill_locked(prompt, mode, blend)
@@ -363,9 +371,10 @@ class CacheBlendEngine:
         parts: list[ChunkKV] = [prefix_kv] if prefix_kv is not None else []
         for ids in prompt.chunk_ids[:n_chunks]:
             t = time.perf_counter()
-            kv, hit = self._get_or_prefill(prefix_kv, prompt.prefix_ids, ids)
-            if hit:
+            kv, tier = self._get_or_prefill(prefix_kv, prompt.prefix_ids, ids)
+            if tier is not None:
                 m.chunks_hit += 1
+                m.hits_by_tier[tier] = m.hits_by_tier.get(tier, 0) + 1
                 m.bytes_loaded += kv.nbytes
             else:
                 m.chunks_missed += 1
@@ -490,9 +499,7 @@ class CacheBlendEngine:
             prompt = chunks
         else:
             if not chunks:
-                raise PromptError(
-                    "no chunks given; pass at least one document chunk (or use the model directly)"
-                )
+                raise PromptError("no chunks given; pass at least one document chunk (or use the model directly)")
             prompt = self.build_prompt(chunks, question, template=template, prefix=prefix, suffix=suffix)
         self._check_length(prompt, params.max_new_tokens)
         mode = PrefillMode.parse(mode)

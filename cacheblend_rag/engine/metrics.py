@@ -16,6 +16,7 @@ class RequestMetrics:
     compute_share: float = 0.0  # token-layers recomputed / token-layers of a full prefill
     chunks_hit: int = 0
     chunks_missed: int = 0  # not in the store: prefilled on the spot and stored
+    hits_by_tier: dict[str, int] = field(default_factory=dict)  # chunk hits per store tier (memory, disk, redis)
     bytes_loaded: int = 0
     load_s: float = 0.0  # store lookups and assembling loaded KV
     precompute_s: float = 0.0  # prefilling chunks that missed
@@ -30,6 +31,11 @@ class RequestMetrics:
         """Share of the prompt recomputed on the last layer."""
         return self.recomputed_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    def _tiers(self) -> str:
+        if set(self.hits_by_tier) <= {"memory"}:
+            return ""
+        return " (" + ", ".join(f"{k} {v}" for k, v in self.hits_by_tier.items()) + ")"
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["recompute_share"] = self.recompute_share
@@ -40,7 +46,8 @@ class RequestMetrics:
         return (
             f"mode={self.mode}{ratio} ttft={self.ttft_s * 1000:.0f}ms prompt={self.prompt_tokens} tok "
             f"recomputed={self.recomputed_tokens} ({self.recompute_share:.0%}, compute {self.compute_share:.0%}) "
-            f"chunks hit/miss={self.chunks_hit}/{self.chunks_missed} loaded={self.bytes_loaded / 2**20:.1f}MiB "
+            f"chunks hit/miss={self.chunks_hit}/{self.chunks_missed}{self._tiers()} "
+            f"loaded={self.bytes_loaded / 2**20:.1f}MiB "
             f"load={self.load_s * 1000:.0f}ms compute={self.compute_s * 1000:.0f}ms "
             f"decode={self.generated_tokens} tok in {self.decode_s:.2f}s"
         )

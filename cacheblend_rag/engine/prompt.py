@@ -34,9 +34,7 @@ class PromptTemplate:
     def render(self, tokenizer: Any, question: str) -> tuple[str, str]:
         """-> (prefix text before the chunks, suffix text after them)."""
         if "{question}" not in self.question_template:
-            raise PromptError(
-                f"question_template must contain '{{question}}', got {self.question_template!r}"
-            )
+            raise PromptError(f"question_template must contain '{{question}}', got {self.question_template!r}")
         tail = self.question_template.format(question=question)
         if self.use_chat_template and getattr(tokenizer, "chat_template", None):
             messages = []
@@ -119,9 +117,7 @@ def tokenize_prefix(tokenizer: Any, prefix: str) -> tuple[int, ...]:
     return ids
 
 
-def tokenize_chunks(
-    tokenizer: Any, chunks: Sequence[str], separator: str = "\n\n"
-) -> tuple[tuple[int, ...], ...]:
+def tokenize_chunks(tokenizer: Any, chunks: Sequence[str], separator: str = "\n\n") -> tuple[tuple[int, ...], ...]:
     """Each chunk is tokenized as `text + separator`; a non-string or blank chunk is an error."""
     if isinstance(chunks, str):
         raise PromptError("chunks must be a list of strings, got a single string; wrap it: [text]")

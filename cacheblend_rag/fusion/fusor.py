@@ -42,9 +42,7 @@ class FusionPlan:
         n = self.input_ids.shape[0]
         for name in ("positions", "exact", "reused"):
             if getattr(self, name).shape != (n,):
-                raise CacheBlendError(
-                    f"plan.{name} must have shape ({n},), got {tuple(getattr(self, name).shape)}"
-                )
+                raise CacheBlendError(f"plan.{name} must have shape ({n},), got {tuple(getattr(self, name).shape)}")
         if bool((self.exact & self.reused).any()):
             raise CacheBlendError("a token cannot be both exact and reused")
         if len(self.check_layers) != len(self.keep_counts):
@@ -54,9 +52,7 @@ class FusionPlan:
         if self.positions.numel() > 1 and bool((self.positions[1:] <= self.positions[:-1]).any()):
             raise CacheBlendError("plan.positions must be strictly increasing (tokens in prompt order)")
         if bool(self.exact[-1]) or bool(self.reused[-1]):
-            raise CacheBlendError(
-                "the prompt's last token must be computed (its hidden state gives the logits)"
-            )
+            raise CacheBlendError("the prompt's last token must be computed (its hidden state gives the logits)")
 
 
 @dataclass
@@ -94,13 +90,9 @@ def attend_blocks(
     outs, start = [], 0
     for size in sizes.tolist():
         q_pos = q_positions[start : start + size]
-        end = int(
-            torch.searchsorted(k_positions, q_pos[-1], right=True)
-        )  # keys at positions <= the block's last
+        end = int(torch.searchsorted(k_positions, q_pos[-1], right=True))  # keys at positions <= the block's last
         mask = causal_mask(q_pos, k_positions[:end])  # [size, end]
-        outs.append(
-            lm.attend(layer_idx, query[:, start : start + size], keys[:, :end], values[:, :end], mask)
-        )
+        outs.append(lm.attend(layer_idx, query[:, start : start + size], keys[:, :end], values[:, :end], mask))
         start += size
     return torch.cat(outs, dim=0)
 

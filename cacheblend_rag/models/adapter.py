@@ -73,9 +73,7 @@ class LayerwiseModel:
         self.model = model
         self.base = base
         self.layers = base.layers
-        self.has_qk_norm = hasattr(attn0, "q_norm") and hasattr(
-            attn0, "k_norm"
-        )  # Qwen3 normalizes q/k per head
+        self.has_qk_norm = hasattr(attn0, "q_norm") and hasattr(attn0, "k_norm")  # Qwen3 normalizes q/k per head
         self.shape = ModelShape(
             num_layers=len(base.layers),
             num_heads=cfg.num_attention_heads,
@@ -119,9 +117,7 @@ class LayerwiseModel:
         v = attn.v_proj(x).view(t, -1, d)
         return k.transpose(0, 1), v.transpose(0, 1)
 
-    def project_q(
-        self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def project_q(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [A, hidden]; cos, sin: [A, D] -> rotated queries [H, A, D]"""
         attn = self.layers[layer_idx].self_attn
         q = attn.q_proj(x).view(x.shape[0], -1, self.shape.head_dim)  # [A, H, D]

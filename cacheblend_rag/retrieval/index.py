@@ -59,9 +59,7 @@ def _import_faiss() -> Any:
     try:
         import faiss
     except ImportError as exc:
-        raise ImportError(
-            "the retriever needs FAISS; install it with `pip install 'faiss-cpu>=1.8'`"
-        ) from exc
+        raise ImportError("the retriever needs FAISS; install it with `pip install 'faiss-cpu>=1.8'`") from exc
     return faiss
 
 
@@ -123,9 +121,7 @@ def _chunk_from_json(item: Any) -> Chunk:
 class ChunkIndex:
     """Chunks plus their embeddings in a FAISS inner-product index; build with `build` or `load`."""
 
-    def __init__(
-        self, chunks: Sequence[Chunk], index: faiss.Index, embedder: Embedder, model_name: str
-    ) -> None:
+    def __init__(self, chunks: Sequence[Chunk], index: faiss.Index, embedder: Embedder, model_name: str) -> None:
         if index.ntotal != len(chunks):
             raise ConfigError(
                 f"the FAISS index holds {index.ntotal} vectors but {len(chunks)} chunks were given; "
@@ -154,9 +150,7 @@ class ChunkIndex:
         """
         chunks = tuple(chunks)
         if not chunks:
-            raise PromptError(
-                "cannot build an index from zero chunks; load some documents and split them first"
-            )
+            raise PromptError("cannot build an index from zero chunks; load some documents and split them first")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}; use e.g. 32")
         model_name = _model_name(embedder, model_name) or CUSTOM_EMBEDDER_NAME
@@ -164,9 +158,7 @@ class ChunkIndex:
             embedder = load_embedder()
 
         faiss = _import_faiss()
-        vectors = _embed(
-            embedder, [c.text for c in chunks], batch_size=batch_size, show_progress=show_progress
-        )
+        vectors = _embed(embedder, [c.text for c in chunks], batch_size=batch_size, show_progress=show_progress)
         index = faiss.IndexFlatIP(vectors.shape[1])
         index.add(vectors)
         return cls(chunks, index, embedder, model_name)
@@ -239,9 +231,7 @@ class ChunkIndex:
         return folder
 
     @classmethod
-    def load(
-        cls, folder: str | Path, embedder: Embedder | None = None, *, model_name: str | None = None
-    ) -> ChunkIndex:
+    def load(cls, folder: str | Path, embedder: Embedder | None = None, *, model_name: str | None = None) -> ChunkIndex:
         """Read an index written by `save`.
 
         With no `embedder` the packaged all-MiniLM-L6-v2 is used and the index must have been built with it.
@@ -278,9 +268,7 @@ class ChunkIndex:
             if not isinstance(stored_dim, int) or not isinstance(stored_name, str):
                 raise TypeError("embedding_dim must be an int and embedding_model a string")
         except (KeyError, TypeError, ValueError) as exc:
-            raise IndexFormatError(
-                f"{str(chunks_path)!r} has a missing or malformed field ({exc}); {hint}"
-            ) from exc
+            raise IndexFormatError(f"{str(chunks_path)!r} has a missing or malformed field ({exc}); {hint}") from exc
 
         expected = _model_name(embedder, model_name)
         if expected is not None and stored_name != expected:
@@ -291,8 +279,7 @@ class ChunkIndex:
 
         if _sha256(index_path) != stored_sha:
             raise IndexFormatError(
-                f"{str(index_path)!r} does not match {CHUNKS_FILE} (checksum differs: changed or "
-                f"corrupt); {hint}"
+                f"{str(index_path)!r} does not match {CHUNKS_FILE} (checksum differs: changed or corrupt); {hint}"
             )
         try:
             index = faiss.read_index(str(index_path))

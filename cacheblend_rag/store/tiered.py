@@ -6,14 +6,18 @@ Each tier keeps its own budget and LRU order; this class only routes calls and c
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import ConfigError
 from .base import ChunkStore, StoreStats
 from .chunk_kv import ChunkKV
 from .memory import MemoryStore
+
+logger = logging.getLogger(__name__)
 
 
 class TieredStore:
@@ -22,9 +26,13 @@ class TieredStore:
     still come back from disk or Redis, and other workers see it.
 
     `names` label the tiers in `hits_by_tier` (default: each tier's `name` attribute, else its class name).
+    With `write_back` (the default), `put` stores into the first tier at once and into the others on a
+    background thread, so a request never waits on disk or Redis; `flush()` waits for pending writes.
     """
 
-    def __init__(self, tiers: Sequence[ChunkStore], names: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, tiers: Sequence[ChunkStore], names: Sequence[str] | None = None, *, write_back: bool = True
+    ) -> None:
         if not tiers:
             raise ConfigError("TieredStore needs at least one tier, got none")
         if names is None:
@@ -38,28 +46,69 @@ class TieredStore:
         self.stats = StoreStats()  # of the whole stack: a hit in any tier is a hit
         self.hits_by_tier: dict[str, int] = dict.fromkeys(self.names, 0)
         self._lock = threading.Lock()
+        self._writer = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-write-back")
+            if write_back and len(self.tiers) > 1
+            else None
+        )
+        self._pending: set[Future] = set()
 
-    def get(self, key: str) -> ChunkKV | None:
+    def lookup(self, key: str) -> tuple[ChunkKV | None, str | None]:
+        """-> (the entry, the name of the tier that had it), or (None, None) on a miss everywhere."""
         for i, tier in enumerate(self.tiers):
             kv = tier.get(key)
             if kv is None:
                 continue
             for upper in self.tiers[:i]:
-                upper.put(kv)
+                upper.put(kv)  # promotion goes to faster tiers only: cheap, and the next lookup needs it
             with self._lock:
                 self.stats.hits += 1
                 self.stats.bytes_read += kv.nbytes
                 self.hits_by_tier[self.names[i]] += 1
-            return kv
+            return kv, self.names[i]
         with self._lock:
             self.stats.misses += 1
-        return None
+        return None, None
+
+    def get(self, key: str) -> ChunkKV | None:
+        return self.lookup(key)[0]
 
     def put(self, kv: ChunkKV) -> None:
-        for tier in self.tiers:
-            tier.put(kv)
+        self.tiers[0].put(kv)
         with self._lock:
             self.stats.puts += 1
+        if self._writer is None:
+            for tier in self.tiers[1:]:
+                tier.put(kv)
+            return
+        future = self._writer.submit(self._write_lower, kv)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._written)
+
+    def _write_lower(self, kv: ChunkKV) -> None:
+        for name, tier in zip(self.names[1:], self.tiers[1:], strict=True):
+            try:
+                tier.put(kv)
+            except Exception:  # a tier that raises must not lose the writes to the others
+                logger.exception("writing chunk %s to the %s tier failed", kv.key[:12], name)
+
+    def _written(self, future: Future) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every background write has reached every tier."""
+        with self._lock:
+            pending = list(self._pending)
+        for future in pending:
+            future.result(timeout=timeout)
+
+    def close(self) -> None:
+        """Finish pending writes and stop the writer thread."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
 
     def discard(self, key: str) -> None:
         for tier in self.tiers:
@@ -87,6 +136,7 @@ def build_store(
     redis_url: str | None = None,
     redis_bytes: int = 8 * 1024**3,
     redis_namespace: str = "cacheblend-rag",
+    write_back: bool = True,
 ) -> TieredStore:
     """Memory, then disk if `disk_dir` is given, then Redis if `redis_url` is given.
 
@@ -104,4 +154,4 @@ def build_store(
 
         tiers.append(RedisStore(redis_url, redis_bytes, redis_namespace))
         names.append("redis")
-    return TieredStore(tiers, names)
+    return TieredStore(tiers, names, write_back=write_back)
