@@ -1,0 +1,135 @@
+"""TTFT of blend with chunk KV served from memory, from local disk and from Redis, side by side (issue 3).
+
+Each store holds only its own tier (no memory tier in front of disk or Redis), so every request really reads
+its chunks from that tier. Requests are interleaved across tiers and the medians compared.
+
+    python benchmarks/tiers.py                               # default model, fp32, 6 x 512 tokens, r = 0.15
+    python benchmarks/tiers.py --redis-url redis://127.0.0.1:6379/0
+
+Without --redis-url a private `redis-server` is started on a free loopback port (skipped if none is installed).
+The disk tier reads through the OS page cache once warm, as a local SSD with free memory would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ttft import chunk_texts  # noqa: E402
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
+from cacheblend_rag.store import DiskStore, MemoryStore, RedisStore, TieredStore  # noqa: E402
+
+
+def start_redis() -> tuple[subprocess.Popen, str] | None:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            return proc, f"redis://127.0.0.1:{port}/0"
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--chunks", type=int, default=6)
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--redis-url", default=None)
+    default_data = Path(__file__).resolve().parents[2] / "shared" / "data"
+    p.add_argument("--data-dir", default=str(default_data) if default_data.exists() else None)
+    args = p.parse_args(argv)
+
+    server = None
+    redis_url = args.redis_url
+    if redis_url is None:
+        started = start_redis()
+        if started is not None:
+            server, redis_url = started
+    disk_dir = tempfile.mkdtemp(prefix="cacheblend-bench-disk-")
+    try:
+        base = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(dtype=args.dtype), show_progress=False)
+        texts = chunk_texts(
+            base.tokenizer, args.chunks, args.chunk_tokens, Path(args.data_dir) if args.data_dir else None
+        )
+        question = "Which of these passages mentions a city, and what is its name?"
+        prompt = base.build_prompt(texts, question)
+        base.precompute(texts, question)
+
+        stores = {"memory": TieredStore([MemoryStore()], ["memory"])}
+        stores["disk"] = TieredStore([DiskStore(disk_dir)], ["disk"])
+        if redis_url is not None:
+            stores["redis"] = TieredStore([RedisStore(redis_url, namespace=f"bench-{os.getpid()}")], ["redis"])
+        keys = [base._key((), prompt.prefix_ids)] + [base._key(prompt.prefix_ids, ids) for ids in prompt.chunk_ids]
+        engines = {}
+        for name, store in stores.items():
+            for key in keys:  # the same chunk KV, copied into each tier
+                store.put(base.store.get(key))
+            store.flush()
+            engines[name] = CacheBlendEngine(base.model, base.tokenizer, config=base.config, store=store)
+            engines[name].generate(prompt, mode="blend", recompute_ratio=args.ratio, max_new_tokens=1)  # warm-up
+
+        ttft: dict[str, list[float]] = {name: [] for name in engines}
+        last = {}
+        for _ in range(args.repeats):
+            for name, engine in engines.items():
+                r = engine.generate(prompt, mode="blend", recompute_ratio=args.ratio, max_new_tokens=1)
+                assert r.metrics.hits_by_tier == {name: args.chunks}, r.metrics.hits_by_tier
+                ttft[name].append(r.metrics.ttft_s)
+                last[name] = r.metrics
+        print(
+            f"blend r={args.ratio}, {prompt.num_tokens} tokens, {args.chunks} chunks, {args.dtype}, "
+            f"medians of {args.repeats} interleaved runs (no layer-wise pipelining yet)"
+        )
+        med = {name: statistics.median(v) for name, v in ttft.items()}
+        for name in engines:
+            m = last[name]
+            print(
+                f"  {name:<7} TTFT {med[name] * 1000:7.0f} ms  load {m.load_s * 1000:6.0f} ms  "
+                f"compute {m.compute_s * 1000:6.0f} ms  loaded {m.bytes_loaded / 2**20:.0f} MiB"
+            )
+        for name in engines:
+            if name != "memory":
+                print(f"  ratio {name} / memory = {med[name] / med['memory']:.3f}")
+        if redis_url is None:
+            print("  (redis: no redis-server found; install it to include this tier)")
+    finally:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+        if server is not None:
+            server.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
