@@ -7,8 +7,6 @@ where that binary or redis-py is missing.
 from __future__ import annotations
 
 import logging
-import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from redis_helpers import RedisServer
 
 from cacheblend_rag.store.chunk_kv import ChunkKV
 from cacheblend_rag.store.disk import DiskStore
@@ -214,48 +213,6 @@ def test_tiered_rejects_duplicate_names():
 
 
 # ---------------------------------------------------------------- Redis tier
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A throwaway redis-server on loopback, no persistence."""
-
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install redis)")
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("redis-server is not installed (apt-get install redis-server)")
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if client.ping():
-                    client.close()
-                    return
-            except redis.ConnectionError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.skip(f"redis-server did not start on port {self.port}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
 
 
 @pytest.fixture(scope="module")

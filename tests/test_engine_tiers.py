@@ -1,0 +1,65 @@
+"""Damaged or unreachable lower tiers under a running engine: the request still gets the right answer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import make_tiny_model, make_tiny_tokenizer, words
+from redis_helpers import RedisServer
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig
+
+CHUNKS = [words(301, 40), words(302, 40)]
+
+
+def ask(engine):
+    return engine.generate(CHUNKS, prefix=words(1, 4), suffix=words(2, 5), max_new_tokens=6)
+
+
+def engine_on(**tiers) -> CacheBlendEngine:
+    # memory_budget_bytes=0: nothing stays in process memory, every chunk comes from the lower tier
+    config = EngineConfig(chunk_separator="", memory_budget_bytes=0, **tiers)
+    return CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
+
+
+def test_a_corrupted_file_on_disk_is_a_miss_and_the_answer_stays_right(tmp_path):
+    engine = engine_on(disk_dir=str(tmp_path / "kv"))
+    reference = ask(engine)
+    engine.store.flush()
+    assert ask(engine).metrics.hits_by_tier == {"disk": 2}
+    files = sorted(Path(tmp_path / "kv").rglob("*.val"))
+    assert files, "diskcache should keep chunk entries as files"
+    for f in files:  # flip bytes in the middle of every stored entry
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2 : len(data) // 2 + 64] = b"\xff" * 64
+        f.write_bytes(bytes(data))
+    again = ask(engine)
+    assert again.metrics.chunks_missed == 2 and again.metrics.chunks_hit == 0
+    assert again.token_ids == reference.token_ids
+    disk = engine.store.tiers[1]
+    assert disk.stats.corrupt >= 2
+
+
+def test_a_garbled_redis_value_is_a_miss_and_the_answer_stays_right():
+    redis = pytest.importorskip("redis")
+    server = RedisServer()
+    server.start()
+    try:
+        engine = engine_on(redis_url=server.url)
+        reference = ask(engine)
+        engine.store.flush()
+        assert ask(engine).metrics.hits_by_tier == {"redis": 2}
+        client = redis.Redis.from_url(server.url)
+        for key in client.scan_iter("cacheblend-rag:*"):
+            if client.type(key) == b"string" and client.strlen(key) > 10_000:  # chunk values, not bookkeeping
+                client.setrange(key, client.strlen(key) // 2, b"garbage" * 10)
+        again = ask(engine)
+        assert again.metrics.chunks_missed == 2
+        assert again.token_ids == reference.token_ids
+
+        server.stop()  # Redis gone mid-run: the engine keeps answering, recomputing what it cannot load
+        down = ask(engine)
+        assert down.token_ids == reference.token_ids
+    finally:
+        server.stop()
