@@ -21,7 +21,9 @@ def _engine_config(args: argparse.Namespace):
     from .config import BlendConfig, EngineConfig
 
     blend = BlendConfig(recompute_ratio=args.ratio) if args.ratio is not None else BlendConfig()
-    return EngineConfig(device=args.device, dtype=args.dtype, blend=blend)
+    return EngineConfig(
+        device=args.device, dtype=args.dtype, blend=blend, disk_dir=args.kv_dir, redis_url=args.redis_url
+    )
 
 
 def _load_index(args: argparse.Namespace, tokenizer):
@@ -57,7 +59,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
         if args.mode != "full" and not args.precompute_all:
             # Make the retrieved chunks' KV ready first (with a progress bar): this is the one-off indexing cost,
             # kept out of the request so its metrics show the steady state.
-            engine.precompute(texts, question, show_progress=True)
+            cached, computed = engine.precompute(texts, question, show_progress=True)
+            print(f"chunk KV: {cached} from the store, {computed} computed now", file=sys.stderr)
         print(f"\nQ: {question}")
         if args.show_sources:
             for h in hits:
@@ -76,6 +79,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
         print()
         assert stream.result is not None
         print(f"   {stream.result.metrics.summary()}")
+    flush = getattr(engine.store, "flush", None)
+    if flush is not None:
+        flush()  # chunk KV written to disk/Redis in the background must land before the process exits
     return 0
 
 
@@ -118,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--dtype", default="float32")
     ask.add_argument("--precompute-all", action="store_true", help="precompute KV of every chunk up front")
     ask.add_argument("--show-sources", action="store_true", help="print the retrieved chunks' sources")
+    ask.add_argument("--kv-dir", help="keep chunk KV on disk in this folder, so later runs reuse it")
+    ask.add_argument("--redis-url", help="share chunk KV through this Redis, e.g. redis://127.0.0.1:6379/0")
     ask.set_defaults(func=cmd_ask)
 
     idx = sub.add_parser("index", help="build and save a chunk index of a folder")

@@ -53,3 +53,26 @@ def test_ask_answers_from_a_folder_and_reuses_chunks(tmp_path, capsys):
     assert out.count("mode=blend") == 2
     assert "chunks hit/miss=2/0" in out  # chunks precomputed before each request, then read from the store
     assert (index_dir / "chunks.json").exists()
+
+    # A second run with a KV folder: the first fills it, the second reads every chunk back from disk.
+    kv_dir = tmp_path / "kv"
+    argv = [
+        "ask",
+        "--index",
+        str(index_dir),
+        "--model",
+        "smollm2-135m-instruct",
+        "--top-k",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--kv-dir",
+        str(kv_dir),
+        "What is the capital of Zorbania?",
+    ]
+    assert main(argv) == 0
+    assert "chunk KV: 0 from the store, 2 computed now" in capsys.readouterr().err
+    assert main([*argv, "--mode", "reuse"]) == 0  # a new engine, as a new process would have
+    out = capsys.readouterr()
+    assert "chunk KV: 2 from the store, 0 computed now" in out.err  # read back from the KV folder
+    assert "chunks hit/miss=2/0" in out.out
