@@ -134,7 +134,6 @@ def test_the_template_renders_chunks_between_prefix_and_question(tiny_tokenizer)
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(chunks=[]), PromptError, "no chunks"),
         (dict(chunks=["w1", "   "]), PromptError, "chunk 1 is empty"),
         (dict(chunks="w1 w2"), PromptError, "list of strings"),
         (dict(recompute_ratio=1.5), ConfigError, r"recompute_ratio must be in \[0, 1\], got 1.5"),
@@ -148,6 +147,14 @@ def test_bad_requests_get_clear_errors(engine, kwargs, error, match):
     chunks = kwargs.pop("chunks", [words(31, 20)])
     with pytest.raises(error, match=match):
         engine.generate(chunks, prefix=words(1, 4), suffix=words(2, 5), **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["full", "prefix", "reuse", "blend"])
+def test_a_prompt_without_chunks_is_a_plain_full_prefill(engine, mode):
+    plain = engine.generate([], prefix=words(1, 4), suffix=words(2, 5), mode="full", max_new_tokens=6)
+    out = engine.generate([], prefix=words(1, 4), suffix=words(2, 5), mode=mode, max_new_tokens=6)
+    assert out.token_ids == plain.token_ids
+    assert out.metrics.mode == "full" and out.metrics.chunks_hit == out.metrics.chunks_missed == 0
 
 
 def test_empty_question_and_missing_suffix_are_errors(engine):

@@ -356,7 +356,9 @@ class CacheBlendEngine:
         input_ids = prompt.input_ids()
         t0 = time.perf_counter()
 
-        if mode is PrefillMode.FULL:
+        if mode is PrefillMode.FULL or not prompt.chunk_ids:
+            # Without chunks there is nothing to reuse or blend: every mode is a full prefill.
+            m.mode = PrefillMode.FULL.value
             cache = DynamicCache(config=self.model.config)
             logits = self._forward(input_ids, 0, cache)
             m.compute_s = time.perf_counter() - t0
@@ -498,8 +500,6 @@ class CacheBlendEngine:
         if isinstance(chunks, TokenizedPrompt):
             prompt = chunks
         else:
-            if not chunks:
-                raise PromptError("no chunks given; pass at least one document chunk (or use the model directly)")
             prompt = self.build_prompt(chunks, question, template=template, prefix=prefix, suffix=suffix)
         self._check_length(prompt, params.max_new_tokens)
         mode = PrefillMode.parse(mode)
