@@ -146,6 +146,7 @@ class EngineConfig:
     redis_budget_bytes: int = 8 * 1024**3
     chunk_separator: str = "\n\n"  # appended to each chunk's text before tokenizing (part of its cache key)
     max_prompt_tokens: int | None = None  # None: the model's context length
+    pipelined_loading: bool = True  # fetch layer l+1's chunk KV (disk, Redis) while layer l is being fused
     blend: BlendConfig = field(default_factory=BlendConfig)
 
     def __post_init__(self) -> None:

@@ -22,7 +22,13 @@ from redis_helpers import RedisServer
 from cacheblend_rag.store.chunk_kv import ChunkKV
 from cacheblend_rag.store.disk import DiskStore
 from cacheblend_rag.store.memory import MemoryStore
-from cacheblend_rag.store.serialize import CorruptEntryError, deserialize_chunk, serialize_chunk
+from cacheblend_rag.store.serialize import (
+    CorruptEntryError,
+    deserialize_chunk,
+    header_length,
+    parse_layout,
+    serialize_chunk,
+)
 from cacheblend_rag.store.tiered import TieredStore, build_store
 
 
@@ -67,12 +73,12 @@ def _tamper(data: bytes, old: bytes, new: bytes) -> bytes:
     [
         (lambda d: d[:5], "too short"),
         (lambda d: d[:40], "truncated"),
-        (lambda d: d[:-7], "sha256|valid 'values'"),
+        (lambda d: d[:-7], "truncated"),
         (lambda d: d[:-1] + bytes([d[-1] ^ 0x01]), "sha256"),  # one bit flipped in the tensor data
-        (lambda d: b"\xff" * len(d), "truncated|unreadable"),
-        (lambda d: _tamper(d, b'"float32"', b'"float16"'), "header says float16"),  # mislabelled dtype
-        (lambda d: _tamper(d, b'"2,2,4,8"', b'"2,2,8,4"'), "header says"),  # mislabelled shape
-        (lambda d: _tamper(d, b'"version":"1"', b'"version":"9"'), "format version"),
+        (lambda d: b"\xff" * len(d), "garbled|truncated|unreadable"),
+        (lambda d: _tamper(d, b'"float32"', b'"float16"'), "valid 'keys'"),  # mislabelled dtype
+        (lambda d: _tamper(d, b'"2,2,4,8"', b'"2,2,8,4"'), "valid 'keys'"),  # mislabelled shape
+        (lambda d: _tamper(d, b'"version":"2"', b'"version":"9"'), "format version"),
     ],
     ids=["header-cut", "body-cut", "tail-cut", "bit-flip", "garbage", "dtype", "shape", "version"],
 )
@@ -80,6 +86,33 @@ def test_damaged_bytes_raise_corrupt_entry_error(damage, message):
     data = serialize_chunk(make_kv("chunk-a"))
     with pytest.raises(CorruptEntryError, match=message):
         deserialize_chunk(damage(data), "chunk-a")
+
+
+def test_layers_read_one_at_a_time_equal_the_whole_entry():
+    kv = make_kv("chunk-a", dtype=torch.bfloat16)
+    data = serialize_chunk(kv)
+    layout = parse_layout(data[: header_length(data, "chunk-a")], "chunk-a", len(data))
+    assert layout.num_layers == kv.num_layers
+    for i in range(layout.num_layers):
+        (k0, k1), (v0, v1) = layout.layer_ranges(i)
+        k, v = layout.decode_layer(i, data[k0:k1], data[v0:v1])
+        assert torch.equal(k, kv.keys[i]) and torch.equal(v, kv.values[i])
+
+
+def test_a_damaged_layer_is_caught_when_that_layer_is_read():
+    kv = make_kv("chunk-a")
+    data = bytearray(serialize_chunk(kv))
+    layout = parse_layout(bytes(data), "chunk-a", len(data))
+    (k0, _), _ = layout.layer_ranges(1)
+    data[k0 + 3] ^= 0x10  # one bit in layer 1's keys
+    ranges = [layout.layer_ranges(i) for i in range(layout.num_layers)]
+    (k0, k1), (v0, v1) = ranges[0]
+    layout.decode_layer(0, data[k0:k1], data[v0:v1])  # layer 0 is intact
+    (k0, k1), (v0, v1) = ranges[1]
+    with pytest.raises(CorruptEntryError, match="layer 1 fails its sha256"):
+        layout.decode_layer(1, data[k0:k1], data[v0:v1])
+    with pytest.raises(CorruptEntryError, match="truncated"):
+        layout.decode_layer(0, data[ranges[0][0][0] : ranges[0][0][1] - 1], data[v0:v1])
 
 
 def test_entry_of_another_key_is_corrupt():

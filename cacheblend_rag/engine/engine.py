@@ -9,6 +9,7 @@ Modes (`PrefillMode`):
 The three cached modes run through the same fusor (`fusion.fuse`) with different plans; tests check each
 against the model's own forward.
 A chunk missing from the store is prefilled on the spot (after the prefix) and stored, in every cached mode.
+Chunks found on disk or in Redis are read layer by layer while the fusor runs (`pipeline.LayerPrefetcher`).
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from ..errors import ConfigError, PromptError
 from ..fusion import FusionPlan, fuse, keep_counts
 from ..models.adapter import LayerwiseModel
 from ..models.support import max_blend_length
-from ..store import ChunkKV, ChunkStore, chunk_key
+from ..store import ChunkKV, ChunkStore, CorruptEntryError, chunk_key
+from ..store.lazy import LazyChunkKV
 from ..store.tiered import build_store
 from .generation import SamplingParams, TextAssembler, TokenPicker, eos_token_ids
 from .metrics import RequestMetrics
+from .pipeline import LayerPrefetcher
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_chunks, tokenize_parts, tokenize_prefix
 
 logger = logging.getLogger(__name__)
@@ -208,15 +211,20 @@ class CacheBlendEngine:
     def _key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
         return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids)
 
-    def _layer_loader(self, parts: Sequence[ChunkKV], total: int) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    def _layer_loader(
+        self, parts: Sequence[ChunkKV | LazyChunkKV], total: int
+    ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
         """Loads layer l of the given KV parts laid end to end, padded with zeros up to `total` tokens."""
         covered = sum(p.num_tokens for p in parts)
         pad = total - covered
         hkv, d = self.lm.shape.num_kv_heads, self.lm.shape.head_dim
 
         def load(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-            ks = [p.keys[layer_idx] for p in parts]
-            vs = [p.values[layer_idx] for p in parts]
+            ks, vs = [], []
+            for p in parts:
+                k, v = p.layer(layer_idx) if isinstance(p, LazyChunkKV) else (p.keys[layer_idx], p.values[layer_idx])
+                ks.append(k.to(self.device, non_blocking=True))  # [Hkv, T_p, D]
+                vs.append(v.to(self.device, non_blocking=True))
             if pad:
                 z = torch.zeros(hkv, pad, d, dtype=self.dtype, device=self.device)
                 ks.append(z)
@@ -225,7 +233,9 @@ class CacheBlendEngine:
 
         return load
 
-    def _prefill_kv(self, prefix: ChunkKV | None, prefix_ids: Sequence[int], ids: Sequence[int]) -> ChunkKV:
+    def _prefill_kv(
+        self, prefix: ChunkKV | LazyChunkKV | None, prefix_ids: Sequence[int], ids: Sequence[int]
+    ) -> ChunkKV:
         """Prefill `ids` after the (cached) prefix and keep only their KV."""
         p = len(prefix_ids)
         all_ids = torch.tensor([*prefix_ids, *ids], dtype=torch.long)
@@ -245,7 +255,10 @@ class CacheBlendEngine:
         values = torch.stack([v[:, p:] for v in result.values])
         return ChunkKV(self._key(prefix_ids, ids), keys, values)
 
-    def _lookup(self, key: str) -> tuple[ChunkKV | None, str | None]:
+    def _lookup(self, key: str, *, lazy: bool) -> tuple[ChunkKV | LazyChunkKV | None, str | None]:
+        opener = getattr(self.store, "open", None) if lazy else None
+        if opener is not None:
+            return opener(key)
         lookup = getattr(self.store, "lookup", None)
         if lookup is not None:
             return lookup(key)
@@ -253,21 +266,25 @@ class CacheBlendEngine:
         return kv, (None if kv is None else getattr(self.store, "name", type(self.store).__name__))
 
     def _get_or_prefill(
-        self, prefix: ChunkKV | None, prefix_ids: Sequence[int], ids: Sequence[int]
-    ) -> tuple[ChunkKV, str | None]:
-        """-> (KV, the name of the store tier it came from, or None if it was prefilled now)"""
+        self, prefix: ChunkKV | LazyChunkKV | None, prefix_ids: Sequence[int], ids: Sequence[int]
+    ) -> tuple[ChunkKV | LazyChunkKV, str | None]:
+        """-> (KV, the name of the store tier it came from, or None if it was prefilled now)
+
+        With pipelined loading, a chunk found on disk or in Redis comes back unread (`LazyChunkKV`): its
+        layers are fetched while the fusor runs.
+        """
         key = self._key(prefix_ids, ids)
-        kv, tier = self._lookup(key)
+        kv, tier = self._lookup(key, lazy=self.config.pipelined_loading)
         if kv is not None:
             shape = (self.lm.shape.num_layers, self.lm.shape.num_kv_heads, len(ids), self.lm.shape.head_dim)
-            if kv.dtype == self.dtype and tuple(kv.keys.shape) == shape:
-                return kv.to(self.device), tier
+            if kv.dtype == self.dtype and tuple(kv.shape) == shape:
+                return (kv if isinstance(kv, LazyChunkKV) else kv.to(self.device)), tier
             # The key hashes model, dtype and tokens, so this is a damaged entry: recompute and overwrite it.
             logger.warning(
                 "chunk %s in the store has dtype %s and shape %s, expected %s and %s; recomputing",
                 key[:12],
                 kv.dtype,
-                tuple(kv.keys.shape),
+                tuple(kv.shape),
                 self.dtype,
                 shape,
             )
@@ -275,7 +292,7 @@ class CacheBlendEngine:
         self.store.put(kv)
         return kv, None
 
-    def _prefix_kv(self, prefix_ids: Sequence[int]) -> ChunkKV | None:
+    def _prefix_kv(self, prefix_ids: Sequence[int]) -> ChunkKV | LazyChunkKV | None:
         if not prefix_ids:
             return None
         return self._get_or_prefill(None, (), prefix_ids)[0]
@@ -347,9 +364,20 @@ class CacheBlendEngine:
             raise ConfigError(f"check layer {blend.check_layers[-1]} >= the model's {self.lm.shape.num_layers} layers")
         self._check_length(prompt)
         with self._lock:
-            return self._prefill_locked(prompt, mode, blend)
+            # A chunk read layer by layer can turn out damaged after the fusor has started; its tier has dropped
+            # it by then, so trying again finds it in another tier or recomputes it. Each retry follows the
+            # removal of one entry, so this ends.
+            fresh: set[str] = set()  # chunks prefilled during this request: misses, even when found on a retry
+            for attempt in range(len(prompt.chunk_ids) + 2):
+                try:
+                    return self._prefill_locked(prompt, mode, blend, fresh)
+                except CorruptEntryError as exc:
+                    logger.warning("prefill attempt %d read a damaged chunk (%s); trying again", attempt + 1, exc)
+            return self._prefill_locked(prompt, mode, blend, fresh)
 
-    def _prefill_locked(self, prompt: TokenizedPrompt, mode: PrefillMode, blend: BlendConfig) -> Prefill:
+    def _prefill_locked(
+        self, prompt: TokenizedPrompt, mode: PrefillMode, blend: BlendConfig, fresh: set[str]
+    ) -> Prefill:
         n = prompt.num_tokens
         num_layers = self.lm.shape.num_layers
         m = RequestMetrics(mode=mode.value, prompt_tokens=n)
@@ -370,11 +398,13 @@ class CacheBlendEngine:
         # Which chunks this mode reads from the cache: prefix caching can reuse only the first one.
         n_chunks = 1 if mode is PrefillMode.PREFIX else len(prompt.chunk_ids)
         prefix_kv = self._prefix_kv(prompt.prefix_ids)
-        parts: list[ChunkKV] = [prefix_kv] if prefix_kv is not None else []
+        parts: list[ChunkKV | LazyChunkKV] = [prefix_kv] if prefix_kv is not None else []
         for ids in prompt.chunk_ids[:n_chunks]:
             t = time.perf_counter()
             kv, tier = self._get_or_prefill(prefix_kv, prompt.prefix_ids, ids)
-            if tier is not None:
+            if tier is None:
+                fresh.add(kv.key)
+            if tier is not None and kv.key not in fresh:
                 m.chunks_hit += 1
                 m.hits_by_tier[tier] = m.hits_by_tier.get(tier, 0) + 1
                 m.bytes_loaded += kv.nbytes
@@ -394,22 +424,25 @@ class CacheBlendEngine:
         else:
             # prefix / reuse: every token with loaded KV is used as is: no checks, nothing reused-but-recomputed
             blend_cfg = None
-        result, assemble_s = self._fuse(prompt, parts, blend_cfg)
+        result, load_s, wait_s = self._fuse(prompt, parts, blend_cfg)
         assert result.logits is not None
         cache = self._cache_from(result.keys, result.values)
         m.recomputed_per_layer = result.recomputed_per_layer
         m.recomputed_tokens = int(result.selected_positions.numel())
-        m.load_s += assemble_s
-        m.compute_s = time.perf_counter() - t_found - assemble_s
+        m.load_s += load_s
+        m.wait_s = wait_s
+        m.pipelined = self.config.pipelined_loading
+        m.compute_s = time.perf_counter() - t_found - wait_s
         m.compute_share = sum(m.recomputed_per_layer) / (n * num_layers)
         return Prefill(cache, result.logits, n, m)
 
-    def _fuse(self, prompt: TokenizedPrompt, parts: list[ChunkKV], blend: BlendConfig | None):
+    def _fuse(self, prompt: TokenizedPrompt, parts: Sequence[ChunkKV | LazyChunkKV], blend: BlendConfig | None):
         """Run the fusor with the loaded `parts` (the prefix, then chunks in order) at the head of the prompt.
 
         With a blend config, chunk tokens are candidates for recompute; without one, every loaded token is
         used as is (prefix caching when `parts` stop after the first chunk, full KV reuse when they cover all).
-        Returns the result and the time spent assembling loaded KV.
+        Returns the result, the time spent loading KV (reading, checking, assembling) and the part of it the
+        fusor waited for (all of it without pipelining; with it, only what compute did not hide).
         """
         n = prompt.num_tokens
         loaded = sum(p.num_tokens for p in parts)
@@ -435,6 +468,11 @@ class CacheBlendEngine:
             deviation=deviation,
         )
         load = self._layer_loader(parts, n)
+        if self.config.pipelined_loading:
+            with LayerPrefetcher(load, self.lm.shape.num_layers, self.device) as prefetcher:
+                result = fuse(self.lm, plan, prefetcher.get)
+            return result, prefetcher.load_s, prefetcher.wait_s
+
         load_time = 0.0
 
         def timed_load(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -444,7 +482,8 @@ class CacheBlendEngine:
             load_time += time.perf_counter() - t
             return out
 
-        return fuse(self.lm, plan, timed_load), load_time
+        result = fuse(self.lm, plan, timed_load)
+        return result, load_time, load_time
 
     # -- generation -----------------------------------------------------------------------------------------
 

@@ -18,9 +18,11 @@ class RequestMetrics:
     chunks_missed: int = 0  # not in the store: prefilled on the spot and stored
     hits_by_tier: dict[str, int] = field(default_factory=dict)  # chunk hits per store tier (memory, disk, redis)
     bytes_loaded: int = 0
-    load_s: float = 0.0  # store lookups and assembling loaded KV
+    load_s: float = 0.0  # store lookups, reading, checking and assembling loaded KV (overlapped when pipelined)
+    wait_s: float = 0.0  # time the fusor sat waiting for loaded KV: the part of load_s compute did not hide
+    pipelined: bool = False  # layer-wise loading ran on a thread beside the fusor
     precompute_s: float = 0.0  # prefilling chunks that missed
-    compute_s: float = 0.0  # the prefill itself
+    compute_s: float = 0.0  # the prefill itself, waits excluded
     ttft_s: float = 0.0  # call -> first token, everything included
     decode_s: float = 0.0
     generated_tokens: int = 0
@@ -48,6 +50,7 @@ class RequestMetrics:
             f"recomputed={self.recomputed_tokens} ({self.recompute_share:.0%}, compute {self.compute_share:.0%}) "
             f"chunks hit/miss={self.chunks_hit}/{self.chunks_missed}{self._tiers()} "
             f"loaded={self.bytes_loaded / 2**20:.1f}MiB "
-            f"load={self.load_s * 1000:.0f}ms compute={self.compute_s * 1000:.0f}ms "
+            f"load={self.load_s * 1000:.0f}ms{' (pipelined)' if self.pipelined else ''} "
+            f"wait={self.wait_s * 1000:.0f}ms compute={self.compute_s * 1000:.0f}ms "
             f"decode={self.generated_tokens} tok in {self.decode_s:.2f}s"
         )

@@ -57,6 +57,11 @@ class ChunkKV:
         return self.keys.shape[2]
 
     @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """[L, Hkv, T, D] of the keys (and of the values)."""
+        return tuple(self.keys.shape)  # type: ignore[return-value]
+
+    @property
     def num_layers(self) -> int:
         return self.keys.shape[0]
 

@@ -17,7 +17,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from .chunk_kv import ChunkKV
-from .serialize import CorruptEntryError, deserialize_chunk, serialize_chunk
+from .lazy import LazyChunkKV
+from .serialize import CorruptEntryError, deserialize_chunk, header_length, parse_layout, serialize_chunk
 from .stats import TierStats
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,43 @@ class DiskStore:
             self.stats.hits += 1
             self.stats.bytes_read += len(data)
         return kv
+
+    def open(self, key: str) -> LazyChunkKV | None:
+        """Like `get`, but read only the header now and each layer when it is asked for (pipelined loading).
+
+        diskcache keeps values of 32 KB and more as files; those are opened and read by byte range. The open
+        file stays readable even if another process evicts the entry meanwhile.
+        """
+        handle = None
+        try:
+            handle = self._cache.get(key, read=True)
+            if handle is None:
+                with self._lock:
+                    self.stats.misses += 1
+                return None
+            if type(handle) is bytes:  # a small value kept inside SQLite: already in memory
+                data = memoryview(handle)
+                layout = parse_layout(data, key, len(data))
+                reader, close = (lambda ranges: [data[a:b] for a, b in ranges]), None
+            else:
+                fd = handle.fileno()
+                size = os.fstat(fd).st_size
+                head = os.pread(fd, 8, 0)
+                head += os.pread(fd, header_length(head, key) - 8, 8)
+                layout = parse_layout(head, key, size)
+                reader, close = (lambda ranges: [os.pread(fd, b - a, a) for a, b in ranges]), handle.close
+        except (CorruptEntryError, *self._backend_errors) as exc:
+            if handle is not None and type(handle) is not bytes:
+                handle.close()
+            if isinstance(exc, CorruptEntryError):
+                self._drop_corrupt(key, exc)
+            else:
+                self._count_error("get", key, exc)
+            return None
+        with self._lock:
+            self.stats.hits += 1
+            self.stats.bytes_read += layout.total_bytes
+        return LazyChunkKV(layout, reader, close=close, on_corrupt=lambda exc: self._drop_corrupt(key, exc))
 
     def put(self, kv: ChunkKV) -> None:
         data = serialize_chunk(kv)

@@ -17,6 +17,8 @@ class MemoryStore:
     Safe to share between threads.
     """
 
+    name = "memory"
+
     def __init__(self, budget_bytes: int = 2 * 1024**3) -> None:
         if budget_bytes < 0:
             raise ConfigError(f"budget_bytes must be >= 0, got {budget_bytes}")

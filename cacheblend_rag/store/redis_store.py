@@ -11,14 +11,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError
 from .chunk_kv import ChunkKV
-from .serialize import CorruptEntryError, deserialize_chunk, serialize_chunk
+from .lazy import LazyChunkKV
+from .serialize import CorruptEntryError, deserialize_chunk, header_length, parse_layout, serialize_chunk
 from .stats import TierStats
 
 logger = logging.getLogger(__name__)
+
+# How much of an entry `open` fetches with its first call: enough for the header of any model we support.
+_HEAD_BYTES = 64 * 1024
 
 # Why the byte accounting lives in Redis and not in `maxmemory`: the server's own LRU is instance-wide (it would
 # evict other applications' keys and count Redis' overheads), approximate, and configured by whoever runs the
@@ -41,6 +46,22 @@ if v then
   return v
 end
 -- The value vanished behind our back (server-side maxmemory, a manual DEL): forget its bookkeeping too.
+local size = redis.call('HGET', KEYS[3], ARGV[1])
+if size then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('DECRBY', KEYS[4], size)
+end
+return false
+"""
+
+# KEYS: value, lru, sizes, bytes, clock. ARGV: chunk key, bytes wanted. -> {total length, the first bytes}, or false.
+_OPEN = """
+local n = redis.call('STRLEN', KEYS[1])
+if n > 0 then
+  redis.call('ZADD', KEYS[2], 'XX', redis.call('INCR', KEYS[5]), ARGV[1])
+  return {n, redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)}
+end
 local size = redis.call('HGET', KEYS[3], ARGV[1])
 if size then
   redis.call('HDEL', KEYS[3], ARGV[1])
@@ -145,6 +166,7 @@ class RedisStore:
         self._get_script = self._client.register_script(_GET)
         self._put_script = self._client.register_script(_PUT)
         self._discard_script = self._client.register_script(_DISCARD)
+        self._open_script = self._client.register_script(_OPEN)
         self._lru, self._sizes = f"{namespace}:lru", f"{namespace}:sizes"
         self._bytes, self._clock = f"{namespace}:bytes", f"{namespace}:clock"
         self._lock = threading.Lock()
@@ -210,16 +232,58 @@ class RedisStore:
         try:
             kv = deserialize_chunk(data, key)
         except CorruptEntryError as exc:
-            logger.warning("Redis tier at %s: dropping a corrupt entry (%s); it will be recomputed", self.where, exc)
-            with self._lock:
-                self.stats.corrupt += 1
-                self.stats.misses += 1
-            self.discard(key)
+            self._drop_corrupt(key, exc)
             return None
         with self._lock:
             self.stats.hits += 1
             self.stats.bytes_read += len(data)
         return kv
+
+    def open(self, key: str) -> LazyChunkKV | None:
+        """Like `get`, but fetch only the header now and each layer (two GETRANGEs) when it is asked for.
+
+        The entry can be evicted or replaced while its layers are read; a layer that then comes back short or
+        different fails its check, and the engine recomputes the chunk.
+        """
+        found = self._call("open", lambda: self._open_script(keys=self._keys(key), args=[key, _HEAD_BYTES]), None)
+        if not found:
+            with self._lock:
+                self.stats.misses += 1
+            return None
+        total, head = int(found[0]), bytes(found[1])
+        value_key = self._value_key(key)
+        try:
+            need = header_length(head, key)
+            if need > len(head):
+                start = len(head)
+                more = self._call("open", lambda: self._client.getrange(value_key, start, need - 1), None)
+                if more is None:
+                    return None  # the failure is logged and counted by _call
+                head += more
+            layout = parse_layout(head, key, total)
+        except CorruptEntryError as exc:
+            self._drop_corrupt(key, exc)
+            return None
+
+        def read_ranges(ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+            pipe = self._client.pipeline(transaction=False)
+            for start, end in ranges:
+                pipe.getrange(value_key, start, end - 1)
+            return pipe.execute()
+
+        with self._lock:
+            self.stats.hits += 1
+            self.stats.bytes_read += total
+        return LazyChunkKV(layout, read_ranges, on_corrupt=lambda exc: self._drop_corrupt(key, exc))
+
+    def _drop_corrupt(self, key: str, exc: CorruptEntryError) -> None:
+        logger.warning(
+            "Redis tier at %s: dropping a corrupt or unreadable entry (%s); it will be recomputed", self.where, exc
+        )
+        with self._lock:
+            self.stats.corrupt += 1
+            self.stats.misses += 1
+        self.discard(key)
 
     def put(self, kv: ChunkKV) -> None:
         if not self.available:

@@ -1,9 +1,11 @@
 """Chunk KV to bytes and back, for the tiers that live outside the process (disk, Redis).
 
-The bytes are a safetensors file (two tensors, `keys` and `values`) whose header metadata records a format
-version, the chunk key, the dtype, the shape and a sha256 of the tensor data. Loading checks all of them, so a
-truncated, garbled, foreign or mislabelled entry raises `CorruptEntryError` instead of becoming a wrong answer.
-Nothing here unpickles: safetensors only ever builds plain tensors.
+The bytes are a safetensors file (two tensors, `keys` and `values`, each [L, Hkv, T, D]) whose header metadata
+records a format version, the chunk key, the dtype, the shape and one sha256 per layer (of that layer's key bytes
+then value bytes). Because each tensor is contiguous by layer, layer l is two known byte ranges: a reader can
+fetch and check one layer at a time (`EntryLayout`, used by the pipelined loader) or the whole entry at once
+(`deserialize_chunk`). Either way a truncated, garbled, foreign or mislabelled entry raises `CorruptEntryError`
+instead of becoming a wrong answer. Nothing here unpickles: safetensors only ever builds plain tensors.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
@@ -20,12 +25,15 @@ from ..errors import CacheBlendError
 from .chunk_kv import ChunkKV
 
 FORMAT_NAME = "cacheblend-rag/chunk-kv"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: per-layer checksums (1 had one checksum over all data; such entries are recomputed)
 
 # safetensors layout: an 8-byte little-endian header length, the JSON header, then the raw tensor data.
 _HEADER_LEN = struct.Struct("<Q")
-# A header for two tensors and our metadata is a few hundred bytes; anything far larger is garbage.
+HEADER_LEN_BYTES = _HEADER_LEN.size
+# A header for two tensors and our metadata is a few KB (one 64-char digest per layer); far larger is garbage.
 _MAX_HEADER_BYTES = 1 << 20
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CorruptEntryError(CacheBlendError):
@@ -48,53 +56,105 @@ def _dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def layer_digest(key_bytes: memoryview | bytes, value_bytes: memoryview | bytes) -> str:
+    h = hashlib.sha256()
+    h.update(key_bytes)
+    h.update(value_bytes)
+    return h.hexdigest()
+
+
 def serialize_chunk(kv: ChunkKV, *, fingerprint: str | None = None) -> bytes:
-    """Encode a chunk's KV as safetensors bytes with a self-describing, checksummed header.
+    """Encode a chunk's KV as safetensors bytes with a self-describing header and one checksum per layer.
 
     `fingerprint` (the model's) is recorded for inspection only: the key already hashes it.
     """
     # keys/values: [L, Hkv, T, D]; safetensors needs CPU, contiguous memory (no-ops when already so).
     keys = kv.keys.detach().to("cpu").contiguous()
     values = kv.values.detach().to("cpu").contiguous()
-    digest = hashlib.sha256()
-    digest.update(_tensor_bytes(keys))
-    digest.update(_tensor_bytes(values))
+    digests = [layer_digest(_tensor_bytes(keys[i]), _tensor_bytes(values[i])) for i in range(keys.shape[0])]
     metadata = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "key": kv.key,
         "dtype": _dtype_str(keys.dtype),
         "shape": _shape_str(keys.shape),
-        "sha256": digest.hexdigest(),
+        "layer_sha256": ",".join(digests),
     }
     if fingerprint is not None:
         metadata["fingerprint"] = fingerprint
     return _st_save({"keys": keys, "values": values}, metadata=metadata)
 
 
-def _read_header(data: bytes, key: str) -> dict:
-    if len(data) < _HEADER_LEN.size:
-        raise CorruptEntryError(f"entry {key[:12]} is {len(data)} bytes long, too short for a safetensors header")
-    (n,) = _HEADER_LEN.unpack_from(data)
-    if n > _MAX_HEADER_BYTES or _HEADER_LEN.size + n > len(data):
-        raise CorruptEntryError(
-            f"entry {key[:12]} declares a {n}-byte header but holds {len(data)} bytes: truncated or garbled"
-        )
+def header_length(head: bytes | memoryview, key: str) -> int:
+    """Bytes taken by the length field and the JSON header, from the entry's first 8 bytes."""
+    if len(head) < _HEADER_LEN.size:
+        raise CorruptEntryError(f"entry {key[:12]} is {len(head)} bytes long, too short for a safetensors header")
+    (n,) = _HEADER_LEN.unpack_from(head)
+    if n > _MAX_HEADER_BYTES:
+        raise CorruptEntryError(f"entry {key[:12]} declares a {n}-byte header: garbled")
+    return _HEADER_LEN.size + n
+
+
+@dataclass(frozen=True)
+class EntryLayout:
+    """Where each layer of a stored entry lies, and the checksum it must have. Offsets are from the entry start."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, int, int, int]  # [L, Hkv, T, D]
+    keys_start: int
+    values_start: int
+    layer_bytes: int  # bytes of one layer of keys (the same for values)
+    layer_sha256: tuple[str, ...]
+    total_bytes: int  # the whole entry: header and data
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape[0]
+
+    def layer_ranges(self, layer_idx: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """[start, end) of layer `layer_idx`'s keys and of its values."""
+        if not 0 <= layer_idx < self.num_layers:
+            raise IndexError(f"layer {layer_idx} out of range for an entry of {self.num_layers} layers")
+        k = self.keys_start + layer_idx * self.layer_bytes
+        v = self.values_start + layer_idx * self.layer_bytes
+        return (k, k + self.layer_bytes), (v, v + self.layer_bytes)
+
+    def decode_layer(
+        self, layer_idx: int, key_bytes: bytes | memoryview, value_bytes: bytes | memoryview
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check one layer's bytes against its checksum and turn them into tensors: -> k, v [Hkv, T, D]."""
+        if len(key_bytes) != self.layer_bytes or len(value_bytes) != self.layer_bytes:
+            raise CorruptEntryError(
+                f"entry {self.key[:12]}: layer {layer_idx} read {len(key_bytes)}+{len(value_bytes)} bytes, "
+                f"expected {self.layer_bytes} each: truncated, or evicted while being read"
+            )
+        if layer_digest(key_bytes, value_bytes) != self.layer_sha256[layer_idx]:
+            raise CorruptEntryError(f"entry {self.key[:12]}: layer {layer_idx} fails its sha256 check")
+        return _from_bytes(key_bytes, self.dtype, self.shape[1:]), _from_bytes(value_bytes, self.dtype, self.shape[1:])
+
+
+def _from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    out = torch.empty(tuple(shape), dtype=dtype)
+    out.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    return out
+
+
+def parse_layout(head: bytes | memoryview, key: str, total_bytes: int) -> EntryLayout:
+    """Read the layout of an entry of `total_bytes` from its first bytes (at least `header_length` of them).
+
+    Checks everything the header alone can tell: format, version, key, dtype, shape, that both tensors'
+    offsets match that shape, and that the entry is as long as the header says.
+    """
+    n = header_length(head, key)
+    if len(head) < n or total_bytes < n:
+        raise CorruptEntryError(f"entry {key[:12]} declares a {n}-byte header but holds {total_bytes} bytes: truncated")
     try:
-        header = json.loads(data[_HEADER_LEN.size : _HEADER_LEN.size + n])
+        header = json.loads(bytes(head[_HEADER_LEN.size : n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptEntryError(f"entry {key[:12]} has an unreadable header: {exc}") from exc
     if not isinstance(header, dict):
         raise CorruptEntryError(f"entry {key[:12]} has a header that is not a JSON object")
-    return header
-
-
-def deserialize_chunk(data: bytes, key: str) -> ChunkKV:
-    """Decode bytes written by `serialize_chunk`, checking that they are whole and belong to `key`.
-
-    Raises `CorruptEntryError` naming what is wrong; never returns a partly valid entry.
-    """
-    header = _read_header(data, key)
     meta = header.get("__metadata__")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CorruptEntryError(f"entry {key[:12]} is not a {FORMAT_NAME} entry (header metadata {meta!r})")
@@ -104,26 +164,50 @@ def deserialize_chunk(data: bytes, key: str) -> ChunkKV:
         )
     if meta.get("key") != key:
         raise CorruptEntryError(f"entry stored under {key[:12]} belongs to chunk {str(meta.get('key'))[:12]}")
-
-    # Checksum the data section straight from the buffer (memoryview slices, no copy) before building tensors:
-    # safetensors checks offsets and lengths but not the bytes themselves.
-    base = _HEADER_LEN.size + _HEADER_LEN.unpack_from(data)[0]
-    view = memoryview(data)
-    digest = hashlib.sha256()
+    dtype = _DTYPES.get(str(meta.get("dtype")))
+    try:
+        shape = tuple(int(s) for s in str(meta.get("shape")).split(","))
+    except ValueError:
+        shape = ()
+    digests = tuple(str(meta.get("layer_sha256", "")).split(","))
+    if dtype is None or len(shape) != 4 or min(shape) < 0 or len(digests) != shape[0]:
+        raise CorruptEntryError(
+            f"entry {key[:12]} has an inconsistent header: dtype {meta.get('dtype')!r}, shape {meta.get('shape')!r}, "
+            f"{len(digests)} layer checksums"
+        )
+    layer_bytes = shape[1] * shape[2] * shape[3] * torch.empty((), dtype=dtype).element_size()
+    starts = {}
     for name in ("keys", "values"):
         info = header.get(name)
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
-            or not all(isinstance(o, int) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1] <= len(data) - base
+            or info.get("dtype") != {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[_dtype_str(dtype)]
+            or info.get("shape") != list(shape)
+            or offsets[1] - offsets[0] != layer_bytes * shape[0]
         ):
             raise CorruptEntryError(f"entry {key[:12]} lacks a valid '{name}' tensor (header entry {info!r})")
-        digest.update(view[base + offsets[0] : base + offsets[1]])
-    if digest.hexdigest() != meta.get("sha256"):
-        raise CorruptEntryError(f"entry {key[:12]} fails its sha256 check: the tensor data was altered or cut")
+        starts[name] = n + offsets[0]
+    end = n + max(o["data_offsets"][1] for o in (header["keys"], header["values"]))
+    if end != total_bytes:
+        raise CorruptEntryError(f"entry {key[:12]} holds {total_bytes} bytes, its header describes {end}: truncated")
+    return EntryLayout(key, dtype, shape, starts["keys"], starts["values"], layer_bytes, digests, total_bytes)  # type: ignore[arg-type]
 
+
+def deserialize_chunk(data: bytes, key: str) -> ChunkKV:
+    """Decode bytes written by `serialize_chunk`, checking that they are whole and belong to `key`.
+
+    Raises `CorruptEntryError` naming what is wrong; never returns a partly valid entry.
+    """
+    layout = parse_layout(data, key, len(data))
+    # Checksum each layer straight from the buffer (memoryview slices, no copy) before building tensors:
+    # safetensors checks offsets and lengths but not the bytes themselves.
+    view = memoryview(data)
+    for i in range(layout.num_layers):
+        (k0, k1), (v0, v1) = layout.layer_ranges(i)
+        if layer_digest(view[k0:k1], view[v0:v1]) != layout.layer_sha256[i]:
+            raise CorruptEntryError(f"entry {key[:12]}: layer {i} fails its sha256 check: the data was altered")
     try:
         tensors = _st_load(data)
     except Exception as exc:  # safetensors raises its own error types (and ValueError) for malformed files
@@ -131,12 +215,6 @@ def deserialize_chunk(data: bytes, key: str) -> ChunkKV:
     keys, values = tensors.get("keys"), tensors.get("values")
     if keys is None or values is None or len(tensors) != 2:
         raise CorruptEntryError(f"entry {key[:12]} must hold exactly 'keys' and 'values', got {sorted(tensors)}")
-    for name, t in (("keys", keys), ("values", values)):
-        if _dtype_str(t.dtype) != meta.get("dtype") or _shape_str(t.shape) != meta.get("shape"):
-            raise CorruptEntryError(
-                f"entry {key[:12]}: '{name}' is {_dtype_str(t.dtype)} {tuple(t.shape)}, "
-                f"the header says {meta.get('dtype')} ({meta.get('shape')})"
-            )
     try:
         return ChunkKV(key, keys, values)  # [L, Hkv, T, D] each
     except CacheBlendError as exc:

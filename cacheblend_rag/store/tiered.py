@@ -6,6 +6,7 @@ Each tier keeps its own budget and LRU order; this class only routes calls and c
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -15,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ..errors import ConfigError
 from .base import ChunkStore, StoreStats
 from .chunk_kv import ChunkKV
+from .lazy import LazyChunkKV
 from .memory import MemoryStore
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,38 @@ class TieredStore:
 
     def get(self, key: str) -> ChunkKV | None:
         return self.lookup(key)[0]
+
+    def open(self, key: str) -> tuple[ChunkKV | LazyChunkKV | None, str | None]:
+        """Like `lookup`, but a hit in a tier that can read by layer (disk, Redis) comes back as a `LazyChunkKV`
+        whose layers are fetched as the loading pipeline asks for them. The chunk is promoted into the faster
+        tiers once its last layer has been read, from the bytes already fetched."""
+        for i, tier in enumerate(self.tiers):
+            opener = getattr(tier, "open", None)
+            if opener is None:
+                kv = tier.get(key)
+            else:
+                kv = opener(key)
+            if kv is None:
+                continue
+            upper = self.tiers[:i]
+            if isinstance(kv, LazyChunkKV):
+                if upper:
+                    kv.on_complete = functools.partial(self._promote, upper)
+            else:
+                self._promote(upper, kv)
+            with self._lock:
+                self.stats.hits += 1
+                self.stats.bytes_read += kv.nbytes
+                self.hits_by_tier[self.names[i]] += 1
+            return kv, self.names[i]
+        with self._lock:
+            self.stats.misses += 1
+        return None, None
+
+    @staticmethod
+    def _promote(tiers: Sequence[ChunkStore], kv: ChunkKV) -> None:
+        for tier in tiers:
+            tier.put(kv)
 
     def put(self, kv: ChunkKV) -> None:
         self.tiers[0].put(kv)
