@@ -1,7 +1,8 @@
-"""TTFT of blend with chunk KV served from memory, from local disk and from Redis, side by side (issue 3).
+"""TTFT of blend with chunk KV served from memory, from local disk and from Redis, with and without layer-wise
+pipelined loading, side by side (issue 3).
 
 Each store holds only its own tier (no memory tier in front of disk or Redis), so every request really reads
-its chunks from that tier. Requests are interleaved across tiers and the medians compared.
+its chunks from that tier. Requests are interleaved across the six setups and the medians compared.
 
     python benchmarks/tiers.py                               # default model, fp32, 6 x 512 tokens, r = 0.15
     python benchmarks/tiers.py --redis-url redis://127.0.0.1:6379/0
@@ -13,6 +14,7 @@ The disk tier reads through the OS page cache once warm, as a local SSD with fre
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import socket
@@ -92,36 +94,42 @@ def main(argv: list[str] | None = None) -> int:
         if redis_url is not None:
             stores["redis"] = TieredStore([RedisStore(redis_url, namespace=f"bench-{os.getpid()}")], ["redis"])
         keys = [base._key((), prompt.prefix_ids)] + [base._key(prompt.prefix_ids, ids) for ids in prompt.chunk_ids]
-        engines = {}
+        engines: dict[tuple[str, bool], CacheBlendEngine] = {}
         for name, store in stores.items():
             for key in keys:  # the same chunk KV, copied into each tier
                 store.put(base.store.get(key))
             store.flush()
-            engines[name] = CacheBlendEngine(base.model, base.tokenizer, config=base.config, store=store)
-            engines[name].generate(prompt, mode="blend", recompute_ratio=args.ratio, max_new_tokens=1)  # warm-up
+            for pipelined in (False, True):
+                config = dataclasses.replace(base.config, pipelined_loading=pipelined)
+                engine = CacheBlendEngine(base.model, base.tokenizer, config=config, store=store)
+                engine.generate(prompt, mode="blend", recompute_ratio=args.ratio, max_new_tokens=1)  # warm-up
+                engines[name, pipelined] = engine
 
-        ttft: dict[str, list[float]] = {name: [] for name in engines}
+        ttft: dict[tuple[str, bool], list[float]] = {setup: [] for setup in engines}
         last = {}
         for _ in range(args.repeats):
-            for name, engine in engines.items():
+            for (name, pipelined), engine in engines.items():
                 r = engine.generate(prompt, mode="blend", recompute_ratio=args.ratio, max_new_tokens=1)
                 assert r.metrics.hits_by_tier == {name: args.chunks}, r.metrics.hits_by_tier
-                ttft[name].append(r.metrics.ttft_s)
-                last[name] = r.metrics
+                ttft[name, pipelined].append(r.metrics.ttft_s)
+                last[name, pipelined] = r.metrics
         print(
             f"blend r={args.ratio}, {prompt.num_tokens} tokens, {args.chunks} chunks, {args.dtype}, "
-            f"medians of {args.repeats} interleaved runs (no layer-wise pipelining yet)"
+            f"medians of {args.repeats} interleaved runs"
         )
-        med = {name: statistics.median(v) for name, v in ttft.items()}
-        for name in engines:
-            m = last[name]
+        med = {setup: statistics.median(v) for setup, v in ttft.items()}
+        for (name, pipelined), m in last.items():
+            label = f"{name}, {'pipelined' if pipelined else 'serial'}"
             print(
-                f"  {name:<7} TTFT {med[name] * 1000:7.0f} ms  load {m.load_s * 1000:6.0f} ms  "
-                f"compute {m.compute_s * 1000:6.0f} ms  loaded {m.bytes_loaded / 2**20:.0f} MiB"
+                f"  {label:<20} TTFT {med[name, pipelined] * 1000:7.0f} ms  load {m.load_s * 1000:6.0f} ms  "
+                f"waited {m.wait_s * 1000:6.0f} ms  compute {m.compute_s * 1000:6.0f} ms  "
+                f"loaded {m.bytes_loaded / 2**20:.0f} MiB"
             )
-        for name in engines:
-            if name != "memory":
-                print(f"  ratio {name} / memory = {med[name] / med['memory']:.3f}")
+        for pipelined in (False, True):
+            for name in stores:
+                if name != "memory":
+                    ratio = med[name, pipelined] / med["memory", pipelined]
+                    print(f"  ratio {name} / memory, {'pipelined' if pipelined else 'serial'}: {ratio:.3f}")
         if redis_url is None:
             print("  (redis: no redis-server found; install it to include this tier)")
     finally:

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from ..config import BlendConfig, EngineConfig, PrefillMode
+from ..controller import LoadingController
 from ..errors import ConfigError, PromptError
 from ..fusion import FusionPlan, fuse, keep_counts
 from ..models.adapter import LayerwiseModel
@@ -111,8 +112,11 @@ class CacheBlendEngine:
         config: EngineConfig | None = None,
         store: ChunkStore | None = None,
         template: PromptTemplate | None = None,
+        controller: LoadingController | None = None,
     ) -> None:
         self.config = config or EngineConfig()
+        # Picks the blend ratio per request from load time (paper §5.1) when the caller does not pin one.
+        self.controller = controller
         dtype = _TORCH_DTYPES[self.config.dtype]
         device = torch.device(self.config.device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -135,6 +139,14 @@ class CacheBlendEngine:
         )
         self.template = template or PromptTemplate()
         self.fingerprint = model_fingerprint(model)
+        if controller is not None and (
+            controller.profile.model != self.fingerprint or controller.profile.dtype != self.config.dtype
+        ):
+            raise ConfigError(
+                f"the loading profile was measured for model {controller.profile.model[:12]} in "
+                f"{controller.profile.dtype}, this engine runs {self.fingerprint[:12]} in {self.config.dtype}; "
+                f"run `cacheblend-rag profile` for this model and dtype"
+            )
         self.eos_ids = eos_token_ids(model, tokenizer)
         limits = [self.lm.shape.max_positions]
         if self.config.max_prompt_tokens is not None:
@@ -160,6 +172,7 @@ class CacheBlendEngine:
         config: EngineConfig | None = None,
         store: ChunkStore | None = None,
         template: PromptTemplate | None = None,
+        controller: LoadingController | None = None,
         cache_dir: str | None = None,
         show_progress: bool = True,
     ) -> CacheBlendEngine:
@@ -174,7 +187,7 @@ class CacheBlendEngine:
             cache_dir=cache_dir,
             show_progress=show_progress,
         )
-        return cls(model, tokenizer, config=config, store=store, template=template)
+        return cls(model, tokenizer, config=config, store=store, template=template, controller=controller)
 
     # -- prompts --------------------------------------------------------------------------------------------
 
@@ -357,12 +370,15 @@ class CacheBlendEngine:
         mode = PrefillMode.parse(mode)
         if mode is not PrefillMode.BLEND and recompute_ratio is not None:
             raise ConfigError(f"recompute_ratio applies to mode 'blend' only, got mode {mode.value!r}")
+        pinned = recompute_ratio if recompute_ratio is not None else blend
         blend = blend or self.config.blend
         if recompute_ratio is not None:
             blend = blend.with_ratio(recompute_ratio)
         if blend.check_layers[-1] >= self.lm.shape.num_layers:
             raise ConfigError(f"check layer {blend.check_layers[-1]} >= the model's {self.lm.shape.num_layers} layers")
         self._check_length(prompt)
+        # The controller may choose the ratio only when neither a ratio nor a whole blend config was given.
+        auto_ratio = mode is PrefillMode.BLEND and self.controller is not None and pinned is None
         with self._lock:
             # A chunk read layer by layer can turn out damaged after the fusor has started; its tier has dropped
             # it by then, so trying again finds it in another tier or recomputes it. Each retry follows the
@@ -370,13 +386,13 @@ class CacheBlendEngine:
             fresh: set[str] = set()  # chunks prefilled during this request: misses, even when found on a retry
             for attempt in range(len(prompt.chunk_ids) + 2):
                 try:
-                    return self._prefill_locked(prompt, mode, blend, fresh)
+                    return self._prefill_locked(prompt, mode, blend, fresh, auto_ratio)
                 except CorruptEntryError as exc:
                     logger.warning("prefill attempt %d read a damaged chunk (%s); trying again", attempt + 1, exc)
-            return self._prefill_locked(prompt, mode, blend, fresh)
+            return self._prefill_locked(prompt, mode, blend, fresh, auto_ratio)
 
     def _prefill_locked(
-        self, prompt: TokenizedPrompt, mode: PrefillMode, blend: BlendConfig, fresh: set[str]
+        self, prompt: TokenizedPrompt, mode: PrefillMode, blend: BlendConfig, fresh: set[str], auto_ratio: bool
     ) -> Prefill:
         n = prompt.num_tokens
         num_layers = self.lm.shape.num_layers
@@ -399,6 +415,7 @@ class CacheBlendEngine:
         n_chunks = 1 if mode is PrefillMode.PREFIX else len(prompt.chunk_ids)
         prefix_kv = self._prefix_kv(prompt.prefix_ids)
         parts: list[ChunkKV | LazyChunkKV] = [prefix_kv] if prefix_kv is not None else []
+        bytes_by_tier: dict[str, int] = {}
         for ids in prompt.chunk_ids[:n_chunks]:
             t = time.perf_counter()
             kv, tier = self._get_or_prefill(prefix_kv, prompt.prefix_ids, ids)
@@ -408,6 +425,7 @@ class CacheBlendEngine:
                 m.chunks_hit += 1
                 m.hits_by_tier[tier] = m.hits_by_tier.get(tier, 0) + 1
                 m.bytes_loaded += kv.nbytes
+                bytes_by_tier[tier] = bytes_by_tier.get(tier, 0) + kv.nbytes
             else:
                 m.chunks_missed += 1
                 m.precompute_s += time.perf_counter() - t
@@ -419,6 +437,11 @@ class CacheBlendEngine:
         m.load_s = t_found - t0 - m.precompute_s  # store lookups
 
         if mode is PrefillMode.BLEND:
+            if auto_ratio:
+                assert self.controller is not None
+                decision = self.controller.choose_ratio(n, bytes_by_tier, m.hits_by_tier)
+                blend = blend.with_ratio(decision.ratio)
+                m.controller = decision.to_dict()
             blend_cfg = blend
             m.recompute_ratio = blend.recompute_ratio
         else:

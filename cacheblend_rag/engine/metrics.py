@@ -27,6 +27,7 @@ class RequestMetrics:
     decode_s: float = 0.0
     generated_tokens: int = 0
     recomputed_per_layer: list[int] = field(default_factory=list)
+    controller: dict[str, Any] | None = None  # the loading controller's decision, when it chose the ratio
 
     @property
     def recompute_share(self) -> float:
@@ -45,6 +46,8 @@ class RequestMetrics:
 
     def summary(self) -> str:
         ratio = f" r={self.recompute_ratio:.2f}" if self.recompute_ratio is not None else ""
+        if self.controller is not None:
+            ratio += f" ({self.controller['source']})"
         return (
             f"mode={self.mode}{ratio} ttft={self.ttft_s * 1000:.0f}ms prompt={self.prompt_tokens} tok "
             f"recomputed={self.recomputed_tokens} ({self.recompute_share:.0%}, compute {self.compute_share:.0%}) "

@@ -1,0 +1,305 @@
+"""The offline profile the loading controller reads: how long recompute takes, how fast each tier reads.
+
+Two measurements, both on the machine and model that will serve (paper §5.1):
+- recompute time of a blended prefill as a function of prompt length N and recompute ratio r. For each
+  profiled N the time is fitted as `intercept + slope * r` (the check layers cost a fixed share, every other
+  layer grows with r); lengths in between are interpolated, longer ones scaled up.
+- each tier's read throughput (bytes/s) and per-chunk latency, read the way the engine reads (layer by
+  layer from disk and Redis, whole entries from memory).
+
+`profile_engine` measures both; `LoadingProfile.save`/`load` keep them as JSON next to the deployment
+(`cacheblend-rag profile` writes one).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..engine import CacheBlendEngine
+    from ..store.base import ChunkStore
+
+logger = logging.getLogger(__name__)
+
+PROFILE_FORMAT = "cacheblend-rag/loading-profile/1"
+
+
+@dataclass(frozen=True)
+class ComputePoint:
+    """Blended prefill time at one prompt length: `intercept_s + slope_s * r`."""
+
+    num_tokens: int
+    intercept_s: float  # compute at r = 0: check layers, the suffix, assembling the cache
+    slope_s: float  # extra compute per unit of r (r = 1 recomputes every chunk token on every layer)
+
+    def at(self, ratio: float) -> float:
+        return self.intercept_s + self.slope_s * ratio
+
+
+@dataclass(frozen=True)
+class TierSpeed:
+    bytes_per_s: float  # sustained read throughput of chunk KV
+    latency_s: float = 0.0  # fixed cost per chunk (lookup, header, round trips)
+
+    def read_time(self, nbytes: int, num_chunks: int = 1) -> float:
+        return nbytes / self.bytes_per_s + self.latency_s * num_chunks
+
+
+@dataclass(frozen=True)
+class LoadingProfile:
+    """What the controller needs to know about this model on this machine."""
+
+    model: str  # model fingerprint: a profile of another model or precision is refused
+    dtype: str
+    device: str
+    compute: tuple[ComputePoint, ...]  # sorted by num_tokens
+    tiers: dict[str, TierSpeed] = field(default_factory=dict)
+    created: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.compute:
+            raise ConfigError("a loading profile needs at least one compute point; run `cacheblend-rag profile`")
+        object.__setattr__(self, "compute", tuple(sorted(self.compute, key=lambda p: p.num_tokens)))
+        for p in self.compute:
+            if p.num_tokens <= 0 or p.slope_s < 0 or p.intercept_s < 0:
+                raise ConfigError(f"invalid compute point in the profile: {p}")
+        for name, t in self.tiers.items():
+            if t.bytes_per_s <= 0 or t.latency_s < 0:
+                raise ConfigError(f"invalid read speed for tier {name!r} in the profile: {t}")
+
+    def _point(self, num_tokens: int) -> tuple[float, float]:
+        """(intercept, slope) at `num_tokens`: linear between profiled lengths, proportional outside them."""
+        pts = self.compute
+        if num_tokens <= pts[0].num_tokens:
+            s = num_tokens / pts[0].num_tokens
+            return pts[0].intercept_s * s, pts[0].slope_s * s
+        if num_tokens >= pts[-1].num_tokens:
+            s = num_tokens / pts[-1].num_tokens
+            return pts[-1].intercept_s * s, pts[-1].slope_s * s
+        for lo, hi in zip(pts, pts[1:], strict=False):
+            if lo.num_tokens <= num_tokens <= hi.num_tokens:
+                w = (num_tokens - lo.num_tokens) / (hi.num_tokens - lo.num_tokens)
+                return (
+                    lo.intercept_s + w * (hi.intercept_s - lo.intercept_s),
+                    lo.slope_s + w * (hi.slope_s - lo.slope_s),
+                )
+        raise AssertionError("unreachable: the points are sorted")
+
+    def recompute_time(self, num_tokens: int, ratio: float) -> float:
+        """Estimated compute of a blended prefill of `num_tokens` tokens at recompute ratio `ratio`."""
+        a, b = self._point(num_tokens)
+        return a + b * ratio
+
+    def ratio_for(self, num_tokens: int, seconds: float) -> float:
+        """The ratio whose recompute takes `seconds` (0 if even r = 0 takes longer, 1 if r = 1 is faster)."""
+        a, b = self._point(num_tokens)
+        if b <= 0:
+            return 1.0 if seconds >= a else 0.0
+        return min(1.0, max(0.0, (seconds - a) / b))
+
+    def load_time(self, tier: str, nbytes: int, num_chunks: int = 1) -> float:
+        if tier not in self.tiers:
+            raise ConfigError(
+                f"the loading profile has no read speed for tier {tier!r} (it has {sorted(self.tiers)}); "
+                f"run `cacheblend-rag profile` with that tier configured"
+            )
+        return self.tiers[tier].read_time(nbytes, num_chunks)
+
+    # -- persistence ---------------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": PROFILE_FORMAT,
+            "model": self.model,
+            "dtype": self.dtype,
+            "device": self.device,
+            "created": self.created,
+            "compute": [asdict(p) for p in self.compute],
+            "tiers": {name: asdict(t) for name, t in self.tiers.items()},
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        tmp.replace(path)  # never leave a half-written profile behind
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> LoadingProfile:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(
+                f"no loading profile at {path}; write one with `cacheblend-rag profile --out {path}`"
+            ) from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path} is not a loading profile (invalid JSON: {exc}); write it again") from exc
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ConfigError(f"{path} is not a {PROFILE_FORMAT} file; write it with `cacheblend-rag profile`")
+        try:
+            return cls(
+                model=str(data["model"]),
+                dtype=str(data["dtype"]),
+                device=str(data["device"]),
+                created=str(data.get("created", "")),
+                compute=tuple(ComputePoint(**p) for p in data["compute"]),
+                tiers={name: TierSpeed(**t) for name, t in data.get("tiers", {}).items()},
+            )
+        except (KeyError, TypeError) as exc:
+            raise ConfigError(f"{path} is missing fields of a loading profile ({exc}); write it again") from exc
+
+
+# -- measuring ---------------------------------------------------------------------------------------------
+
+
+def _fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope), both clipped at zero (time never falls with more recompute)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    slope = max(0.0, slope)
+    return max(0.0, my - slope * mx), slope
+
+
+def _filler_chunks(engine: CacheBlendEngine, num_chunks: int, chunk_tokens: int, seed: int) -> list[str]:
+    """Chunks of about `chunk_tokens` tokens of plain text. Timing does not depend on what the text says."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = (
+        "the a river city north old council built bridge year trade wool copper mountain king road market "
+        "winter lake village church school station harbour festival museum valley farm mill tower wall gate"
+    ).split()
+    out = []
+    for _ in range(num_chunks):
+        words: list[str] = []
+        while len(engine.tokenizer.encode(" ".join(words), add_special_tokens=False)) < chunk_tokens:
+            words.extend(rng.choice(vocab) for _ in range(32))
+        ids = engine.tokenizer.encode(" ".join(words), add_special_tokens=False)[:chunk_tokens]
+        out.append(engine.tokenizer.decode(ids))
+    return out
+
+
+def profile_engine(
+    engine: CacheBlendEngine,
+    *,
+    token_counts: Sequence[int] = (1024, 2048, 4096),
+    ratios: Sequence[float] = (0.0, 0.15, 0.5),
+    chunk_tokens: int = 512,
+    tiers: dict[str, ChunkStore] | None = None,
+    repeats: int = 2,
+    show_progress: bool = True,
+) -> LoadingProfile:
+    """Measure `engine`'s blended prefill time over `token_counts` x `ratios`, and the read speed of `tiers`.
+
+    `tiers` maps names to stores to time (default: a memory store and a disk store in a temporary
+    directory); each is filled with the profiled chunks first. Takes about a minute for the defaults on the
+    0.5B model on 2 CPU cores.
+    """
+    from tqdm.auto import tqdm
+
+    from ..store import DiskStore, MemoryStore
+    from ..store.lazy import LazyChunkKV
+
+    if not token_counts or any(n < chunk_tokens for n in token_counts):
+        raise ConfigError(f"token_counts must each be >= chunk_tokens ({chunk_tokens}), got {list(token_counts)}")
+    if len(set(ratios)) < 2 or any(not 0 <= r <= 1 for r in ratios):
+        raise ConfigError(f"ratios needs at least two distinct values in [0, 1], got {list(ratios)}")
+    too_long = [n for n in token_counts if n > engine.max_tokens - 64]
+    if too_long:
+        raise ConfigError(f"token_counts {too_long} exceed the engine's limit of {engine.max_tokens} tokens")
+    question = "Which city is mentioned first?"
+    points = []
+    steps = tqdm(total=len(token_counts) * len(ratios), desc="profiling recompute", disable=not show_progress)
+    all_chunks: list[str] = []
+    for n in token_counts:
+        chunks = _filler_chunks(engine, max(1, n // chunk_tokens), chunk_tokens, seed=n)
+        all_chunks.extend(chunks)
+        prompt = engine.build_prompt(chunks, question)
+        engine.precompute(chunks, question)
+        engine.prefill(prompt, "blend", recompute_ratio=ratios[0])  # warm-up
+        xs, ys = [], []
+        for r in ratios:
+            times = [engine.prefill(prompt, "blend", recompute_ratio=r).metrics.compute_s for _ in range(repeats)]
+            xs.append(r)
+            ys.append(statistics.median(times))
+            steps.update()
+        intercept, slope = _fit_line(xs, ys)
+        points.append(ComputePoint(prompt.num_tokens, intercept, slope))
+    steps.close()
+
+    # Read speeds, from the KV of the chunks just profiled (the largest prompt's chunks suffice).
+    prompt = engine.build_prompt(all_chunks[-max(1, token_counts[-1] // chunk_tokens) :], question)
+    keys = [engine._key(prompt.prefix_ids, ids) for ids in prompt.chunk_ids]
+    entries = [engine.store.get(k) for k in keys]
+    entries = [e for e in entries if e is not None]
+    if not entries:
+        raise ConfigError("the engine's store kept none of the profiled chunks; raise memory_budget_bytes")
+    own_dir = None
+    if tiers is None:
+        own_dir = tempfile.mkdtemp(prefix="cacheblend-profile-")
+        tiers = {"memory": MemoryStore(), "disk": DiskStore(own_dir)}
+    speeds: dict[str, TierSpeed] = {}
+    try:
+        for name, store in tiers.items():
+            for e in entries:
+                store.put(e)
+            flush = getattr(store, "flush", None)
+            if flush is not None:
+                flush()
+            opens, reads = [], []  # seconds per chunk to find and open it; seconds per byte to read its layers
+            for _ in range(repeats + 1):
+                t_open = t_read = 0.0
+                nbytes = 0
+                for e in entries:
+                    t = time.perf_counter()
+                    opener = getattr(store, "open", None)
+                    got = opener(e.key) if opener is not None else store.get(e.key)
+                    if isinstance(got, tuple):  # a TieredStore's (entry, tier)
+                        got = got[0]
+                    if got is None:
+                        raise ConfigError(f"tier {name!r} lost a chunk while being profiled; give it more budget")
+                    t_open += time.perf_counter() - t
+                    t = time.perf_counter()
+                    for layer_idx in range(got.num_layers):
+                        if isinstance(got, LazyChunkKV):
+                            got.layer(layer_idx)
+                        else:  # copy out, as the loader does when it lays chunks end to end
+                            got.keys[layer_idx].clone()
+                            got.values[layer_idx].clone()
+                    t_read += time.perf_counter() - t
+                    nbytes += got.nbytes
+                opens.append(t_open / len(entries))
+                reads.append(t_read / nbytes)
+            speeds[name] = TierSpeed(bytes_per_s=1.0 / statistics.median(reads), latency_s=statistics.median(opens))
+    finally:
+        if own_dir is not None:
+            for store in tiers.values():
+                close = getattr(store, "close", None)
+                if close is not None:
+                    close()
+            import shutil
+
+            shutil.rmtree(own_dir, ignore_errors=True)
+    return LoadingProfile(
+        model=engine.fingerprint,
+        dtype=engine.config.dtype,
+        device=str(engine.device),
+        compute=tuple(points),
+        tiers=speeds,
+        created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
