@@ -76,3 +76,29 @@ def test_ask_answers_from_a_folder_and_reuses_chunks(tmp_path, capsys):
     out = capsys.readouterr()
     assert "chunk KV: 2 from the store, 0 computed now" in out.err  # read back from the KV folder
     assert "chunks hit/miss=2/0" in out.out
+
+
+@pytest.mark.real_model
+def test_profile_then_ask_with_the_controller(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    argv = ["profile", "--model", "smollm2-135m-instruct", "--out", str(profile), "--kv-dir", str(tmp_path / "kv")]
+    argv += ["--token-counts", "64", "128", "--chunk-tokens", "32", "--ratios", "0", "1", "--repeats", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "written to" in out and "memory" in out and "disk" in out and profile.exists()
+    assert not (tmp_path / "kv" / ".profile").exists() or not any((tmp_path / "kv" / ".profile").rglob("*.val"))
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("The kingdom of Zorbania lies in the north. Its capital is Quillton.")
+    argv = ["ask", "--docs", str(docs), "--model", "smollm2-135m-instruct", "--chunk-tokens", "32"]
+    argv += ["--top-k", "1", "--max-new-tokens", "4", "--profile", str(profile), "What is the capital?"]
+    assert main(argv) == 0
+    assert "(controller (" in capsys.readouterr().out  # the controller chose r
+    assert main([*argv, "--ratio", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "r=0.20" in out and "(controller" not in out  # a pinned ratio wins
+
+    (tmp_path / "bad.json").write_text("{}")
+    assert main([*argv[:-3], "--profile", str(tmp_path / "bad.json"), "What?"]) == 2
+    assert "not a cacheblend-rag/loading-profile" in capsys.readouterr().err
