@@ -46,8 +46,14 @@ def _load_index(args: argparse.Namespace, tokenizer):
 def cmd_ask(args: argparse.Namespace) -> int:
     from .engine import CacheBlendEngine
 
+    controller = None
+    if args.profile:
+        from .controller import LoadingController, LoadingProfile
+
+        # --ratio, when given, pins r: the engine then uses it as is and the controller stays out of the way.
+        controller = LoadingController(LoadingProfile.load(args.profile), min_ratio=args.min_ratio)
     t = time.perf_counter()
-    engine = CacheBlendEngine.from_pretrained(args.model, config=_engine_config(args))
+    engine = CacheBlendEngine.from_pretrained(args.model, config=_engine_config(args), controller=controller)
     print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     index = _load_index(args, engine.tokenizer)
     if args.precompute_all:
@@ -85,6 +91,49 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from .config import EngineConfig
+    from .controller import profile_engine
+    from .engine import CacheBlendEngine
+    from .store import DiskStore, MemoryStore
+
+    engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(device=args.device, dtype=args.dtype))
+    with tempfile.TemporaryDirectory(prefix="cacheblend-profile-") as scratch:
+        # Time the tiers the deployment will use: its disk folder (a scratch namespace inside it) and its Redis.
+        disk_dir = os.path.join(args.kv_dir, ".profile") if args.kv_dir else scratch
+        tiers: dict = {"memory": MemoryStore(), "disk": DiskStore(disk_dir)}
+        if args.redis_url:
+            from .store import RedisStore
+
+            tiers["redis"] = RedisStore(args.redis_url, namespace=f"cacheblend-profile-{os.getpid()}")
+        try:
+            profile = profile_engine(
+                engine,
+                token_counts=args.token_counts,
+                ratios=args.ratios,
+                chunk_tokens=args.chunk_tokens,
+                tiers=tiers,
+                repeats=args.repeats,
+            )
+        finally:
+            for store in tiers.values():
+                clear = getattr(store, "clear", None)
+                if clear is not None and store is not tiers["memory"]:
+                    clear()
+    profile.save(args.out)
+    print(f"profile of {args.model or 'the default preset'} ({args.dtype}, {args.device}) written to {args.out}")
+    for point in profile.compute:
+        print(
+            f"  {point.num_tokens:6d} tokens: blend compute {point.intercept_s * 1000:7.0f} ms + "
+            f"{point.slope_s * 1000:7.0f} ms x r  (r=0.15: {point.at(0.15) * 1000:.0f} ms)"
+        )
+    for name, speed in profile.tiers.items():
+        print(f"  {name:<7} reads {speed.bytes_per_s / 1e6:8.0f} MB/s, {speed.latency_s * 1000:.1f} ms per chunk")
+    return 0
+
+
 def cmd_index(args: argparse.Namespace) -> int:
     from .models import load_model
     from .retrieval import build_index_from_folder
@@ -103,6 +152,96 @@ def cmd_models(args: argparse.Namespace) -> int:
         mark = " (default)" if name == DEFAULT_PRESET else ""
         print(f"{name}{mark}: {preset.description}")
     return 0
+
+
+# -- bench: the paper's §7 evaluation (quality per data set and method) ----------------------------------------
+
+
+def _require_eval_deps() -> None:
+    import importlib.util
+
+    missing = [m for m in ("rouge_score", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CacheBlendError(f"bench needs {', '.join(missing)}: pip install 'cacheblend-rag[eval]'")
+
+
+def cmd_bench_quality(args: argparse.Namespace) -> int:
+    from .config import EngineConfig
+    from .engine import CacheBlendEngine
+    from .evaluation import load_dataset, parse_methods, run_quality, summarize, summary_markdown, write_report
+    from .evaluation.datasets import canonical_dataset_name
+
+    # Check names, files, numbers and packages before the model loads (that takes a while).
+    _require_eval_deps()
+    if args.limit is not None and args.limit < 1:
+        raise CacheBlendError(f"--limit must be >= 1, got {args.limit}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise CacheBlendError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    names = list(dict.fromkeys(canonical_dataset_name(n) for n in args.datasets.split(",") if n.strip()))
+    if not names:
+        raise CacheBlendError("--datasets names no data set; e.g. musique,wikimqa")
+    methods = parse_methods(args.methods)
+    datasets = [
+        load_dataset(n, args.data_dir, args.limit, **({"shots": args.samsum_shots} if n == "samsum" else {}))
+        for n in names
+    ]
+    t = time.perf_counter()
+    engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(device=args.device, dtype=args.dtype))
+    print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    settings = {
+        "model": args.model or "default",
+        "dtype": args.dtype,
+        "device": args.device,
+        "samsum_shots": args.samsum_shots,
+    }
+    records = run_quality(engine, datasets, methods, args.out, max_new_tokens=args.max_new_tokens, settings=settings)
+    files = write_report(args.out, records)
+    print(summary_markdown(summarize(records)))
+    print("wrote " + ", ".join(str(p) for p in files.values()), file=sys.stderr)
+    return 0
+
+
+def cmd_bench_report(args: argparse.Namespace) -> int:
+    from .evaluation import load_records, summarize, summary_markdown, write_report
+
+    _require_eval_deps()
+    records = load_records(args.out)
+    files = write_report(args.out, records)
+    print(summary_markdown(summarize(records)))
+    print("wrote " + ", ".join(str(p) for p in files.values()), file=sys.stderr)
+    return 0
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """`bench quality` runs the paper's quality comparison; `bench report` redraws its table and figures."""
+    from .evaluation.methods import DEFAULT_METHODS
+
+    bench = sub.add_parser("bench", help="benchmarks of the paper's evaluation (quality per data set and method)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    q = bench_sub.add_parser(
+        "quality",
+        help="score each method on each data set; resumable (one JSONL record per case in --out)",
+        description="Runs data sets x methods x cases on one model, appending a record per case to "
+        "OUT/results.jsonl (rerun the same command to resume), then writes OUT/summary.md and figures.",
+    )
+    q.add_argument("--datasets", default="musique,wikimqa,multi_news,samsum", help="comma-separated")
+    q.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated: full, prefix, reuse, blend@R, "
+                   "mapreduce, maprerank")  # fmt: skip
+    q.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
+    q.add_argument("--out", default="bench-results/quality", help="output folder (results.jsonl, summary, PNGs)")
+    q.add_argument("--data-dir", help="folder with musique/, wikimqa/, multi_news/, samsum/ (default ../shared/data)")
+    q.add_argument("--model", help="preset name or local checkpoint (default: the default preset)")
+    q.add_argument("--device", default="cpu")
+    q.add_argument("--dtype", default="float32")
+    q.add_argument("--max-new-tokens", type=int, help="answer budget for every data set (default: 32 for QA, "
+                   "128 for summaries)")  # fmt: skip
+    q.add_argument("--samsum-shots", type=int, default=10, help="validation examples per SAMSum case")
+    q.set_defaults(func=cmd_bench_quality)
+
+    r = bench_sub.add_parser("report", help="rebuild summary.md and the figures from OUT/results.jsonl")
+    r.add_argument("--out", default="bench-results/quality", help="the folder `bench quality` wrote")
+    r.set_defaults(func=cmd_bench_report)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +265,22 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--show-sources", action="store_true", help="print the retrieved chunks' sources")
     ask.add_argument("--kv-dir", help="keep chunk KV on disk in this folder, so later runs reuse it")
     ask.add_argument("--redis-url", help="share chunk KV through this Redis, e.g. redis://127.0.0.1:6379/0")
+    ask.add_argument("--profile", help="a loading profile (`cacheblend-rag profile`): r is chosen per request")
+    ask.add_argument("--min-ratio", type=float, default=0.15, help="with --profile: the quality floor r_min")
     ask.set_defaults(func=cmd_ask)
+
+    prof = sub.add_parser("profile", help="measure blend compute and tier read speeds for the loading controller")
+    prof.add_argument("--out", required=True, help="where to write the profile (JSON)")
+    prof.add_argument("--model", help="preset name or local checkpoint (default: the default preset)")
+    prof.add_argument("--device", default="cpu")
+    prof.add_argument("--dtype", default="float32")
+    prof.add_argument("--kv-dir", help="the disk tier's folder, to time the disk that will serve")
+    prof.add_argument("--redis-url", help="the Redis tier to time, e.g. redis://127.0.0.1:6379/0")
+    prof.add_argument("--token-counts", type=int, nargs="+", default=[1024, 2048, 4096])
+    prof.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.15, 0.5])
+    prof.add_argument("--chunk-tokens", type=int, default=512)
+    prof.add_argument("--repeats", type=int, default=2)
+    prof.set_defaults(func=cmd_profile)
 
     idx = sub.add_parser("index", help="build and save a chunk index of a folder")
     idx.add_argument("--docs", required=True)
@@ -137,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="list the packaged model presets")
     models.set_defaults(func=cmd_models)
+
+    add_bench_parser(sub)
     return p
 
 

@@ -1,0 +1,372 @@
+"""The quality benchmark: data sets x methods x cases, one JSONL record per finished case, a report at the end.
+
+Scope: running (`run_quality`), resuming, and summarising (`summarize`, `write_report`: a markdown table and
+matplotlib figures). One record per (data set, method, case) is appended to `results.jsonl` as soon as it is
+done, so an interrupted run loses at most the case in flight and a rerun with the same `--out` skips what is
+there. `run.json` remembers the model and settings; resuming with different ones is refused, since their
+numbers would not belong in one table.
+
+Each case is run by every method before the next case starts (so a partial run stays balanced across
+methods), each method after its untimed warm step (chunk KV precomputed: the paper's steady state).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CacheBlendError
+from .datasets import Dataset
+from .methods import Method, answer_text
+from .scoring import METRIC_NAMES, score_answer
+
+__all__ = [
+    "RESULTS_FILE",
+    "SummaryRow",
+    "load_records",
+    "plot_panels",
+    "plot_quality_vs_ratio",
+    "plot_quality_vs_ttft",
+    "run_quality",
+    "summarize",
+    "summary_markdown",
+    "write_report",
+]
+
+RESULTS_FILE = "results.jsonl"
+RUN_FILE = "run.json"
+SUMMARY_MD = "summary.md"
+SUMMARY_JSON = "summary.json"
+FIG_QUALITY_TTFT = "quality_vs_ttft.png"
+FIG_QUALITY_RATIO = "quality_vs_ratio.png"
+
+
+# -- records ---------------------------------------------------------------------------------------------------
+
+
+def _key(record: Mapping[str, Any]) -> tuple[str, str, str]:
+    return record["dataset"], record["method"], record["case_id"]
+
+
+def load_records(out_dir: str | os.PathLike[str], *, repair: bool = False) -> list[dict[str, Any]]:
+    """Records of `results.jsonl`. A torn last line (the process died mid-write) is dropped, and with
+    `repair=True` cut from the file, so that appending goes on from a clean line."""
+    path = Path(out_dir) / RESULTS_FILE
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    records, good_end, pos = [], 0, 0
+    for line in data.splitlines(keepends=True):
+        pos += len(line)
+        if not line.strip():
+            good_end = pos
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if pos == len(data) and not line.endswith(b"\n"):
+                break  # torn tail
+            raise CacheBlendError(f"{path}: a line before the last is not valid JSON; fix or remove it") from None
+        if not line.endswith(b"\n"):
+            break  # complete JSON but no newline: treat as torn too, it is rewritten on resume
+        records.append(rec)
+        good_end = pos
+    if repair and good_end < len(data):
+        with path.open("r+b") as f:
+            f.truncate(good_end)
+    return records
+
+
+def _append(path: Path, record: Mapping[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _check_run_settings(out: Path, settings: Mapping[str, Any]) -> None:
+    path = out / RUN_FILE
+    if path.exists():
+        old = json.loads(path.read_text())
+        differ = {k: (old.get(k), v) for k, v in settings.items() if k in old and old[k] != v}
+        if differ:
+            details = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in differ.items())
+            raise CacheBlendError(f"{out} holds results of another setup ({details}); use another --out")
+    merged = {**(json.loads(path.read_text()) if path.exists() else {}), **settings}
+    path.write_text(json.dumps(merged, indent=2) + "\n")
+
+
+# -- running ---------------------------------------------------------------------------------------------------
+
+
+def run_quality(
+    engine: Any,
+    datasets: Sequence[Dataset],
+    methods: Sequence[Method],
+    out_dir: str | os.PathLike[str],
+    *,
+    max_new_tokens: int | None = None,
+    settings: Mapping[str, Any] | None = None,
+    show_progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Run every supported (data set, method, case) not yet in `out_dir`; return all records.
+
+    `max_new_tokens` overrides each data set's own budget. `settings` (model, dtype, ...) are stored in
+    run.json and must match on resume. An engine error on one case (e.g. a prompt beyond the model's context)
+    is recorded with the case and the run goes on; any other exception stops the run.
+    """
+    from tqdm.auto import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _check_run_settings(out, {**(settings or {}), "max_new_tokens": max_new_tokens})
+    records = load_records(out, repair=True)
+    done = {_key(r) for r in records}
+    path = out / RESULTS_FILE
+    for ds in datasets:
+        spec = ds.spec
+        active = [m for m in methods if m.supports(spec)]
+        todo = [(c, m) for c in ds.cases for m in active if (spec.name, m.name, c.id) not in done]
+        budget = max_new_tokens or spec.max_new_tokens
+        bar = tqdm(total=len(todo), desc=f"{spec.name}", unit="run", disable=not show_progress)
+        for case, method in todo:
+            bar.set_postfix_str(f"{case.id} {method.name}", refresh=True)
+            record: dict[str, Any] = {
+                "dataset": spec.name,
+                "method": method.name,
+                "case_id": case.id,
+                "task": case.task,
+                "metric": METRIC_NAMES[case.task],
+            }
+            t_warm = time.perf_counter()
+            t_run = t_warm
+            try:
+                method.warm(engine, spec, case)
+                t_run = time.perf_counter()
+                result = method.run(engine, spec, case, budget)
+            except CacheBlendError as e:
+                record.update(error=f"{type(e).__name__}: {e}", score=None, ttft_s=None)
+            else:
+                answer = answer_text(spec, result.text)
+                record.update(
+                    score=score_answer(case.task, answer, case.answers),
+                    ttft_s=result.ttft_s,
+                    answer=answer,
+                    raw_text=result.text,
+                    golds=list(case.answers),
+                    prompt_tokens=result.prompt_tokens,
+                    recomputed_tokens=result.recomputed_tokens,
+                    extra=result.extra,
+                )
+            t_end = time.perf_counter()
+            record.update(warm_s=t_run - t_warm, run_s=t_end - t_run)
+            _append(path, record)
+            records.append(record)
+            done.add(_key(record))
+            bar.update(1)
+        bar.close()
+    return records
+
+
+# -- summary ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    dataset: str
+    method: str
+    metric: str
+    score: float  # mean over the cases that ran (nan when none did)
+    ttft_s: float  # median TTFT over those cases
+    n: int  # cases that ran
+    errors: int  # cases the engine refused
+    ratio: float | None  # blend's recompute ratio, None for other methods
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def _ratio(method: str) -> float | None:
+    if method.startswith("blend@"):
+        try:
+            return float(method.split("@", 1)[1])
+        except ValueError:
+            return None
+    return None
+
+
+def summarize(records: Iterable[Mapping[str, Any]]) -> list[SummaryRow]:
+    """Per (data set, method): mean score, median TTFT, count; in first-seen order."""
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["dataset"], r["method"]), []).append(r)
+    rows = []
+    for (dataset, method), recs in groups.items():
+        ok = [r for r in recs if r.get("error") is None and r.get("score") is not None]
+        rows.append(
+            SummaryRow(
+                dataset=dataset,
+                method=method,
+                metric=recs[0].get("metric", "score"),
+                score=statistics.fmean(r["score"] for r in ok) if ok else math.nan,
+                ttft_s=statistics.median(r["ttft_s"] for r in ok) if ok else math.nan,
+                n=len(ok),
+                errors=len(recs) - len(ok),
+                ratio=_ratio(method),
+            )
+        )
+    return rows
+
+
+def _fmt(x: float, spec: str) -> str:
+    return "-" if x is None or math.isnan(x) else format(x, spec)
+
+
+def summary_markdown(rows: Sequence[SummaryRow]) -> str:
+    """One table per data set: method, score, change vs full recompute, median TTFT, speed-up vs full, n."""
+    lines = []
+    for dataset in dict.fromkeys(r.dataset for r in rows):
+        sub = [r for r in rows if r.dataset == dataset]
+        full = next((r for r in sub if r.method == "full"), None)
+        lines += [
+            f"### {dataset} ({sub[0].metric})",
+            "",
+            f"| method | {sub[0].metric} | vs full | median TTFT (s) | TTFT full / method | n | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in sub:
+            delta = r.score - full.score if full is not None else math.nan
+            speedup = full.ttft_s / r.ttft_s if full is not None and r.ttft_s and r.ttft_s > 0 else math.nan
+            lines.append(
+                f"| {r.method} | {_fmt(r.score, '.3f')} | {_fmt(delta, '+.3f')} | {_fmt(r.ttft_s, '.3f')} | "
+                f"{_fmt(speedup, '.2f')} | {r.n} | {r.errors} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+# -- figures ---------------------------------------------------------------------------------------------------
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("the benchmark figures need matplotlib: pip install 'cacheblend-rag[eval]'") from e
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_panels(
+    rows: Sequence[Mapping[str, Any]],
+    path: str | os.PathLike[str],
+    *,
+    x: str,
+    y: str,
+    panel: str = "dataset",
+    series: str | None = None,
+    label: str | None = None,
+    hlines: Mapping[str, str] | None = None,
+    hline_key: str = "method",
+    xlabel: str | None = None,
+    ylabel: str | None = None,
+    title: str | None = None,
+) -> Path:
+    """A row of panels (one per value of `panel`), each plotting `y` against `x`.
+
+    Rows with the same `series` value are joined by a line (sorted by x); without `series`, each row is a
+    point, annotated with its `label` field. `hlines` maps values of `hline_key` (e.g. "full") to a legend
+    name: those rows are drawn as horizontal reference lines at their `y`, not as points. Rows missing x or y
+    (None or nan) are left out. Enough for the paper's Fig. 12 (quality vs TTFT, one point per method),
+    Fig. 16 (quality vs recompute ratio) and Fig. 15 (quality or TTFT vs chunk count / length).
+    """
+    plt = _pyplot()
+
+    def ok(v: Any) -> bool:
+        return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+    panels = list(dict.fromkeys(r[panel] for r in rows))
+    if not panels:
+        raise ValueError("nothing to plot: no rows")
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+    hlines = hlines or {}
+    for ax, name in zip(axes[0], panels, strict=True):
+        sub = [r for r in rows if r[panel] == name]
+        refs = [r for r in sub if r.get(hline_key) in hlines and ok(r.get(y))]
+        pts = [r for r in sub if r.get(hline_key) not in hlines and ok(r.get(x)) and ok(r.get(y))]
+        if series is not None:
+            for s in dict.fromkeys(r[series] for r in pts):
+                line = sorted((r for r in pts if r[series] == s), key=lambda r: r[x])
+                ax.plot([r[x] for r in line], [r[y] for r in line], marker="o", label=str(s))
+        else:
+            for r in pts:
+                ax.scatter(r[x], r[y], s=36)
+                if label is not None:
+                    ax.annotate(str(r[label]), (r[x], r[y]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        for i, r in enumerate(refs):
+            ax.axhline(r[y], linestyle="--", linewidth=1, color=f"C{(i + 3) % 10}", label=hlines[r[hline_key]])
+        ax.set_title(str(name))
+        ax.set_xlabel(xlabel or x)
+        ax.set_ylabel(ylabel or y)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_quality_vs_ttft(rows: Sequence[SummaryRow], path: str | os.PathLike[str]) -> Path:
+    """Fig. 12 style: per data set, each method's mean quality against its median TTFT."""
+    data = [r.to_dict() for r in rows]
+    return plot_panels(
+        data, path, x="ttft_s", y="score", label="method", xlabel="median TTFT (s)", ylabel="quality (F1 / Rouge-L)",
+        title="Quality vs TTFT",
+    )  # fmt: skip
+
+
+def plot_quality_vs_ratio(rows: Sequence[SummaryRow], path: str | os.PathLike[str]) -> Path | None:
+    """Fig. 16 style: blend's quality against its recompute ratio, full recompute and full reuse as lines.
+
+    None (no file) when no data set has a blend result."""
+    data = [r.to_dict() | {"series": "blend"} for r in rows if r.ratio is not None or r.method in ("full", "reuse")]
+    if not any(r["ratio"] is not None for r in data):
+        return None
+    return plot_panels(
+        data, path, x="ratio", y="score", series="series", hlines={"full": "full recompute", "reuse": "full KV reuse"},
+        xlabel="recompute ratio r", ylabel="quality (F1 / Rouge-L)", title="Quality vs recompute ratio",
+    )  # fmt: skip
+
+
+def write_report(
+    out_dir: str | os.PathLike[str], records: Sequence[Mapping[str, Any]] | None = None
+) -> dict[str, Path]:
+    """summary.md, summary.json and the figures from the records (read from `out_dir` when not given)."""
+    out = Path(out_dir)
+    if records is None:
+        records = load_records(out)
+    if not records:
+        raise CacheBlendError(f"no results in {out / RESULTS_FILE}; run `cacheblend-rag bench quality` first")
+    rows = summarize(records)
+    files = {"summary_md": out / SUMMARY_MD, "summary_json": out / SUMMARY_JSON}
+    files["summary_md"].write_text("# Quality benchmark\n\n" + summary_markdown(rows))
+    files["summary_json"].write_text(json.dumps([r.to_dict() for r in rows], indent=2) + "\n")
+    if any(r.n for r in rows):
+        files["quality_vs_ttft"] = plot_quality_vs_ttft([r for r in rows if r.n], out / FIG_QUALITY_TTFT)
+        ratio_fig = plot_quality_vs_ratio([r for r in rows if r.n], out / FIG_QUALITY_RATIO)
+        if ratio_fig is not None:
+            files["quality_vs_ratio"] = ratio_fig
+    return files
