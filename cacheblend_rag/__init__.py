@@ -14,6 +14,7 @@ from .engine import (
     GenerationResult,
     PromptTemplate,
     RequestMetrics,
+    TextStream,
     TokenizedPrompt,
 )
 from .errors import (
@@ -42,6 +43,7 @@ __all__ = [
     "PromptError",
     "PromptTemplate",
     "RequestMetrics",
+    "TextStream",
     "TokenizedPrompt",
     "UnsupportedModelError",
     "__version__",

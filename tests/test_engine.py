@@ -252,3 +252,12 @@ def test_chunks_come_back_from_the_disk_tier_in_a_new_engine(tmp_path):
 def test_engine_config_checks_the_redis_url():
     with pytest.raises(ConfigError, match="redis_url must start with"):
         EngineConfig(redis_url="localhost:6379")
+
+
+def test_a_closed_stream_stops_generating(engine):
+    stream = engine.stream([words(31, 20)], prefix=words(1, 4), suffix=words(2, 5), max_new_tokens=50)
+    with stream:
+        first = next(stream)
+    assert first and stream.result is None
+    with pytest.raises(StopIteration):
+        next(stream)

@@ -91,6 +91,18 @@ class TextStream:
     def __iter__(self) -> TextStream:
         return self
 
+    def close(self) -> None:
+        """Stop generating now (a consumer that abandons the stream); `.result` stays None unless finished."""
+        close = getattr(self._events, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> TextStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __next__(self) -> str:
         while True:
             event = next(self._events)  # StopIteration ends the stream

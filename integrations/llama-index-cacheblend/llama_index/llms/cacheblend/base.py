@@ -1,0 +1,234 @@
+"""CacheBlendLLM: LlamaIndex's LLM interface on a shared `CacheBlendEngine`.
+
+A completion or chat call is one plain request to the engine with no chunks, i.e. a full prefill of the prompt:
+a flat prompt string has no chunk boundaries to reuse. This is what the framework's own response modes
+(compact, refine, tree_summarize, accumulate) call, so they run on the same model and decoding settings as
+`BlendSynthesizer`, which reaches through this LLM to the engine and passes each retrieved node as a chunk.
+
+Decoding settings are pydantic fields; the engine is a private attribute, shared, never copied or serialized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig, GenerationResult
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms.callbacks import llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.prompts import BasePromptTemplate
+
+# Key of the engine's RequestMetrics.to_dict() in CompletionResponse.additional_kwargs and Response.metadata.
+METRICS_KEY = "cacheblend_metrics"
+
+
+class ChatTemplate:
+    """Renders chat messages with a tokenizer's chat template, ending with the assistant turn's opening.
+
+    A small callable object rather than a method of the LLM: the LLM's formatting fields then do not point back
+    at the LLM (whose repr would recurse through them).
+    """
+
+    def __init__(self, tokenizer: Any, system_prompt: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+
+    def __call__(self, messages: Sequence[ChatMessage]) -> str:
+        turns = [{"role": m.role.value, "content": m.content or ""} for m in messages]
+        return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+
+    def user_turn(self, prompt: str) -> str:
+        """A bare completion prompt as one user message (after the system prompt, if any)."""
+        messages = [ChatMessage(role="system", content=self.system_prompt)] if self.system_prompt else []
+        return self([*messages, ChatMessage(role="user", content=prompt)])
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate(system_prompt={self.system_prompt!r})"
+
+
+# Per-call overrides accepted by complete()/stream_complete() and the synthesizer (names of engine.generate).
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+
+
+class CacheBlendLLM(CustomLLM):
+    """A LlamaIndex LLM served in-process by a `CacheBlendEngine` (build the engine once and share it).
+
+    Example:
+        engine = CacheBlendEngine.from_pretrained()
+        llm = CacheBlendLLM(engine=engine, max_new_tokens=128)
+        print(llm.complete("Name three rivers in France."))
+    """
+
+    model_name: str = Field(default="", description="The model's name or path, as reported in metadata.")
+    max_new_tokens: int = Field(default=256, gt=0, description="Most tokens generated per call.")
+    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 decodes greedily.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (with temperature > 0).")
+    top_k: int = Field(default=0, ge=0, description="Sample among the k likeliest tokens; 0 means no limit.")
+    stop: list[str] = Field(default_factory=list, description="Strings that end generation when produced.")
+    seed: int | None = Field(default=None, description="Seed for sampling, so sampled answers are repeatable.")
+    context_window: int = Field(
+        default=0,
+        ge=0,
+        description="Tokens of prompt plus output the engine accepts; taken from the engine when left at 0.",
+    )
+    is_chat_model: bool = Field(
+        default=True,
+        description=(
+            "Format prompts as chat messages with the tokenizer's chat template (the default when the tokenizer "
+            "has one); False sends prompts as plain text."
+        ),
+    )
+
+    _engine: CacheBlendEngine = PrivateAttr()
+
+    def __init__(self, engine: CacheBlendEngine, **kwargs: Any) -> None:
+        if not isinstance(engine, CacheBlendEngine):
+            raise TypeError(f"engine must be a cacheblend_rag.CacheBlendEngine, got {type(engine).__name__}")
+        has_chat_template = bool(getattr(engine.tokenizer, "chat_template", None))
+        if kwargs.get("is_chat_model") and not has_chat_template:
+            raise ValueError("is_chat_model=True needs a tokenizer with a chat template; this one has none")
+        kwargs.setdefault("is_chat_model", has_chat_template)
+        if not kwargs.get("model_name"):
+            kwargs["model_name"] = str(getattr(engine.model.config, "name_or_path", "") or "cacheblend")
+        if not kwargs.get("context_window"):
+            kwargs["context_window"] = engine.max_tokens
+        super().__init__(**kwargs)
+        self._engine = engine
+        # Chat models render messages (and bare completions, as one user turn) with the model's own chat
+        # template, unless the caller supplied their own formatting functions.
+        if self.is_chat_model:
+            if kwargs.get("messages_to_prompt") is None:
+                self.messages_to_prompt = ChatTemplate(engine.tokenizer)
+            if kwargs.get("completion_to_prompt") is None:
+                self.completion_to_prompt = ChatTemplate(engine.tokenizer, system_prompt=self.system_prompt).user_turn
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any
+    ) -> CacheBlendLLM:
+        """Build an engine (a preset or a local checkpoint) and wrap it; keyword arguments are the LLM's fields."""
+        engine = CacheBlendEngine.from_pretrained(name_or_path, config=config or EngineConfig(dtype="float32"))
+        return cls(engine=engine, **kwargs)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CacheBlendLLM"
+
+    @property
+    def engine(self) -> CacheBlendEngine:
+        """The shared engine, for precomputing chunks or calling it directly."""
+        return self._engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self.context_window,
+            num_output=self.max_new_tokens,
+            is_chat_model=self.is_chat_model,
+            model_name=self.model_name,
+        )
+
+    # -- prompt formatting ----------------------------------------------------------------------------------
+
+    def format_prompt(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
+        """The exact text `predict(prompt, **prompt_args)` sends to the model (system prompt included).
+
+        `BlendSynthesizer` renders its question-answering prompt through this, so blend mode sees the same
+        text as the framework's modes with the same template.
+        """
+        if self.is_chat_model:
+            assert self.messages_to_prompt is not None
+            return self.messages_to_prompt(self._get_messages(prompt, **prompt_args))
+        return self._get_prompt(prompt, **prompt_args)
+
+    def sampling_kwargs(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """This LLM's decoding settings with per-call overrides, as engine.generate() keyword arguments."""
+        unknown = sorted(set(overrides) - set(SAMPLING_KEYS))
+        if unknown:
+            raise TypeError(f"unexpected keyword arguments {unknown}; per-call settings are {list(SAMPLING_KEYS)}")
+        params: dict[str, Any] = {key: getattr(self, key) for key in SAMPLING_KEYS}
+        params.update(overrides)
+        params["stop"] = tuple(params["stop"] or ())
+        return params
+
+    # -- completion -----------------------------------------------------------------------------------------
+
+    def _prompt_text(self, prompt: str, formatted: bool) -> str:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"the prompt must be a non-empty string, got {prompt!r}")
+        if formatted:
+            return prompt
+        assert self.completion_to_prompt is not None
+        return self.completion_to_prompt(prompt)
+
+    @staticmethod
+    def _response(result: GenerationResult) -> CompletionResponse:
+        return CompletionResponse(
+            text=result.text,
+            raw={"token_ids": result.token_ids, "finish_reason": result.finish_reason},
+            additional_kwargs={METRICS_KEY: result.metrics.to_dict()},
+        )
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        text = self._prompt_text(prompt, formatted)
+        # No chunks: the whole prompt is the suffix, so the engine runs a full prefill.
+        result = self._engine.generate([], prefix="", suffix=text, mode="full", **self.sampling_kwargs(kwargs))
+        return self._response(result)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        text = self._prompt_text(prompt, formatted)
+        # Arguments are checked here, before the first token is asked for.
+        stream = self._engine.stream([], prefix="", suffix=text, mode="full", **self.sampling_kwargs(kwargs))
+
+        def gen() -> Iterator[CompletionResponse]:
+            so_far = ""
+            for delta in stream:
+                so_far += delta
+                yield CompletionResponse(text=so_far, delta=delta)
+            assert stream.result is not None
+            final = self._response(stream.result)  # empty delta: it carries the metrics only
+            final.delta = ""
+            yield final
+
+        return gen()
+
+    # The engine is thread-safe and blocking: async calls run the sync ones (which emit the callback events) in
+    # a worker thread, so the event loop stays free while the model runs.
+
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await asyncio.to_thread(self.complete, prompt, formatted, **kwargs)
+
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        return to_async_iterator(self.stream_complete(prompt, formatted, **kwargs))
+
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return await asyncio.to_thread(self.chat, messages, **kwargs)
+
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        return to_async_iterator(self.stream_chat(messages, **kwargs))
+
+
+_DONE = object()
+
+
+async def to_async_iterator(items: Iterator[Any]) -> AsyncIterator[Any]:
+    """Iterate a blocking iterator from async code, each step in a worker thread."""
+    while True:
+        # next() with a default: StopIteration must not cross the thread boundary (asyncio turns it into an error)
+        item = await asyncio.to_thread(next, items, _DONE)
+        if item is _DONE:
+            return
+        yield item

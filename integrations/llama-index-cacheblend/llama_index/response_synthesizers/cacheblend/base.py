@@ -1,0 +1,257 @@
+"""BlendSynthesizer: a LlamaIndex response synthesizer that answers with CacheBlend over the retrieved nodes.
+
+The framework's modes pack node texts into one prompt string (compact) or call the LLM per node (refine,
+accumulate, tree_summarize); either way each call is a fresh prefill. Here every retrieved node is its own chunk
+of one engine request, so a node's KV cache is computed once, stored, and reused by every later query that
+retrieves it, with ~15% of its tokens recomputed to restore cross-attention.
+
+The prompt is the framework's question-answering template (`text_qa_template`, the one compact mode uses)
+rendered by the LLM exactly as `llm.predict` would, then split where `{context_str}` goes: the text before the
+nodes is the shared prefix of every chunk's cache key, the text after holds the question. So the template must
+put the question after the context, or no chunk could be reused; this is checked when the template is set.
+
+`BaseSynthesizer.synthesize` is the template method: it sends the events and answers an empty retrieval with
+the framework's usual empty response. This class writes only `get_response` / `aget_response`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Generator, Iterable, Sequence
+from typing import Any
+
+from cacheblend_rag import GenerationResult, PrefillMode
+from cacheblend_rag.engine.engine import TextStream
+from llama_index.core.base.response.schema import RESPONSE_TYPE
+from llama_index.core.callbacks import CallbackManager
+from llama_index.core.llms import LLM
+from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.prompts.default_prompt_selectors import DEFAULT_TEXT_QA_PROMPT_SEL
+from llama_index.core.prompts.mixin import PromptDictType
+from llama_index.core.response_synthesizers import BaseSynthesizer
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
+from llama_index.core.settings import Settings
+from llama_index.core.types import RESPONSE_TEXT_TYPE
+
+from llama_index.llms.cacheblend import METRICS_KEY, CacheBlendLLM
+
+# Placeholders rendered into the template to find where the nodes and the question land in the final text.
+_CONTEXT_MARK = "\x00<cacheblend:context>\x00"
+_QUERY_MARK = "\x00<cacheblend:query>\x00"
+
+
+class BlendAnswer(str):
+    """The answer text, carrying the engine's whole result (`.result`: token ids, finish reason, metrics)."""
+
+    result: GenerationResult
+
+    def __new__(cls, result: GenerationResult) -> BlendAnswer:
+        answer = super().__new__(cls, result.text)
+        answer.result = result
+        return answer
+
+
+class BlendTokenStream(Generator[str, None, None]):
+    """Text deltas of one streamed answer: a real generator, so the framework wraps it in a StreamingResponse.
+
+    When exhausted, `.result` holds the engine's result and `metadata[METRICS_KEY]` its metrics; the synthesizer
+    points `metadata` at the StreamingResponse's own metadata, so the metrics appear there after the last token.
+    """
+
+    def __init__(self, stream: TextStream) -> None:
+        self._stream = stream
+        self.metadata: dict[str, Any] = {}
+        self.result: GenerationResult | None = None
+
+    def send(self, value: None) -> str:
+        try:
+            return next(self._stream)
+        except StopIteration:
+            self._finish()
+            raise
+
+    def throw(self, typ: Any = None, val: Any = None, tb: Any = None) -> str:  # type: ignore[override]
+        raise typ if val is None else val
+
+    def _finish(self) -> None:
+        if self.result is None and self._stream.result is not None:
+            self.result = self._stream.result
+            self.metadata[METRICS_KEY] = self.result.metrics.to_dict()
+
+
+class AsyncBlendTokenStream(AsyncGenerator[str, None]):
+    """The async form of `BlendTokenStream`: each step of the blocking engine runs in a worker thread."""
+
+    _DONE = object()
+
+    def __init__(self, stream: TextStream) -> None:
+        self._tokens = BlendTokenStream(stream)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self._tokens.metadata
+
+    @metadata.setter
+    def metadata(self, value: dict[str, Any]) -> None:
+        self._tokens.metadata = value
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._tokens.result
+
+    async def asend(self, value: None) -> str:
+        # next() with a default: StopIteration must not cross the thread boundary (asyncio turns it into an error)
+        item = await asyncio.to_thread(next, self._tokens, self._DONE)
+        if item is self._DONE:
+            raise StopAsyncIteration
+        return item
+
+    async def athrow(self, typ: Any = None, val: Any = None, tb: Any = None) -> str:  # type: ignore[override]
+        raise typ if val is None else val
+
+
+def node_text(node: BaseNode | NodeWithScore | str) -> str:
+    """A node's text exactly as `BaseSynthesizer.synthesize` passes it on (so precomputed keys match)."""
+    if isinstance(node, str):
+        return node
+    if isinstance(node, NodeWithScore):
+        node = node.node
+    return node.get_content(metadata_mode=MetadataMode.LLM)
+
+
+class BlendSynthesizer(BaseSynthesizer):
+    """Answer from the retrieved nodes with CacheBlend: each node is one cached chunk of a single engine request.
+
+    Args:
+        llm: the `CacheBlendLLM` whose engine and decoding settings to use (default: `Settings.llm`).
+        text_qa_template: the question-answering prompt, with `{context_str}` before `{query_str}`
+            (default: LlamaIndex's, the one compact mode uses).
+        mode: the engine's prefill mode: "blend" (CacheBlend), or "full", "prefix", "reuse" to compare.
+        recompute_ratio: share of chunk tokens blend recomputes (default: the engine's, 0.15).
+        streaming: return a StreamingResponse whose metadata gets the metrics after the last token.
+    """
+
+    def __init__(
+        self,
+        llm: LLM | None = None,
+        *,
+        text_qa_template: BasePromptTemplate | None = None,
+        mode: PrefillMode | str = PrefillMode.BLEND,
+        recompute_ratio: float | None = None,
+        callback_manager: CallbackManager | None = None,
+        streaming: bool = False,
+        empty_response: str | None = None,
+    ) -> None:
+        llm = llm if llm is not None else Settings.llm
+        if not isinstance(llm, CacheBlendLLM):
+            raise TypeError(
+                f"BlendSynthesizer needs a CacheBlendLLM (it passes nodes as chunks to its engine), got "
+                f"{type(llm).__name__}; the framework's modes work with any LLM: get_response_synthesizer(...)"
+            )
+        self._mode = PrefillMode.parse(mode)
+        if recompute_ratio is not None:
+            if self._mode is not PrefillMode.BLEND:
+                raise ValueError(f"recompute_ratio applies to mode 'blend' only, got mode {self._mode.value!r}")
+            llm.engine.config.blend.with_ratio(recompute_ratio)  # validates the value now, not at the first query
+        self._recompute_ratio = recompute_ratio
+        super().__init__(llm=llm, callback_manager=callback_manager, streaming=streaming, empty_response=empty_response)
+        self._blend_llm: CacheBlendLLM = llm
+        self._text_qa_template = self._checked_template(text_qa_template or DEFAULT_TEXT_QA_PROMPT_SEL)
+
+    # -- prompts --------------------------------------------------------------------------------------------
+
+    def _get_prompts(self) -> PromptDictType:
+        return {"text_qa_template": self._text_qa_template}
+
+    def _update_prompts(self, prompts: PromptDictType) -> None:
+        if "text_qa_template" in prompts:
+            self._text_qa_template = self._checked_template(prompts["text_qa_template"])
+
+    def _render(self, template: BasePromptTemplate, query_str: str) -> tuple[str, str]:
+        text = self._blend_llm.format_prompt(template, context_str=_CONTEXT_MARK, query_str=query_str)
+        if text.count(_CONTEXT_MARK) != 1:
+            raise ValueError(
+                "text_qa_template must contain {context_str} exactly once (where the retrieved nodes go), "
+                f"found it {text.count(_CONTEXT_MARK)} times"
+            )
+        prefix, suffix = text.split(_CONTEXT_MARK)
+        return prefix, suffix
+
+    def _checked_template(self, template: BasePromptTemplate) -> BasePromptTemplate:
+        prefix, _ = self._render(template, _QUERY_MARK)
+        if _QUERY_MARK in prefix:
+            raise ValueError(
+                "text_qa_template puts {query_str} before {context_str}: every node's cached KV would depend on "
+                "the question and never be reused; put the question after the context"
+            )
+        return template
+
+    def prompt_parts(self, query_str: str) -> tuple[str, str]:
+        """(text before the nodes, text after them) of the prompt for `query_str`; the first never depends on it."""
+        return self._render(self._text_qa_template, query_str)
+
+    # -- chunk KV -------------------------------------------------------------------------------------------
+
+    def precompute(self, nodes: Iterable[BaseNode | NodeWithScore | str]) -> tuple[int, int]:
+        """Compute and store the KV of these nodes ahead of queries (e.g. all of an index's nodes, offline).
+
+        Returns (already cached, newly computed). Later queries that retrieve them find them in the store.
+        """
+        texts = [t for t in (node_text(n) for n in nodes) if t.strip()]
+        prefix, _ = self.prompt_parts(_QUERY_MARK)
+        return self._blend_llm.engine.precompute(texts, prefix=prefix)
+
+    # -- answers --------------------------------------------------------------------------------------------
+
+    def _request(self, query_str: str, text_chunks: Sequence[str], response_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """engine.generate/stream keyword arguments for one query, or {} when no chunk has text."""
+        if isinstance(text_chunks, str):
+            raise TypeError("text_chunks must be a sequence of strings, got a single string; wrap it: [text]")
+        # Blank nodes carry nothing to reuse or read, and the engine refuses empty chunks.
+        chunks = [c for c in text_chunks if c.strip()]
+        if not chunks:
+            return {}
+        prefix, suffix = self.prompt_parts(query_str)
+        return {
+            "chunks": chunks,
+            "prefix": prefix,
+            "suffix": suffix,
+            "mode": self._mode,
+            "recompute_ratio": self._recompute_ratio,
+            **self._blend_llm.sampling_kwargs(response_kwargs),
+        }
+
+    def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any) -> RESPONSE_TEXT_TYPE:
+        request = self._request(query_str, text_chunks, response_kwargs)
+        engine = self._blend_llm.engine
+        if not request:
+            return self._empty_response_generator() if self._streaming else self._empty_response
+        if self._streaming:
+            return BlendTokenStream(engine.stream(**request))
+        return BlendAnswer(engine.generate(**request))
+
+    async def aget_response(
+        self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
+    ) -> RESPONSE_TEXT_TYPE:
+        request = self._request(query_str, text_chunks, response_kwargs)
+        engine = self._blend_llm.engine
+        if not request:
+            return self._empty_response_agenerator() if self._streaming else self._empty_response
+        if self._streaming:
+            # stream() checks its arguments and tokenizes before returning: cheap enough for the event loop
+            return AsyncBlendTokenStream(engine.stream(**request))
+        result = await asyncio.to_thread(lambda: engine.generate(**request))
+        return BlendAnswer(result)
+
+    def _prepare_response_output(
+        self, response_str: RESPONSE_TEXT_TYPE | None, source_nodes: list[NodeWithScore]
+    ) -> RESPONSE_TYPE:
+        """The framework's Response, with the engine's request metrics in its metadata under METRICS_KEY."""
+        response = super()._prepare_response_output(response_str, source_nodes)
+        if response.metadata is None:
+            response.metadata = {}
+        if isinstance(response_str, BlendAnswer):
+            response.metadata[METRICS_KEY] = response_str.result.metrics.to_dict()
+        elif isinstance(response_str, BlendTokenStream | AsyncBlendTokenStream):
+            response_str.metadata = response.metadata  # filled in when the stream ends
+        return response

