@@ -1,0 +1,201 @@
+"""What the LLM and the chat model share: the engine they run on, sampling settings, and per-request metadata.
+
+Scope: resolving the engine (given, or loaded once per process by name), splitting a rendered prompt at the
+documents' placeholder into prefix / suffix, turning per-call kwargs into `engine.stream` arguments, and
+turning a request's `RequestMetrics` into LangChain usage metadata and generation info.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig, GenerationResult
+from cacheblend_rag.errors import PromptError
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from pydantic import BaseModel, ConfigDict, Field
+
+# Stands for the documents in a rendered prompt. The documents' chains render the user's prompt with this in
+# place of `{context}`; the model splits the prompt text here into the prefix (before the documents) and the
+# suffix (after them), and each document becomes its own chunk with its own cached KV. NUL bytes keep it from
+# ever occurring in real text.
+CONTEXT_PLACEHOLDER = "\x00<cacheblend:documents>\x00"
+
+# Keyword arguments a call may pass (through `invoke(..., chunks=...)` or `.bind(...)`).
+_CALL_KWARGS = frozenset(
+    {"chunks", "mode", "recompute_ratio", "max_tokens", "temperature", "top_p", "top_k", "seed", "model", "stream"}
+)
+
+
+@functools.lru_cache(maxsize=4)
+def load_engine(name_or_path: str | None = None, *, device: str = "cpu", dtype: str = "float32") -> CacheBlendEngine:
+    """The engine of a preset or local checkpoint, built once per process and shared by every model object.
+
+    Building an engine loads the model (seconds) and owns the chunk KV store: sharing it is what lets every
+    chain, LLM and chat model of a process reuse each other's chunk caches. The engine is thread-safe.
+    Pass `engine=` to a model instead to control its configuration (store tiers, blend settings) yourself.
+    """
+    return CacheBlendEngine.from_pretrained(
+        name_or_path, config=EngineConfig(device=device, dtype=dtype), show_progress=False
+    )
+
+
+def split_prompt(text: str, chunks: Sequence[str] | None) -> tuple[str, list[str], str]:
+    """-> (prefix, chunks, suffix) of a rendered prompt: split at the placeholder when chunks are given.
+
+    Without chunks the whole text is the suffix (a plain full prefill of the prompt).
+    """
+    count = text.count(CONTEXT_PLACEHOLDER)
+    if chunks is None:
+        if count:
+            raise PromptError(
+                "the prompt holds the documents' placeholder but no chunks were passed; call the model with "
+                "chunks=[...] (the documents' texts), or use create_blend_documents_chain, which does it"
+            )
+        return "", [], text
+    if isinstance(chunks, str):
+        raise PromptError("chunks must be a list of strings, got a single string; wrap it: chunks=[text]")
+    if count != 1:
+        raise PromptError(
+            f"with chunks, the prompt must hold the documents' placeholder (CONTEXT_PLACEHOLDER) exactly once, "
+            f"found it {count} times; render the prompt with {{context}} set to CONTEXT_PLACEHOLDER"
+        )
+    prefix, suffix = text.split(CONTEXT_PLACEHOLDER)
+    return prefix, list(chunks), suffix
+
+
+def usage_from(result: GenerationResult) -> UsageMetadata:
+    """LangChain usage metadata of one request; chunk tokens loaded from the KV cache count as cache reads."""
+    m = result.metrics
+    return UsageMetadata(
+        input_tokens=m.prompt_tokens,
+        output_tokens=m.generated_tokens,
+        total_tokens=m.prompt_tokens + m.generated_tokens,
+        input_token_details=InputTokenDetails(cache_read=m.reused_tokens),
+    )
+
+
+class CacheBlendParams(BaseModel):
+    """Settings shared by `CacheBlendLLM` and `ChatCacheBlend`. Per call, each may be overridden by a kwarg."""
+
+    # The engine is a plain object; unknown settings are errors, not silently ignored. (Each model class sets
+    # this again: LangChain's base classes come later in the bases and their config would win.)
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    model: str | None = Field(
+        default=None,
+        description="Preset name or local checkpoint path (None: the default preset). Loaded on first use and "
+        "shared by every model object of the process with the same model, device and dtype.",
+    )
+    engine: CacheBlendEngine | None = Field(
+        default=None,
+        exclude=True,
+        description="An engine built by the caller; takes precedence over `model` for loading.",
+    )
+    device: str = Field(default="cpu", description="Torch device of a loaded engine: 'cpu' or 'cuda'.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="Of a loaded engine.")
+    mode: Literal["blend", "full", "prefix", "reuse"] = Field(
+        default="blend", description="How a prompt with chunks is prefilled; 'full' is the reference."
+    )
+    recompute_ratio: float | None = Field(
+        default=None, description="Share of chunk tokens recomputed in blend mode (None: the engine's, 0.15)."
+    )
+    max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 decodes greedily.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 turns top-k off.")
+    seed: int | None = Field(default=None, description="Seed of the sampler when temperature > 0.")
+    stop: list[str] | None = Field(default=None, description="Generation ends before the first of these strings.")
+    streaming: bool = Field(default=False, description="Generate through the streaming path even on invoke.")
+    timeout: float | None = Field(
+        default=None, gt=0, description="Seconds a call may take; a longer one raises TimeoutError between tokens."
+    )
+    max_retries: int = Field(
+        default=0,
+        ge=0,
+        description="Accepted so code written for hosted models runs unchanged. Local generation fails only "
+        "deterministically (bad input, out of memory), so calls are never retried.",
+    )
+
+    @property
+    def model_name(self) -> str:
+        """The name reported in metadata and traces: `model`, else the engine's checkpoint name."""
+        if self.model is not None:
+            return self.model
+        if self.engine is not None:
+            return str(getattr(self.engine.model.config, "_name_or_path", "") or "cacheblend")
+        from cacheblend_rag.models import DEFAULT_PRESET
+
+        return DEFAULT_PRESET
+
+    def get_engine(self, model: str | None = None) -> CacheBlendEngine:
+        """The engine for a call: the given one, or the shared one of `model` (a per-call override) or `self.model`."""
+        if model is not None and model != self.model_name:
+            return load_engine(model, device=self.device, dtype=self.dtype)
+        if self.engine is not None:
+            return self.engine
+        return load_engine(self.model, device=self.device, dtype=self.dtype)
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of `text` by the model's own tokenizer (LangChain's default is GPT-2's)."""
+        return list(self.get_engine().tokenizer.encode(text, add_special_tokens=False))
+
+    def _stream_request(
+        self, text: str, stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> tuple[Iterator[str], Any, str]:
+        """Start one request on a rendered prompt. -> (text deltas with the timeout enforced, the engine's
+        stream (its `.result` is set once the deltas are exhausted), the model name used)."""
+        unknown = set(kwargs) - _CALL_KWARGS
+        if unknown:
+            raise TypeError(
+                f"unexpected keyword arguments {sorted(unknown)}; a call accepts {sorted(_CALL_KWARGS)} "
+                "(settings such as top_p may be given when building the model)"
+            )
+        engine = self.get_engine(kwargs.get("model"))
+        prefix, chunks, suffix = split_prompt(text, kwargs.get("chunks"))
+        stops = self.stop if stop is None else stop
+        mode = kwargs.get("mode", self.mode)
+        ratio = kwargs.get("recompute_ratio", self.recompute_ratio)
+        stream = engine.stream(
+            chunks,
+            prefix=prefix,
+            suffix=suffix,
+            mode=mode,
+            recompute_ratio=ratio if mode == "blend" else None,
+            max_new_tokens=kwargs.get("max_tokens", self.max_tokens),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            top_k=kwargs.get("top_k", self.top_k),
+            seed=kwargs.get("seed", self.seed),
+            stop=tuple(stops or ()),
+        )
+        return self._with_timeout(stream), stream, kwargs.get("model") or self.model_name
+
+    def _with_timeout(self, deltas: Iterator[str]) -> Iterator[str]:
+        start = time.perf_counter()
+        for delta in deltas:
+            yield delta
+            if self.timeout is not None and time.perf_counter() - start > self.timeout:
+                raise TimeoutError(
+                    f"generation ran past timeout={self.timeout}s; raise timeout, lower max_tokens, or retrieve "
+                    "fewer documents"
+                )
+
+    def _generation_info(self, result: GenerationResult, model_name: str) -> dict[str, Any]:
+        """What a response carries besides its text: the model, why it ended, and the request's blend metrics."""
+        return {"model_name": model_name, "finish_reason": result.finish_reason, "cacheblend": result.metrics.to_dict()}
+
+    def _call_params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The settings of a call, for traces (LangSmith params) and caching keys."""
+        return {
+            "model": kwargs.get("model") or self.model_name,
+            "mode": kwargs.get("mode", self.mode),
+            "recompute_ratio": kwargs.get("recompute_ratio", self.recompute_ratio),
+            "max_tokens": kwargs.get("max_tokens", self.max_tokens),
+            "temperature": kwargs.get("temperature", self.temperature),
+            "top_p": kwargs.get("top_p", self.top_p),
+            "top_k": kwargs.get("top_k", self.top_k),
+            "stop": self.stop if stop is None else stop,
+        }

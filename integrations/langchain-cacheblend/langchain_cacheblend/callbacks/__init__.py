@@ -1,0 +1,5 @@
+"""Callback handlers."""
+
+from .metrics import CacheBlendMetricsHandler, CallRecord
+
+__all__ = ["CacheBlendMetricsHandler", "CallRecord"]

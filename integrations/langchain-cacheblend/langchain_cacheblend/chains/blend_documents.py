@@ -1,0 +1,233 @@
+"""Documents chains that pass each document to the model as its own chunk, so each maps to its cached KV.
+
+`create_stuff_documents_chain` joins the documents into one string; here the prompt is rendered with the
+documents' placeholder in place of `{context}` and the formatted documents travel beside it as `chunks=`.
+The model splits the rendered prompt at the placeholder, so the text before the documents must not depend on
+the question: put the question after `{context}`, or no chunk is ever reused (a warning says so).
+
+`create_blend_documents_chain` is the LCEL form (drop-in for `create_retrieval_chain`);
+`BlendStuffDocumentsChain` is the classic `BaseCombineDocumentsChain` form (for `RetrievalQA` and friends),
+and returns the request's metrics beside the answer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from langchain_classic.chains.combine_documents.base import BaseCombineDocumentsChain
+from langchain_core.callbacks import Callbacks
+from langchain_core.documents import Document
+from langchain_core.output_parsers import BaseOutputParser, StrOutputParser
+from langchain_core.prompt_values import PromptValue
+from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_document
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
+from pydantic import ConfigDict, Field, model_validator
+
+from .._common import CONTEXT_PLACEHOLDER, CacheBlendParams
+from ..chat_models import ChatCacheBlend, render_messages
+from ..llms import CacheBlendLLM
+
+DEFAULT_DOCUMENT_PROMPT = PromptTemplate.from_template("{page_content}")
+METRICS_KEY = "cacheblend_metrics"
+
+
+def _check_model(llm: Any) -> ChatCacheBlend | CacheBlendLLM:
+    if not isinstance(llm, CacheBlendParams):
+        raise TypeError(
+            f"the blend documents chain needs a ChatCacheBlend or CacheBlendLLM, got {type(llm).__name__}; "
+            "other models cannot load cached chunk KV, use create_stuff_documents_chain for them"
+        )
+    return llm  # type: ignore[return-value]
+
+
+def _check_prompt(prompt: BasePromptTemplate, document_variable_name: str) -> None:
+    """The prompt must take the documents; warn when the text before them depends on another variable."""
+    if document_variable_name not in prompt.input_variables:
+        raise ValueError(
+            f"the prompt must take the documents as {{{document_variable_name}}}, but its variables are "
+            f"{prompt.input_variables}; add {{{document_variable_name}}} to it or set document_variable_name"
+        )
+    others = [v for v in prompt.input_variables if v != document_variable_name]
+    if not others:
+        return
+    heads = []
+    for tag in ("\x01first", "\x01second"):
+        text = prompt.format_prompt(**{v: tag for v in others}, **{document_variable_name: CONTEXT_PLACEHOLDER})
+        heads.append(text.to_string().split(CONTEXT_PLACEHOLDER)[0])
+    if heads[0] != heads[1]:
+        warnings.warn(
+            f"the prompt's text before {{{document_variable_name}}} depends on {others}: every request then has "
+            "another prefix and no document's cached KV is ever reused. Put the question after the documents.",
+            stacklevel=3,
+        )
+
+
+def render_documents_prompt(
+    prompt: BasePromptTemplate,
+    documents: Sequence[Document],
+    inputs: dict[str, Any],
+    *,
+    document_prompt: BasePromptTemplate | None = None,
+    document_variable_name: str = "context",
+) -> tuple[PromptValue, list[str]]:
+    """-> (the prompt rendered with the documents' placeholder, the formatted documents: the chunks)."""
+    doc_prompt = document_prompt or DEFAULT_DOCUMENT_PROMPT
+    chunks = [format_document(doc, doc_prompt) for doc in documents]
+    values = {k: v for k, v in inputs.items() if k in prompt.input_variables and k != document_variable_name}
+    value = prompt.invoke({**values, document_variable_name: CONTEXT_PLACEHOLDER})
+    return value, chunks
+
+
+def documents_prefix(
+    llm: ChatCacheBlend | CacheBlendLLM, prompt: BasePromptTemplate, document_variable_name: str
+) -> str:
+    """The text before the documents, as the model sees it (the cache key's prefix). Other variables get a
+    stand-in: `_check_prompt` warns when the prefix depends on them."""
+    _check_model(llm)
+    others = {v: "?" for v in prompt.input_variables if v != document_variable_name}
+    value = prompt.invoke({**others, document_variable_name: CONTEXT_PLACEHOLDER})
+    if isinstance(llm, ChatCacheBlend):
+        text = render_messages(llm.get_engine().tokenizer, value.to_messages())
+    else:
+        text = value.to_string()
+    return text.split(CONTEXT_PLACEHOLDER)[0]
+
+
+def precompute_documents(
+    llm: ChatCacheBlend | CacheBlendLLM,
+    prompt: BasePromptTemplate,
+    documents: Sequence[Document],
+    *,
+    document_prompt: BasePromptTemplate | None = None,
+    document_variable_name: str = "context",
+) -> tuple[int, int]:
+    """Compute each document's chunk KV ahead of the questions (e.g. right after indexing).
+
+    Returns (already cached, newly computed). Later requests with this prompt find these chunks in the store.
+    """
+    doc_prompt = document_prompt or DEFAULT_DOCUMENT_PROMPT
+    prefix = documents_prefix(llm, prompt, document_variable_name)
+    chunks = [format_document(doc, doc_prompt) for doc in documents]
+    return llm.get_engine().precompute(chunks, prefix=prefix)
+
+
+def create_blend_documents_chain(
+    llm: ChatCacheBlend | CacheBlendLLM,
+    prompt: BasePromptTemplate,
+    *,
+    output_parser: BaseOutputParser | None = None,
+    document_prompt: BasePromptTemplate | None = None,
+    document_variable_name: str = "context",
+    mode: str | None = None,
+    recompute_ratio: float | None = None,
+) -> Runnable[dict[str, Any], Any]:
+    """Like `create_stuff_documents_chain`, but each document reaches the model as its own cached chunk.
+
+    The input is a dict with the documents under `document_variable_name` ("context") and the prompt's
+    other variables; the output is the parsed answer (a string by default). Drop-in for
+    `create_retrieval_chain(retriever, ...)`. The answer's message (before the parser) carries the request's
+    metrics in `response_metadata["cacheblend"]`; a `CacheBlendMetricsHandler` callback collects them.
+    """
+    model = _check_model(llm)
+    _check_prompt(prompt, document_variable_name)
+    parser = output_parser or StrOutputParser()
+    call_kwargs = {k: v for k, v in {"mode": mode, "recompute_ratio": recompute_ratio}.items() if v is not None}
+
+    def answer(inputs: dict[str, Any], config: RunnableConfig) -> Any:
+        if document_variable_name not in inputs:
+            raise KeyError(
+                f"the chain's input needs the documents under {document_variable_name!r}, got keys {sorted(inputs)}"
+            )
+        value, chunks = render_documents_prompt(
+            prompt,
+            inputs[document_variable_name],
+            inputs,
+            document_prompt=document_prompt,
+            document_variable_name=document_variable_name,
+        )
+        return model.invoke(value, config, chunks=chunks, **call_kwargs)
+
+    return (RunnableLambda(answer).with_config(run_name="blend_documents") | parser).with_config(
+        run_name="blend_documents_chain"
+    )
+
+
+class BlendStuffDocumentsChain(BaseCombineDocumentsChain):
+    """Classic combine-documents chain: each document is its own cached chunk; metrics come back too.
+
+    Example:
+        ```python
+        chain = BlendStuffDocumentsChain(llm=ChatCacheBlend(), prompt=prompt)
+        out = chain.invoke({"input_documents": docs, "input": "Who wrote it?"})
+        out["output_text"], out["cacheblend_metrics"]["chunks_hit"]
+        ```
+    """
+
+    llm: ChatCacheBlend | CacheBlendLLM
+    prompt: BasePromptTemplate
+    document_prompt: BasePromptTemplate = Field(default_factory=lambda: DEFAULT_DOCUMENT_PROMPT)
+    document_variable_name: str = "context"
+    mode: str | None = None
+    recompute_ratio: float | None = None
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    @model_validator(mode="after")
+    def _validate_prompt(self) -> BlendStuffDocumentsChain:
+        _check_prompt(self.prompt, self.document_variable_name)
+        return self
+
+    @property
+    def input_keys(self) -> list[str]:
+        extra = [k for k in self.prompt.input_variables if k != self.document_variable_name]
+        return [self.input_key, *extra]
+
+    @property
+    def output_keys(self) -> list[str]:
+        return [self.output_key, METRICS_KEY]
+
+    @property
+    def _chain_type(self) -> str:
+        return "blend_stuff_documents_chain"
+
+    def _request(self, docs: list[Document], kwargs: dict[str, Any]) -> tuple[PromptValue, dict[str, Any]]:
+        value, chunks = render_documents_prompt(
+            self.prompt,
+            docs,
+            kwargs,
+            document_prompt=self.document_prompt,
+            document_variable_name=self.document_variable_name,
+        )
+        call = {"chunks": chunks}
+        if self.mode is not None:
+            call["mode"] = self.mode
+        if self.recompute_ratio is not None:
+            call["recompute_ratio"] = self.recompute_ratio
+        return value, call
+
+    @staticmethod
+    def _unpack(result: Any) -> tuple[str, dict]:
+        generation = result.generations[0][0]
+        info = generation.generation_info or {}
+        return generation.text, {METRICS_KEY: info.get("cacheblend", {})}
+
+    def combine_docs(self, docs: list[Document], callbacks: Callbacks = None, **kwargs: Any) -> tuple[str, dict]:
+        """-> (answer, {"cacheblend_metrics": the request's RequestMetrics as a dict})."""
+        value, call = self._request(docs, kwargs)
+        return self._unpack(self.llm.generate_prompt([value], callbacks=callbacks, **call))
+
+    async def acombine_docs(self, docs: list[Document], callbacks: Callbacks = None, **kwargs: Any) -> tuple[str, dict]:
+        value, call = self._request(docs, kwargs)
+        return self._unpack(await self.llm.agenerate_prompt([value], callbacks=callbacks, **call))
+
+    def precompute(self, docs: Sequence[Document]) -> tuple[int, int]:
+        """Compute the documents' chunk KV ahead of the questions. -> (already cached, newly computed)."""
+        return precompute_documents(
+            self.llm,
+            self.prompt,
+            docs,
+            document_prompt=self.document_prompt,
+            document_variable_name=self.document_variable_name,
+        )

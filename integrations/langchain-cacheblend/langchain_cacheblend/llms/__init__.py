@@ -1,0 +1,5 @@
+"""Completion (text-in, text-out) models."""
+
+from .cacheblend import CacheBlendLLM
+
+__all__ = ["CacheBlendLLM"]

@@ -1,0 +1,97 @@
+"""`CacheBlendLLM`: a LangChain text-completion model answering in-process with CacheBlend.
+
+The prompt string goes to the model as is (no chat template). A call that passes `chunks=[...]` must have the
+documents' placeholder in the prompt: the text before it is the prefix, the text after it the suffix, and
+each chunk is prefilled from its cached KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.language_models import BaseLLM, LangSmithParams
+from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from pydantic import ConfigDict
+
+from .._common import CacheBlendParams, usage_from
+
+
+class CacheBlendLLM(CacheBlendParams, BaseLLM):
+    """Completion model on a CacheBlend engine (in-process, Hugging Face transformers).
+
+    Example:
+        ```python
+        from langchain_cacheblend import CacheBlendLLM
+
+        llm = CacheBlendLLM(model="smollm2-135m-instruct", max_tokens=32, stop=["\\n\\n"])
+        llm.invoke("The capital of France is")
+        ```
+
+    Each generation's `generation_info` holds the model name, the finish reason, the request's blend metrics
+    (`"cacheblend"`) and its token usage (`"usage"`); `llm_output["token_usage"]` sums the usage of a batch.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    @property
+    def _llm_type(self) -> str:
+        return "cacheblend"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self._call_params(None, {})
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = self._call_params(stop, kwargs)
+        ls = LangSmithParams(
+            ls_provider="cacheblend",
+            ls_model_name=params["model"],
+            ls_model_type="llm",
+            ls_temperature=params["temperature"],
+            ls_max_tokens=params["max_tokens"],
+        )
+        if params["stop"]:
+            ls["ls_stop"] = params["stop"]
+        return ls
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations: list[list[Generation]] = []
+        totals = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+        model_name = self.model_name
+        for prompt in prompts:
+            deltas, stream, model_name = self._stream_request(prompt, stop, kwargs)
+            for delta in deltas:
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(delta)
+            result = stream.result
+            usage = usage_from(result)
+            for key in totals:
+                totals[key] += usage[key]
+            info = {**self._generation_info(result, model_name), "usage": dict(usage)}
+            generations.append([Generation(text=result.text, generation_info=info)])
+        return LLMResult(generations=generations, llm_output={"token_usage": totals, "model_name": model_name})
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        deltas, stream, model_name = self._stream_request(prompt, stop, kwargs)
+        for delta in deltas:
+            chunk = GenerationChunk(text=delta)
+            if run_manager is not None:
+                run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        result = stream.result
+        info = {**self._generation_info(result, model_name), "usage": dict(usage_from(result))}
+        yield GenerationChunk(text="", generation_info=info)
