@@ -10,10 +10,11 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, GenerationResult
 from cacheblend_rag.errors import PromptError
+from langchain_core.language_models import LangSmithParams
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -83,6 +84,7 @@ class CacheBlendParams(BaseModel):
     # The engine is a plain object; unknown settings are errors, not silently ignored. (Each model class sets
     # this again: LangChain's base classes come later in the bases and their config would win.)
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+    _ls_model_type: ClassVar[Literal["chat", "llm"]]  # how LangSmith traces label the model
 
     model: str | None = Field(
         default=None,
@@ -199,3 +201,20 @@ class CacheBlendParams(BaseModel):
             "top_k": kwargs.get("top_k", self.top_k),
             "stop": self.stop if stop is None else stop,
         }
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self._call_params(None, {})
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = self._call_params(stop, kwargs)
+        ls = LangSmithParams(
+            ls_provider="cacheblend",
+            ls_model_name=params["model"],
+            ls_model_type=self._ls_model_type,
+            ls_temperature=params["temperature"],
+            ls_max_tokens=params["max_tokens"],
+        )
+        if params["stop"]:
+            ls["ls_stop"] = params["stop"]
+        return ls

@@ -13,7 +13,7 @@ from typing import Any
 
 from cacheblend_rag.errors import PromptError
 from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -97,27 +97,11 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+    _ls_model_type = "chat"
 
     @property
     def _llm_type(self) -> str:
         return "cacheblend-chat"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return self._call_params(None, {})
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = self._call_params(stop, kwargs)
-        ls = LangSmithParams(
-            ls_provider="cacheblend",
-            ls_model_name=params["model"],
-            ls_model_type="chat",
-            ls_temperature=params["temperature"],
-            ls_max_tokens=params["max_tokens"],
-        )
-        if params["stop"]:
-            ls["ls_stop"] = params["stop"]
-        return ls
 
     def _start(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]):
         engine = self.get_engine(kwargs.get("model"))

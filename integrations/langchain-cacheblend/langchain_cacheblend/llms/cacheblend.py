@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models import BaseLLM, LangSmithParams
+from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
@@ -34,27 +34,11 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+    _ls_model_type = "llm"
 
     @property
     def _llm_type(self) -> str:
         return "cacheblend"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return self._call_params(None, {})
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = self._call_params(stop, kwargs)
-        ls = LangSmithParams(
-            ls_provider="cacheblend",
-            ls_model_name=params["model"],
-            ls_model_type="llm",
-            ls_temperature=params["temperature"],
-            ls_max_tokens=params["max_tokens"],
-        )
-        if params["stop"]:
-            ls["ls_stop"] = params["stop"]
-        return ls
 
     def _generate(
         self,
