@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import uuid
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 import torch
+from redis_helpers import RedisServer
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     LlamaConfig,
@@ -126,3 +128,22 @@ def reference_logits_with_cache(engine: CacheBlendEngine, prompt, num_chunks: in
             use_cache=True,
         )
     return out.logits[0, -1].float()
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A private redis-server on loopback for the module (skips the tests where none can start)."""
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_store(redis_server):
+    from cacheblend_rag.store.redis_store import RedisStore
+
+    store = RedisStore(redis_server.url, budget_bytes=10 * 1024**2, namespace=f"test-{uuid.uuid4().hex[:8]}")
+    yield store
+    store.clear()
+    store.close()

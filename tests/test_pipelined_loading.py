@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_tiny_model, make_tiny_tokenizer, words
-from redis_helpers import RedisServer
 from test_store_tiers import make_kv, same
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
@@ -133,24 +131,6 @@ def test_tiered_open_promotes_a_lazy_hit_once_every_layer_was_read(tmp_path):
     assert same(memory.get("chunk-a"), kv)
     hit, tier = store.open("chunk-a")
     assert tier == "memory" and not isinstance(hit, LazyChunkKV)
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def redis_store(redis_server):
-    from cacheblend_rag.store.redis_store import RedisStore
-
-    store = RedisStore(redis_server.url, budget_bytes=10 * 1024**2, namespace=f"test-{uuid.uuid4().hex[:8]}")
-    yield store
-    store.clear()
-    store.close()
 
 
 def test_redis_open_reads_layers_equal_to_the_stored_chunk(redis_store):

@@ -248,24 +248,6 @@ def test_tiered_rejects_duplicate_names():
 # ---------------------------------------------------------------- Redis tier
 
 
-@pytest.fixture(scope="module")
-def redis_server():
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def redis_store(redis_server):
-    from cacheblend_rag.store.redis_store import RedisStore
-
-    store = RedisStore(redis_server.url, budget_bytes=10 * 1024**2, namespace=f"test-{uuid.uuid4().hex[:8]}")
-    yield store
-    store.clear()
-    store.close()
-
-
 def test_redis_round_trip(redis_store):
     kv = make_kv("chunk-a", dtype=torch.bfloat16)
     assert redis_store.get("chunk-a") is None
