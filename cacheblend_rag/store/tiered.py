@@ -57,20 +57,9 @@ class TieredStore:
 
     def lookup(self, key: str) -> tuple[ChunkKV | None, str | None]:
         """-> (the entry, the name of the tier that had it), or (None, None) on a miss everywhere."""
-        for i, tier in enumerate(self.tiers):
-            kv = tier.get(key)
-            if kv is None:
-                continue
-            for upper in self.tiers[:i]:
-                upper.put(kv)  # promotion goes to faster tiers only: cheap, and the next lookup needs it
-            with self._lock:
-                self.stats.hits += 1
-                self.stats.bytes_read += kv.nbytes
-                self.hits_by_tier[self.names[i]] += 1
-            return kv, self.names[i]
-        with self._lock:
-            self.stats.misses += 1
-        return None, None
+        kv, tier = self._find(key, lazy=False)
+        assert not isinstance(kv, LazyChunkKV)
+        return kv, tier
 
     def get(self, key: str) -> ChunkKV | None:
         return self.lookup(key)[0]
@@ -79,14 +68,15 @@ class TieredStore:
         """Like `lookup`, but a hit in a tier that can read by layer (disk, Redis) comes back as a `LazyChunkKV`
         whose layers are fetched as the loading pipeline asks for them. The chunk is promoted into the faster
         tiers once its last layer has been read, from the bytes already fetched."""
+        return self._find(key, lazy=True)
+
+    def _find(self, key: str, *, lazy: bool) -> tuple[ChunkKV | LazyChunkKV | None, str | None]:
         for i, tier in enumerate(self.tiers):
-            opener = getattr(tier, "open", None)
-            if opener is None:
-                kv = tier.get(key)
-            else:
-                kv = opener(key)
+            opener = getattr(tier, "open", None) if lazy else None
+            kv = opener(key) if opener is not None else tier.get(key)
             if kv is None:
                 continue
+            # Promotion goes to faster tiers only: cheap, and the next lookup needs it.
             upper = self.tiers[:i]
             if isinstance(kv, LazyChunkKV):
                 if upper:
