@@ -38,14 +38,9 @@ _HEAD_BYTES = 64 * 1024
 # were not passed (the eviction victims), which a single Redis allows; Redis Cluster would need the namespace
 # as a hash tag.
 
-# KEYS: value, lru, sizes, bytes, clock. ARGV: chunk key.
-_GET = """
-local v = redis.call('GET', KEYS[1])
-if v then
-  redis.call('ZADD', KEYS[2], 'XX', redis.call('INCR', KEYS[5]), ARGV[1])
-  return v
-end
--- The value vanished behind our back (server-side maxmemory, a manual DEL): forget its bookkeeping too.
+# The value vanished behind our back (server-side maxmemory, a manual DEL): forget its bookkeeping too.
+# Shared tail of the read scripts. KEYS: value, lru, sizes, bytes. ARGV[1]: chunk key.
+_FORGET_VANISHED = """
 local size = redis.call('HGET', KEYS[3], ARGV[1])
 if size then
   redis.call('HDEL', KEYS[3], ARGV[1])
@@ -55,21 +50,29 @@ end
 return false
 """
 
+# KEYS: value, lru, sizes, bytes, clock. ARGV: chunk key.
+_GET = (
+    """
+local v = redis.call('GET', KEYS[1])
+if v then
+  redis.call('ZADD', KEYS[2], 'XX', redis.call('INCR', KEYS[5]), ARGV[1])
+  return v
+end
+"""
+    + _FORGET_VANISHED
+)
+
 # KEYS: value, lru, sizes, bytes, clock. ARGV: chunk key, bytes wanted. -> {total length, the first bytes}, or false.
-_OPEN = """
+_OPEN = (
+    """
 local n = redis.call('STRLEN', KEYS[1])
 if n > 0 then
   redis.call('ZADD', KEYS[2], 'XX', redis.call('INCR', KEYS[5]), ARGV[1])
   return {n, redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)}
 end
-local size = redis.call('HGET', KEYS[3], ARGV[1])
-if size then
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('DECRBY', KEYS[4], size)
-end
-return false
 """
+    + _FORGET_VANISHED
+)
 
 # KEYS: value, lru, sizes, bytes, clock. ARGV: data, chunk key, budget, namespace prefix. Returns evictions.
 _PUT = """
