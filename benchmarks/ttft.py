@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag import CacheBlendEngine, EngineConfig, TokenizedPrompt
 
 MODES = ("full", "prefix", "reuse")
 
@@ -78,24 +78,53 @@ RANDOM_SHAPES = {
 }
 
 
-def build_engine(args, dtype: str) -> CacheBlendEngine:
-    config = EngineConfig(device=args.device, dtype=dtype)
+def build_engine(args, dtype: str, **config_fields) -> CacheBlendEngine:
+    """The engine of `args` (a preset/checkpoint, or random weights of a shape); `config_fields` go to EngineConfig."""
+    config = EngineConfig(device=args.device, dtype=dtype, **config_fields)
     if not args.random_weights:
         return CacheBlendEngine.from_pretrained(args.model, config=config, show_progress=False)
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     shape = RANDOM_SHAPES[args.model_shape]
-    cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=8192, rope_theta=10000.0, **shape)
+    cfg = LlamaConfig(**{"vocab_size": 32000, "max_position_embeddings": 8192, "rope_theta": 10000.0, **shape})
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(args.device):
         model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
-    vocab = {f"w{i}": i for i in range(32000)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    # One token per word "w2".."w31999". The special tokens get names no word contains: the tokenizer matches
+    # special tokens inside words too, so an eos named "w1" would split "w12" into two tokens.
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, 32000)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1", unk_token="w0")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
     return CacheBlendEngine(model, tokenizer, config=config)
+
+
+QUESTION = "Which of these passages mentions a city, and what is its name?"
+
+
+def make_prompt(engine: CacheBlendEngine, args, count: int, tokens: int, data_dir: Path | None) -> TokenizedPrompt:
+    """The timed request: a prefix, `count` chunks of `tokens` tokens, a question (all random words with
+    --random-weights, whose word-level tokenizer makes each word one token)."""
+    if args.random_weights:
+        g = torch.Generator().manual_seed(1)
+        texts = [" ".join(f"w{int(i)}" for i in torch.randint(2, 32000, (tokens,), generator=g)) for _ in range(count)]
+        return engine.build_prompt(texts, prefix="w5 w6 w7 w8", suffix=" ".join(["w9"] * 24))
+    return engine.build_prompt(chunk_texts(engine.tokenizer, count, tokens, data_dir), QUESTION)
+
+
+def warm_up(engine: CacheBlendEngine, prompt: TokenizedPrompt) -> None:
+    """One untimed pass per mode: stores every chunk's KV (the warm cache timed next) and warms each code path."""
+    for mode in MODES:
+        engine.generate(prompt, mode=mode, max_new_tokens=1)
+    engine.generate(prompt, mode="blend", max_new_tokens=1)
+
+
+def timed_runs(ratios) -> list[tuple[str, dict]]:
+    """(name, generate kwargs) of each timed run: every mode of MODES, then blend at each ratio."""
+    runs = [(mode, {"mode": mode}) for mode in MODES]
+    return runs + [(f"blend r={r:.2f}", {"mode": "blend", "recompute_ratio": r}) for r in ratios]
 
 
 def measure(engine: CacheBlendEngine, prompt, runs: list[tuple[str, dict]], repeats: int) -> dict[str, list]:
@@ -129,23 +158,9 @@ def run(args) -> dict:
             f"{torch.get_num_threads()} CPU threads)",
             flush=True,
         )
-        if args.random_weights:
-            g = torch.Generator().manual_seed(1)
-            texts = [
-                " ".join(f"w{int(i)}" for i in torch.randint(2, 32000, (args.chunk_tokens,), generator=g))
-                for _ in range(args.chunks)
-            ]
-            prompt = engine.build_prompt(texts, prefix="w5 w6 w7 w8", suffix=" ".join(["w9"] * 24))
-        else:
-            texts = chunk_texts(engine.tokenizer, args.chunks, args.chunk_tokens, data_dir)
-            prompt = engine.build_prompt(texts, "Which of these passages mentions a city, and what is its name?")
-        # The first pass of each mode stores every chunk's KV (warm cache) and warms up each code path.
-        for mode in MODES:
-            engine.generate(prompt, mode=mode, max_new_tokens=1)
-        engine.generate(prompt, mode="blend", max_new_tokens=1)
-        runs = [(mode, {"mode": mode}) for mode in MODES]
-        runs += [(f"blend r={r:.2f}", {"mode": "blend", "recompute_ratio": r}) for r in args.ratios]
-        measured = measure(engine, prompt, runs, args.repeats)
+        prompt = make_prompt(engine, args, args.chunks, args.chunk_tokens, data_dir)
+        warm_up(engine, prompt)
+        measured = measure(engine, prompt, timed_runs(args.ratios), args.repeats)
         rows = {}
         for name, ms in measured.items():
             rows[name] = statistics.median(m.ttft_s for m in ms)

@@ -212,9 +212,52 @@ def cmd_bench_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from .config import EngineConfig
+    from .engine import CacheBlendEngine
+    from .evaluation import (
+        ThroughputSettings,
+        load_dataset,
+        parse_rates,
+        parse_throughput_methods,
+        run_throughput,
+        throughput_markdown,
+    )
+    from .evaluation.datasets import SPECS, canonical_dataset_name
+
+    # Names, numbers, files and packages are checked before the model loads.
+    _require_eval_deps()
+    if args.limit is not None and args.limit < 1:
+        raise CacheBlendError(f"--limit must be >= 1, got {args.limit}")
+    if args.store_mb is not None and args.store_mb <= 0:
+        raise CacheBlendError(f"--store-mb must be > 0, got {args.store_mb}")
+    names = list(dict.fromkeys(canonical_dataset_name(n) for n in args.datasets.split(",") if n.strip()))
+    if not names:
+        raise CacheBlendError("--datasets names no data set; e.g. musique,wikimqa")
+    not_qa = [n for n in names if SPECS[n].task != "qa"]
+    if not_qa:
+        raise CacheBlendError(f"--datasets: {', '.join(not_qa)} is not a QA data set; use musique and/or wikimqa")
+    settings = ThroughputSettings(
+        rates=parse_rates(args.rates), chunk_tokens=args.chunk_tokens, top_k=args.top_k, repeats=args.repeats,
+        warmup=args.warmup, max_new_tokens=args.max_new_tokens, seed=args.seed, mode=args.mode,
+        ttft_slo_s=args.ttft_slo, store_bytes=None if args.store_mb is None else int(args.store_mb * 2**20),
+    )  # fmt: skip
+    methods = [m.name for m in parse_throughput_methods(args.methods)]
+    datasets = [load_dataset(n, args.data_dir, args.limit) for n in names]
+    t = time.perf_counter()
+    engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(device=args.device, dtype=args.dtype))
+    print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    info = {"model": args.model or "default", "dtype": args.dtype, "device": args.device, "limit": args.limit}
+    result = run_throughput(engine, datasets, methods, args.out, settings, info=info)
+    print(throughput_markdown(result))
+    print(f"wrote {args.out}/results.json, summary.md and ttft_vs_rate.png", file=sys.stderr)
+    return 0
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """`bench quality` runs the paper's quality comparison; `bench report` redraws its table and figures."""
     from .evaluation.methods import DEFAULT_METHODS
+    from .evaluation.throughput import DEFAULT_THROUGHPUT_METHODS
 
     bench = sub.add_parser("bench", help="benchmarks of the paper's evaluation (quality per data set and method)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -242,6 +285,36 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     r = bench_sub.add_parser("report", help="rebuild summary.md and the figures from OUT/results.jsonl")
     r.add_argument("--out", default="bench-results/quality", help="the folder `bench quality` wrote")
     r.set_defaults(func=cmd_bench_report)
+
+    t = bench_sub.add_parser(
+        "throughput",
+        help="TTFT and completed requests/s under Poisson arrivals, chunks reused across requests (Fig. 14)",
+        description="Builds the paper's 'extended' sets (the contexts of the first --limit cases split into "
+        "--chunk-tokens chunks, each question asked --repeats times with its top-k chunks in a new random order; "
+        "repeated, not paraphrased as the paper did with GPT-4), serves them with each method from an empty store, "
+        "and queues them at each rate on one FIFO server. Writes OUT/results.json, summary.md and a figure.",
+    )
+    t.add_argument("--datasets", default="musique,wikimqa", help="comma-separated QA data sets")
+    t.add_argument("--methods", default=DEFAULT_THROUGHPUT_METHODS, help="comma-separated: full, prefix, reuse, "
+                   "blend@R")  # fmt: skip
+    t.add_argument("--rates", default="0.01,0.02,0.05,0.1,0.2,0.5,1", help="request rates (req/s), comma-separated")
+    t.add_argument("--mode", default="replay", choices=["replay", "live"], help="replay: one pass per method, "
+                   "exact FIFO queue computed per rate; live: real arrivals, one pass per method and rate")  # fmt: skip
+    t.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
+    t.add_argument("--repeats", type=int, default=4, help="times each question is asked")
+    t.add_argument("--top-k", type=int, default=6, help="chunks retrieved per request")
+    t.add_argument("--chunk-tokens", type=int, default=512, help="chunk size of the chunk database")
+    t.add_argument("--warmup", type=int, help="first requests served but not measured (default: a sixth)")
+    t.add_argument("--max-new-tokens", type=int, default=16, help="answer budget; service lasts until it ends")
+    t.add_argument("--ttft-slo", type=float, help="TTFT target (s): report the highest rate whose p90 meets it")
+    t.add_argument("--store-mb", type=float, help="memory store budget per method (default: the engine's)")
+    t.add_argument("--seed", type=int, default=0, help="chunk orders, request order and arrival gaps")
+    t.add_argument("--out", default="bench-results/throughput", help="output folder")
+    t.add_argument("--data-dir", help="folder with musique/ and wikimqa/ (default ../shared/data)")
+    t.add_argument("--model", help="preset name or local checkpoint (default: the default preset)")
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--dtype", default="float32")
+    t.set_defaults(func=cmd_bench_throughput)
 
 
 def build_parser() -> argparse.ArgumentParser:
