@@ -49,11 +49,7 @@ class BlendConfig:
     """
 
     recompute_ratio: float = 0.15  # r: share of reused chunk tokens recomputed on the non-check layers
-    check_layers: tuple[int, ...] = (
-        1,
-        2,
-        3,
-    )  # layers where deviations are measured; must be increasing, >= 1
+    check_layers: tuple[int, ...] = (1, 2, 3)  # layers where deviations are measured; increasing, each >= 1
     check_ratios: tuple[float, ...] | None = None  # kept share per check layer; None: derived from the ratio
     filter_slack: float = 0.5  # derived schedule: first check keeps (1 + slack) * r, falling linearly to r
     deviation: str = "key"  # which fresh-vs-cached difference ranks tokens: "key", "value" or "both"
