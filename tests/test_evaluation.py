@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from cacheblend_rag.evaluation import (
     run_quality,
     score_answer,
     summarize,
+    summary_markdown,
     token_f1,
     write_report,
 )
@@ -291,3 +293,23 @@ def test_runner_records_an_engine_refusal_and_goes_on(tiny_engine, tmp_path):
 def test_report_without_results_is_a_clear_error(tmp_path):
     with pytest.raises(Exception, match="no results"):
         write_report(tmp_path)
+
+
+def test_summary_compares_with_full_on_the_same_cases_only():
+    def rec(method, case, score, ttft):
+        return {"dataset": "d", "method": method, "case_id": case, "metric": "F1", "score": score, "ttft_s": ttft}
+
+    records = [
+        rec("full", "a", 1.0, 10.0), rec("full", "b", 0.0, 20.0), rec("full", "c", 0.5, 30.0),
+        rec("blend@0.15", "a", 0.5, 2.0), rec("blend@0.15", "c", 0.5, 10.0),  # b not run
+        rec("prefix", "z", 1.0, 5.0),  # no full result for z
+    ]  # fmt: skip
+    rows = {r.method: r for r in summarize(records)}
+    blend = rows["blend@0.15"]
+    assert blend.n == 2 and blend.n_paired == 2
+    assert blend.delta_vs_full == pytest.approx((0.5 - 1.0 + 0.5 - 0.5) / 2)  # not 0.5 - mean(full) over 3 cases
+    assert blend.speedup_vs_full == pytest.approx((10.0 / 2.0 + 30.0 / 10.0) / 2)  # median of 5 and 3
+    assert rows["full"].delta_vs_full == 0.0 and rows["full"].speedup_vs_full == 1.0
+    assert rows["prefix"].n_paired == 0 and math.isnan(rows["prefix"].delta_vs_full)
+    table = summary_markdown(list(rows.values()))
+    assert "| blend@0.15 | 0.500 | 6.00 | 2 | -0.250 | 4.00 | 2 | 0 |" in table

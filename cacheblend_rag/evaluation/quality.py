@@ -188,6 +188,10 @@ class SummaryRow:
     n: int  # cases that ran
     errors: int  # cases the engine refused
     ratio: float | None  # blend's recompute ratio, None for other methods
+    # Paired with full recompute on the cases both ran (methods may have run on different case counts):
+    n_paired: int = 0  # cases with a result of both this method and full
+    delta_vs_full: float = math.nan  # mean of (score - full's score) over those cases
+    speedup_vs_full: float = math.nan  # median of full's TTFT / this method's TTFT, case by case
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -207,9 +211,16 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> list[SummaryRow]:
     groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for r in records:
         groups.setdefault((r["dataset"], r["method"]), []).append(r)
+
+    def succeeded(recs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        return [r for r in recs if r.get("error") is None and r.get("score") is not None]
+
     rows = []
     for (dataset, method), recs in groups.items():
-        ok = [r for r in recs if r.get("error") is None and r.get("score") is not None]
+        ok = succeeded(recs)
+        full = {r["case_id"]: r for r in succeeded(groups.get((dataset, "full"), []))}
+        pairs = [(r, full[r["case_id"]]) for r in ok if r["case_id"] in full]
+        ratios = [f["ttft_s"] / r["ttft_s"] for r, f in pairs if r["ttft_s"] and r["ttft_s"] > 0]
         rows.append(
             SummaryRow(
                 dataset=dataset,
@@ -220,6 +231,9 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> list[SummaryRow]:
                 n=len(ok),
                 errors=len(recs) - len(ok),
                 ratio=_ratio(method),
+                n_paired=len(pairs),
+                delta_vs_full=statistics.fmean(r["score"] - f["score"] for r, f in pairs) if pairs else math.nan,
+                speedup_vs_full=statistics.median(ratios) if ratios else math.nan,
             )
         )
     return rows
@@ -230,23 +244,24 @@ def _fmt(x: float, spec: str) -> str:
 
 
 def summary_markdown(rows: Sequence[SummaryRow]) -> str:
-    """One table per data set: method, score, change vs full recompute, median TTFT, speed-up vs full, n."""
+    """One table per data set: method, mean score, median TTFT, n, and the comparison with full recompute on
+    the same cases (mean score difference, median per-case TTFT ratio), which stays fair when methods ran on
+    different numbers of cases and is robust to machine load that drifts between cases."""
     lines = []
     for dataset in dict.fromkeys(r.dataset for r in rows):
         sub = [r for r in rows if r.dataset == dataset]
-        full = next((r for r in sub if r.method == "full"), None)
+        m = sub[0].metric
         lines += [
-            f"### {dataset} ({sub[0].metric})",
+            f"### {dataset} ({m})",
             "",
-            f"| method | {sub[0].metric} | vs full | median TTFT (s) | TTFT full / method | n | errors |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            f"| method | {m} | median TTFT (s) | n | {m} - full (same cases) | TTFT full / method (median per case) "
+            "| paired cases | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in sub:
-            delta = r.score - full.score if full is not None else math.nan
-            speedup = full.ttft_s / r.ttft_s if full is not None and r.ttft_s and r.ttft_s > 0 else math.nan
             lines.append(
-                f"| {r.method} | {_fmt(r.score, '.3f')} | {_fmt(delta, '+.3f')} | {_fmt(r.ttft_s, '.3f')} | "
-                f"{_fmt(speedup, '.2f')} | {r.n} | {r.errors} |"
+                f"| {r.method} | {_fmt(r.score, '.3f')} | {_fmt(r.ttft_s, '.2f')} | {r.n} | "
+                f"{_fmt(r.delta_vs_full, '+.3f')} | {_fmt(r.speedup_vs_full, '.2f')} | {r.n_paired} | {r.errors} |"
             )
         lines.append("")
     return "\n".join(lines)
