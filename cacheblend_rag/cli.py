@@ -13,8 +13,12 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .errors import CacheBlendError
+
+if TYPE_CHECKING:
+    from .engine import CacheBlendEngine
 
 
 def _engine_config(args: argparse.Namespace):
@@ -165,29 +169,43 @@ def _require_eval_deps() -> None:
         raise CacheBlendError(f"bench needs {', '.join(missing)}: pip install 'cacheblend-rag[eval]'")
 
 
-def cmd_bench_quality(args: argparse.Namespace) -> int:
-    from .config import EngineConfig
-    from .engine import CacheBlendEngine
-    from .evaluation import load_dataset, parse_methods, run_quality, summarize, summary_markdown, write_report
+def _bench_dataset_names(args: argparse.Namespace) -> list[str]:
+    """The canonical, de-duplicated names of --datasets, after checking --limit (both before any model loads)."""
     from .evaluation.datasets import canonical_dataset_name
 
-    # Check names, files, numbers and packages before the model loads (that takes a while).
-    _require_eval_deps()
     if args.limit is not None and args.limit < 1:
         raise CacheBlendError(f"--limit must be >= 1, got {args.limit}")
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise CacheBlendError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     names = list(dict.fromkeys(canonical_dataset_name(n) for n in args.datasets.split(",") if n.strip()))
     if not names:
         raise CacheBlendError("--datasets names no data set; e.g. musique,wikimqa")
+    return names
+
+
+def _load_bench_engine(args: argparse.Namespace) -> CacheBlendEngine:
+    """The engine of --model/--device/--dtype, its load time reported on stderr."""
+    from .config import EngineConfig
+    from .engine import CacheBlendEngine
+
+    t = time.perf_counter()
+    engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(device=args.device, dtype=args.dtype))
+    print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    return engine
+
+
+def cmd_bench_quality(args: argparse.Namespace) -> int:
+    from .evaluation import load_dataset, parse_methods, run_quality, summarize, summary_markdown, write_report
+
+    # Check names, files, numbers and packages before the model loads (that takes a while).
+    _require_eval_deps()
+    names = _bench_dataset_names(args)
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise CacheBlendError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     methods = parse_methods(args.methods)
     datasets = [
         load_dataset(n, args.data_dir, args.limit, **({"shots": args.samsum_shots} if n == "samsum" else {}))
         for n in names
     ]
-    t = time.perf_counter()
-    engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(device=args.device, dtype=args.dtype))
-    print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    engine = _load_bench_engine(args)
     settings = {
         "model": args.model or "default",
         "dtype": args.dtype,
@@ -213,8 +231,6 @@ def cmd_bench_report(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from .config import EngineConfig
-    from .engine import CacheBlendEngine
     from .evaluation import (
         ThroughputSettings,
         load_dataset,
@@ -223,17 +239,13 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         run_throughput,
         throughput_markdown,
     )
-    from .evaluation.datasets import SPECS, canonical_dataset_name
+    from .evaluation.datasets import SPECS
 
     # Names, numbers, files and packages are checked before the model loads.
     _require_eval_deps()
-    if args.limit is not None and args.limit < 1:
-        raise CacheBlendError(f"--limit must be >= 1, got {args.limit}")
+    names = _bench_dataset_names(args)
     if args.store_mb is not None and args.store_mb <= 0:
         raise CacheBlendError(f"--store-mb must be > 0, got {args.store_mb}")
-    names = list(dict.fromkeys(canonical_dataset_name(n) for n in args.datasets.split(",") if n.strip()))
-    if not names:
-        raise CacheBlendError("--datasets names no data set; e.g. musique,wikimqa")
     not_qa = [n for n in names if SPECS[n].task != "qa"]
     if not_qa:
         raise CacheBlendError(f"--datasets: {', '.join(not_qa)} is not a QA data set; use musique and/or wikimqa")
@@ -244,9 +256,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     )  # fmt: skip
     methods = [m.name for m in parse_throughput_methods(args.methods)]
     datasets = [load_dataset(n, args.data_dir, args.limit) for n in names]
-    t = time.perf_counter()
-    engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(device=args.device, dtype=args.dtype))
-    print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    engine = _load_bench_engine(args)
     info = {"model": args.model or "default", "dtype": args.dtype, "device": args.device, "limit": args.limit}
     result = run_throughput(engine, datasets, methods, args.out, settings, info=info)
     print(throughput_markdown(result))
@@ -257,7 +267,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """`bench quality` runs the paper's quality comparison; `bench report` redraws its table and figures."""
     from .evaluation.methods import DEFAULT_METHODS
-    from .evaluation.throughput import DEFAULT_THROUGHPUT_METHODS
+    from .evaluation.throughput import DEFAULT_RATES, DEFAULT_THROUGHPUT_METHODS
 
     bench = sub.add_parser("bench", help="benchmarks of the paper's evaluation (quality per data set and method)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -297,7 +307,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--datasets", default="musique,wikimqa", help="comma-separated QA data sets")
     t.add_argument("--methods", default=DEFAULT_THROUGHPUT_METHODS, help="comma-separated: full, prefix, reuse, "
                    "blend@R")  # fmt: skip
-    t.add_argument("--rates", default="0.01,0.02,0.05,0.1,0.2,0.5,1", help="request rates (req/s), comma-separated")
+    t.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES), help="request rates (req/s), "
+                   "comma-separated")  # fmt: skip
     t.add_argument("--mode", default="replay", choices=["replay", "live"], help="replay: one pass per method, "
                    "exact FIFO queue computed per rate; live: real arrivals, one pass per method and rate")  # fmt: skip
     t.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")

@@ -84,6 +84,15 @@ def words(seed: int, n: int) -> str:
     return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g))
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models run faster on one thread, and do not stall when other processes hold the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(params=["llama", "qwen2", "qwen3"])
 def family(request) -> str:
     return request.param

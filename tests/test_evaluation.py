@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import words
 
 from cacheblend_rag.errors import ConfigError
@@ -40,13 +39,8 @@ DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 needs_data = pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"benchmark data not present at {DATA_DIR.resolve()}")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, and do not stall when other processes hold the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny models: one torch thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- scoring ---------------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from conftest import make_tiny_model, make_tiny_tokenizer, words
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
@@ -39,14 +38,8 @@ from cacheblend_rag.evaluation import (
     run_throughput,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, and do not stall when other processes hold the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny models: one torch thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class BagOfWordsEmbedder:
