@@ -63,3 +63,19 @@ def test_a_garbled_redis_value_is_a_miss_and_the_answer_stays_right():
         assert down.token_ids == reference.token_ids
     finally:
         server.stop()
+
+
+def test_clear_store_drops_chunk_kv_and_the_answer_stays_right(tmp_path):
+    from cacheblend_rag.errors import ConfigError
+
+    config = EngineConfig(chunk_separator="", disk_dir=str(tmp_path / "kv"))
+    engine = CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
+    reference = ask(engine)
+    assert ask(engine).metrics.chunks_hit == 2
+    engine.clear_store(["memory"])  # disk still holds both chunks
+    assert ask(engine).metrics.hits_by_tier == {"disk": 2}
+    engine.clear_store()
+    again = ask(engine)
+    assert again.metrics.chunks_missed == 2 and again.token_ids == reference.token_ids
+    with pytest.raises(ConfigError, match="no tier named"):
+        engine.clear_store(["redis"])

@@ -238,6 +238,23 @@ def test_tiered_put_never_waits_on_a_slow_lower_tier():
     store.close()
 
 
+def test_tiered_clear_empties_the_named_tiers_only(tmp_path):
+    from cacheblend_rag.errors import ConfigError
+
+    store = build_store(disk_dir=tmp_path, disk_bytes=10 * 1024**2)
+    memory, disk = store.tiers
+    store.put(make_kv("chunk-a"))
+    store.clear(["memory"])  # waits for the background write first, so disk keeps the chunk
+    assert "chunk-a" not in memory and "chunk-a" in disk
+    assert store.get("chunk-a") is not None  # served from disk, promoted back into memory
+    with pytest.raises(ConfigError, match="no tier named"):
+        store.clear(["memory", "ssd"])
+    assert "chunk-a" in memory  # a bad name clears nothing
+    store.clear()
+    assert len(store) == 0 and "chunk-a" not in store
+    assert store.stats.puts == 1  # counters survive a clear
+
+
 def test_tiered_rejects_duplicate_names():
     from cacheblend_rag.errors import ConfigError
 

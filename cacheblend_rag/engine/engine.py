@@ -348,6 +348,25 @@ class CacheBlendEngine:
                 hits, misses = hits + (tier is not None), misses + (tier is None)
         return hits, misses
 
+    def clear_store(self, tiers: Sequence[str] | None = None) -> None:
+        """Drop the stored chunk KV: every tier, or only the named ones (`["memory"]` frees this process's
+        memory and keeps disk and Redis, which other workers may share). Waits for a request in flight to
+        finish first; the next request recomputes whatever it no longer finds.
+        """
+        with self._lock:
+            clear = getattr(self.store, "clear", None)
+            if clear is None:
+                raise ConfigError(f"this engine's store ({type(self.store).__name__}) has no clear() method")
+            if tiers is None:
+                clear()
+                return
+            if not hasattr(self.store, "names"):
+                raise ConfigError(
+                    f"this engine's store ({type(self.store).__name__}) has no tiers to name; call clear_store() "
+                    f"without `tiers`"
+                )
+            clear(tiers)
+
     # -- prefill --------------------------------------------------------------------------------------------
 
     def _cache_from(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> DynamicCache:

@@ -140,6 +140,22 @@ class TieredStore:
             if discard is not None:
                 discard(key)
 
+    def clear(self, tiers: Sequence[str] | None = None) -> None:
+        """Delete every entry of the named tiers (default: all), after the pending background writes land, so
+        none of them refills a tier just cleared. Counters are kept. Tiers shared with other processes (disk,
+        Redis) are cleared for them too; `clear(["memory"])` frees this process's memory only."""
+        names = list(self.names) if tiers is None else list(tiers)
+        unknown = [n for n in names if n not in self.names]
+        if unknown:
+            raise ConfigError(f"no tier named {unknown} in this store; its tiers are {list(self.names)}")
+        for name in names:
+            tier = self.tiers[self.names.index(name)]
+            if getattr(tier, "clear", None) is None:
+                raise ConfigError(f"the {name} tier ({type(tier).__name__}) has no clear() method")
+        self.flush()
+        for name in names:
+            self.tiers[self.names.index(name)].clear()
+
     def tier_stats(self) -> dict[str, StoreStats]:
         """Each tier's own counters, by tier name."""
         return {name: getattr(tier, "stats", StoreStats()) for name, tier in zip(self.names, self.tiers, strict=True)}
