@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny seeded random-weight models of each supported family, and a word-level tokenizer."""
+"""Shared fixtures: tiny seeded random-weight models of each supported family (built by `cacheblend_rag.testing`),
+a word-level tokenizer, a reference forward over cached KV, and a private Redis server."""
 
 from __future__ import annotations
 
@@ -11,77 +12,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 from redis_helpers import RedisServer
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import PreTrainedTokenizerFast
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-
-VOCAB = 99
-WORDS = [f"w{i}" for i in range(VOCAB - 3)]  # ids 3..98; 0..2 are specials
-
-
-def tiny_config(family: str, num_layers: int = 6):
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    if family == "llama":
-        return LlamaConfig(**common, rope_theta=10000.0)
-    if family == "qwen2":
-        return Qwen2Config(**common, rope_theta=10000.0, use_sliding_window=False)
-    if family == "qwen3":
-        return Qwen3Config(**common, head_dim=16, rope_theta=10000.0, use_sliding_window=False)
-    raise ValueError(family)
-
-
-_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
-
-
-def make_tiny_model(family: str, seed: int = 0, num_layers: int = 6) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = tiny_config(family, num_layers)
-    config._attn_implementation = "sdpa"
-    model = _CLASSES[family](config)
-    # Default init is tiny (std 0.02): scale weights up so attention is far from uniform and chunks really
-    # influence one another, which makes the difference between reuse and recompute visible.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.mul_(6.0)
-            elif "embed" in name:
-                p.normal_(0, 1.0)
-    return model.eval()
-
-
-def make_tiny_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>"
-    )
-
-
-def words(seed: int, n: int) -> str:
-    g = torch.Generator().manual_seed(seed)
-    return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g))
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
 
 
 @pytest.fixture

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import make_tiny_model, make_tiny_tokenizer, words
-
 from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 THREADS, PER_THREAD = 8, 25
 
@@ -17,7 +16,7 @@ def test_eight_threads_give_the_same_outputs_as_serial_runs(tmp_path):
         make_tiny_tokenizer(),
         config=EngineConfig(chunk_separator="", disk_dir=str(tmp_path / "kv"), memory_budget_bytes=200_000),
     )
-    pool = [words(200 + i, 12) for i in range(10)]  # chunks shared across requests, as a retriever would return
+    pool = [random_words(200 + i, 12) for i in range(10)]  # chunks shared across requests, as a retriever would return
 
     def request(i: int) -> tuple:
         chunks = [pool[i % 10], pool[(i * 3 + 1) % 10], pool[(i * 7 + 2) % 10]]
@@ -25,12 +24,22 @@ def test_eight_threads_give_the_same_outputs_as_serial_runs(tmp_path):
         ratio = 0.15 if mode == "blend" else None
         if i % 5 == 0:  # some streamed
             stream = engine.stream(
-                chunks, prefix=words(1, 4), suffix=words(i % 3, 5), mode=mode, recompute_ratio=ratio, max_new_tokens=6
+                chunks,
+                prefix=random_words(1, 4),
+                suffix=random_words(i % 3, 5),
+                mode=mode,
+                recompute_ratio=ratio,
+                max_new_tokens=6,
             )
             text = "".join(stream)
             return text, tuple(stream.result.token_ids)
         r = engine.generate(
-            chunks, prefix=words(1, 4), suffix=words(i % 3, 5), mode=mode, recompute_ratio=ratio, max_new_tokens=6
+            chunks,
+            prefix=random_words(1, 4),
+            suffix=random_words(i % 3, 5),
+            mode=mode,
+            recompute_ratio=ratio,
+            max_new_tokens=6,
         )
         return r.text, tuple(r.token_ids)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import make_tiny_model, make_tiny_tokenizer, words
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
 from cacheblend_rag.controller import ComputePoint, LoadingController, LoadingProfile, TierSpeed, profile_engine
 from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 MB = 2**20
 
@@ -95,11 +95,11 @@ def test_profile_saves_and_loads_and_bad_files_get_clear_errors(tmp_path):
 
 # ---------------------------------------------------------------- with the engine
 
-CHUNKS = [words(501, 40), words(502, 40)]
+CHUNKS = [random_words(501, 40), random_words(502, 40)]
 
 
 def ask(engine, **kw):
-    return engine.generate(CHUNKS, prefix=words(1, 4), suffix=words(2, 5), max_new_tokens=4, **kw)
+    return engine.generate(CHUNKS, prefix=random_words(1, 4), suffix=random_words(2, 5), max_new_tokens=4, **kw)
 
 
 def test_engine_uses_the_controllers_ratio_unless_one_is_pinned(tmp_path):
@@ -116,7 +116,7 @@ def test_engine_uses_the_controllers_ratio_unless_one_is_pinned(tmp_path):
     assert auto.metrics.hits_by_tier == {"disk": 2}
     assert auto.metrics.recompute_ratio == 1.0 and auto.metrics.controller["source"] == "controller (load time)"
     assert "(controller (load time))" in auto.metrics.summary()
-    full = engine.generate(CHUNKS, prefix=words(1, 4), suffix=words(2, 5), max_new_tokens=4, mode="full")
+    full = engine.generate(CHUNKS, prefix=random_words(1, 4), suffix=random_words(2, 5), max_new_tokens=4, mode="full")
     assert auto.token_ids == full.token_ids  # r = 1 is a full prefill
     pinned = ask(engine, recompute_ratio=0.15)
     assert pinned.metrics.recompute_ratio == 0.15 and pinned.metrics.controller is None

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model, make_tiny_tokenizer, words
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 pytestmark = [
     pytest.mark.cuda,
@@ -19,7 +19,9 @@ def test_cuda_blend_ends_match_full_and_reuse(family):
     engine = CacheBlendEngine(
         make_tiny_model(family), make_tiny_tokenizer(), config=EngineConfig(device="cuda", chunk_separator="")
     )
-    prompt = engine.build_prompt([words(s, 30) for s in (1, 2, 3)], prefix=words(4, 5), suffix=words(5, 6))
+    prompt = engine.build_prompt(
+        [random_words(s, 30) for s in (1, 2, 3)], prefix=random_words(4, 5), suffix=random_words(5, 6)
+    )
     full = engine.prefill(prompt, "full").logits
     torch.testing.assert_close(engine.prefill(prompt, "blend", recompute_ratio=1.0).logits, full, atol=1e-4, rtol=0)
     reuse = engine.prefill(prompt, "reuse").logits
@@ -33,5 +35,10 @@ def test_cuda_bf16_generation_runs():
         make_tiny_tokenizer(),
         config=EngineConfig(device="cuda", dtype="bfloat16", chunk_separator=""),
     )
-    out = engine.generate([words(7, 20), words(8, 20)], prefix=words(4, 5), suffix=words(5, 6), max_new_tokens=5)
+    out = engine.generate(
+        [random_words(7, 20), random_words(8, 20)],
+        prefix=random_words(4, 5),
+        suffix=random_words(5, 6),
+        max_new_tokens=5,
+    )
     assert out.metrics.prompt_tokens == 51

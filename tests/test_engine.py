@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model, make_tiny_tokenizer, words
 
 from cacheblend_rag import (
     BlendConfig,
@@ -17,6 +16,7 @@ from cacheblend_rag import (
     PromptTemplate,
 )
 from cacheblend_rag.engine.generation import SamplingParams, TextAssembler
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,8 @@ def engine() -> CacheBlendEngine:
 
 
 def ask(engine, chunks=None, **kw):
-    chunks = chunks or [words(31, 20), words(32, 20)]
-    return engine.generate(chunks, prefix=words(1, 4), suffix=words(2, 5), **kw)
+    chunks = chunks or [random_words(31, 20), random_words(32, 20)]
+    return engine.generate(chunks, prefix=random_words(1, 4), suffix=random_words(2, 5), **kw)
 
 
 def test_blend_at_ratio_one_generates_the_same_tokens_as_full(engine):
@@ -38,7 +38,12 @@ def test_blend_at_ratio_one_generates_the_same_tokens_as_full(engine):
 
 def test_stream_yields_the_same_text_as_generate(engine):
     result = ask(engine, max_new_tokens=10)
-    stream = engine.stream([words(31, 20), words(32, 20)], prefix=words(1, 4), suffix=words(2, 5), max_new_tokens=10)
+    stream = engine.stream(
+        [random_words(31, 20), random_words(32, 20)],
+        prefix=random_words(1, 4),
+        suffix=random_words(2, 5),
+        max_new_tokens=10,
+    )
     pieces = list(stream)
     assert "".join(pieces) == result.text
     assert stream.result is not None and stream.result.token_ids == result.token_ids
@@ -81,19 +86,19 @@ def test_sampling_is_reproducible_with_a_seed(engine):
 
 def test_second_request_hits_the_chunk_cache():
     eng = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
-    first = ask(eng, [words(41, 15), words(42, 15)], max_new_tokens=1)
+    first = ask(eng, [random_words(41, 15), random_words(42, 15)], max_new_tokens=1)
     assert (first.metrics.chunks_hit, first.metrics.chunks_missed) == (0, 2)
-    second = ask(eng, [words(42, 15), words(43, 15)], max_new_tokens=1)  # one chunk shared, one new
+    second = ask(eng, [random_words(42, 15), random_words(43, 15)], max_new_tokens=1)  # one chunk shared, one new
     assert (second.metrics.chunks_hit, second.metrics.chunks_missed) == (1, 1)
     assert second.metrics.bytes_loaded > 0
     assert second.metrics.reused_tokens == 30
 
 
 def test_cold_chunks_give_the_same_answer_as_warm_ones():
-    chunks = [words(51, 15), words(52, 15), words(53, 15)]
+    chunks = [random_words(51, 15), random_words(52, 15), random_words(53, 15)]
     cold = CacheBlendEngine(make_tiny_model("qwen3"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
     warm = CacheBlendEngine(make_tiny_model("qwen3"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
-    warm.precompute(chunks, prefix=words(1, 4))
+    warm.precompute(chunks, prefix=random_words(1, 4))
     a, b = ask(cold, chunks, max_new_tokens=6), ask(warm, chunks, max_new_tokens=6)
     assert a.metrics.chunks_missed == 3 and b.metrics.chunks_hit == 3
     assert a.token_ids == b.token_ids
@@ -101,14 +106,14 @@ def test_cold_chunks_give_the_same_answer_as_warm_ones():
 
 def test_memory_store_evicts_least_recently_used():
     eng = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
-    chunk = words(61, 10)
+    chunk = random_words(61, 10)
     ask(eng, [chunk], max_new_tokens=1)
-    prompt = eng.build_prompt([chunk], prefix=words(1, 4), suffix=words(2, 5))
+    prompt = eng.build_prompt([chunk], prefix=random_words(1, 4), suffix=random_words(2, 5))
     one = eng.store.get(eng._key(prompt.prefix_ids, prompt.chunk_ids[0])).nbytes  # every chunk has 10 tokens
     small = MemoryStore(budget_bytes=4 * one)  # room for the prefix entry and three chunks
     eng.store = small
     for s in range(62, 67):
-        ask(eng, [words(s, 10)], max_new_tokens=1)
+        ask(eng, [random_words(s, 10)], max_new_tokens=1)
     assert small.nbytes <= 4 * one
     assert small.stats.evictions >= 2
 
@@ -140,19 +145,19 @@ def test_the_template_renders_chunks_between_prefix_and_question(tiny_tokenizer)
         (dict(mode="fast"), ConfigError, "mode must be one of"),
         (dict(mode="full", recompute_ratio=0.2), ConfigError, "blend' only"),
         (dict(max_new_tokens=0), ConfigError, "max_new_tokens"),
-        (dict(chunks=[words(70, 300), words(71, 300)]), PromptError, "exceeds the model's limit of 512"),
+        (dict(chunks=[random_words(70, 300), random_words(71, 300)]), PromptError, "exceeds the model's limit of 512"),
     ],
 )
 def test_bad_requests_get_clear_errors(engine, kwargs, error, match):
-    chunks = kwargs.pop("chunks", [words(31, 20)])
+    chunks = kwargs.pop("chunks", [random_words(31, 20)])
     with pytest.raises(error, match=match):
-        engine.generate(chunks, prefix=words(1, 4), suffix=words(2, 5), **kwargs)
+        engine.generate(chunks, prefix=random_words(1, 4), suffix=random_words(2, 5), **kwargs)
 
 
 @pytest.mark.parametrize("mode", ["full", "prefix", "reuse", "blend"])
 def test_a_prompt_without_chunks_is_a_plain_full_prefill(engine, mode):
-    plain = engine.generate([], prefix=words(1, 4), suffix=words(2, 5), mode="full", max_new_tokens=6)
-    out = engine.generate([], prefix=words(1, 4), suffix=words(2, 5), mode=mode, max_new_tokens=6)
+    plain = engine.generate([], prefix=random_words(1, 4), suffix=random_words(2, 5), mode="full", max_new_tokens=6)
+    out = engine.generate([], prefix=random_words(1, 4), suffix=random_words(2, 5), mode=mode, max_new_tokens=6)
     assert out.token_ids == plain.token_ids
     assert out.metrics.mode == "full" and out.metrics.chunks_hit == out.metrics.chunks_missed == 0
 
@@ -207,7 +212,9 @@ def test_low_precision_blend_stays_close_to_full(dtype):
     eng = CacheBlendEngine(
         make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(dtype=dtype, chunk_separator="")
     )
-    prompt = eng.build_prompt([words(81, 20), words(82, 20)], prefix=words(1, 4), suffix=words(2, 5))
+    prompt = eng.build_prompt(
+        [random_words(81, 20), random_words(82, 20)], prefix=random_words(1, 4), suffix=random_words(2, 5)
+    )
     full = eng.prefill(prompt, "full").logits
     blend = eng.prefill(prompt, "blend", recompute_ratio=1.0).logits
     assert eng.store.get(eng._key(prompt.prefix_ids, prompt.chunk_ids[0])).dtype == getattr(torch, dtype)
@@ -219,9 +226,9 @@ def test_a_damaged_store_entry_is_recomputed_not_used(caplog):
     from cacheblend_rag import ChunkKV
 
     eng = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
-    chunks = [words(91, 12), words(92, 12)]
+    chunks = [random_words(91, 12), random_words(92, 12)]
     good = ask(eng, chunks, max_new_tokens=4)
-    prompt = eng.build_prompt(chunks, prefix=words(1, 4), suffix=words(2, 5))
+    prompt = eng.build_prompt(chunks, prefix=random_words(1, 4), suffix=random_words(2, 5))
     key = eng._key(prompt.prefix_ids, prompt.chunk_ids[0])
     stored = eng.store.get(key)
     eng.store.put(ChunkKV(key, stored.keys[:, :, :5].clone(), stored.values[:, :, :5].clone()))  # truncated
@@ -235,7 +242,7 @@ def test_a_damaged_store_entry_is_recomputed_not_used(caplog):
 
 def test_chunks_come_back_from_the_disk_tier_in_a_new_engine(tmp_path):
     config = EngineConfig(chunk_separator="", disk_dir=str(tmp_path / "kv"))
-    chunks = [words(101, 12), words(102, 12)]
+    chunks = [random_words(101, 12), random_words(102, 12)]
     first = CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
     a = ask(first, chunks, max_new_tokens=4)
     first.store.flush()  # written to disk in the background
@@ -255,7 +262,9 @@ def test_engine_config_checks_the_redis_url():
 
 
 def test_a_closed_stream_stops_generating(engine):
-    stream = engine.stream([words(31, 20)], prefix=words(1, 4), suffix=words(2, 5), max_new_tokens=50)
+    stream = engine.stream(
+        [random_words(31, 20)], prefix=random_words(1, 4), suffix=random_words(2, 5), max_new_tokens=50
+    )
     with stream:
         first = next(stream)
     assert first and stream.result is None

@@ -5,16 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import make_tiny_model, make_tiny_tokenizer, words
 from redis_helpers import RedisServer
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
-CHUNKS = [words(301, 40), words(302, 40)]
+CHUNKS = [random_words(301, 40), random_words(302, 40)]
 
 
 def ask(engine):
-    return engine.generate(CHUNKS, prefix=words(1, 4), suffix=words(2, 5), max_new_tokens=6)
+    return engine.generate(CHUNKS, prefix=random_words(1, 4), suffix=random_words(2, 5), max_new_tokens=6)
 
 
 def engine_on(**tiers) -> CacheBlendEngine:

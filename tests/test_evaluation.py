@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import words
 
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.evaluation import (
@@ -34,6 +33,7 @@ from cacheblend_rag.evaluation.datasets import QA_SPEC_TEMPLATE, load_samsum, sp
 from cacheblend_rag.evaluation.methods import parse_rerank_output
 from cacheblend_rag.evaluation.quality import RESULTS_FILE
 from cacheblend_rag.evaluation.scoring import parse_short_answer
+from cacheblend_rag.testing import random_words
 
 DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 needs_data = pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"benchmark data not present at {DATA_DIR.resolve()}")
@@ -174,9 +174,9 @@ def _fake_dataset(n: int = 2, task: str = "qa") -> Dataset:
     cases = tuple(
         Case(
             id=f"fake-{i}",
-            chunks=tuple(words(100 * i + j, 12) for j in range(3)),
-            question=words(100 * i + 50, 4),
-            answers=(words(100 * i + 51, 2), "w5"),
+            chunks=tuple(random_words(100 * i + j, 12) for j in range(3)),
+            question=random_words(100 * i + 50, 4),
+            answers=(random_words(100 * i + 51, 2), "w5"),
             task=task,  # type: ignore[arg-type]
         )
         for i in range(n)
@@ -276,7 +276,9 @@ def test_runner_drops_a_torn_last_line_and_redoes_that_case(tiny_engine, tmp_pat
 
 @pytest.mark.parametrize("family", ["llama"])
 def test_runner_records_an_engine_refusal_and_goes_on(tiny_engine, tmp_path):
-    long_case = Case("too-long", tuple(words(i, 200) for i in range(3)), "w3 w4", ("w5",), "qa")  # > 512 positions
+    long_case = Case(
+        "too-long", tuple(random_words(i, 200) for i in range(3)), "w3 w4", ("w5",), "qa"
+    )  # > 512 positions
     ds = Dataset(QA_SPEC, (long_case, _fake_dataset(1).cases[0]))
     records = run_quality(tiny_engine, [ds], parse_methods("full"), tmp_path, show_progress=False)
     assert records[0]["error"] and records[0]["score"] is None and records[1]["score"] is not None

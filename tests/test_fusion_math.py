@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model, make_tiny_tokenizer, reference_logits_with_cache, words
+from conftest import reference_logits_with_cache
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, PrefillMode
 from cacheblend_rag.fusion import FusionPlan, fuse, keep_counts, select_recompute_tokens, token_deviation
 from cacheblend_rag.models import LayerwiseModel, rotate_keys
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 
 def three_chunk_prompt(engine: CacheBlendEngine, chunk_len: int = 24):
-    chunks = [words(s, chunk_len) for s in (11, 12, 13)]
-    return engine.build_prompt(chunks, prefix=words(1, 5), suffix=words(2, 6))
+    chunks = [random_words(s, chunk_len) for s in (11, 12, 13)]
+    return engine.build_prompt(chunks, prefix=random_words(1, 5), suffix=random_words(2, 6))
 
 
 def logits_of(engine, prompt, mode, **kw):
@@ -67,7 +68,7 @@ def test_reuse_really_differs_from_full(tiny_engine):
 
 
 def test_single_chunk_at_front_blend_equals_prefix_caching(tiny_engine):
-    prompt = tiny_engine.build_prompt([words(21, 30)], prefix=words(1, 5), suffix=words(2, 6))
+    prompt = tiny_engine.build_prompt([random_words(21, 30)], prefix=random_words(1, 5), suffix=random_words(2, 6))
     prefix = logits_of(tiny_engine, prompt, "prefix")
     for r in (0.0, 0.15, 1.0):
         torch.testing.assert_close(

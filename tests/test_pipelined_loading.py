@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model, make_tiny_tokenizer, words
 from test_store_tiers import make_kv, same
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
@@ -20,6 +19,7 @@ from cacheblend_rag.store.lazy import LazyChunkKV
 from cacheblend_rag.store.memory import MemoryStore
 from cacheblend_rag.store.serialize import CorruptEntryError, parse_layout, serialize_chunk
 from cacheblend_rag.store.tiered import TieredStore
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 CPU = torch.device("cpu")
 
@@ -154,7 +154,7 @@ def test_redis_entry_evicted_while_being_read_is_caught(redis_store):
 
 # ---------------------------------------------------------------- the engine with and without the pipeline
 
-CHUNKS = [words(401, 40), words(402, 30), words(403, 50)]
+CHUNKS = [random_words(401, 40), random_words(402, 30), random_words(403, 50)]
 
 
 def engine_on(pipelined: bool, **tiers) -> CacheBlendEngine:
@@ -164,7 +164,7 @@ def engine_on(pipelined: bool, **tiers) -> CacheBlendEngine:
 
 
 def ask(engine, mode="blend"):
-    return engine.generate(CHUNKS, prefix=words(1, 4), suffix=words(2, 5), mode=mode, max_new_tokens=6)
+    return engine.generate(CHUNKS, prefix=random_words(1, 4), suffix=random_words(2, 5), mode=mode, max_new_tokens=6)
 
 
 @pytest.mark.parametrize("mode", ["prefix", "reuse", "blend"])
@@ -180,7 +180,7 @@ def test_pipelined_loading_from_disk_gives_the_same_tokens_and_logits(tmp_path, 
     assert b.metrics.hits_by_tier == a.metrics.hits_by_tier and b.metrics.hits_by_tier["disk"] >= 1
     assert b.metrics.load_s > 0 and b.metrics.wait_s >= 0
     assert 0 < a.metrics.wait_s <= a.metrics.load_s  # without the pipeline the fusor waits for every load
-    prompt = plain.build_prompt(CHUNKS, prefix=words(1, 4), suffix=words(2, 5))
+    prompt = plain.build_prompt(CHUNKS, prefix=random_words(1, 4), suffix=random_words(2, 5))
     torch.testing.assert_close(piped.prefill(prompt, mode).logits, plain.prefill(prompt, mode).logits)
 
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_tiny_model, make_tiny_tokenizer, words
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
 from cacheblend_rag.cli import main
@@ -37,6 +36,7 @@ from cacheblend_rag.evaluation import (
     run_live,
     run_throughput,
 )
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 # Tiny models: one torch thread (see conftest.one_thread).
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,7 +62,7 @@ def write_qa_data(root: Path, cases: int = 3, passages: int = 3) -> Path:
     """MuSiQue and 2WikiMQA files in their real layouts: `passages` passages of 12 words per case."""
     records = []
     for i in range(cases):
-        ctxs = [{"title": "", "text": words(100 * i + j, 12)} for j in range(passages)]
+        ctxs = [{"title": "", "text": random_words(100 * i + j, 12)} for j in range(passages)]
         question = " ".join(ctxs[0]["text"].split()[:4])  # shares words with its own first passage
         records.append({"question": question, "answers": ["w5"], "ctxs": ctxs})
     (root / "musique").mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,107 @@
+"""Tiny seeded random-weight models and a word-level tokenizer, for testing code built on cacheblend-rag.
+
+A tiny model runs a prompt in milliseconds on a CPU, so tests of the fusion math, the store and the framework
+integrations need no downloaded weights. The weights are scaled up from the default init so that attention is
+far from uniform and chunks really influence one another: the difference between full KV reuse and recompute is
+then large enough to see. The tokenizer knows the words "w0".."w95" (ids 3..98; 0..2 are <pad>/<unk>, <s>,
+</s>), split on whitespace; `random_words` makes seeded texts of them.
+
+Used by this repository's tests and by the LangChain and LlamaIndex packages' tests.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+Family = Literal["llama", "qwen2", "qwen3"]
+
+VOCAB_SIZE = 99
+WORDS = [f"w{i}" for i in range(VOCAB_SIZE - 3)]  # ids 3..98
+EOS_ID = 2
+
+# A chat template of the tokenizer's own words, so chat rendering runs as it does on a real model.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} w3 {{ m['content'] }} w4 {% endfor %}"
+    "{% if add_generation_prompt %}assistant w3 {% endif %}"
+)
+
+_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+
+
+def tiny_config(family: Family = "llama", num_layers: int = 6) -> PretrainedConfig:
+    """The config of a tiny model: hidden size 64, 4 query heads over 2 KV heads, 512 positions."""
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        tie_word_embeddings=False,
+    )
+    if family == "llama":
+        return LlamaConfig(**common, rope_theta=10000.0)
+    if family == "qwen2":
+        return Qwen2Config(**common, rope_theta=10000.0, use_sliding_window=False)
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=16, rope_theta=10000.0, use_sliding_window=False)
+    raise ValueError(f"unknown tiny model family {family!r}; use one of {sorted(_CLASSES)}")
+
+
+def make_tiny_model(
+    family: Family = "llama", seed: int = 0, num_layers: int = 6, *, mute_eos: bool = False
+) -> torch.nn.Module:
+    """A tiny model of `family` with weights drawn from `seed` (the same seed gives the same weights).
+
+    `mute_eos` zeroes the EOS row of the output layer: EOS then scores 0 among large random logits, so
+    answers run to their token budget or a stop string, which makes streaming and stop tests deterministic.
+    """
+    torch.manual_seed(seed)
+    config = tiny_config(family, num_layers)
+    config._attn_implementation = "sdpa"
+    model = _CLASSES[family](config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed" in name:
+                p.normal_(0, 1.0)
+            elif p.dim() == 2:
+                p.mul_(6.0)
+            if mute_eos and "lm_head" in name:
+                p[EOS_ID].zero_()
+    return model.eval()
+
+
+def make_tiny_tokenizer(chat_template: bool = False) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer over `WORDS`; other words map to <pad> (id 0), which is also <unk>."""
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>"
+    )
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def random_words(seed: int, n: int) -> str:
+    """`n` words of the tiny vocabulary drawn from `seed`, joined by spaces."""
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g))
