@@ -309,3 +309,23 @@ def test_summary_compares_with_full_on_the_same_cases_only():
     assert rows["prefix"].n_paired == 0 and math.isnan(rows["prefix"].delta_vs_full)
     table = summary_markdown(list(rows.values()))
     assert "| blend@0.15 | 0.500 | 6.00 | 2 | -0.250 | 4.00 | 2 | 0 |" in table
+
+
+def test_ratio_figure_uses_only_cases_where_every_ratio_ran(tmp_path, monkeypatch):
+    from cacheblend_rag.evaluation import quality
+
+    def rec(method, case, score):
+        return {"dataset": "d", "method": method, "case_id": case, "metric": "F1", "score": score, "ttft_s": 1.0}
+
+    records = [rec(m, c, 1.0) for m in ("full", "reuse", "blend@0.15") for c in "abc"]
+    records += [rec("blend@0.05", "a", 0.0), rec("blend@0.05", "b", 0.0), rec("prefix", "c", 1.0)]
+    records.append({**rec("blend@0.05", "c", None), "error": "PromptError: too long"})
+    assert quality.common_cases(records, ["full", "blend@0.05"]) == {("d", "a"), ("d", "b")}
+    assert quality.common_cases(records, ["full", "prefix"]) == {("d", "c")}
+
+    seen = {}
+    monkeypatch.setattr(quality, "plot_panels", lambda data, path, **kw: seen.update(data=data, **kw) or path)
+    quality.plot_quality_vs_ratio(records, tmp_path / "ratio.png")
+    assert seen["panel_titles"] == {"d": "d (2 cases with every ratio)"}
+    assert {r["method"]: r["n"] for r in seen["data"]} == {"full": 2, "reuse": 2, "blend@0.15": 2, "blend@0.05": 2}
+    assert quality.plot_quality_vs_ratio([rec("full", "a", 1.0)], tmp_path / "none.png") is None

@@ -295,14 +295,18 @@ def plot_panels(
     xlabel: str | None = None,
     ylabel: str | None = None,
     title: str | None = None,
+    panel_titles: Mapping[Any, str] | None = None,
+    style: str | None = None,
 ) -> Path:
     """A row of panels (one per value of `panel`), each plotting `y` against `x`.
 
     Rows with the same `series` value are joined by a line (sorted by x); without `series`, each row is a
-    point, annotated with its `label` field. `hlines` maps values of `hline_key` (e.g. "full") to a legend
-    name: those rows are drawn as horizontal reference lines at their `y`, not as points. Rows missing x or y
-    (None or nan) are left out. Enough for the paper's Fig. 12 (quality vs TTFT, one point per method),
-    Fig. 16 (quality vs recompute ratio) and Fig. 15 (quality or TTFT vs chunk count / length).
+    point named by its `label` field in a legend under its panel (names never overlap the data); points with
+    the same `style` field value (default: the label) share a color and marker in every panel. `hlines` maps
+    values of `hline_key` (e.g. "full") to a legend name: those rows are drawn as horizontal reference lines at
+    their `y`, not as points. `panel_titles` maps a panel's value to its title. Rows missing x or y (None or
+    nan) are left out. Enough for the paper's Fig. 12 (quality vs TTFT, one point per method), Fig. 16 (quality
+    vs recompute ratio) and Fig. 15 (quality or TTFT vs chunk count / length).
     """
     plt = _pyplot()
 
@@ -312,8 +316,14 @@ def plot_panels(
     panels = list(dict.fromkeys(r[panel] for r in rows))
     if not panels:
         raise ValueError("nothing to plot: no rows")
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
     hlines = hlines or {}
+    point_rows = [r for r in rows if r.get(hline_key) not in hlines]
+    style = style or label
+    styled = series is None and style is not None
+    keys = list(dict.fromkeys(str(r[style]) for r in point_rows)) if styled else []
+    markers = "osD^vP*Xh<>"
+    looks = {k: (f"C{i % 10}", markers[i % len(markers)]) for i, k in enumerate(keys)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
     for ax, name in zip(axes[0], panels, strict=True):
         sub = [r for r in rows if r[panel] == name]
         refs = [r for r in sub if r.get(hline_key) in hlines and ok(r.get(y))]
@@ -324,45 +334,75 @@ def plot_panels(
                 ax.plot([r[x] for r in line], [r[y] for r in line], marker="o", label=str(s))
         else:
             for r in pts:
-                ax.scatter(r[x], r[y], s=36)
-                if label is not None:
-                    ax.annotate(str(r[label]), (r[x], r[y]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+                color, marker = looks.get(str(r[style]), ("C0", "o")) if styled else ("C0", "o")
+                legend_name = str(r[label]) if label is not None else None
+                ax.scatter(r[x], r[y], s=40, color=color, marker=marker, label=legend_name)
         for i, r in enumerate(refs):
             ax.axhline(r[y], linestyle="--", linewidth=1, color=f"C{(i + 3) % 10}", label=hlines[r[hline_key]])
-        ax.set_title(str(name))
+        ax.set_title((panel_titles or {}).get(name, str(name)))
         ax.set_xlabel(xlabel or x)
         ax.set_ylabel(ylabel or y)
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+            if series is None and label is not None:  # many points: the legend goes under the panel
+                ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2, frameon=False)
+            else:
+                ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return out
 
 
 def plot_quality_vs_ttft(rows: Sequence[SummaryRow], path: str | os.PathLike[str]) -> Path:
-    """Fig. 12 style: per data set, each method's mean quality against its median TTFT."""
-    data = [r.to_dict() for r in rows]
+    """Fig. 12 style: per data set, each method's mean quality against its median TTFT.
+
+    Each legend entry says how many cases the method ran; where some ran on fewer cases than others, their
+    points are means over different cases (the summary table's paired columns compare like with like)."""
+    data = [r.to_dict() | {"label": f"{r.method} (n={r.n})"} for r in rows]
     return plot_panels(
-        data, path, x="ttft_s", y="score", label="method", xlabel="median TTFT (s)", ylabel="quality (F1 / Rouge-L)",
-        title="Quality vs TTFT",
+        data, path, x="ttft_s", y="score", label="label", style="method", xlabel="median TTFT (s)",
+        ylabel="quality (F1 / Rouge-L)", title="Quality vs TTFT",
     )  # fmt: skip
 
 
-def plot_quality_vs_ratio(rows: Sequence[SummaryRow], path: str | os.PathLike[str]) -> Path | None:
+def common_cases(records: Iterable[Mapping[str, Any]], methods: Iterable[str]) -> set[tuple[str, str]]:
+    """(data set, case id) pairs on which every one of `methods` ran that data set without error."""
+    wanted = set(methods)
+    ran: dict[tuple[str, str], set[str]] = {}
+    for r in records:
+        if r.get("error") is None and r.get("score") is not None:
+            ran.setdefault((r["dataset"], r["case_id"]), set()).add(r["method"])
+    return {case for case, done in ran.items() if wanted <= done}
+
+
+def plot_quality_vs_ratio(records: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path | None:
     """Fig. 16 style: blend's quality against its recompute ratio, full recompute and full reuse as lines.
 
+    Per data set, only the cases on which full, reuse (if run) and every blend ratio of that data set ran are
+    used, so the curve compares the ratios on the same questions; each panel's title gives that count.
     None (no file) when no data set has a blend result."""
-    data = [r.to_dict() | {"series": "blend"} for r in rows if r.ratio is not None or r.method in ("full", "reuse")]
-    if not any(r["ratio"] is not None for r in data):
+    data, titles = [], {}
+    for dataset in dict.fromkeys(r["dataset"] for r in records):
+        recs = [r for r in records if r["dataset"] == dataset]
+        methods = {r["method"] for r in recs if _ratio(r["method"]) is not None or r["method"] in ("full", "reuse")}
+        if not any(_ratio(m) is not None for m in methods):
+            continue
+        cases = common_cases(recs, methods)
+        if not cases:
+            continue
+        rows = summarize(r for r in recs if r["method"] in methods and (dataset, r["case_id"]) in cases)
+        data += [r.to_dict() | {"series": "blend"} for r in rows]
+        titles[dataset] = f"{dataset} ({len(cases)} cases with every ratio)"
+    if not data:
         return None
     return plot_panels(
         data, path, x="ratio", y="score", series="series", hlines={"full": "full recompute", "reuse": "full KV reuse"},
         xlabel="recompute ratio r", ylabel="quality (F1 / Rouge-L)", title="Quality vs recompute ratio",
+        panel_titles=titles,
     )  # fmt: skip
 
 
@@ -381,7 +421,7 @@ def write_report(
     files["summary_json"].write_text(json.dumps([r.to_dict() for r in rows], indent=2) + "\n")
     if any(r.n for r in rows):
         files["quality_vs_ttft"] = plot_quality_vs_ttft([r for r in rows if r.n], out / FIG_QUALITY_TTFT)
-        ratio_fig = plot_quality_vs_ratio([r for r in rows if r.n], out / FIG_QUALITY_RATIO)
+        ratio_fig = plot_quality_vs_ratio(records, out / FIG_QUALITY_RATIO)
         if ratio_fig is not None:
             files["quality_vs_ratio"] = ratio_fig
     return files
