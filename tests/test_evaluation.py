@@ -308,7 +308,10 @@ def test_summary_compares_with_full_on_the_same_cases_only():
     assert rows["full"].delta_vs_full == 0.0 and rows["full"].speedup_vs_full == 1.0
     assert rows["prefix"].n_paired == 0 and math.isnan(rows["prefix"].delta_vs_full)
     table = summary_markdown(list(rows.values()))
-    assert "| blend@0.15 | 0.500 | 6.00 | 2 | -0.250 | 4.00 | 2 | 0 |" in table
+    # paired differences -0.5 and 0.0: sd 0.354, so the 95% half-width is 1.96 * 0.354 / sqrt(2) = 0.490
+    assert blend.delta_ci95 == pytest.approx(1.96 * math.sqrt(0.125) / math.sqrt(2))
+    assert "| blend@0.15 | 0.500 | 6.00 | 2 | -0.250 | [-0.740, +0.240] | 4.00 | 2 | 0 |" in table
+    assert "| full | 0.500 | 20.00 | 3 | +0.000 | - | 1.00 | 3 | 0 |" in table
 
 
 def test_ratio_figure_uses_only_cases_where_every_ratio_ran(tmp_path, monkeypatch):

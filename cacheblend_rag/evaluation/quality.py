@@ -191,6 +191,7 @@ class SummaryRow:
     # Paired with full recompute on the cases both ran (methods may have run on different case counts):
     n_paired: int = 0  # cases with a result of both this method and full
     delta_vs_full: float = math.nan  # mean of (score - full's score) over those cases
+    delta_ci95: float = math.nan  # half-width of its 95% confidence interval (normal approximation, n_paired >= 2)
     speedup_vs_full: float = math.nan  # median of full's TTFT / this method's TTFT, case by case
 
     def to_dict(self) -> dict[str, Any]:
@@ -221,6 +222,7 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> list[SummaryRow]:
         full = {r["case_id"]: r for r in succeeded(groups.get((dataset, "full"), []))}
         pairs = [(r, full[r["case_id"]]) for r in ok if r["case_id"] in full]
         ratios = [f["ttft_s"] / r["ttft_s"] for r, f in pairs if r["ttft_s"] and r["ttft_s"] > 0]
+        deltas = [r["score"] - f["score"] for r, f in pairs]
         rows.append(
             SummaryRow(
                 dataset=dataset,
@@ -232,7 +234,8 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> list[SummaryRow]:
                 errors=len(recs) - len(ok),
                 ratio=_ratio(method),
                 n_paired=len(pairs),
-                delta_vs_full=statistics.fmean(r["score"] - f["score"] for r, f in pairs) if pairs else math.nan,
+                delta_vs_full=statistics.fmean(deltas) if deltas else math.nan,
+                delta_ci95=1.96 * statistics.stdev(deltas) / math.sqrt(len(deltas)) if len(deltas) >= 2 else math.nan,
                 speedup_vs_full=statistics.median(ratios) if ratios else math.nan,
             )
         )
@@ -243,10 +246,17 @@ def _fmt(x: float, spec: str) -> str:
     return "-" if x is None or math.isnan(x) else format(x, spec)
 
 
+def _ci(r: SummaryRow) -> str:
+    if r.method == "full" or math.isnan(r.delta_ci95):
+        return "-"
+    return f"[{r.delta_vs_full - r.delta_ci95:+.3f}, {r.delta_vs_full + r.delta_ci95:+.3f}]"
+
+
 def summary_markdown(rows: Sequence[SummaryRow]) -> str:
     """One table per data set: method, mean score, median TTFT, n, and the comparison with full recompute on
-    the same cases (mean score difference, median per-case TTFT ratio), which stays fair when methods ran on
-    different numbers of cases and is robust to machine load that drifts between cases."""
+    the same cases (mean score difference with its 95% confidence interval, median per-case TTFT ratio), which
+    stays fair when methods ran on different numbers of cases and is robust to machine load that drifts
+    between cases."""
     lines = []
     for dataset in dict.fromkeys(r.dataset for r in rows):
         sub = [r for r in rows if r.dataset == dataset]
@@ -254,14 +264,15 @@ def summary_markdown(rows: Sequence[SummaryRow]) -> str:
         lines += [
             f"### {dataset} ({m})",
             "",
-            f"| method | {m} | median TTFT (s) | n | {m} - full (same cases) | TTFT full / method (median per case) "
-            "| paired cases | errors |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            f"| method | {m} | median TTFT (s) | n | {m} - full (same cases) | 95% CI | TTFT full / method "
+            "(median per case) | paired cases | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in sub:
             lines.append(
                 f"| {r.method} | {_fmt(r.score, '.3f')} | {_fmt(r.ttft_s, '.2f')} | {r.n} | "
-                f"{_fmt(r.delta_vs_full, '+.3f')} | {_fmt(r.speedup_vs_full, '.2f')} | {r.n_paired} | {r.errors} |"
+                f"{_fmt(r.delta_vs_full, '+.3f')} | {_ci(r)} | {_fmt(r.speedup_vs_full, '.2f')} | {r.n_paired} | "
+                f"{r.errors} |"
             )
         lines.append("")
     return "\n".join(lines)
