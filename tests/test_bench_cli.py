@@ -26,7 +26,7 @@ def test_report_rebuilds_table_and_figures_from_jsonl(tmp_path, capsys):
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["bench", "report", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| blend@0.15 | 0.490 | 1.00 | 3 | -0.020 | [-0.020, -0.020] | 4.00 | 3 | 0 |" in out
+    assert "| blend@0.15 | 0.490 | 1.00 | 3 | -0.020 | [-0.020, -0.020] | - | 4.00 | 3 | 0 |" in out
     assert (tmp_path / "summary.md").read_text().count("| reuse |") == 1
     assert (tmp_path / "quality_vs_ttft.png").stat().st_size > 1000
     assert (tmp_path / "quality_vs_ratio.png").stat().st_size > 1000

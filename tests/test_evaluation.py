@@ -310,8 +310,27 @@ def test_summary_compares_with_full_on_the_same_cases_only():
     table = summary_markdown(list(rows.values()))
     # paired differences -0.5 and 0.0: sd 0.354, so the 95% half-width is 1.96 * 0.354 / sqrt(2) = 0.490
     assert blend.delta_ci95 == pytest.approx(1.96 * math.sqrt(0.125) / math.sqrt(2))
-    assert "| blend@0.15 | 0.500 | 6.00 | 2 | -0.250 | [-0.740, +0.240] | 4.00 | 2 | 0 |" in table
-    assert "| full | 0.500 | 20.00 | 3 | +0.000 | - | 1.00 | 3 | 0 |" in table
+    assert "| blend@0.15 | 0.500 | 6.00 | 2 | -0.250 | [-0.740, +0.240] | - | 4.00 | 2 | 0 |" in table
+    assert "| full | 0.500 | 20.00 | 3 | +0.000 | - | - | 1.00 | 3 | 0 |" in table
+
+
+def test_agreement_with_full_scores_each_answer_against_fulls_answer():
+    def rec(method, case, answer, task="qa"):
+        return {"dataset": "d", "method": method, "case_id": case, "task": task, "metric": "F1", "score": 0.0,
+                "ttft_s": 1.0, "answer": answer}  # fmt: skip
+
+    records = [
+        rec("full", "a", "the red house"), rec("full", "b", "Paris"),
+        rec("reuse", "a", "a blue house"), rec("reuse", "b", "London"),
+        rec("blend@0.15", "a", "Red house."), rec("blend@0.15", "b", "paris"),
+    ]  # fmt: skip
+    rows = {r.method: r for r in summarize(records)}
+    assert rows["full"].agreement_with_full == 1.0
+    assert rows["blend@0.15"].agreement_with_full == 1.0  # SQuAD normalisation: case, articles, punctuation
+    assert rows["reuse"].agreement_with_full == pytest.approx((0.5 + 0.0) / 2)  # "blue house" vs "red house"
+    assert "| reuse | 0.000 | 1.00 | 2 | +0.000 | [+0.000, +0.000] | 0.250 | 1.00 | 2 | 0 |" in summary_markdown(
+        list(rows.values())
+    )
 
 
 def test_ratio_figure_uses_only_cases_where_every_ratio_ran(tmp_path, monkeypatch):
