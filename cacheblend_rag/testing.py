@@ -6,7 +6,7 @@ far from uniform and chunks really influence one another: the difference between
 then large enough to see. The tokenizer knows the words "w0".."w95" (ids 3..98; 0..2 are <pad>/<unk>, <s>,
 </s>), split on whitespace; `random_words` makes seeded texts of them.
 
-Used by this repository's tests and by the LangChain and LlamaIndex packages' tests.
+Used by this repository's tests and by the LangChain package's tests.
 """
 
 from __future__ import annotations

@@ -21,26 +21,18 @@ def test_eight_threads_give_the_same_outputs_as_serial_runs(tmp_path):
     def request(i: int) -> tuple:
         chunks = [pool[i % 10], pool[(i * 3 + 1) % 10], pool[(i * 7 + 2) % 10]]
         mode = ("blend", "reuse", "full", "prefix")[i % 4]
-        ratio = 0.15 if mode == "blend" else None
-        if i % 5 == 0:  # some streamed
-            stream = engine.stream(
-                chunks,
-                prefix=random_words(1, 4),
-                suffix=random_words(i % 3, 5),
-                mode=mode,
-                recompute_ratio=ratio,
-                max_new_tokens=6,
-            )
-            text = "".join(stream)
-            return text, tuple(stream.result.token_ids)
-        r = engine.generate(
-            chunks,
+        args = dict(
             prefix=random_words(1, 4),
             suffix=random_words(i % 3, 5),
             mode=mode,
-            recompute_ratio=ratio,
+            recompute_ratio=0.15 if mode == "blend" else None,
             max_new_tokens=6,
         )
+        if i % 5 == 0:  # some streamed
+            stream = engine.stream(chunks, **args)
+            text = "".join(stream)
+            return text, tuple(stream.result.token_ids)
+        r = engine.generate(chunks, **args)
         return r.text, tuple(r.token_ids)
 
     n = THREADS * PER_THREAD

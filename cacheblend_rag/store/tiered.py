@@ -148,13 +148,13 @@ class TieredStore:
         unknown = [n for n in names if n not in self.names]
         if unknown:
             raise ConfigError(f"no tier named {unknown} in this store; its tiers are {list(self.names)}")
-        for name in names:
-            tier = self.tiers[self.names.index(name)]
+        chosen = {name: self.tiers[self.names.index(name)] for name in names}
+        for name, tier in chosen.items():
             if getattr(tier, "clear", None) is None:
                 raise ConfigError(f"the {name} tier ({type(tier).__name__}) has no clear() method")
         self.flush()
-        for name in names:
-            self.tiers[self.names.index(name)].clear()
+        for tier in chosen.values():
+            tier.clear()
 
     def tier_stats(self) -> dict[str, StoreStats]:
         """Each tier's own counters, by tier name."""

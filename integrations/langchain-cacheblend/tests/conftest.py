@@ -1,6 +1,6 @@
 """Fixtures of the LangChain integration's tests: a tiny seeded random model, and the fast real test model.
 
-The tiny model is `cacheblend_rag.testing`'s: a 4-layer Llama whose EOS never wins, with a word-level tokenizer
+The tiny model is `cacheblend_rag.testing`'s: a 4-layer Llama with EOS muted, with a word-level tokenizer
 (words "w0".."w95") and a minimal chat template, so chat rendering runs as on a real model.
 """
 
