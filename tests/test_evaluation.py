@@ -349,5 +349,6 @@ def test_ratio_figure_uses_only_cases_where_every_ratio_ran(tmp_path, monkeypatc
     monkeypatch.setattr(quality, "plot_panels", lambda data, path, **kw: seen.update(data=data, **kw) or path)
     quality.plot_quality_vs_ratio(records, tmp_path / "ratio.png")
     assert seen["panel_titles"] == {"d": "d (2 cases with every ratio)"}
+    assert seen["ylabel"] == {"d": "mean F1"}  # each panel names its own metric
     assert {r["method"]: r["n"] for r in seen["data"]} == {"full": 2, "reuse": 2, "blend@0.15": 2, "blend@0.05": 2}
     assert quality.plot_quality_vs_ratio([rec("full", "a", 1.0)], tmp_path / "none.png") is None

@@ -313,7 +313,7 @@ def plot_panels(
     hlines: Mapping[str, str] | None = None,
     hline_key: str = "method",
     xlabel: str | None = None,
-    ylabel: str | None = None,
+    ylabel: str | Mapping[Any, str] | None = None,
     title: str | None = None,
     panel_titles: Mapping[Any, str] | None = None,
     style: str | None = None,
@@ -324,7 +324,8 @@ def plot_panels(
     point named by its `label` field in a legend under its panel (names never overlap the data); points with
     the same `style` field value (default: the label) share a color and marker in every panel. `hlines` maps
     values of `hline_key` (e.g. "full") to a legend name: those rows are drawn as horizontal reference lines at
-    their `y`, not as points. `panel_titles` maps a panel's value to its title. Rows missing x or y (None or
+    their `y`, not as points. `panel_titles` maps a panel's value to its title; `ylabel` is one label for every
+    panel or a mapping from a panel's value to its own (e.g. each data set's metric). Rows missing x or y (None or
     nan) are left out. Enough for the paper's Fig. 12 (quality vs TTFT, one point per method), Fig. 16 (quality
     vs recompute ratio) and Fig. 15 (quality or TTFT vs chunk count / length).
     """
@@ -361,7 +362,7 @@ def plot_panels(
             ax.axhline(r[y], linestyle="--", linewidth=1, color=f"C{(i + 3) % 10}", label=hlines[r[hline_key]])
         ax.set_title((panel_titles or {}).get(name, str(name)))
         ax.set_xlabel(xlabel or x)
-        ax.set_ylabel(ylabel or y)
+        ax.set_ylabel((ylabel.get(name, y) if isinstance(ylabel, Mapping) else ylabel) or y)
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             if series is None and label is not None:  # many points: the legend goes under the panel
@@ -385,7 +386,7 @@ def plot_quality_vs_ttft(rows: Sequence[SummaryRow], path: str | os.PathLike[str
     data = [r.to_dict() | {"label": f"{r.method} (n={r.n})"} for r in rows]
     return plot_panels(
         data, path, x="ttft_s", y="score", label="label", style="method", xlabel="median TTFT (s)",
-        ylabel="quality (F1 / Rouge-L)", title="Quality vs TTFT",
+        ylabel={r.dataset: f"mean {r.metric}" for r in rows}, title="Quality vs TTFT",
     )  # fmt: skip
 
 
@@ -405,7 +406,7 @@ def plot_quality_vs_ratio(records: Sequence[Mapping[str, Any]], path: str | os.P
     Per data set, only the cases on which full, reuse (if run) and every blend ratio of that data set ran are
     used, so the curve compares the ratios on the same questions; each panel's title gives that count.
     None (no file) when no data set has a blend result."""
-    data, titles = [], {}
+    data, titles, ylabels = [], {}, {}
     for dataset in dict.fromkeys(r["dataset"] for r in records):
         recs = [r for r in records if r["dataset"] == dataset]
         methods = {r["method"] for r in recs if _ratio(r["method"]) is not None or r["method"] in ("full", "reuse")}
@@ -417,11 +418,12 @@ def plot_quality_vs_ratio(records: Sequence[Mapping[str, Any]], path: str | os.P
         rows = summarize(r for r in recs if r["method"] in methods and (dataset, r["case_id"]) in cases)
         data += [r.to_dict() | {"series": "blend"} for r in rows]
         titles[dataset] = f"{dataset} ({len(cases)} cases with every ratio)"
+        ylabels[dataset] = f"mean {rows[0].metric}"
     if not data:
         return None
     return plot_panels(
         data, path, x="ratio", y="score", series="series", hlines={"full": "full recompute", "reuse": "full KV reuse"},
-        xlabel="recompute ratio r", ylabel="quality (F1 / Rouge-L)", title="Quality vs recompute ratio",
+        xlabel="recompute ratio r", ylabel=ylabels, title="Quality vs recompute ratio",
         panel_titles=titles,
     )  # fmt: skip
 
