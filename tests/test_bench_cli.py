@@ -31,6 +31,12 @@ def test_report_rebuilds_table_and_figures_from_jsonl(tmp_path, capsys):
     assert (tmp_path / "quality_vs_ttft.png").stat().st_size > 1000
     assert (tmp_path / "quality_vs_ratio.png").stat().st_size > 1000
 
+    # Without the second ratio the ratio figure has no curve to show: the report drops it, old file included.
+    kept = [r for r in rows if r["method"] != "blend@0.05"]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    assert main(["bench", "report", "--out", str(tmp_path)]) == 0
+    assert not (tmp_path / "quality_vs_ratio.png").exists() and (tmp_path / "quality_vs_ttft.png").exists()
+
 
 def test_report_on_an_empty_folder_is_a_clear_error(tmp_path, capsys):
     assert main(["bench", "report", "--out", str(tmp_path)]) == 2

@@ -253,8 +253,8 @@ def test_runner_writes_jsonl_resumes_without_redoing_cases_and_reports(tiny_engi
     table = files["summary_md"].read_text()
     assert "| blend@0.15 |" in table and "| mapreduce |" in table
     assert all(r.n == 2 for r in summarize(load_records(tmp_path)))
-    for key in ("quality_vs_ttft", "quality_vs_ratio"):
-        assert files[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert files["quality_vs_ttft"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "quality_vs_ratio" not in files and not (tmp_path / "quality_vs_ratio.png").exists()  # one ratio only
 
     with pytest.raises(Exception, match="another setup"):
         run_quality(engine, two, methods, tmp_path, show_progress=False, settings={"model": "other"})
@@ -352,3 +352,6 @@ def test_ratio_figure_uses_only_cases_where_every_ratio_ran(tmp_path, monkeypatc
     assert seen["ylabel"] == {"d": "mean F1"}  # each panel names its own metric
     assert {r["method"]: r["n"] for r in seen["data"]} == {"full": 2, "reuse": 2, "blend@0.15": 2, "blend@0.05": 2}
     assert quality.plot_quality_vs_ratio([rec("full", "a", 1.0)], tmp_path / "none.png") is None
+    one_ratio = [r for r in records if r["method"] != "blend@0.05"]
+    assert quality.plot_quality_vs_ratio(one_ratio, tmp_path / "one.png") is None  # one point is no curve
+    assert not (tmp_path / "one.png").exists()

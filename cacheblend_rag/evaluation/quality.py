@@ -405,12 +405,12 @@ def plot_quality_vs_ratio(records: Sequence[Mapping[str, Any]], path: str | os.P
 
     Per data set, only the cases on which full, reuse (if run) and every blend ratio of that data set ran are
     used, so the curve compares the ratios on the same questions; each panel's title gives that count.
-    None (no file) when no data set has a blend result."""
+    None (no file) when no data set has blend results at two ratios or more: one point is no curve."""
     data, titles, ylabels = [], {}, {}
     for dataset in dict.fromkeys(r["dataset"] for r in records):
         recs = [r for r in records if r["dataset"] == dataset]
         methods = {r["method"] for r in recs if _ratio(r["method"]) is not None or r["method"] in ("full", "reuse")}
-        if not any(_ratio(m) is not None for m in methods):
+        if len({_ratio(m) for m in methods} - {None}) < 2:
             continue
         cases = common_cases(recs, methods)
         if not cases:
@@ -431,7 +431,10 @@ def plot_quality_vs_ratio(records: Sequence[Mapping[str, Any]], path: str | os.P
 def write_report(
     out_dir: str | os.PathLike[str], records: Sequence[Mapping[str, Any]] | None = None
 ) -> dict[str, Path]:
-    """summary.md, summary.json and the figures from the records (read from `out_dir` when not given)."""
+    """summary.md, summary.json and the figures from the records (read from `out_dir` when not given).
+
+    The ratio figure is written only when some data set ran blend at two ratios or more (and removed when not,
+    so that no figure from an earlier report outlives the results it showed)."""
     out = Path(out_dir)
     if records is None:
         records = load_records(out)
@@ -446,4 +449,6 @@ def write_report(
         ratio_fig = plot_quality_vs_ratio(records, out / FIG_QUALITY_RATIO)
         if ratio_fig is not None:
             files["quality_vs_ratio"] = ratio_fig
+        else:  # fewer than two ratios ran: a figure left by an earlier report would no longer match the results
+            (out / FIG_QUALITY_RATIO).unlink(missing_ok=True)
     return files
