@@ -25,6 +25,8 @@ from typing import Any
 from ..errors import CacheBlendError
 from .datasets import Dataset
 from .methods import Method, answer_text
+from .records import append_record, check_run_settings
+from .records import load_records as _load
 from .scoring import METRIC_NAMES, score_answer
 
 __all__ = [
@@ -41,7 +43,6 @@ __all__ = [
 ]
 
 RESULTS_FILE = "results.jsonl"
-RUN_FILE = "run.json"
 SUMMARY_MD = "summary.md"
 SUMMARY_JSON = "summary.json"
 FIG_QUALITY_TTFT = "quality_vs_ttft.png"
@@ -56,51 +57,8 @@ def _key(record: Mapping[str, Any]) -> tuple[str, str, str]:
 
 
 def load_records(out_dir: str | os.PathLike[str], *, repair: bool = False) -> list[dict[str, Any]]:
-    """Records of `results.jsonl`. A torn last line (the process died mid-write) is dropped, and with
-    `repair=True` cut from the file, so that appending goes on from a clean line."""
-    path = Path(out_dir) / RESULTS_FILE
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    records, good_end, pos = [], 0, 0
-    for line in data.splitlines(keepends=True):
-        pos += len(line)
-        if not line.strip():
-            good_end = pos
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            if pos == len(data) and not line.endswith(b"\n"):
-                break  # torn tail
-            raise CacheBlendError(f"{path}: a line before the last is not valid JSON; fix or remove it") from None
-        if not line.endswith(b"\n"):
-            break  # complete JSON but no newline: treat as torn too, it is rewritten on resume
-        records.append(rec)
-        good_end = pos
-    if repair and good_end < len(data):
-        with path.open("r+b") as f:
-            f.truncate(good_end)
-    return records
-
-
-def _append(path: Path, record: Mapping[str, Any]) -> None:
-    with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _check_run_settings(out: Path, settings: Mapping[str, Any]) -> None:
-    path = out / RUN_FILE
-    if path.exists():
-        old = json.loads(path.read_text())
-        differ = {k: (old.get(k), v) for k, v in settings.items() if k in old and old[k] != v}
-        if differ:
-            details = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in differ.items())
-            raise CacheBlendError(f"{out} holds results of another setup ({details}); use another --out")
-    merged = {**(json.loads(path.read_text()) if path.exists() else {}), **settings}
-    path.write_text(json.dumps(merged, indent=2) + "\n")
+    """Records of `OUT/results.jsonl` (see `records.load_records`)."""
+    return _load(out_dir, repair=repair, filename=RESULTS_FILE)
 
 
 # -- running ---------------------------------------------------------------------------------------------------
@@ -126,7 +84,7 @@ def run_quality(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _check_run_settings(out, {**(settings or {}), "max_new_tokens": max_new_tokens})
+    check_run_settings(out, {**(settings or {}), "max_new_tokens": max_new_tokens})
     records = load_records(out, repair=True)
     done = {_key(r) for r in records}
     path = out / RESULTS_FILE
@@ -167,7 +125,7 @@ def run_quality(
                 )
             t_end = time.perf_counter()
             record.update(warm_s=t_run - t_warm, run_s=t_end - t_run)
-            _append(path, record)
+            append_record(path, record)
             records.append(record)
             done.add(_key(record))
             bar.update(1)
