@@ -30,8 +30,16 @@ def _engine_config(args: argparse.Namespace):
     )
 
 
-def _load_index(args: argparse.Namespace, tokenizer):
-    from .retrieval import ChunkIndex, build_index_from_folder
+def _check_at_least(*checks: tuple[str, float, float]) -> None:
+    """(flag, value, lowest allowed) of numeric flags, checked before anything loads."""
+    for flag, value, low in checks:
+        if value < low:
+            raise CacheBlendError(f"{flag} must be >= {low}, got {value}")
+
+
+def _read_sources(args: argparse.Namespace):
+    """The saved index of --index, or the documents of --docs: read (and checked) before any model loads."""
+    from .retrieval import ChunkIndex, load_documents
 
     if args.index and os.path.isdir(args.index) and os.listdir(args.index):
         index = ChunkIndex.load(args.index)
@@ -39,7 +47,15 @@ def _load_index(args: argparse.Namespace, tokenizer):
         return index
     if not args.docs:
         raise CacheBlendError("give --docs DIR (the text files to answer from), or --index of a saved index")
-    index = build_index_from_folder(args.docs, tokenizer, chunk_tokens=args.chunk_tokens, show_progress=True)
+    return load_documents(args.docs, suffixes=_suffixes(args), encoding=args.encoding)
+
+
+def _index_documents(args: argparse.Namespace, documents, tokenizer):
+    """Split the documents with the model's tokenizer and index the chunks (FAISS + all-MiniLM-L6-v2)."""
+    from .retrieval import ChunkIndex, split_documents
+
+    chunks = split_documents(documents, tokenizer, chunk_tokens=args.chunk_tokens)
+    index = ChunkIndex.build(chunks, show_progress=True)
     print(f"indexed {len(index)} chunks from {args.docs}", file=sys.stderr)
     if args.index:
         index.save(args.index)
@@ -47,19 +63,35 @@ def _load_index(args: argparse.Namespace, tokenizer):
     return index
 
 
+def _suffixes(args: argparse.Namespace) -> tuple[str, ...]:
+    from .retrieval import DEFAULT_SUFFIXES
+
+    return tuple(args.suffix) if args.suffix else DEFAULT_SUFFIXES
+
+
 def cmd_ask(args: argparse.Namespace) -> int:
     from .engine import CacheBlendEngine
+    from .retrieval import MIN_CHUNK_TOKENS, ChunkIndex
 
+    # Arguments, paths and documents first: loading the model takes seconds, a typo should not.
+    _check_at_least(
+        ("--top-k", args.top_k, 1),
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--chunk-tokens", args.chunk_tokens, MIN_CHUNK_TOKENS),
+        ("--temperature", args.temperature, 0),
+    )
+    config = _engine_config(args)
     controller = None
     if args.profile:
         from .controller import LoadingController, LoadingProfile
 
         # --ratio, when given, pins r: the engine then uses it as is and the controller stays out of the way.
         controller = LoadingController(LoadingProfile.load(args.profile), min_ratio=args.min_ratio)
+    sources = _read_sources(args)
     t = time.perf_counter()
-    engine = CacheBlendEngine.from_pretrained(args.model, config=_engine_config(args), controller=controller)
+    engine = CacheBlendEngine.from_pretrained(args.model, config=config, controller=controller)
     print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
-    index = _load_index(args, engine.tokenizer)
+    index = sources if isinstance(sources, ChunkIndex) else _index_documents(args, sources, engine.tokenizer)
     if args.precompute_all:
         hits, misses = engine.precompute([c.text for c in index.chunks], show_progress=True)
         print(f"chunk KV: {hits} already cached, {misses} computed", file=sys.stderr)
@@ -140,10 +172,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_index(args: argparse.Namespace) -> int:
     from .models import load_model
-    from .retrieval import build_index_from_folder
+    from .retrieval import MIN_CHUNK_TOKENS, ChunkIndex, load_documents, split_documents
 
+    # The documents first: a wrong path or encoding is reported before the model loads.
+    _check_at_least(("--chunk-tokens", args.chunk_tokens, MIN_CHUNK_TOKENS))
+    documents = load_documents(args.docs, suffixes=_suffixes(args), encoding=args.encoding)
     _, tokenizer = load_model(args.model) if args.model else load_model()
-    index = build_index_from_folder(args.docs, tokenizer, chunk_tokens=args.chunk_tokens, show_progress=True)
+    chunks = split_documents(documents, tokenizer, chunk_tokens=args.chunk_tokens)
+    index = ChunkIndex.build(chunks, show_progress=True)
     index.save(args.out)
     print(f"indexed {len(index)} chunks from {args.docs} into {args.out}")
     return 0
@@ -328,13 +364,21 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_bench_throughput)
 
 
+def _add_document_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    """--docs and how its files are read (`ask` and `index`)."""
+    parser.add_argument("--docs", required=required, help="folder (or file) of .txt/.md/.rst documents")
+    parser.add_argument("--encoding", default="utf-8", help="text encoding of the files, e.g. latin-1 (default utf-8)")
+    parser.add_argument("--suffix", action="append", metavar=".EXT", help="read the files ending in .EXT instead "
+                        "of .txt/.md/.rst; repeat for several")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cacheblend-rag", description="CacheBlend RAG on Hugging Face models")
     sub = p.add_subparsers(dest="command", required=True)
 
     ask = sub.add_parser("ask", help="answer questions over a folder of text files")
     ask.add_argument("questions", nargs="+", help="one or more questions")
-    ask.add_argument("--docs", help="folder (or file) of .txt/.md/.rst documents")
+    _add_document_arguments(ask, required=False)
     ask.add_argument("--index", help="folder to save the index to, or to load it from if it exists")
     ask.add_argument("--model", help="preset name or local checkpoint (default: the default preset)")
     ask.add_argument("--mode", default="blend", choices=["full", "prefix", "reuse", "blend"])
@@ -367,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.set_defaults(func=cmd_profile)
 
     idx = sub.add_parser("index", help="build and save a chunk index of a folder")
-    idx.add_argument("--docs", required=True)
+    _add_document_arguments(idx, required=True)
     idx.add_argument("--out", required=True)
     idx.add_argument("--model", help="whose tokenizer measures chunk sizes (default: the default preset)")
     idx.add_argument("--chunk-tokens", type=int, default=512)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cacheblend_rag.cli import main
+from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 
 def test_models_lists_the_presets(capsys):
@@ -16,6 +20,84 @@ def test_models_lists_the_presets(capsys):
 def test_ask_without_docs_or_index_is_a_clear_error(capsys):
     assert main(["ask", "--model", "smollm2-135m-instruct", "question?"]) == 2
     assert "give --docs DIR" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any attempt to load a model fails the test: the CLI must refuse bad input before it loads one."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(refuse))
+    monkeypatch.setattr("cacheblend_rag.models.load_model", refuse)
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    """A tiny random-weight Llama and its word-level tokenizer, saved as a local checkpoint."""
+    folder = tmp_path / "tiny-model"
+    make_tiny_model("llama").save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def latin1_folder(root):
+    """A folder with one Latin-1 text file: not valid UTF-8 (the byte 0xe9 for "é")."""
+    root.mkdir()
+    (root / "notes.txt").write_bytes(f"{random_words(1, 20)} caf\xe9 {random_words(2, 20)}".encode("latin-1"))
+    return root
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--docs", "/no/such/dir"], "'/no/such/dir' does not exist"),
+        (["--docs", "DOCS", "--top-k", "0"], "--top-k must be >= 1, got 0"),
+        (["--docs", "DOCS", "--chunk-tokens", "4"], "--chunk-tokens must be >= 16, got 4"),
+        (["--docs", "DOCS", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["--docs", "DOCS", "--temperature", "-1"], "--temperature must be >= 0"),
+        (["--docs", "DOCS", "--ratio", "1.5"], "recompute_ratio"),
+        (["--docs", "DOCS", "--profile", "/no/such/profile.json"], "/no/such/profile.json"),
+        (["--docs", "EMPTY"], "--suffix on the command line"),
+        (["--docs", "LATIN1"], "--encoding on the command line"),
+    ],
+)
+def test_ask_checks_arguments_and_paths_before_loading_a_model(args, message, tmp_path, capsys, no_model_loads):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("Quillton is the capital of Zorbania.")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "page.html").write_text("<p>not a text suffix</p>")
+    latin1_folder(tmp_path / "latin1")
+    folders = {"DOCS": "docs", "EMPTY": "empty", "LATIN1": "latin1"}
+    argv = ["ask", *(str(tmp_path / folders[a]) if a in folders else a for a in args), "question?"]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_index_reads_latin1_files_with_encoding_and_other_suffixes_with_suffix(tmp_path, capsys, tiny_model_dir):
+    docs = latin1_folder(tmp_path / "docs")
+    (docs / "page.html").write_text(random_words(3, 12))
+    out = tmp_path / "index"
+    base = ["index", "--docs", str(docs), "--out", str(out), "--model", str(tiny_model_dir), "--chunk-tokens", "16"]
+    assert main(base) == 2
+    assert "--encoding on the command line" in capsys.readouterr().err
+
+    assert main([*base, "--encoding", "latin-1"]) == 0
+    chunks = json.loads((out / "chunks.json").read_text())["chunks"]
+    assert "café" in " ".join(c["text"] for c in chunks)  # decoded as Latin-1, not skipped
+    assert {c["source"] for c in chunks} == {"notes.txt"}
+
+    assert main([*base, "--encoding", "latin-1", "--suffix", ".txt", "--suffix", ".HTML"]) == 0
+    assert {c["source"] for c in json.loads((out / "chunks.json").read_text())["chunks"]} == {"notes.txt", "page.html"}
+
+
+def test_ask_answers_from_latin1_files_with_encoding(tmp_path, capsys, tiny_model_dir):
+    docs = latin1_folder(tmp_path / "docs")
+    argv = ["ask", "--docs", str(docs), "--encoding", "latin-1", "--model", str(tiny_model_dir)]
+    argv += ["--chunk-tokens", "16", "--top-k", "1", "--max-new-tokens", "2", random_words(1, 4)]
+    assert main(argv) == 0
+    assert "mode=blend" in capsys.readouterr().out
 
 
 @pytest.mark.real_model

@@ -101,7 +101,13 @@ def load_documents(
             text = _read_text(file, encoding)
         except UnicodeDecodeError as exc:
             undecodable += 1
-            logger.warning("skipping %s: not valid %s text (%s)", file, encoding, exc.reason)
+            logger.warning(
+                "skipping %s: not valid %s text (%s); pass its encoding, e.g. encoding='latin-1' "
+                "(--encoding latin-1 on the command line)",
+                file,
+                encoding,
+                exc.reason,
+            )
             continue
         except LookupError as exc:
             raise ConfigError(f"unknown text encoding {encoding!r}; use e.g. 'utf-8' or 'latin-1'") from exc
@@ -117,6 +123,6 @@ def load_documents(
         raise ConfigError(
             f"no readable text in {str(root)!r} (suffixes {', '.join(wanted)}): {len(candidates)} file(s) "
             f"found, {empty} empty, {undecodable} not valid {encoding}; add non-empty text files or pass "
-            "the right encoding=..."
+            "their encoding=..., e.g. 'latin-1' (--encoding on the command line)"
         )
     return documents
