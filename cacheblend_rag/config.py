@@ -7,12 +7,13 @@ of the engine's calls, never module state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from .errors import ConfigError
 
 DEVIATION_KINDS = ("key", "value", "both")
+SELECTIONS = ("deviation", "attention", "none")
 
 
 class PrefillMode(str, Enum):
@@ -35,17 +36,28 @@ class PrefillMode(str, Enum):
 
 
 def _check_ratio(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
         raise ConfigError(f"{name} must be in [0, 1], got {value!r}")
 
 
 @dataclass(frozen=True)
 class BlendConfig:
-    """Hyperparameters of selective KV recompute.
+    """Hyperparameters of selective KV recompute: how many reused chunk tokens to recompute, and which.
 
-    The share of reused chunk tokens recomputed is `recompute_ratio` on the layers after the last check layer.
-    On the check layers (gradual filtering, paper §4.3 / Fig. 9) the candidates shrink step by step: check
-    layer j keeps `check_ratios[j]` of the reused tokens, chosen among those kept by check layer j-1.
+    The budget is `recompute_ratio` of the reused chunk tokens, recomputed on every layer after the checks.
+    Which tokens fill it (the selection rule):
+    - `anchor_share` of the budget goes to the first tokens of every chunk, in proportion to its length
+      (EPIC's observation: a chunk prefilled on its own puts its error at its start);
+    - the rest is ranked by `selection`:
+      - "deviation": fresh vs cached K/V on the check layers (paper §4.3). With several check layers the
+        candidates shrink step by step (gradual filtering, Fig. 9): check layer j keeps `check_ratios[j]` of the
+        reused tokens, chosen among those kept by check layer j-1. Layers up to the first check layer recompute
+        every chunk token, which is the price of measuring the deviation.
+      - "attention": the attention the question's tokens pay to each chunk token, averaged over layers and heads,
+        in a first pass that reuses all chunk KV (cheap: only the question is computed); the chosen tokens are
+        then recomputed on every layer. No check layers.
+      - "none": no ranking; only the anchors are recomputed (needs `anchor_share=1.0`). No check layers.
+    `blend_rule(name, r)` builds the named rules compared in `docs/benchmarks.md`.
     """
 
     recompute_ratio: float = 0.15  # r: share of reused chunk tokens recomputed on the non-check layers
@@ -53,23 +65,32 @@ class BlendConfig:
     check_ratios: tuple[float, ...] | None = None  # kept share per check layer; None: derived from the ratio
     filter_slack: float = 0.5  # derived schedule: first check keeps (1 + slack) * r, falling linearly to r
     deviation: str = "key"  # which fresh-vs-cached difference ranks tokens: "key", "value" or "both"
+    selection: str = "deviation"  # how non-anchor tokens are ranked: "deviation", "attention" or "none"
+    anchor_share: float = 0.0  # share of the budget given to the first tokens of every chunk
 
     def __post_init__(self) -> None:
         _check_ratio("recompute_ratio", self.recompute_ratio)
         if not self.check_layers:
             raise ConfigError("check_layers must name at least one layer, e.g. (1,), got ()")
         layers = tuple(self.check_layers)
-        if any((not isinstance(x, int)) or x < 1 for x in layers):
+        if any((not isinstance(x, int)) or isinstance(x, bool) or x < 1 for x in layers):
             raise ConfigError(
                 f"check_layers must be layer indices >= 1 (layer 0 sees no cross-chunk context), got {layers}"
             )
         if list(layers) != sorted(set(layers)):
             raise ConfigError(f"check_layers must be strictly increasing, got {layers}")
         object.__setattr__(self, "check_layers", layers)
-        if self.filter_slack < 0:
-            raise ConfigError(f"filter_slack must be >= 0, got {self.filter_slack}")
+        if not isinstance(self.filter_slack, (int, float)) or not self.filter_slack >= 0:
+            raise ConfigError(f"filter_slack must be >= 0, got {self.filter_slack!r}")
         if self.deviation not in DEVIATION_KINDS:
             raise ConfigError(f"deviation must be one of {DEVIATION_KINDS}, got {self.deviation!r}")
+        if self.selection not in SELECTIONS:
+            raise ConfigError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        _check_ratio("anchor_share", self.anchor_share)
+        if self.selection == "none" and self.anchor_share != 1.0:
+            raise ConfigError(
+                f"selection 'none' recomputes only chunk starts, so anchor_share must be 1.0, got {self.anchor_share}"
+            )
         if self.check_ratios is not None:
             ratios = tuple(float(x) for x in self.check_ratios)
             if len(ratios) != len(layers):
@@ -87,6 +108,11 @@ class BlendConfig:
                 )
             object.__setattr__(self, "check_ratios", ratios)
 
+    @property
+    def uses_check_layers(self) -> bool:
+        """Whether this rule measures deviations (and so recomputes every chunk token up to a check layer)."""
+        return self.selection == "deviation"
+
     def schedule(self, recompute_ratio: float | None = None) -> tuple[float, ...]:
         """Kept share of reused tokens after each check layer, ending at the recompute ratio."""
         r = self.recompute_ratio if recompute_ratio is None else recompute_ratio
@@ -99,15 +125,44 @@ class BlendConfig:
         return tuple(min(1.0, r * (1.0 + self.filter_slack * (n - 1 - j) / (n - 1))) for j in range(n))
 
     def with_ratio(self, recompute_ratio: float) -> BlendConfig:
-        """The same settings at another ratio (explicit check ratios are dropped: they belong to the old r)."""
+        """The same rule at another ratio (explicit check ratios are dropped: they belong to the old r)."""
         _check_ratio("recompute_ratio", recompute_ratio)
-        return BlendConfig(
-            recompute_ratio=recompute_ratio,
-            check_layers=self.check_layers,
-            check_ratios=None,
-            filter_slack=self.filter_slack,
-            deviation=self.deviation,
-        )
+        return replace(self, recompute_ratio=recompute_ratio, check_ratios=None)
+
+
+# The selection rules compared by `cacheblend-rag bench fidelity` (docs/benchmarks.md), by name.
+_RULES: dict[str, dict[str, object]] = {
+    # CacheBlend's paper and research code: value deviation on layer 1, one top-k
+    "paper": {"selection": "deviation", "deviation": "value", "check_layers": (1,)},
+    # LMCache's blending: key deviation on layer 1, one top-k
+    "lmcache": {"selection": "deviation", "deviation": "key", "check_layers": (1,)},
+    # gradual filtering over layers 1-3 on key deviation (the paper's §4.3 refinement)
+    "gradual": {"selection": "deviation", "deviation": "key", "check_layers": (1, 2, 3)},
+    # EPIC-style static: the first tokens of every chunk, no deviation check
+    "epic": {"selection": "none", "anchor_share": 1.0},
+    # half the budget on chunk starts, the other half on key deviation at layer 1
+    "hybrid": {"selection": "deviation", "deviation": "key", "check_layers": (1,), "anchor_share": 0.5},
+    # query-aware: the tokens the question attends to most in a reuse pass
+    "attention": {"selection": "attention"},
+    # query-aware plus chunk starts, half the budget each
+    "attention-anchors": {"selection": "attention", "anchor_share": 0.5},
+}
+RULE_NAMES = tuple(_RULES)
+
+
+def rule_name(blend: BlendConfig) -> str | None:
+    """The name of the rule `blend` follows (whatever its ratio), or None for a rule of its own."""
+    for name in RULE_NAMES:
+        if blend_rule(name, blend.recompute_ratio) == replace(blend, check_ratios=None):
+            return name
+    return None
+
+
+def blend_rule(name: str, recompute_ratio: float = 0.15) -> BlendConfig:
+    """The named selection rule at ratio r, e.g. `blend_rule("paper", 0.15)`. Names: see `RULE_NAMES`."""
+    if name not in _RULES:
+        raise ConfigError(f"unknown blend rule {name!r}; choose one of {', '.join(RULE_NAMES)}")
+    return BlendConfig(recompute_ratio=recompute_ratio, **_RULES[name])  # type: ignore[arg-type]
 
 
 _DTYPES = {

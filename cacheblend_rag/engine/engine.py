@@ -30,7 +30,7 @@ from transformers import DynamicCache
 from ..config import BlendConfig, EngineConfig, PrefillMode
 from ..controller import LoadingController
 from ..errors import ConfigError, PromptError
-from ..fusion import FusionPlan, fuse, keep_counts
+from ..fusion import FusionPlan, fuse
 from ..models.adapter import LayerwiseModel
 from ..models.support import max_blend_length
 from ..store import ChunkKV, ChunkStore, CorruptEntryError, chunk_key
@@ -39,6 +39,7 @@ from ..store.tiered import build_store
 from .generation import SamplingParams, TextAssembler, TokenPicker, eos_token_ids
 from .metrics import RequestMetrics
 from .pipeline import LayerPrefetcher
+from .planning import blend_plan, reuse_plan
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_chunks, tokenize_parts, tokenize_prefix
 
 logger = logging.getLogger(__name__)
@@ -493,38 +494,36 @@ class CacheBlendEngine:
     def _fuse(self, prompt: TokenizedPrompt, parts: Sequence[ChunkKV | LazyChunkKV], blend: BlendConfig | None):
         """Run the fusor with the loaded `parts` (the prefix, then chunks in order) at the head of the prompt.
 
-        With a blend config, chunk tokens are candidates for recompute; without one, every loaded token is
-        used as is (prefix caching when `parts` stop after the first chunk, full KV reuse when they cover all).
+        With a blend config, chunk tokens are recomputed as its rule chooses (`planning.blend_plan`); without
+        one, every loaded token is used as is (prefix caching when `parts` stop after the first chunk, full KV
+        reuse when they cover all). The "attention" rule first runs a reuse pass that records how much the
+        question attends to each chunk token, then recomputes the chosen tokens over that pass's KV.
         Returns the result, the time spent loading KV (reading, checking, assembling) and the part of it the
         fusor waited for (all of it without pipelining; with it, only what compute did not hide).
         """
-        n = prompt.num_tokens
-        loaded = sum(p.num_tokens for p in parts)
-        exact = torch.zeros(n, dtype=torch.bool)
-        reused = torch.zeros(n, dtype=torch.bool)
+        n_loaded = len(parts) - (1 if prompt.prefix_ids else 0)
+        load = self._layer_loader(parts, prompt.num_tokens)
         if blend is None:
-            exact[:loaded] = True
-            check_layers, counts, deviation = (), (), "key"
-        else:
-            exact[: len(prompt.prefix_ids)] = True
-            for start, end in prompt.chunk_spans:
-                reused[start:end] = True
-            check_layers = blend.check_layers
-            counts = keep_counts(int(reused.sum()), blend.schedule())
-            deviation = blend.deviation
-        plan = FusionPlan(
-            input_ids=prompt.input_ids(),
-            positions=torch.arange(n),
-            exact=exact,
-            reused=reused,
-            check_layers=check_layers,
-            keep_counts=counts,
-            deviation=deviation,
+            return self._run_fusor(reuse_plan(prompt, n_loaded), load)
+        if blend.selection != "attention":
+            return self._run_fusor(blend_plan(prompt, blend), load)
+        question = torch.zeros(prompt.num_tokens, dtype=torch.bool)
+        question[prompt.num_tokens - len(prompt.suffix_ids) :] = True
+        probe, load_s, wait_s = self._run_fusor(
+            reuse_plan(prompt), load, want_logits=False, keep_raw_keys=True, attention_from=question
         )
-        load = self._layer_loader(parts, n)
+        assert probe.raw_keys is not None and probe.attention is not None
+        raw_keys, values = probe.raw_keys, probe.values
+        result, _, _ = self._run_fusor(blend_plan(prompt, blend, probe.attention), lambda i: (raw_keys[i], values[i]))
+        # The probe's question-only pass is part of this rule's compute.
+        result.recomputed_per_layer = [a + b for a, b in zip(result.recomputed_per_layer, probe.recomputed_per_layer)]
+        return result, load_s, wait_s
+
+    def _run_fusor(self, plan: FusionPlan, load: Callable[[int], tuple[torch.Tensor, torch.Tensor]], **kwargs: Any):
+        """-> (fusion result, load time, time the fusor waited for loads)"""
         if self.config.pipelined_loading:
             with LayerPrefetcher(load, self.lm.shape.num_layers, self.device) as prefetcher:
-                result = fuse(self.lm, plan, prefetcher.get)
+                result = fuse(self.lm, plan, prefetcher.get, **kwargs)
             return result, prefetcher.load_s, prefetcher.wait_s
 
         load_time = 0.0
@@ -536,8 +535,29 @@ class CacheBlendEngine:
             load_time += time.perf_counter() - t
             return out
 
-        result = fuse(self.lm, plan, timed_load)
+        result = fuse(self.lm, plan, timed_load, **kwargs)
         return result, load_time, load_time
+
+    @torch.inference_mode()
+    def extend(self, prefill: Prefill, token_ids: Sequence[int]) -> torch.Tensor:
+        """Feed tokens after a prefilled prompt in one forward (teacher forcing); -> logits [T, vocab] float32.
+
+        Row t is the next-token distribution after `token_ids[t]`, so `prefill.logits` followed by rows 0..T-2
+        score a continuation of T tokens. The prefill's cache grows by these tokens and `num_tokens` with it.
+        """
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+        if ids.ndim != 1 or ids.numel() == 0:
+            raise ConfigError("extend needs a non-empty list of token ids")
+        positions = torch.arange(prefill.num_tokens, prefill.num_tokens + ids.numel(), device=self.device)
+        with self._lock:
+            out = self.model(
+                input_ids=ids.to(self.device).unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                past_key_values=prefill.cache,
+                use_cache=True,
+            )
+        prefill.num_tokens += ids.numel()
+        return out.logits[0].float()
 
     # -- generation -----------------------------------------------------------------------------------------
 

@@ -1,14 +1,17 @@
 """The fusion step of CacheBlend: token selection and the blended, layer-by-layer prefill."""
 
 from .fusor import FusionPlan, FusionResult, LayerLoader, fuse
-from .selection import keep_counts, select_recompute_tokens, token_deviation
+from .selection import anchor_counts, budget, keep_counts, select_recompute_tokens, token_deviation, top_scored
 
 __all__ = [
     "FusionPlan",
     "FusionResult",
     "LayerLoader",
+    "anchor_counts",
+    "budget",
     "fuse",
     "keep_counts",
     "select_recompute_tokens",
     "token_deviation",
+    "top_scored",
 ]

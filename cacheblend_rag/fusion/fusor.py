@@ -63,6 +63,7 @@ class FusionResult:
     logits: torch.Tensor | None  # [vocab] float32, of the last token, when asked for
     recomputed_per_layer: list[int]  # tokens whose KV was recomputed on each layer
     selected_positions: torch.Tensor  # [R] positions recomputed on the last layer
+    attention: torch.Tensor | None = None  # [N] float32: mean attention paid to each token, when asked for
 
 
 def attend_blocks(
@@ -106,10 +107,13 @@ def fuse(
     want_logits: bool = True,
     keep_raw_keys: bool = False,
     block_size: int = 512,
+    attention_from: torch.Tensor | None = None,
 ) -> FusionResult:
     """Run the blended prefill of one prompt. See the module docstring for the rule.
 
     `block_size`: queries are attended in groups of this many positions (see `attend_blocks`).
+    `attention_from`: [N] bool, tokens (computed on every layer, e.g. the question) whose attention to every
+    token is averaged over heads, these queries and all layers but the last into `FusionResult.attention`.
     """
     num_layers = lm.shape.num_layers
     if plan.check_layers and plan.check_layers[-1] >= num_layers:
@@ -123,6 +127,9 @@ def fuse(
     exact = plan.exact.to(device)
     reused = plan.reused.to(device)
     checks = dict(zip(plan.check_layers, plan.keep_counts, strict=True))
+    attn_rows = None if attention_from is None else attention_from.to(device)
+    attn_sum = torch.zeros(positions.shape[0], dtype=torch.float32, device=device)
+    attn_layers = 0
 
     active = (~exact).nonzero().squeeze(1)  # [A] indices of tokens being recomputed
     hidden = lm.embed(plan.input_ids.to(device)[active])  # [A, hidden]
@@ -171,6 +178,13 @@ def fuse(
                 break
             active, hidden, x = active[-1:], hidden[-1:], x[-1:]
         query = lm.project_q(layer_idx, x, cos[active], sin[active])  # [H, A, D]
+        if attn_rows is not None and layer_idx < num_layers - 1:
+            rows = attn_rows[active].nonzero().squeeze(1)  # [Q] indices into active
+            if rows.numel() > 0:
+                mask = causal_mask(positions[active[rows]], positions)  # [Q, N]
+                probs = lm.attention_weights(layer_idx, query[:, rows], keys, mask)  # [H, Q, N]
+                attn_sum += probs.mean(dim=(0, 1))
+                attn_layers += 1
         attn_out = attend_blocks(lm, layer_idx, query, keys, v, positions[active], positions, block_size)
         hidden = lm.finish_layer(layer_idx, hidden, attn_out)
 
@@ -186,4 +200,5 @@ def fuse(
         logits=logits,
         recomputed_per_layer=counts,
         selected_positions=positions[selected],
+        attention=None if attn_rows is None else attn_sum / max(attn_layers, 1),
     )

@@ -1,6 +1,6 @@
-"""Which tokens to recompute: KV deviation per token and top-k selection (paper §4.3).
+"""Which tokens to recompute: KV deviation per token, question attention per token, chunk-start anchors, top-k.
 
-Pure functions on tensors, so the selection rule can be tested without a model.
+Pure functions on tensors and counts, so the selection rules can be tested without a model.
 """
 
 from __future__ import annotations
@@ -64,3 +64,34 @@ def keep_counts(num_reused: int, ratios: Sequence[float]) -> tuple[int, ...]:
         c = min(num_reused, math.ceil(r * num_reused - 1e-9))
         counts.append(c if not counts else min(c, counts[-1]))
     return tuple(counts)
+
+
+def budget(num_reused: int, ratio: float) -> int:
+    """Reused tokens recomputed at ratio r: rounded up, so any r above zero recomputes at least one token."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ConfigError(f"ratio must be in [0, 1], got {ratio}")
+    return min(num_reused, math.ceil(ratio * num_reused - 1e-9))
+
+
+def anchor_counts(chunk_lengths: Sequence[int], ratio: float, share: float) -> tuple[int, ...]:
+    """How many leading tokens of each chunk are recomputed as anchors.
+
+    `share` of the ratio's budget goes to chunk starts, each chunk in proportion to its length (rounded up while
+    `share * ratio` is above zero), never more than the chunk or the whole budget holds.
+    """
+    if not 0.0 <= share <= 1.0:
+        raise ConfigError(f"anchor share must be in [0, 1], got {share}")
+    total = budget(sum(chunk_lengths), ratio)
+    counts, used = [], 0
+    for n in chunk_lengths:
+        c = min(n, math.ceil(share * ratio * n - 1e-9), total - used)
+        counts.append(max(c, 0))
+        used += counts[-1]
+    return tuple(counts)
+
+
+def top_scored(scores: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
+    """The `count` candidates with the highest scores. scores: [N]; candidates: [C] indices -> [count] sorted."""
+    if candidates.numel() == 0 or count <= 0:
+        return candidates[:0]
+    return candidates[select_recompute_tokens(scores[candidates], count)]

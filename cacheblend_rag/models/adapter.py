@@ -151,6 +151,20 @@ class LayerwiseModel:
         )[0]  # [H, A, D]
         return attn.o_proj(out.transpose(0, 1).reshape(query.shape[1], -1))
 
+    def attention_weights(
+        self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The attention probabilities behind `attend`, for a few queries (used to rank keys, not to compute).
+
+        query: [H, A, D] rotated; keys: [Hkv, N, D] rotated; mask: [A, N] bool. Returns [H, A, N] float32.
+        """
+        scale = self.layers[layer_idx].self_attn.scaling
+        groups = self.shape.num_heads // self.shape.num_kv_heads
+        k = keys.float().repeat_interleave(groups, dim=0)  # [H, N, D]
+        scores = torch.matmul(query.float(), k.transpose(1, 2)) * scale  # [H, A, N]
+        scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+        return torch.softmax(scores, dim=-1)
+
     def finish_layer(self, layer_idx: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual, post-attention norm and MLP. hidden, attn_out: [A, hidden] -> [A, hidden]"""
         layer = self.layers[layer_idx]

@@ -1,0 +1,85 @@
+"""Request planning: from a tokenized prompt and the blend settings to the `FusionPlan` the fusor runs.
+
+Pure functions of token counts and (for query-aware selection) attention scores, so every rule's choice of
+tokens can be checked without a model. The three token kinds are the fusor's (see `fusion.fusor`):
+- exact: loaded KV used as is (the shared prefix; in static plans also the chunk tokens not chosen);
+- reused: loaded KV that check layers may replace (deviation rules only);
+- computed: recomputed on every layer (the question, chunk-start anchors, tokens chosen before the prefill).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import BlendConfig
+from ..errors import ConfigError
+from ..fusion import FusionPlan, anchor_counts, budget, keep_counts, top_scored
+from .prompt import TokenizedPrompt
+
+
+def _masks(prompt: TokenizedPrompt) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (exact prefix mask [N], chunk token mask [N])"""
+    n = prompt.num_tokens
+    prefix = torch.zeros(n, dtype=torch.bool)
+    prefix[: len(prompt.prefix_ids)] = True
+    chunks = torch.zeros(n, dtype=torch.bool)
+    for start, end in prompt.chunk_spans:
+        chunks[start:end] = True
+    return prefix, chunks
+
+
+def _plan(prompt: TokenizedPrompt, exact: torch.Tensor, reused: torch.Tensor, **checks: object) -> FusionPlan:
+    n = prompt.num_tokens
+    return FusionPlan(input_ids=prompt.input_ids(), positions=torch.arange(n), exact=exact, reused=reused, **checks)
+
+
+def reuse_plan(prompt: TokenizedPrompt, loaded_chunks: int | None = None) -> FusionPlan:
+    """Every loaded token used as is: the prefix and the first `loaded_chunks` chunks (all when None).
+
+    All chunks give full KV reuse (PromptCache); the first one only gives prefix caching.
+    """
+    spans = prompt.chunk_spans
+    k = len(spans) if loaded_chunks is None else loaded_chunks
+    if not 0 <= k <= len(spans):
+        raise ConfigError(f"loaded_chunks must be in [0, {len(spans)}], got {k}")
+    exact = torch.zeros(prompt.num_tokens, dtype=torch.bool)
+    exact[: spans[k - 1][1] if k else len(prompt.prefix_ids)] = True
+    return _plan(prompt, exact, torch.zeros_like(exact))
+
+
+def anchor_mask(prompt: TokenizedPrompt, blend: BlendConfig) -> torch.Tensor:
+    """[N] bool: the leading tokens of every chunk that the rule's anchor share recomputes."""
+    spans = prompt.chunk_spans
+    counts = anchor_counts([e - s for s, e in spans], blend.recompute_ratio, blend.anchor_share)
+    mask = torch.zeros(prompt.num_tokens, dtype=torch.bool)
+    for (start, _), c in zip(spans, counts, strict=True):
+        mask[start : start + c] = True
+    return mask
+
+
+def blend_plan(prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor | None = None) -> FusionPlan:
+    """The plan of one blended prefill under the rule in `blend`.
+
+    `scores` ([N], higher = recompute first) are needed by the "attention" selection, which picks its tokens
+    before the prefill; the "deviation" selection picks them on the check layers, inside the fusor.
+    """
+    prefix, chunks = _masks(prompt)
+    anchors = anchor_mask(prompt, blend)
+    total = budget(int(chunks.sum()), blend.recompute_ratio)
+    free = total - int(anchors.sum())  # budget left after the anchors
+    rest = chunks & ~anchors  # chunk tokens the ranking chooses from
+
+    if blend.selection == "deviation":
+        counts = keep_counts(int(chunks.sum()), blend.schedule())
+        n_rest = int(rest.sum())
+        kept = tuple(min(n_rest, max(0, c - int(anchors.sum()))) for c in counts)
+        return _plan(prompt, prefix, rest, check_layers=blend.check_layers, keep_counts=kept, deviation=blend.deviation)
+
+    chosen = torch.zeros_like(chunks)
+    if blend.selection == "attention":
+        if scores is None or scores.shape != (prompt.num_tokens,):
+            raise ConfigError(f"the 'attention' selection needs one score per prompt token ({prompt.num_tokens})")
+        chosen[top_scored(scores.float().cpu(), rest.nonzero().squeeze(1), free)] = True
+    # "none" (and what "attention" did not choose): chunk tokens outside the anchors keep their loaded KV
+    exact = prefix | (chunks & ~anchors & ~chosen)
+    return _plan(prompt, exact, torch.zeros_like(exact))
