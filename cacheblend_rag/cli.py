@@ -302,6 +302,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """`bench quality` runs the paper's quality comparison; `bench report` redraws its table and figures."""
+    from .evaluation.fidelity_cli import add_fidelity_parser
     from .evaluation.methods import DEFAULT_METHODS
     from .evaluation.throughput import DEFAULT_RATES, DEFAULT_THROUGHPUT_METHODS
 
@@ -362,6 +363,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--device", default="cpu")
     t.add_argument("--dtype", default="float32")
     t.set_defaults(func=cmd_bench_throughput)
+
+    add_fidelity_parser(bench_sub)
 
 
 def _add_document_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:

@@ -109,7 +109,7 @@ def test_memory_store_evicts_least_recently_used():
     chunk = random_words(61, 10)
     ask(eng, [chunk], max_new_tokens=1)
     prompt = eng.build_prompt([chunk], prefix=random_words(1, 4), suffix=random_words(2, 5))
-    one = eng.store.get(eng._key(prompt.prefix_ids, prompt.chunk_ids[0])).nbytes  # every chunk has 10 tokens
+    one = eng.store.get(eng.chunk_key(prompt.prefix_ids, prompt.chunk_ids[0])).nbytes  # every chunk has 10 tokens
     small = MemoryStore(budget_bytes=4 * one)  # room for the prefix entry and three chunks
     eng.store = small
     for s in range(62, 67):
@@ -217,7 +217,7 @@ def test_low_precision_blend_stays_close_to_full(dtype):
     )
     full = eng.prefill(prompt, "full").logits
     blend = eng.prefill(prompt, "blend", recompute_ratio=1.0).logits
-    assert eng.store.get(eng._key(prompt.prefix_ids, prompt.chunk_ids[0])).dtype == getattr(torch, dtype)
+    assert eng.store.get(eng.chunk_key(prompt.prefix_ids, prompt.chunk_ids[0])).dtype == getattr(torch, dtype)
     assert torch.argmax(full) == torch.argmax(blend)
     assert (full - blend).abs().max() < 0.1 * full.abs().max()
 
@@ -229,7 +229,7 @@ def test_a_damaged_store_entry_is_recomputed_not_used(caplog):
     chunks = [random_words(91, 12), random_words(92, 12)]
     good = ask(eng, chunks, max_new_tokens=4)
     prompt = eng.build_prompt(chunks, prefix=random_words(1, 4), suffix=random_words(2, 5))
-    key = eng._key(prompt.prefix_ids, prompt.chunk_ids[0])
+    key = eng.chunk_key(prompt.prefix_ids, prompt.chunk_ids[0])
     stored = eng.store.get(key)
     eng.store.put(ChunkKV(key, stored.keys[:, :, :5].clone(), stored.values[:, :, :5].clone()))  # truncated
     with caplog.at_level("WARNING"):

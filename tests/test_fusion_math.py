@@ -82,7 +82,7 @@ def test_first_chunk_kv_equals_in_context_prefill(tiny_engine):
     prompt = three_chunk_prompt(tiny_engine)
     full = tiny_engine.prefill(prompt, "full")
     start, end = prompt.chunk_spans[0]
-    key = tiny_engine._key(prompt.prefix_ids, prompt.chunk_ids[0])
+    key = tiny_engine.chunk_key(prompt.prefix_ids, prompt.chunk_ids[0])
     kv = tiny_engine.store.get(key)
     assert kv is None  # full mode touches no cache
     tiny_engine.prefill(prompt, "reuse")
@@ -149,8 +149,8 @@ def test_planted_outlier_in_loaded_kv_is_recomputed(family):
     n = prompt.num_tokens
     start, _ = prompt.chunk_spans[1]
     victim = start + 7
-    parts = [engine.store.get(engine._key((), prompt.prefix_ids))] + [
-        engine.store.get(engine._key(prompt.prefix_ids, ids)) for ids in prompt.chunk_ids
+    parts = [engine.store.get(engine.chunk_key((), prompt.prefix_ids))] + [
+        engine.store.get(engine.chunk_key(prompt.prefix_ids, ids)) for ids in prompt.chunk_ids
     ]
     load = engine._layer_loader(parts, n)
 

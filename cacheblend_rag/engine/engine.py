@@ -234,11 +234,14 @@ class CacheBlendEngine:
 
     # -- chunk KV -------------------------------------------------------------------------------------------
 
-    def _key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
+    def chunk_key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
+        """The store key of a chunk's KV when it follows `prefix_ids` (model fingerprint, dtype and tokens)."""
         return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids)
 
+    _key = chunk_key  # the name the engine's own methods use
+
     def _layer_loader(
-        self, parts: Sequence[ChunkKV | LazyChunkKV], total: int
+        self, parts: Sequence[ChunkReader], total: int
     ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
         """Loads layer l of the given KV parts laid end to end, padded with zeros up to `total` tokens."""
         covered = sum(p.num_tokens for p in parts)

@@ -1,0 +1,190 @@
+"""The fidelity benchmark: teacher-forced comparison with full recompute, its resumable runner, its report and
+its command line, on tiny random models and hand-made records."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag.cli import main
+from cacheblend_rag.engine.prompt import PromptTemplate
+from cacheblend_rag.errors import CacheBlendError, ConfigError
+from cacheblend_rag.evaluation import Case, Dataset, TaskSpec
+from cacheblend_rag.evaluation.fidelity import (
+    RESULTS_FILE,
+    FidelityMethod,
+    Reference,
+    compare,
+    fidelity_methods,
+    measure,
+    reference_answer,
+    run_fidelity,
+)
+from cacheblend_rag.evaluation.fidelity_report import (
+    bootstrap_ci,
+    common_cases,
+    paired_difference,
+    summarize_fidelity,
+    write_fidelity_report,
+)
+from cacheblend_rag.evaluation.records import load_records
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PLAIN = PromptTemplate(system=None, instruction="", question_template="{question}", use_chat_template=False)
+
+
+@pytest.fixture
+def engine() -> CacheBlendEngine:
+    model = make_tiny_model("qwen2", mute_eos=True)  # never stops early: answers of the full budget
+    return CacheBlendEngine(model, make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+
+
+def tiny_dataset(n: int = 2, name: str = "tinyqa") -> Dataset:
+    spec = TaskSpec(name, "qa", PLAIN, max_new_tokens=5)
+    cases = tuple(
+        Case(f"c{i}", tuple(random_words(10 * i + s, 16) for s in range(3)), random_words(i, 4), ("x",), "qa")
+        for i in range(n)
+    )
+    return Dataset(spec, cases)
+
+
+# -- the comparison --------------------------------------------------------------------------------------------
+
+
+def test_compare_scores_kl_top1_first_token_and_log_probability():
+    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 0.0]])
+    ref = Reference([0, 1], torch.log_softmax(logits, -1), "ab", 1.0, 10)
+    same = compare(ref, logits)
+    assert same["kl_mean"] == pytest.approx(0.0, abs=1e-7) and same["top1"] == 1.0 and same["first_token"] == 1.0
+    assert same["logprob"] == pytest.approx(float(ref.logprobs[0, 0] + ref.logprobs[1, 1]))
+    other = torch.tensor([[0.0, 2.0, 0.0], [0.0, 3.0, 0.0]])  # wrong first pick, right second
+    diff = compare(ref, other)
+    p, q = ref.logprobs[0].exp(), torch.log_softmax(other[0], -1)
+    assert diff["kl_max"] == pytest.approx(float((p * (ref.logprobs[0] - q)).sum()), rel=1e-5)
+    assert diff["kl_mean"] == pytest.approx(diff["kl_max"] / 2, rel=1e-5)
+    assert diff["top1"] == 0.5 and diff["first_token"] == 0.0
+
+
+def test_blend_at_ratio_one_is_perfectly_faithful_and_reuse_is_not(engine):
+    ds = tiny_dataset(1)
+    case = ds.cases[0]
+    engine.precompute(list(case.chunks), case.question, template=PLAIN)
+    prompt = engine.build_prompt(list(case.chunks), case.question, template=PLAIN)
+    ref = reference_answer(engine, prompt, 6)
+    assert len(ref.token_ids) == 6 and ref.logprobs.shape[0] == 6
+    # Teacher forcing in one forward matches full's own step-by-step decoding.
+    exact = measure(engine, prompt, ref, FidelityMethod("paper", 1.0))
+    assert exact["kl_max"] < 1e-5 and exact["top1"] == 1.0 and exact["first_token"] == 1.0
+    assert exact["compute_share"] > 0.9
+    reuse = measure(engine, prompt, ref, FidelityMethod("reuse"))
+    assert reuse["kl_mean"] > 1e-4 and reuse["compute_share"] < 0.2
+
+
+def test_methods_name_rule_and_ratio_and_refuse_mismatches():
+    names = [m.name for m in fidelity_methods(["paper", "epic"], [0.05, 0.15])]
+    assert names == ["reuse", "paper@0.05", "paper@0.15", "epic@0.05", "epic@0.15"]
+    with pytest.raises(ConfigError, match="a ratio goes with blend rules only"):
+        FidelityMethod("paper")
+    with pytest.raises(ConfigError, match="unknown blend rule"):
+        FidelityMethod("nope", 0.1)
+
+
+# -- the runner ----------------------------------------------------------------------------------------------
+
+
+def test_run_fidelity_resumes_and_only_measures_what_is_missing(engine, tmp_path):
+    ds = tiny_dataset(2)
+    first = run_fidelity(engine, [ds], fidelity_methods(["paper"], [0.5]), tmp_path, show_progress=False)
+    assert sorted(r["method"] for r in first) == ["full", "full", "paper@0.50", "paper@0.50", "reuse", "reuse"]
+    again = run_fidelity(engine, [ds], fidelity_methods(["paper"], [0.5]), tmp_path, show_progress=False)
+    assert len(again) == 6 and len(load_records(tmp_path, filename=RESULTS_FILE)) == 6
+    more = run_fidelity(engine, [ds], fidelity_methods(["epic"], [0.5]), tmp_path, show_progress=False)
+    assert len(more) == 8 and {r["method"] for r in more[6:]} == {"epic@0.50"}
+    full = next(r for r in more if r["method"] == "full")
+    assert full["kl_mean"] == 0.0 and full["answer_tokens"] == 5 and full["reference"]
+
+
+def test_run_fidelity_refuses_another_setup_in_the_same_folder(engine, tmp_path):
+    run_fidelity(engine, [tiny_dataset(1)], [], tmp_path, settings={"model": "a"}, show_progress=False)
+    with pytest.raises(CacheBlendError, match="holds results of another setup"):
+        run_fidelity(engine, [tiny_dataset(1)], [], tmp_path, settings={"model": "b"}, show_progress=False)
+
+
+# -- the report ------------------------------------------------------------------------------------------------
+
+
+def _rec(method: str, case: str, kl: float, top1: float, dataset: str = "musique") -> dict:
+    rule, _, ratio = method.partition("@")
+    return {"dataset": dataset, "case_id": case, "method": method, "rule": rule,
+            "ratio": float(ratio) if ratio else None, "kl_mean": kl, "kl_max": 2 * kl, "top1": top1,
+            "first_token": 1.0, "logprob": -kl, "compute_share": 0.1, "ttft_s": 1.0}  # fmt: skip
+
+
+def synthetic_records() -> list[dict]:
+    recs = []
+    for i in range(8):
+        c = f"c{i}"
+        recs += [_rec("full", c, 0.0, 1.0), _rec("reuse", c, 0.5 + 0.01 * i, 0.6), _rec("paper@0.15", c, 0.1, 0.8)]
+        recs += [_rec("gradual@0.05", c, 0.08, 0.85), _rec("gradual@0.15", c, 0.05, 0.9)]
+    recs += [_rec("epic@0.05", "c0", 0.3, 0.7)]  # measured on one case only
+    return recs
+
+
+def test_bootstrap_interval_brackets_the_mean_and_collapses_for_constants():
+    lo, hi = bootstrap_ci([0.1, 0.2, 0.3, 0.9])
+    assert lo < 0.375 < hi and bootstrap_ci([0.2] * 5) == pytest.approx((0.2, 0.2))
+    assert all(math.isnan(x) for x in bootstrap_ci([]))
+
+
+def test_report_compares_methods_only_on_common_cases():
+    recs = synthetic_records()
+    cases, kept, left = common_cases(recs)["musique"]
+    assert len(cases) == 8 and "epic@0.05" in left and "epic@0.05" not in kept
+    rows = summarize_fidelity(recs)
+    assert [r.method for r in rows] == ["full", "reuse", "gradual@0.05", "gradual@0.15", "paper@0.15"]
+    reuse = rows[1]
+    assert reuse.n == 8 and reuse.kl_ci[0] <= reuse.kl_mean <= reuse.kl_ci[1]
+    n, mean, _ = paired_difference(recs, "musique", "gradual@0.05", "paper@0.15", "kl_mean")
+    assert n == 8 and mean == pytest.approx(-0.02)
+
+
+def test_report_writes_summary_targets_and_a_figure_per_data_set(tmp_path):
+    recs = synthetic_records() + [_rec(m, "s0", 0.1, 0.9, "samsum") for m in ("full", "reuse", "paper@0.15")]
+    files = write_fidelity_report(tmp_path, recs)
+    text = files["summary"].read_text()
+    assert "### musique (8 cases)" in text and "Left out (fewer cases than the rest): epic@0.05." in text
+    assert "| musique | gradual@0.05 | paper@0.15 | 8 |" in text and "A at least as faithful" in text
+    assert "| musique | reuse | paper@0.15 | 8 |" in text and "intervals apart" in text
+    assert files["musique"].stat().st_size > 1000 and files["samsum"].stat().st_size > 1000
+    assert json.loads(files["json"].read_text())[0]["dataset"] == "musique"
+
+
+# -- the command line ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--ratios", "0,0.5"], r"--ratios must be comma-separated numbers in \(0, 1\]"),
+        (["--ratios", "a"], "--ratios must be"),
+        (["--rules", "nope"], "unknown blend rule 'nope'"),
+        (["--limit", "0"], "--limit must be >= 1"),
+    ],
+)
+def test_bench_fidelity_checks_its_arguments_before_loading_a_model(tmp_path, capsys, args, match):
+    import re
+
+    assert main(["bench", "fidelity", "--out", str(tmp_path), *args]) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_bench_fidelity_report_only_rebuilds_from_the_records(tmp_path, capsys):
+    (tmp_path / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in synthetic_records()))
+    assert main(["bench", "fidelity", "--report-only", "--out", str(tmp_path)]) == 0
+    assert "| reuse |" in capsys.readouterr().out and (tmp_path / "fidelity_musique.png").exists()
