@@ -199,6 +199,8 @@ class EngineConfig:
     max_prompt_tokens: int | None = None  # None: the model's context length
     pipelined_loading: bool = True  # fetch layer l+1's chunk KV (disk, Redis) while layer l is being fused
     blend: BlendConfig = field(default_factory=BlendConfig)
+    # Signs disk/Redis entries and refuses unsigned or forged ones (give every worker the same key); None: off
+    store_hmac_key: bytes | str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype_name(self.dtype))
@@ -214,3 +216,7 @@ class EngineConfig:
             raise ConfigError(f"max_prompt_tokens must be >= 1 or None, got {self.max_prompt_tokens}")
         if not isinstance(self.blend, BlendConfig):
             raise ConfigError(f"blend must be a BlendConfig, got {type(self.blend).__name__}")
+        if self.store_hmac_key is not None and (
+            not isinstance(self.store_hmac_key, (bytes, str)) or len(self.store_hmac_key) < 16
+        ):
+            raise ConfigError("store_hmac_key must be None or a secret of at least 16 bytes (str or bytes)")

@@ -51,7 +51,7 @@ def test_a_garbled_redis_value_is_a_miss_and_the_answer_stays_right():
         engine.store.flush()
         assert ask(engine).metrics.hits_by_tier == {"redis": 2}
         client = redis.Redis.from_url(server.url)
-        for key in client.scan_iter("cacheblend-rag:*"):
+        for key in client.scan_iter("{cacheblend-rag}:*"):
             if client.type(key) == b"string" and client.strlen(key) > 10_000:  # chunk values, not bookkeeping
                 client.setrange(key, client.strlen(key) // 2, b"garbage" * 10)
         again = ask(engine)

@@ -89,8 +89,8 @@ def test_disk_open_reads_layers_equal_to_the_stored_chunk(tmp_path, tokens):
     store = DiskStore(tmp_path, budget_bytes=10 * 1024**2)
     kv = make_kv("chunk-a", tokens=tokens, dtype=torch.bfloat16)
     store.put(kv)
-    lazy = store.open("chunk-a")
-    assert isinstance(lazy, LazyChunkKV) and lazy.shape == kv.shape and lazy.nbytes == kv.nbytes
+    lazy, tier = store.open("chunk-a")
+    assert tier == "disk" and isinstance(lazy, LazyChunkKV) and lazy.shape == kv.shape and lazy.nbytes == kv.nbytes
     for i in reversed(range(kv.num_layers)):  # any order
         k, v = lazy.layer(i)
         assert torch.equal(k, kv.keys[i]) and torch.equal(v, kv.values[i])
@@ -109,8 +109,7 @@ def test_disk_layer_damaged_on_disk_is_caught_at_that_layer_and_dropped(tmp_path
     raw = bytearray(f.read_bytes())
     raw[v0 + 10] ^= 0x01  # one bit of layer 1's values
     f.write_bytes(bytes(raw))
-    lazy = store.open("chunk-a")
-    assert lazy is not None
+    lazy = store.open("chunk-a").kv
     lazy.layer(0)
     with pytest.raises(CorruptEntryError, match="layer 1 fails its sha256"):
         lazy.layer(1)
@@ -136,17 +135,17 @@ def test_tiered_open_promotes_a_lazy_hit_once_every_layer_was_read(tmp_path):
 def test_redis_open_reads_layers_equal_to_the_stored_chunk(redis_store):
     kv = make_kv("chunk-a", tokens=64, dtype=torch.float16)
     redis_store.put(kv)
-    lazy = redis_store.open("chunk-a")
-    assert isinstance(lazy, LazyChunkKV)
+    lazy, tier = redis_store.open("chunk-a")
+    assert tier == "redis" and isinstance(lazy, LazyChunkKV)
     assert same(lazy.materialize(), kv)
     assert redis_store.open("chunk-b") is None
 
 
 def test_redis_entry_evicted_while_being_read_is_caught(redis_store):
     redis_store.put(make_kv("chunk-a", tokens=64))
-    lazy = redis_store.open("chunk-a")
+    lazy = redis_store.open("chunk-a").kv
     lazy.layer(0)
-    redis_store._client.delete(f"{redis_store.namespace}:chunk-a")  # evicted by another worker meanwhile
+    redis_store._client.delete(redis_store.value_key("chunk-a"))  # evicted by another worker meanwhile
     with pytest.raises(CorruptEntryError, match="truncated, or evicted"):
         lazy.layer(1)
     assert redis_store.stats.corrupt == 1 and len(redis_store) == 0

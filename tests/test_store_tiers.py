@@ -222,13 +222,11 @@ def test_tiered_put_never_waits_on_a_slow_lower_tier():
     release = threading.Event()
 
     class SlowTier(MemoryStore):
-        name = "slow"
-
         def put(self, kv):
             release.wait(timeout=10)
             super().put(kv)
 
-    slow = SlowTier(10 * 1024**2)
+    slow = SlowTier(10 * 1024**2, name="slow")
     store = TieredStore([MemoryStore(10 * 1024**2), slow])
     store.put(make_kv("chunk-a"))  # returns although the slow tier is still blocked
     assert store.get("chunk-a") is not None and "chunk-a" not in slow
@@ -295,14 +293,14 @@ def test_redis_eviction_keeps_budget_and_drops_least_recently_used(redis_server)
 def test_redis_garbled_value_is_a_logged_miss_and_removed(redis_store, caplog):
     redis_store.put(make_kv("chunk-a"))
     client = redis_store._client
-    value_key = f"{redis_store.namespace}:chunk-a"
+    value_key = redis_store.value_key("chunk-a")
     client.setrange(value_key, client.strlen(value_key) - 3, b"\x00\x01\x02")
     with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.redis_store"):
         assert redis_store.get("chunk-a") is None
     assert "corrupt" in caplog.text
     assert "chunk-a" not in redis_store and len(redis_store) == 0 and redis_store.nbytes == 0
     assert redis_store.stats.corrupt == 1
-    client.set(f"{redis_store.namespace}:chunk-b", b"not a chunk")  # planted by hand, no bookkeeping
+    client.set(redis_store.value_key("chunk-b"), b"not a chunk")  # planted by hand, no bookkeeping
     assert redis_store.get("chunk-b") is None and "chunk-b" not in redis_store
     assert redis_store.stats.corrupt == 2
 

@@ -14,8 +14,6 @@ Chunks found on disk or in Redis are read layer by layer while the fusor runs (`
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 import time
@@ -32,11 +30,11 @@ from ..controller import LoadingController
 from ..errors import ConfigError, PromptError
 from ..fusion import FusionPlan, fuse
 from ..models.adapter import LayerwiseModel
+from ..models.fingerprint import model_fingerprint
 from ..models.support import max_blend_length
-from ..store import ChunkKV, ChunkStore, CorruptEntryError, chunk_key
+from ..store import ChunkKV, ChunkReader, ChunkStore, CorruptEntryError, Hit, TieredStore, build_store, chunk_key
 from ..store.lazy import LazyChunkKV
-from ..store.tiered import build_store
-from .generation import SamplingParams, TextAssembler, TokenPicker, eos_token_ids
+from .generation import SamplingParams, TextAssembler, TokenPicker, check_encodable, check_ratio_arg, eos_token_ids
 from .metrics import RequestMetrics
 from .pipeline import LayerPrefetcher
 from .planning import blend_plan, reuse_plan
@@ -45,23 +43,6 @@ from .prompt import PromptTemplate, TokenizedPrompt, tokenize_chunks, tokenize_p
 logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_VOLATILE_CONFIG_KEYS = {
-    "_name_or_path",
-    "transformers_version",
-    "dtype",
-    "torch_dtype",
-    "quantization_config",
-}
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """A short digest that changes when the architecture or the weights change (not with dtype or device)."""
-    cfg = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
-    base = model.model
-    for w in (base.embed_tokens.weight, base.layers[-1].mlp.down_proj.weight, model.lm_head.weight):
-        h.update(w[:8].detach().float().cpu().numpy().tobytes())
-    return h.hexdigest()[:32]
 
 
 @dataclass
@@ -148,6 +129,7 @@ class CacheBlendEngine:
                 disk_bytes=self.config.disk_budget_bytes,
                 redis_url=self.config.redis_url,
                 redis_bytes=self.config.redis_budget_bytes,
+                hmac_key=self.config.store_hmac_key,
             )
         )
         self.template = template or PromptTemplate()
@@ -251,8 +233,8 @@ class CacheBlendEngine:
         def load(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
             ks, vs = [], []
             for p in parts:
-                k, v = p.layer(layer_idx) if isinstance(p, LazyChunkKV) else (p.keys[layer_idx], p.values[layer_idx])
-                ks.append(k.to(self.device, non_blocking=True))  # [Hkv, T_p, D]
+                k, v = p.layer(layer_idx)  # [Hkv, T_p, D] each; a stored chunk may read (and check) it only now
+                ks.append(k.to(self.device, non_blocking=True))
                 vs.append(v.to(self.device, non_blocking=True))
             if pad:
                 z = torch.zeros(hkv, pad, d, dtype=self.dtype, device=self.device)
@@ -262,9 +244,7 @@ class CacheBlendEngine:
 
         return load
 
-    def _prefill_kv(
-        self, prefix: ChunkKV | LazyChunkKV | None, prefix_ids: Sequence[int], ids: Sequence[int]
-    ) -> ChunkKV:
+    def _prefill_kv(self, prefix: ChunkReader | None, prefix_ids: Sequence[int], ids: Sequence[int]) -> ChunkKV:
         """Prefill `ids` after the (cached) prefix and keep only their KV."""
         p = len(prefix_ids)
         all_ids = torch.tensor([*prefix_ids, *ids], dtype=torch.long)
@@ -284,47 +264,57 @@ class CacheBlendEngine:
         values = torch.stack([v[:, p:] for v in result.values])
         return ChunkKV(self._key(prefix_ids, ids), keys, values)
 
-    def _lookup(self, key: str, *, lazy: bool) -> tuple[ChunkKV | LazyChunkKV | None, str | None]:
-        opener = getattr(self.store, "open", None) if lazy else None
-        if opener is not None:
-            return opener(key)
-        lookup = getattr(self.store, "lookup", None)
-        if lookup is not None:
-            return lookup(key)
-        kv = self.store.get(key)
-        return kv, (None if kv is None else getattr(self.store, "name", type(self.store).__name__))
+    def _lookup(self, key: str, num_tokens: int) -> Hit | None:
+        """The store's hit for `key` if it has this model's dtype and the shape of `num_tokens` tokens.
+
+        The key hashes model, dtype and tokens, so any other shape is a damaged or forged entry: it is dropped
+        (and recomputed by the caller) before a single layer of it is read.
+        """
+        hit = self.store.open(key)
+        if hit is None:
+            return None
+        shape = (self.lm.shape.num_layers, self.lm.shape.num_kv_heads, num_tokens, self.lm.shape.head_dim)
+        if hit.kv.dtype == self.dtype and tuple(hit.kv.shape) == shape:
+            return hit
+        logger.warning(
+            "chunk %s in the %s tier has dtype %s and shape %s, expected %s and %s; recomputing it",
+            key[:12],
+            hit.tier,
+            hit.kv.dtype,
+            tuple(hit.kv.shape),
+            self.dtype,
+            shape,
+        )
+        self.store.discard(key)
+        return None
 
     def _get_or_prefill(
-        self, prefix: ChunkKV | LazyChunkKV | None, prefix_ids: Sequence[int], ids: Sequence[int]
-    ) -> tuple[ChunkKV | LazyChunkKV, str | None]:
+        self, prefix: ChunkReader | None, prefix_ids: Sequence[int], ids: Sequence[int], *, lazy: bool
+    ) -> tuple[ChunkReader, str | None]:
         """-> (KV, the name of the store tier it came from, or None if it was prefilled now)
 
-        With pipelined loading, a chunk found on disk or in Redis comes back unread (`LazyChunkKV`): its
-        layers are fetched while the fusor runs.
+        With `lazy` (pipelined loading), a chunk found on disk or in Redis comes back unread: its layers are
+        fetched while the fusor runs. Without it, the chunk is read whole now, and one that turns out damaged
+        is recomputed here (its tier has dropped it and counted a miss).
         """
         key = self._key(prefix_ids, ids)
-        kv, tier = self._lookup(key, lazy=self.config.pipelined_loading)
-        if kv is not None:
-            shape = (self.lm.shape.num_layers, self.lm.shape.num_kv_heads, len(ids), self.lm.shape.head_dim)
-            if kv.dtype == self.dtype and tuple(kv.shape) == shape:
-                return (kv if isinstance(kv, LazyChunkKV) else kv.to(self.device)), tier
-            # The key hashes model, dtype and tokens, so this is a damaged entry: recompute and overwrite it.
-            logger.warning(
-                "chunk %s in the store has dtype %s and shape %s, expected %s and %s; recomputing",
-                key[:12],
-                kv.dtype,
-                tuple(kv.shape),
-                self.dtype,
-                shape,
-            )
+        hit = self._lookup(key, len(ids))
+        if hit is not None:
+            if lazy:
+                return hit.kv, hit.tier
+            try:
+                return hit.kv.materialize(), hit.tier
+            except CorruptEntryError as exc:
+                logger.warning("chunk %s from the %s tier is damaged (%s); recomputing it", key[:12], hit.tier, exc)
         kv = self._prefill_kv(prefix, prefix_ids, ids)
         self.store.put(kv)
         return kv, None
 
-    def _prefix_kv(self, prefix_ids: Sequence[int]) -> ChunkKV | LazyChunkKV | None:
+    def _prefix_kv(self, prefix_ids: Sequence[int]) -> ChunkReader | None:
+        """The shared prefix's KV, read whole (it is short, and a prefill after it needs every layer at once)."""
         if not prefix_ids:
             return None
-        return self._get_or_prefill(None, (), prefix_ids)[0]
+        return self._get_or_prefill(None, (), prefix_ids, lazy=False)[0]
 
     def precompute(
         self,
@@ -340,6 +330,7 @@ class CacheBlendEngine:
         The template's prefix does not depend on the question, so `question` is only needed by templates
         that place it before the chunks. Returns (already cached, newly computed).
         """
+        check_encodable(chunks, question=question, prefix=prefix)
         if prefix is None:
             prefix, _ = (template or self.template).render(self.tokenizer, question or "?")
         prefix_ids = tokenize_prefix(self.tokenizer, prefix)
@@ -348,7 +339,7 @@ class CacheBlendEngine:
         with self._lock:
             prefix_kv = self._prefix_kv(prefix_ids)
             for ids in tqdm(chunk_ids, desc="precomputing chunk KV", unit="chunk", disable=not show_progress):
-                _, tier = self._get_or_prefill(prefix_kv, prefix_ids, ids)
+                _, tier = self._get_or_prefill(prefix_kv, prefix_ids, ids, lazy=True)
                 hits, misses = hits + (tier is not None), misses + (tier is None)
         return hits, misses
 
@@ -358,18 +349,17 @@ class CacheBlendEngine:
         finish first; the next request recomputes whatever it no longer finds.
         """
         with self._lock:
-            clear = getattr(self.store, "clear", None)
-            if clear is None:
-                raise ConfigError(f"this engine's store ({type(self.store).__name__}) has no clear() method")
             if tiers is None:
-                clear()
-                return
-            if not hasattr(self.store, "names"):
+                self.store.clear()
+            elif isinstance(self.store, TieredStore):
+                self.store.clear(tiers)
+            elif list(tiers) == [self.store.name]:
+                self.store.clear()
+            else:
                 raise ConfigError(
-                    f"this engine's store ({type(self.store).__name__}) has no tiers to name; call clear_store() "
-                    f"without `tiers`"
+                    f"this engine's store is the single tier {self.store.name!r}, not {list(tiers)}; call "
+                    f"clear_store() without `tiers`"
                 )
-            clear(tiers)
 
     # -- prefill --------------------------------------------------------------------------------------------
 
@@ -449,14 +439,17 @@ class CacheBlendEngine:
         # Which chunks this mode reads from the cache: prefix caching can reuse only the first one.
         n_chunks = 1 if mode is PrefillMode.PREFIX else len(prompt.chunk_ids)
         prefix_kv = self._prefix_kv(prompt.prefix_ids)
-        parts: list[ChunkKV | LazyChunkKV] = [prefix_kv] if prefix_kv is not None else []
+        parts: list[ChunkReader] = [prefix_kv] if prefix_kv is not None else []
         bytes_by_tier: dict[str, int] = {}
+        seen: set[str] = set()  # a chunk repeated in one prompt is prefilled once: one miss, then hits
         for ids in prompt.chunk_ids[:n_chunks]:
             t = time.perf_counter()
-            kv, tier = self._get_or_prefill(prefix_kv, prompt.prefix_ids, ids)
+            kv, tier = self._get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=self.config.pipelined_loading)
             if tier is None:
                 fresh.add(kv.key)
-            if tier is not None and kv.key not in fresh:
+            repeat = kv.key in seen
+            seen.add(kv.key)
+            if tier is not None and (repeat or kv.key not in fresh):
                 m.chunks_hit += 1
                 m.hits_by_tier[tier] = m.hits_by_tier.get(tier, 0) + 1
                 m.bytes_loaded += kv.nbytes
@@ -575,7 +568,7 @@ class CacheBlendEngine:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        stop: Sequence[str] | str = (),
+        stop: Sequence[str] | str | None = (),
         seed: int | None = None,
         template: PromptTemplate | None = None,
         prefix: str | None = None,
@@ -603,7 +596,7 @@ class CacheBlendEngine:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        stop: Sequence[str] | str = (),
+        stop: Sequence[str] | str | None = (),
         seed: int | None = None,
         template: PromptTemplate | None = None,
         prefix: str | None = None,
@@ -611,11 +604,13 @@ class CacheBlendEngine:
     ) -> TextStream:
         """Like `generate`, but yields text as it is produced. Arguments are checked before the first token."""
         t0 = time.perf_counter()
-        stops = (stop,) if isinstance(stop, str) else tuple(stop)
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, stops, seed)
+        # Every argument is checked here, before any compute: `stop=None` means no stop strings.
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, stop, seed)
+        check_ratio_arg(recompute_ratio)
         if isinstance(chunks, TokenizedPrompt):
             prompt = chunks
         else:
+            check_encodable(chunks, question=question, prefix=prefix, suffix=suffix)
             prompt = self.build_prompt(chunks, question, template=template, prefix=prefix, suffix=suffix)
         self._check_length(prompt, params.max_new_tokens)
         mode = PrefillMode.parse(mode)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,30 +14,74 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PromptError
+
+
+def _check_int(name: str, value: object, low: int, hint: str = "") -> None:
+    if type(value) is not int and not (isinstance(value, int) and not isinstance(value, bool)):
+        raise ConfigError(f"{name} must be an integer{hint}, got {value!r} ({type(value).__name__})")
+    if value < low:  # type: ignore[operator]
+        raise ConfigError(f"{name} must be >= {low}{hint}, got {value}")
+
+
+def _check_real(name: str, value: object, ok: Callable[[float], bool], rule: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise ConfigError(f"{name} must be a finite number {rule}, got {value!r}")
+
+
+def check_ratio_arg(recompute_ratio: object) -> None:
+    """A per-request ratio override: None, or a real number in [0, 1] (a bool is refused, not read as 0 or 1)."""
+    if recompute_ratio is not None:
+        _check_real("recompute_ratio", recompute_ratio, lambda r: 0 <= r <= 1, "in [0, 1] (or None)")
+
+
+def check_encodable(chunks: Sequence[object] | object, **parts: object) -> None:
+    """PromptError for text UTF-8 cannot encode (a lone surrogate such as "\\ud800"), naming where it is.
+
+    Tokenizers fail on such text with an unhelpful TypeError; this says which chunk or part holds it.
+    """
+    named = [(f"chunk {i}", c) for i, c in enumerate(chunks)] if isinstance(chunks, (list, tuple)) else []
+    named += [(f"the {name}", text) for name, text in parts.items()]
+    for where, text in named:
+        if not isinstance(text, str):
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise PromptError(
+                f"{where} holds {text[exc.start]!r} at character {exc.start}, which is not valid Unicode text "
+                f"({exc.reason}); remove it, or decode the source with errors='replace'"
+            ) from None
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Per-request decoding settings, checked on creation (before any compute)."""
+
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] | str | None = ()  # None or (): no stop strings; a str: one stop string
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if any(not s for s in stops):
-            raise ConfigError("stop strings must be non-empty")
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        _check_real("temperature", self.temperature, lambda t: t >= 0, ">= 0 (0 is greedy)")
+        _check_real("top_p", self.top_p, lambda p: 0 < p <= 1, "in (0, 1]")
+        _check_int("top_k", self.top_k, 0, " (0 turns it off)")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, " (or None)")
+        if self.stop is None:
+            stops: tuple[object, ...] = ()
+        elif isinstance(self.stop, str):
+            stops = (self.stop,)
+        elif isinstance(self.stop, (list, tuple)):
+            stops = tuple(self.stop)
+        else:
+            raise ConfigError(f"stop must be a string, a list of strings or None, got {type(self.stop).__name__}")
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ConfigError(f"stop strings must be non-empty strings, got {list(stops)!r}")
         object.__setattr__(self, "stop", stops)
 
 

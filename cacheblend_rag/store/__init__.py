@@ -1,8 +1,9 @@
 """Chunk KV caches and the stores that keep them: memory, local disk, Redis, and a tiered stack of them."""
 
-from .base import ChunkStore, StoreStats
+from .base import ChunkReader, ChunkStore, Hit, StoreStats
 from .chunk_kv import ChunkKV, chunk_key
-from .disk import DiskStore
+from .disk import DiskStore, check_disk_dir
+from .lazy import LazyChunkKV
 from .memory import MemoryStore
 from .redis_store import RedisStore
 from .serialize import CorruptEntryError, deserialize_chunk, serialize_chunk
@@ -11,15 +12,19 @@ from .tiered import TieredStore, build_store
 
 __all__ = [
     "ChunkKV",
+    "ChunkReader",
     "ChunkStore",
     "CorruptEntryError",
     "DiskStore",
+    "Hit",
+    "LazyChunkKV",
     "MemoryStore",
     "RedisStore",
     "StoreStats",
     "TierStats",
     "TieredStore",
     "build_store",
+    "check_disk_dir",
     "chunk_key",
     "deserialize_chunk",
     "serialize_chunk",

@@ -73,6 +73,14 @@ class ChunkKV:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> raw keys, values of one layer, [Hkv, T, D] each (views, no copy)."""
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def materialize(self) -> ChunkKV:
+        """Already whole: itself (the `ChunkReader` protocol that `LazyChunkKV` shares)."""
+        return self
+
     def to(self, device: torch.device | str) -> ChunkKV:
         if self.keys.device == torch.device(device):
             return self

@@ -7,18 +7,18 @@ rather than loaded.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sqlite3
 import threading
 import time
-from typing import Any
 
 from ..errors import ConfigError
+from .base import Hit
 from .chunk_kv import ChunkKV
+from .disk_files import import_diskcache, safe_bytes_disk
 from .lazy import LazyChunkKV
-from .serialize import CorruptEntryError, deserialize_chunk, header_length, parse_layout, serialize_chunk
+from .serialize import CorruptEntryError, header_length, parse_layout, serialize_chunk
 from .stats import TierStats
 
 logger = logging.getLogger(__name__)
@@ -27,62 +27,66 @@ logger = logging.getLogger(__name__)
 _SQLITE_TIMEOUT_S = 5.0
 
 
-def _import_diskcache() -> Any:
+def _open_cache(directory: str, budget_bytes: int) -> object:
+    """diskcache's Cache over `directory`, or one ConfigError naming the folder and the fix."""
+    diskcache = import_diskcache()
     try:
-        import diskcache
-    except ImportError as exc:
-        raise ImportError("the disk tier needs diskcache; install it with `pip install 'diskcache>=5.6'`") from exc
-    return diskcache
-
-
-@functools.cache
-def _bytes_only_disk() -> type:
-    """A diskcache `Disk` that stores and returns only `bytes`, so no value is ever unpickled."""
-    diskcache = _import_diskcache()
-
-    class BytesOnlyDisk(diskcache.Disk):
-        def store(self, value: Any, read: bool, key: Any = diskcache.core.UNKNOWN) -> Any:
-            if type(value) is not bytes:
-                raise TypeError(f"the disk tier stores bytes only, got {type(value).__name__}")
-            return super().store(value, read, key=key)
-
-        def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> Any:
-            if mode == diskcache.core.MODE_PICKLE:
-                raise CorruptEntryError("a pickled value was found in the disk tier; it is not loaded")
-            return super().fetch(mode, filename, value, read)
-
-    return BytesOnlyDisk
-
-
-class DiskStore:
-    """Chunk KV in a local directory, at most `budget_bytes` in all (values plus diskcache's ~32 KB index).
-
-    `get` moves an entry to the most recently used end; `put` evicts the least recently used entries until the
-    directory fits the budget again. A corrupt entry is deleted, logged and counted as a miss; an I/O or SQLite
-    failure is logged and counted in `stats.errors`, and is also a miss (or a lost put), never an exception.
-    Safe to share between threads and processes.
-    """
-
-    name = "disk"
-
-    def __init__(self, directory: str | os.PathLike[str], budget_bytes: int = 20 * 1024**3) -> None:
-        if budget_bytes < 0:
-            raise ConfigError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        diskcache = _import_diskcache()
-        self.directory = os.fspath(directory)
-        self.budget_bytes = budget_bytes
-        self.stats = TierStats()
-        self._lock = threading.Lock()
-        self._cache = diskcache.Cache(
-            self.directory,
+        return diskcache.Cache(
+            directory,
             timeout=_SQLITE_TIMEOUT_S,
-            disk=_bytes_only_disk(),
+            disk=safe_bytes_disk(),
             size_limit=budget_bytes,
             eviction_policy="least-recently-used",
             # diskcache evicts up to `cull_limit` least recently used entries whenever a set leaves the directory
             # over budget; its default of ten can throw out the entry just written when the cache holds few.
             cull_limit=1,
         )
+    except (OSError, sqlite3.Error, diskcache.Timeout) as exc:
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            fix = "it is a file; give a folder path"
+        elif isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
+            fix = "its cache.db is damaged; delete the folder (it holds only a cache) or give another one"
+        else:
+            fix = "make it writable by this user, or give another folder"
+        raise ConfigError(f"the disk tier folder {directory!r} cannot be used ({exc}): {fix}") from exc
+
+
+def check_disk_dir(directory: str | os.PathLike[str]) -> None:
+    """Open and close the disk tier's folder once, so a bad folder is reported before a model loads."""
+    _open_cache(os.fspath(directory), 0).close()  # type: ignore[attr-defined]
+
+
+class DiskStore:
+    """Chunk KV in a local directory, at most `budget_bytes` in all (values plus diskcache's ~32 KB index).
+
+    `get` moves an entry to the most recently used end; `put` evicts the least recently used entries until the
+    directory fits the budget again. A corrupt entry, or an index row this tier could not have written (a file
+    name outside the folder, a symlink, a FIFO, text, a pickle), is deleted, logged and counted as a miss; an I/O
+    or SQLite failure is logged and counted in `stats.errors`, and is also a miss (or a lost put), never an
+    exception. Reads are bounded by the size the entry's header declares. Safe to share between threads and
+    processes. An unusable folder (a file, not writable, a damaged index) is a ConfigError at construction.
+
+    With `hmac_key`, entries are signed when written and entries without a valid signature are refused (misses).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        budget_bytes: int = 20 * 1024**3,
+        *,
+        hmac_key: bytes | None = None,
+        name: str = "disk",
+    ) -> None:
+        if budget_bytes < 0:
+            raise ConfigError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        diskcache = import_diskcache()
+        self.name = name
+        self.directory = os.fspath(directory)
+        self.budget_bytes = budget_bytes
+        self.hmac_key = hmac_key
+        self.stats = TierStats()
+        self._lock = threading.Lock()
+        self._cache = _open_cache(self.directory, budget_bytes)
         # Failures of the backend itself, as opposed to bad data in it.
         self._backend_errors: tuple[type[BaseException], ...] = (OSError, sqlite3.Error, diskcache.Timeout)
 
@@ -92,32 +96,31 @@ class DiskStore:
         return self._cache.volume()
 
     def get(self, key: str) -> ChunkKV | None:
+        lazy = self._read_header(key)
+        if lazy is None:
+            return None
         try:
-            data = self._cache.get(key)
-            if data is None:
-                with self._lock:
-                    self.stats.misses += 1
-                return None
-            if type(data) is not bytes:
-                raise CorruptEntryError(f"entry {key[:12]} holds a {type(data).__name__}, not bytes")
-            kv = deserialize_chunk(data, key)
-        except CorruptEntryError as exc:
-            self._drop_corrupt(key, exc)
-            return None
-        except self._backend_errors as exc:
-            self._count_error("get", key, exc)
-            return None
-        with self._lock:
-            self.stats.hits += 1
-            self.stats.bytes_read += len(data)
+            kv = lazy.materialize()  # bounded: the header's size was checked against the file's
+        except CorruptEntryError:
+            return None  # dropped and counted as a miss by the reader's on_corrupt
+        self._count_hit(lazy.layout.total_bytes)
         return kv
 
-    def open(self, key: str) -> LazyChunkKV | None:
+    def open(self, key: str) -> Hit | None:
         """Like `get`, but read only the header now and each layer when it is asked for (pipelined loading).
 
         diskcache keeps values of 32 KB and more as files; those are opened and read by byte range. The open
         file stays readable even if another process evicts the entry meanwhile.
         """
+        lazy = self._read_header(key)
+        if lazy is None:
+            return None
+        self._count_hit(lazy.layout.total_bytes)
+        lazy.on_corrupt = lambda exc: self._drop_corrupt(key, exc, was_hit=True)
+        return Hit(lazy, self.name)
+
+    def _read_header(self, key: str) -> LazyChunkKV | None:
+        """The entry with only its header read and checked; None (counted) on a miss or a bad entry."""
         handle = None
         try:
             handle = self._cache.get(key, read=True)
@@ -127,14 +130,16 @@ class DiskStore:
                 return None
             if type(handle) is bytes:  # a small value kept inside SQLite: already in memory
                 data = memoryview(handle)
-                layout = parse_layout(data, key, len(data))
+                layout = parse_layout(data, key, len(data), hmac_key=self.hmac_key)
                 reader, close = (lambda ranges: [data[a:b] for a, b in ranges]), None
             else:
                 fd = handle.fileno()
                 size = os.fstat(fd).st_size
+                if size > max(self.budget_bytes, 1 << 20):
+                    raise CorruptEntryError(f"entry {key[:12]} is {size} bytes, more than the tier's budget")
                 head = os.pread(fd, 8, 0)
                 head += os.pread(fd, header_length(head, key) - 8, 8)
-                layout = parse_layout(head, key, size)
+                layout = parse_layout(head, key, size, hmac_key=self.hmac_key)
                 reader, close = (lambda ranges: [os.pread(fd, b - a, a) for a, b in ranges]), handle.close
         except (CorruptEntryError, *self._backend_errors) as exc:
             if handle is not None and type(handle) is not bytes:
@@ -144,13 +149,15 @@ class DiskStore:
             else:
                 self._count_error("get", key, exc)
             return None
-        with self._lock:
-            self.stats.hits += 1
-            self.stats.bytes_read += layout.total_bytes
         return LazyChunkKV(layout, reader, close=close, on_corrupt=lambda exc: self._drop_corrupt(key, exc))
 
+    def _count_hit(self, nbytes: int) -> None:
+        with self._lock:
+            self.stats.hits += 1
+            self.stats.bytes_read += nbytes
+
     def put(self, kv: ChunkKV) -> None:
-        data = serialize_chunk(kv)
+        data = serialize_chunk(kv, hmac_key=self.hmac_key)
         try:
             if len(data) > self.budget_bytes:
                 # Storing it would evict everything else and then itself; drop any older copy instead.
@@ -183,7 +190,13 @@ class DiskStore:
             self._count_error("discard", key, exc)
 
     def clear(self) -> None:
-        self._cache.clear()
+        try:
+            self._cache.clear()
+        except self._backend_errors as exc:
+            self._count_error("clear", "*" * 12, exc)
+
+    def flush(self) -> None:
+        """Nothing to wait for: `put` writes through to the folder before it returns."""
 
     def close(self) -> None:
         self._cache.close()
@@ -195,13 +208,19 @@ class DiskStore:
             return False
 
     def __len__(self) -> int:
-        return len(self._cache)
+        try:
+            return len(self._cache)
+        except self._backend_errors:
+            return 0
 
-    def _drop_corrupt(self, key: str, exc: CorruptEntryError) -> None:
+    def _drop_corrupt(self, key: str, exc: CorruptEntryError, *, was_hit: bool = False) -> None:
+        """Count a corrupt entry as a miss (taking back the hit `open` counted for it) and delete its row."""
         logger.warning("disk tier %s: dropping a corrupt entry (%s); it will be recomputed", self.directory, exc)
         with self._lock:
             self.stats.corrupt += 1
             self.stats.misses += 1
+            if was_hit:
+                self.stats.hits -= 1
         try:
             self._cache.delete(key)
         except self._backend_errors as del_exc:

@@ -44,7 +44,7 @@ class LazyChunkKV:
         self._read_ranges = read_ranges
         self._close = close
         self.on_complete = on_complete
-        self._on_corrupt = on_corrupt
+        self.on_corrupt = on_corrupt
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layout.num_layers
         self._missing = layout.num_layers
         self._lock = threading.Lock()
@@ -74,39 +74,57 @@ class LazyChunkKV:
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> raw keys, values of one layer, [Hkv, T, D] each, on the CPU. Raises CorruptEntryError."""
+        if not 0 <= layer_idx < self.num_layers:
+            raise IndexError(f"layer {layer_idx} out of range for a chunk of {self.num_layers} layers")
+        return self._read([layer_idx])[0]
+
+    def materialize(self) -> ChunkKV:
+        """The whole chunk as a ChunkKV, reading every layer not read yet in one batch of range reads."""
+        layers = self._read(range(self.num_layers))
+        keys = torch.stack([k for k, _ in layers])  # [L, Hkv, T, D]
+        values = torch.stack([v for _, v in layers])
+        return ChunkKV(self.key, keys, values)
+
+    def _read(self, wanted: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layers `wanted`, fetching the missing ones with a single `read_ranges` call; checks each one."""
         with self._lock:
-            cached = self._layers[layer_idx]
-            if cached is not None:
-                return cached
-            key_range, value_range = self.layout.layer_ranges(layer_idx)
-            try:
+            missing = [i for i in wanted if self._layers[i] is None]
+            if missing:
+                ranges = [r for i in missing for r in self.layout.layer_ranges(i)]
                 try:
-                    key_bytes, value_bytes = self._read_ranges([key_range, value_range])
-                except Exception as exc:  # the file or server failed mid-read: the entry cannot be used now
-                    raise CorruptEntryError(
-                        f"entry {self.key[:12]}: layer {layer_idx} could not be read ({type(exc).__name__}: {exc})"
-                    ) from exc
-                k, v = self.layout.decode_layer(layer_idx, key_bytes, value_bytes)
-            except CorruptEntryError as exc:
-                self.close()
-                if self._on_corrupt is not None:
-                    self._on_corrupt(exc)
-                raise
-            self.bytes_read += 2 * self.layout.layer_bytes
-            self._layers[layer_idx] = (k, v)
-            self._missing -= 1
-            complete = self._missing == 0
+                    try:
+                        buffers = self._read_ranges(ranges)
+                    except Exception as exc:  # the file or server failed mid-read: the entry cannot be used now
+                        raise CorruptEntryError(
+                            f"entry {self.key[:12]}: layers {missing[0]}.. could not be read "
+                            f"({type(exc).__name__}: {exc})"
+                        ) from exc
+                    if len(buffers) != len(ranges):
+                        raise CorruptEntryError(f"entry {self.key[:12]}: {len(buffers)} reads for {len(ranges)} ranges")
+                    decoded = [
+                        self.layout.decode_layer(i, buffers[2 * j], buffers[2 * j + 1]) for j, i in enumerate(missing)
+                    ]
+                except CorruptEntryError as exc:
+                    self.close()
+                    if self.on_corrupt is not None:
+                        self.on_corrupt(exc)
+                    raise
+                for i, kv in zip(missing, decoded, strict=True):
+                    self._layers[i] = kv
+                self.bytes_read += 2 * self.layout.layer_bytes * len(missing)
+                self._missing -= len(missing)
+            complete = bool(missing) and self._missing == 0
+            out = [self._layers[i] for i in wanted]
         if complete:
             self.close()
             if self.on_complete is not None:
-                self.on_complete(self.materialize())
-        return k, v
+                self.on_complete(self._whole())
+        return out  # type: ignore[return-value]
 
-    def materialize(self) -> ChunkKV:
-        """The whole chunk as a ChunkKV, reading the layers not read yet."""
-        layers = [self.layer(i) for i in range(self.num_layers)]
-        keys = torch.stack([k for k, _ in layers])  # [L, Hkv, T, D]
-        values = torch.stack([v for _, v in layers])
+    def _whole(self) -> ChunkKV:
+        layers = self._layers
+        keys = torch.stack([layer[0] for layer in layers if layer is not None])  # [L, Hkv, T, D]
+        values = torch.stack([layer[1] for layer in layers if layer is not None])
         return ChunkKV(self.key, keys, values)
 
     def close(self) -> None:

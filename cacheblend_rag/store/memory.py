@@ -6,7 +6,7 @@ import threading
 from collections import OrderedDict
 
 from ..errors import ConfigError
-from .base import StoreStats
+from .base import Hit, StoreStats
 from .chunk_kv import ChunkKV
 
 
@@ -17,11 +17,10 @@ class MemoryStore:
     Safe to share between threads.
     """
 
-    name = "memory"
-
-    def __init__(self, budget_bytes: int = 2 * 1024**3) -> None:
+    def __init__(self, budget_bytes: int = 2 * 1024**3, *, name: str = "memory") -> None:
         if budget_bytes < 0:
             raise ConfigError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.name = name
         self.budget_bytes = budget_bytes
         self.stats = StoreStats()
         self._entries: OrderedDict[str, ChunkKV] = OrderedDict()
@@ -42,6 +41,11 @@ class MemoryStore:
             self.stats.hits += 1
             self.stats.bytes_read += kv.nbytes
             return kv
+
+    def open(self, key: str) -> Hit | None:
+        """Like `get`: an entry in memory is already whole."""
+        kv = self.get(key)
+        return None if kv is None else Hit(kv, self.name)
 
     def put(self, kv: ChunkKV) -> None:
         with self._lock:
@@ -68,6 +72,13 @@ class MemoryStore:
         with self._lock:
             self._entries.clear()
             self._bytes = 0
+
+    def flush(self) -> None:
+        """Nothing to wait for: `put` stores at once."""
+
+    def close(self) -> None:
+        """Drop every entry (memory holds nothing another process could still use)."""
+        self.clear()
 
     def __contains__(self, key: object) -> bool:
         with self._lock:

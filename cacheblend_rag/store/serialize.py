@@ -11,6 +11,7 @@ instead of becoming a wrong answer. Nothing here unpickles: safetensors only eve
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 from collections.abc import Sequence
@@ -31,7 +32,8 @@ FORMAT_VERSION = "2"  # 2: per-layer checksums (1 had one checksum over all data
 _HEADER_LEN = struct.Struct("<Q")
 HEADER_LEN_BYTES = _HEADER_LEN.size
 # A header for two tensors and our metadata is a few KB (one 64-char digest per layer); far larger is garbage.
-_MAX_HEADER_BYTES = 1 << 20
+_MAX_HEADER_BYTES = 256 * 1024
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,10 +65,17 @@ def layer_digest(key_bytes: memoryview | bytes, value_bytes: memoryview | bytes)
     return h.hexdigest()
 
 
-def serialize_chunk(kv: ChunkKV, *, fingerprint: str | None = None) -> bytes:
+def _signature(meta: dict[str, str], hmac_key: bytes) -> str:
+    """HMAC-SHA256 of the metadata (every field but the signature itself), which covers each layer's sha256."""
+    body = json.dumps({k: v for k, v in meta.items() if k != "hmac"}, sort_keys=True).encode()
+    return hmac.new(hmac_key, body, hashlib.sha256).hexdigest()
+
+
+def serialize_chunk(kv: ChunkKV, *, fingerprint: str | None = None, hmac_key: bytes | None = None) -> bytes:
     """Encode a chunk's KV as safetensors bytes with a self-describing header and one checksum per layer.
 
-    `fingerprint` (the model's) is recorded for inspection only: the key already hashes it.
+    `fingerprint` (the model's) is recorded for inspection only: the key already hashes it. With `hmac_key` the
+    header is signed, so a reader holding the key can tell entries written by someone without it.
     """
     # keys/values: [L, Hkv, T, D]; safetensors needs CPU, contiguous memory (no-ops when already so).
     keys = kv.keys.detach().to("cpu").contiguous()
@@ -82,6 +91,8 @@ def serialize_chunk(kv: ChunkKV, *, fingerprint: str | None = None) -> bytes:
     }
     if fingerprint is not None:
         metadata["fingerprint"] = fingerprint
+    if hmac_key is not None:
+        metadata["hmac"] = _signature(metadata, hmac_key)
     return _st_save({"keys": keys, "values": values}, metadata=metadata)
 
 
@@ -140,30 +151,44 @@ def _from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: Sequence[in
     return out
 
 
-def parse_layout(head: bytes | memoryview, key: str, total_bytes: int) -> EntryLayout:
+def parse_layout(head: bytes | memoryview, key: str, total_bytes: int, *, hmac_key: bytes | None = None) -> EntryLayout:
     """Read the layout of an entry of `total_bytes` from its first bytes (at least `header_length` of them).
 
     Checks everything the header alone can tell: format, version, key, dtype, shape, that both tensors'
-    offsets match that shape, and that the entry is as long as the header says.
+    offsets match that shape, that the entry is as long as the header says and, with `hmac_key`, the
+    header's signature. Any malformed header (bad JSON, nesting too deep, wrong types) is a CorruptEntryError.
     """
     n = header_length(head, key)
     if len(head) < n or total_bytes < n:
         raise CorruptEntryError(f"entry {key[:12]} declares a {n}-byte header but holds {total_bytes} bytes: truncated")
     try:
         header = json.loads(bytes(head[_HEADER_LEN.size : n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptEntryError(f"entry {key[:12]} has an unreadable header: {exc}") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested too deep
+        raise CorruptEntryError(f"entry {key[:12]} has an unreadable header: {type(exc).__name__}") from exc
+    try:
+        layout = _layout_from_header(header, key, n, total_bytes, hmac_key)
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+        raise CorruptEntryError(f"entry {key[:12]} has a malformed header ({type(exc).__name__}: {exc})") from exc
+    return layout
+
+
+def _layout_from_header(header: object, key: str, n: int, total_bytes: int, hmac_key: bytes | None) -> EntryLayout:
     if not isinstance(header, dict):
         raise CorruptEntryError(f"entry {key[:12]} has a header that is not a JSON object")
     meta = header.get("__metadata__")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise CorruptEntryError(f"entry {key[:12]} is not a {FORMAT_NAME} entry (header metadata {meta!r})")
+        raise CorruptEntryError(f"entry {key[:12]} is not a {FORMAT_NAME} entry (header metadata {str(meta)[:200]})")
     if meta.get("version") != FORMAT_VERSION:
         raise CorruptEntryError(
-            f"entry {key[:12]} has format version {meta.get('version')!r}, this build reads {FORMAT_VERSION!r}"
+            f"entry {key[:12]} has format version {str(meta.get('version'))[:20]!r}, "
+            f"this build reads {FORMAT_VERSION!r}"
         )
     if meta.get("key") != key:
         raise CorruptEntryError(f"entry stored under {key[:12]} belongs to chunk {str(meta.get('key'))[:12]}")
+    if hmac_key is not None:
+        signature = meta.get("hmac")
+        if not isinstance(signature, str) or not hmac.compare_digest(signature, _signature(meta, hmac_key)):
+            raise CorruptEntryError(f"entry {key[:12]} is not signed with this engine's HMAC key: refused")
     dtype = _DTYPES.get(str(meta.get("dtype")))
     try:
         shape = tuple(int(s) for s in str(meta.get("shape")).split(","))
@@ -172,35 +197,40 @@ def parse_layout(head: bytes | memoryview, key: str, total_bytes: int) -> EntryL
     digests = tuple(str(meta.get("layer_sha256", "")).split(","))
     if dtype is None or len(shape) != 4 or min(shape) < 0 or len(digests) != shape[0]:
         raise CorruptEntryError(
-            f"entry {key[:12]} has an inconsistent header: dtype {meta.get('dtype')!r}, shape {meta.get('shape')!r}, "
-            f"{len(digests)} layer checksums"
+            f"entry {key[:12]} has an inconsistent header: dtype {str(meta.get('dtype'))[:20]!r}, "
+            f"shape {str(meta.get('shape'))[:40]!r}, {len(digests)} layer checksums"
         )
     layer_bytes = shape[1] * shape[2] * shape[3] * torch.empty((), dtype=dtype).element_size()
-    starts = {}
+    starts, ends = {}, []
     for name in ("keys", "values"):
         info = header.get(name)
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
-            or info.get("dtype") != {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[_dtype_str(dtype)]
+            or any(type(o) is not int or o < 0 for o in offsets)
+            or info.get("dtype") != _ST_DTYPES[_dtype_str(dtype)]
             or info.get("shape") != list(shape)
             or offsets[1] - offsets[0] != layer_bytes * shape[0]
         ):
-            raise CorruptEntryError(f"entry {key[:12]} lacks a valid '{name}' tensor (header entry {info!r})")
+            raise CorruptEntryError(f"entry {key[:12]} lacks a valid '{name}' tensor (header entry {str(info)[:200]})")
         starts[name] = n + offsets[0]
-    end = n + max(o["data_offsets"][1] for o in (header["keys"], header["values"]))
-    if end != total_bytes:
-        raise CorruptEntryError(f"entry {key[:12]} holds {total_bytes} bytes, its header describes {end}: truncated")
+        ends.append(n + offsets[1])
+    if max(ends) != total_bytes:
+        raise CorruptEntryError(
+            f"entry {key[:12]} holds {total_bytes} bytes, its header describes {max(ends)}: truncated"
+        )
     return EntryLayout(key, dtype, shape, starts["keys"], starts["values"], layer_bytes, digests, total_bytes)  # type: ignore[arg-type]
 
 
-def deserialize_chunk(data: bytes, key: str) -> ChunkKV:
+def deserialize_chunk(data: bytes, key: str, *, hmac_key: bytes | None = None) -> ChunkKV:
     """Decode bytes written by `serialize_chunk`, checking that they are whole and belong to `key`.
 
     Raises `CorruptEntryError` naming what is wrong; never returns a partly valid entry.
     """
-    layout = parse_layout(data, key, len(data))
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CorruptEntryError(f"entry {key[:12]} holds a {type(data).__name__}, not bytes")
+    layout = parse_layout(data, key, len(data), hmac_key=hmac_key)
     # Checksum each layer straight from the buffer (memoryview slices, no copy) before building tensors:
     # safetensors checks offsets and lengths but not the bytes themselves.
     view = memoryview(data)

@@ -10,14 +10,15 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import ConfigError
-from .base import ChunkStore, StoreStats
+from .base import ChunkReader, ChunkStore, Hit, StoreStats
 from .chunk_kv import ChunkKV
 from .lazy import LazyChunkKV
 from .memory import MemoryStore
+from .serialize import CorruptEntryError
 
 logger = logging.getLogger(__name__)
 
@@ -27,22 +28,34 @@ class TieredStore:
     next lookup is served by the fastest one. `put` writes to every tier, so a chunk evicted from memory can
     still come back from disk or Redis, and other workers see it.
 
-    `names` label the tiers in `hits_by_tier` (default: each tier's `name` attribute, else its class name).
-    With `write_back` (the default), `put` stores into the first tier at once and into the others on a
-    background thread, so a request never waits on disk or Redis; `flush()` waits for pending writes.
+    `names` label the tiers in `hits_by_tier` and in `Hit.tier` (default: each tier's `name`). With
+    `write_back` (the default), `put` stores into the first tier at once and into the others on a background
+    thread, so a request never waits on disk or Redis; `flush()` waits for pending writes. A stack is itself a
+    `ChunkStore`: it can be a tier of another stack, or be passed to the engine like any single tier.
     """
 
     def __init__(
-        self, tiers: Sequence[ChunkStore], names: Sequence[str] | None = None, *, write_back: bool = True
+        self,
+        tiers: Sequence[ChunkStore],
+        names: Sequence[str] | None = None,
+        *,
+        write_back: bool = True,
+        name: str = "tiered",
     ) -> None:
         if not tiers:
             raise ConfigError("TieredStore needs at least one tier, got none")
+        not_stores = [type(t).__name__ for t in tiers if not isinstance(t, ChunkStore)]
+        if not_stores:
+            raise ConfigError(
+                f"every tier must implement the ChunkStore protocol (cacheblend_rag.store.base), got {not_stores}"
+            )
         if names is None:
-            names = [getattr(t, "name", type(t).__name__) for t in tiers]
+            names = [t.name for t in tiers]
         if len(names) != len(tiers):
             raise ConfigError(f"got {len(names)} names for {len(tiers)} tiers; give one name per tier")
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be distinct, got {list(names)}; pass `names=` to tell them apart")
+        self.name = name
         self.tiers: tuple[ChunkStore, ...] = tuple(tiers)
         self.names: tuple[str, ...] = tuple(names)
         self.stats = StoreStats()  # of the whole stack: a hit in any tier is a hit
@@ -55,25 +68,23 @@ class TieredStore:
         )
         self._pending: set[Future] = set()
 
-    def lookup(self, key: str) -> tuple[ChunkKV | None, str | None]:
-        """-> (the entry, the name of the tier that had it), or (None, None) on a miss everywhere."""
-        kv, tier = self._find(key, lazy=False)
-        assert not isinstance(kv, LazyChunkKV)
-        return kv, tier
-
     def get(self, key: str) -> ChunkKV | None:
-        return self.lookup(key)[0]
+        hit = self._find(key, lazy=False)
+        return None if hit is None else hit.kv.materialize()
 
-    def open(self, key: str) -> tuple[ChunkKV | LazyChunkKV | None, str | None]:
-        """Like `lookup`, but a hit in a tier that can read by layer (disk, Redis) comes back as a `LazyChunkKV`
-        whose layers are fetched as the loading pipeline asks for them. The chunk is promoted into the faster
-        tiers once its last layer has been read, from the bytes already fetched."""
+    def open(self, key: str) -> Hit | None:
+        """The first tier's hit, named after that tier. A hit in a tier that can read by layer (disk, Redis) has
+        its layers fetched as the loading pipeline asks for them; the chunk is promoted into the faster tiers
+        once its last layer has been read, from the bytes already fetched."""
         return self._find(key, lazy=True)
 
-    def _find(self, key: str, *, lazy: bool) -> tuple[ChunkKV | LazyChunkKV | None, str | None]:
+    def _find(self, key: str, *, lazy: bool) -> Hit | None:
         for i, tier in enumerate(self.tiers):
-            opener = getattr(tier, "open", None) if lazy else None
-            kv = opener(key) if opener is not None else tier.get(key)
+            if lazy:
+                found = tier.open(key)
+                kv: ChunkReader | None = None if found is None else found.kv
+            else:
+                kv = tier.get(key)
             if kv is None:
                 continue
             # Promotion goes to faster tiers only: cheap, and the next lookup needs it.
@@ -81,16 +92,26 @@ class TieredStore:
             if isinstance(kv, LazyChunkKV):
                 if upper:
                     kv.on_complete = functools.partial(self._promote, upper)
+                kv.on_corrupt = functools.partial(self._unhit, self.names[i], kv.on_corrupt)
             else:
-                self._promote(upper, kv)
+                self._promote(upper, kv.materialize())
             with self._lock:
                 self.stats.hits += 1
                 self.stats.bytes_read += kv.nbytes
                 self.hits_by_tier[self.names[i]] += 1
-            return kv, self.names[i]
+            return Hit(kv, self.names[i])
         with self._lock:
             self.stats.misses += 1
-        return None, None
+        return None
+
+    def _unhit(self, name: str, tier_callback: Callable[[CorruptEntryError], None] | None, exc: CorruptEntryError):
+        """A lazily read hit turned out corrupt: it was a miss after all, in the tier's counts and in ours."""
+        if tier_callback is not None:
+            tier_callback(exc)
+        with self._lock:
+            self.stats.hits -= 1
+            self.stats.misses += 1
+            self.hits_by_tier[name] -= 1
 
     @staticmethod
     def _promote(tiers: Sequence[ChunkStore], kv: ChunkKV) -> None:
@@ -127,18 +148,20 @@ class TieredStore:
             pending = list(self._pending)
         for future in pending:
             future.result(timeout=timeout)
+        for tier in self.tiers:
+            tier.flush()
 
     def close(self) -> None:
-        """Finish pending writes and stop the writer thread."""
+        """Finish pending writes, stop the writer thread and close every tier."""
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
+        for tier in self.tiers:
+            tier.close()
 
     def discard(self, key: str) -> None:
         for tier in self.tiers:
-            discard = getattr(tier, "discard", None)
-            if discard is not None:
-                discard(key)
+            tier.discard(key)
 
     def clear(self, tiers: Sequence[str] | None = None) -> None:
         """Delete every entry of the named tiers (default: all), after the pending background writes land, so
@@ -148,17 +171,13 @@ class TieredStore:
         unknown = [n for n in names if n not in self.names]
         if unknown:
             raise ConfigError(f"no tier named {unknown} in this store; its tiers are {list(self.names)}")
-        chosen = {name: self.tiers[self.names.index(name)] for name in names}
-        for name, tier in chosen.items():
-            if getattr(tier, "clear", None) is None:
-                raise ConfigError(f"the {name} tier ({type(tier).__name__}) has no clear() method")
         self.flush()
-        for tier in chosen.values():
-            tier.clear()
+        for name in names:
+            self.tiers[self.names.index(name)].clear()
 
     def tier_stats(self) -> dict[str, StoreStats]:
         """Each tier's own counters, by tier name."""
-        return {name: getattr(tier, "stats", StoreStats()) for name, tier in zip(self.names, self.tiers, strict=True)}
+        return {name: tier.stats for name, tier in zip(self.names, self.tiers, strict=True)}
 
     def __contains__(self, key: object) -> bool:
         return any(key in tier for tier in self.tiers)
@@ -177,21 +196,24 @@ def build_store(
     redis_bytes: int = 8 * 1024**3,
     redis_namespace: str = "cacheblend-rag",
     write_back: bool = True,
+    hmac_key: bytes | str | None = None,
 ) -> TieredStore:
-    """Memory, then disk if `disk_dir` is given, then Redis if `redis_url` is given.
+    """Memory, then disk if `disk_dir` is given, then Redis if `redis_url` is given (`?cluster=1` for a cluster).
 
     Always a `TieredStore`, even of memory alone, so that callers read `hits_by_tier` the same way everywhere.
+    `hmac_key` signs what the disk and Redis tiers write and refuses what they read unsigned or forged.
     """
+    key = hmac_key.encode() if isinstance(hmac_key, str) else hmac_key
     tiers: list[ChunkStore] = [MemoryStore(memory_bytes)]
     names = ["memory"]
     if disk_dir is not None:
         from .disk import DiskStore
 
-        tiers.append(DiskStore(disk_dir, disk_bytes))
+        tiers.append(DiskStore(disk_dir, disk_bytes, hmac_key=key))
         names.append("disk")
     if redis_url is not None:
         from .redis_store import RedisStore
 
-        tiers.append(RedisStore(redis_url, redis_bytes, redis_namespace))
+        tiers.append(RedisStore(redis_url, redis_bytes, redis_namespace, hmac_key=key))
         names.append("redis")
     return TieredStore(tiers, names, write_back=write_back)

@@ -1,0 +1,115 @@
+"""The model fingerprint that chunk keys hash: it must change whenever any weight changes.
+
+Chunk KV is only valid for the exact weights that computed it, and disk and Redis tiers are shared between
+processes and machines, so two models that differ anywhere must never share a fingerprint. What it covers:
+
+- the architecture: the model's config, minus fields that do not change the computation (its path, versions);
+- the weights, one of two ways:
+  - **checkpoint content**: when the model was loaded from a local folder of weight files (`*.safetensors` or
+    `*.bin`, as `from_pretrained` leaves in `model.name_or_path`; the presets load their converted copy this way),
+    the sha256 of every byte of those files. It is computed once and cached beside them in
+    `.cacheblend-fingerprint.json`, keyed by each file's name, size and modification time, so later loads only
+    `stat` the files. A sample of every parameter tensor as it is in memory (up to 64 evenly spaced values,
+    all of it for tensors of up to 4096 values such as norms and biases) is hashed too, so editing the model
+    after loading it (merging a LoRA, adding noise, replacing a layer) changes the fingerprint as well.
+  - **parameter digest** otherwise (a model built in memory, a GGUF file, a hub id): the sha256 of every
+    parameter tensor's bytes, names and shapes, computed when the engine is built (about 1 s per GB).
+
+The dtype the engine runs in and the device are not part of the fingerprint (the chunk key adds the dtype), but a
+model whose in-memory values differ (loaded in another dtype) gets another sample, hence another fingerprint.
+Not covered: an edit after loading that touches only unsampled values of a checkpoint-backed model's tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config"}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+_SIDECAR = ".cacheblend-fingerprint.json"
+_SAMPLE = 64  # values sampled from each large tensor of a checkpoint-backed model
+_SMALL = 4096  # tensors of at most this many values are hashed whole
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A 32-hex-digit digest of the model's architecture and weights (see the module docstring for what it covers)."""
+    cfg = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
+    files = checkpoint_files(model)
+    if files:
+        h.update(b"checkpoint\0" + checkpoint_digest(files).encode())
+        h.update(b"sample\0" + _sample_digest(model.named_parameters()).encode())
+    else:
+        h.update(b"parameters\0" + parameter_digest(model).encode())
+    return h.hexdigest()[:32]
+
+
+def checkpoint_files(model: torch.nn.Module) -> list[Path]:
+    """The weight files of the local folder the model was loaded from, sorted; [] when there is none."""
+    source = model.config.name_or_path or ""
+    folder = Path(str(source)).expanduser()
+    if not source or not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+
+
+def checkpoint_digest(files: Iterable[Path]) -> str:
+    """sha256 over the content of `files` (all in one folder), cached beside them by name, size and mtime."""
+    files = sorted(files)
+    stats = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+    sidecar = files[0].parent / _SIDECAR
+    try:
+        cached = json.loads(sidecar.read_text())
+        if isinstance(cached, dict) and cached.get("files") == stats and isinstance(cached.get("sha256"), str):
+            return cached["sha256"]
+    except (OSError, ValueError):
+        pass  # no cache yet, or an unreadable one: hash again
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode() + b"\0")
+        with p.open("rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+    digest = h.hexdigest()
+    try:
+        tmp = sidecar.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"files": stats, "sha256": digest}))
+        os.replace(tmp, sidecar)
+    except OSError as exc:  # a read-only folder: correct, only slower next time
+        logger.info("could not cache the checkpoint digest beside %s (%s); it is recomputed on each load", p, exc)
+    return digest
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """sha256 of every parameter tensor (names, shapes, dtypes and bytes), in name order."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda item: item[0]):
+        h.update(f"{name}\0{tuple(p.shape)}\0{p.dtype}\0".encode())
+        h.update(_tensor_bytes(p))
+    return h.hexdigest()
+
+
+def _sample_digest(params: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 of evenly spaced values of every tensor (all of each small one), as float32."""
+    h = hashlib.sha256()
+    for name, p in sorted(params, key=lambda item: item[0]):
+        flat = p.detach().reshape(-1)
+        n = flat.numel()
+        if n > _SMALL:
+            flat = flat[torch.linspace(0, n - 1, _SAMPLE, device=flat.device).long()]
+        h.update(f"{name}\0{tuple(p.shape)}\0".encode())
+        h.update(_tensor_bytes(flat.float()))
+    return h.hexdigest()
