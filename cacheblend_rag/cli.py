@@ -25,9 +25,18 @@ def _engine_config(args: argparse.Namespace):
     from .config import BlendConfig, EngineConfig
 
     blend = BlendConfig(recompute_ratio=args.ratio) if args.ratio is not None else BlendConfig()
+    _check_kv_dir(args)
     return EngineConfig(
         device=args.device, dtype=args.dtype, blend=blend, disk_dir=args.kv_dir, redis_url=args.redis_url
     )
+
+
+def _check_kv_dir(args: argparse.Namespace) -> None:
+    """A --kv-dir that is a file, not writable or damaged: one `error:` line (exit 2) before any model loads."""
+    if args.kv_dir:
+        from .store import check_disk_dir
+
+        check_disk_dir(args.kv_dir)
 
 
 def _check_at_least(*checks: tuple[str, float, float]) -> None:
@@ -135,6 +144,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .engine import CacheBlendEngine
     from .store import DiskStore, MemoryStore
 
+    _check_kv_dir(args)
     engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(device=args.device, dtype=args.dtype))
     with tempfile.TemporaryDirectory(prefix="cacheblend-profile-") as scratch:
         # Time the tiers the deployment will use: its disk folder (a scratch namespace inside it) and its Redis.

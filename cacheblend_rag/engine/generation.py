@@ -25,14 +25,16 @@ def _check_int(name: str, value: object, low: int, hint: str = "") -> None:
 
 
 def _check_real(name: str, value: object, ok: Callable[[float], bool], rule: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
-        raise ConfigError(f"{name} must be a finite number {rule}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or not ok(value):
+        raise ConfigError(f"{name} must be {rule}, got {value!r}")
 
 
 def check_ratio_arg(recompute_ratio: object) -> None:
     """A per-request ratio override: None, or a real number in [0, 1] (a bool is refused, not read as 0 or 1)."""
     if recompute_ratio is not None:
-        _check_real("recompute_ratio", recompute_ratio, lambda r: 0 <= r <= 1, "in [0, 1] (or None)")
+        _check_real("recompute_ratio", recompute_ratio, lambda r: 0 <= r <= 1, "in [0, 1]")
 
 
 def check_encodable(chunks: Sequence[object] | object, **parts: object) -> None:

@@ -30,6 +30,7 @@ from cacheblend_rag.retrieval.embeddings import (
     embedding_dimension,
     load_embedder,
 )
+from cacheblend_rag.retrieval.faiss_file import flat_index_problem
 
 if TYPE_CHECKING:
     import faiss
@@ -281,6 +282,9 @@ class ChunkIndex:
             raise IndexFormatError(
                 f"{str(index_path)!r} does not match {CHUNKS_FILE} (checksum differs: changed or corrupt); {hint}"
             )
+        problem = flat_index_problem(index_path, dim=stored_dim, count=len(chunks))
+        if problem is not None:  # checked before FAISS allocates what the file claims
+            raise IndexFormatError(f"{str(index_path)!r} cannot be loaded: {problem}; {hint}")
         try:
             index = faiss.read_index(str(index_path))
         except RuntimeError as exc:

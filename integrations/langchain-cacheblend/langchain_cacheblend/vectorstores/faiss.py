@@ -123,6 +123,7 @@ def load_faiss_index(folder: str | Path, embeddings: Embeddings | None = None) -
     Raises ValueError when the folder is not such an index or was built with another embedding model.
     """
     import faiss
+    from cacheblend_rag.retrieval.faiss_file import flat_index_problem
     from langchain_community.docstore.in_memory import InMemoryDocstore
     from langchain_community.vectorstores import FAISS
     from langchain_community.vectorstores.utils import DistanceStrategy
@@ -147,6 +148,9 @@ def load_faiss_index(folder: str | Path, embeddings: Embeddings | None = None) -
             f"the index at {str(folder)!r} was built with {manifest['embedding_model']!r}, but the embeddings "
             f"given are {expected!r}; pass the same embeddings or rebuild the index"
         )
+    problem = flat_index_problem(index_path, dim=manifest["dimension"], count=len(manifest["ids"]))
+    if problem is not None:  # checked before FAISS allocates what the file claims
+        raise ValueError(f"{str(index_path)!r} cannot be loaded: {problem}; rebuild the index")
     index = faiss.read_index(str(index_path))
     ids, docs = manifest["ids"], manifest["documents"]
     if index.ntotal != len(ids) or index.d != manifest["dimension"]:

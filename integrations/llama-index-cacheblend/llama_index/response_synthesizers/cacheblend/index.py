@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from cacheblend_rag.retrieval.embeddings import packaged_model_path
+from cacheblend_rag.retrieval.faiss_file import flat_index_problem
 from llama_index.core import StorageContext, VectorStoreIndex, load_index_from_storage
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.schema import Document
+from llama_index.core.vector_stores.simple import DEFAULT_PERSIST_FNAME, DEFAULT_VECTOR_STORE, NAMESPACE_SEP
 from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 from llama_index.vector_stores.faiss import FaissVectorStore
 
@@ -61,8 +63,13 @@ def load_faiss_index(persist_dir: str | Path, *, embed_model: BaseEmbedding | No
     if not (persist_dir / "docstore.json").is_file():
         raise FileNotFoundError(f"no saved index in {str(persist_dir)!r} (docstore.json is missing)")
     embed_model = embed_model or minilm_embedding()
+    dim = _embedding_dim(embed_model)
+    faiss_file = persist_dir / f"{DEFAULT_VECTOR_STORE}{NAMESPACE_SEP}{DEFAULT_PERSIST_FNAME}"
+    problem = flat_index_problem(faiss_file, dim=dim) if faiss_file.is_file() else "it is missing"
+    if problem is not None:  # checked before FAISS allocates what the file claims
+        raise ValueError(f"{str(faiss_file)!r} cannot be loaded: {problem}; rebuild the index")
     vector_store = FaissVectorStore.from_persist_dir(str(persist_dir))
-    stored_dim, dim = vector_store.client.d, _embedding_dim(embed_model)
+    stored_dim = vector_store.client.d
     if stored_dim != dim:
         raise ValueError(
             f"the index in {str(persist_dir)!r} holds {stored_dim}-dimensional vectors but the embedding model "
