@@ -61,9 +61,10 @@ def _ok(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 
 
 def common_cases(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[set[str], list[str], list[str]]]:
-    """Per data set: (the common cases, methods measured on all of them, methods left out for fewer cases).
+    """Per data set: (the common cases, the methods compared on them, the methods left out).
 
-    The common set is the cases of the best-covered method that every equally covered method also finished.
+    A method measured on fewer than half the cases of the best-covered one is left out (a later, narrower run
+    must not shrink the table); the others are compared on the cases they all finished.
     """
     by: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     for r in _ok(records):
@@ -71,9 +72,8 @@ def common_cases(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[set[st
     out = {}
     for ds, methods in by.items():
         most = max(len(c) for c in methods.values())
-        full_cover = [m for m, c in methods.items() if len(c) == most]
-        cases = set.intersection(*(methods[m] for m in full_cover))
-        kept = [m for m in methods if cases <= methods[m]]
+        kept = [m for m, c in methods.items() if 2 * len(c) >= most]
+        cases = set.intersection(*(methods[m] for m in kept))
         out[ds] = (cases, kept, [m for m in methods if m not in kept])
     return out
 
@@ -148,7 +148,7 @@ def fidelity_markdown(rows: Sequence[FidelityRow], records: Sequence[Mapping[str
             )
         left = cover[ds][2]
         if left:
-            lines += ["", f"Left out (fewer cases than the rest): {', '.join(sorted(left))}."]
+            lines += ["", f"Left out (measured on under half as many cases): {', '.join(sorted(left))}."]
         lines.append("")
     return "\n".join(lines)
 
