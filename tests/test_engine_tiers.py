@@ -1,13 +1,16 @@
-"""Damaged or unreachable lower tiers under a running engine: the request still gets the right answer."""
+"""The engine over every store: each tier alone or stacked, with pipelined loading on and off, gives the memory
+store's tokens; damaged or unreachable lower tiers still give the right answer."""
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
-from redis_helpers import RedisServer
+from redis_helpers import RedisServer, started_cluster
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag.store import ChunkStore, DiskStore, MemoryStore, RedisStore, TieredStore
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 CHUNKS = [random_words(301, 40), random_words(302, 40)]
@@ -79,3 +82,56 @@ def test_clear_store_drops_chunk_kv_and_the_answer_stays_right(tmp_path):
     assert again.metrics.chunks_missed == 2 and again.token_ids == reference.token_ids
     with pytest.raises(ConfigError, match="no tier named"):
         engine.clear_store(["redis"])
+
+
+# ---------------------------------------------------------------- every store, alone or stacked, as `store=`
+
+SINGLE = ["memory", "disk", "redis", "cluster"]
+STACKS = [
+    ("memory", "disk"),
+    ("memory", "redis"),
+    ("disk", "redis"),
+    ("memory", "disk", "redis"),
+    ("memory", "cluster"),
+]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens():
+    return ask(CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), store=MemoryStore())).token_ids
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with started_cluster(str(tmp_path_factory.mktemp("redis-cluster"))) as servers:
+        yield servers
+
+
+def make_tier(kind: str, request, tmp_path) -> ChunkStore:
+    if kind == "memory":
+        return MemoryStore()
+    if kind == "disk":
+        return DiskStore(tmp_path / "kv")
+    url = request.getfixturevalue("redis_server" if kind == "redis" else "cluster").url
+    return RedisStore(url, namespace=f"combo-{uuid.uuid4().hex[:8]}", name=kind)
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "serial"])
+@pytest.mark.parametrize("kinds", [(k,) for k in SINGLE] + STACKS, ids="+".join)
+def test_every_store_and_stack_gives_the_memory_stores_tokens(kinds, pipelined, request, tmp_path, reference_tokens):
+    tiers = [make_tier(kind, request, tmp_path) for kind in kinds]
+    store = tiers[0] if len(tiers) == 1 else TieredStore(tiers)
+    config = EngineConfig(chunk_separator="", pipelined_loading=pipelined)
+    engine = CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config, store=store)
+    try:
+        cold = ask(engine)
+        assert cold.token_ids == reference_tokens and cold.metrics.chunks_missed == 2
+        engine.store.flush()
+        if len(tiers) > 1:
+            engine.clear_store([kinds[0]])  # the next request is served by the second tier
+        warm = ask(engine)
+        assert warm.token_ids == reference_tokens
+        assert warm.metrics.hits_by_tier == {kinds[0] if len(tiers) == 1 else kinds[1]: 2}
+    finally:
+        store.clear()
+        store.close()
