@@ -2,45 +2,35 @@
 
 Scope: resolving the engine (given, or loaded once per process by name), splitting a rendered prompt at the
 documents' placeholder into prefix / suffix, turning per-call kwargs into `engine.stream` arguments, and
-turning a request's `RequestMetrics` into LangChain usage metadata and generation info.
+turning a request's `RequestMetrics` into LangChain usage metadata and generation info. The framework-free
+parts (placeholder, split, per-call arguments, model name, shared engines) are `cacheblend_rag.integration`'s,
+shared with the LlamaIndex package.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig, GenerationResult
+from cacheblend_rag import CacheBlendEngine, GenerationResult
 from cacheblend_rag.errors import PromptError
+from cacheblend_rag.integration import (
+    CONTEXT_PLACEHOLDER,
+    call_arguments,
+    load_engine,
+    resolve_model_name,
+    split_at_context,
+)
 from langchain_core.language_models import LangSmithParams
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from pydantic import BaseModel, ConfigDict, Field
 
-# Stands for the documents in a rendered prompt. The documents' chains render the user's prompt with this in
-# place of `{context}`; the model splits the prompt text here into the prefix (before the documents) and the
-# suffix (after them), and each document becomes its own chunk with its own cached KV. NUL bytes keep it from
-# ever occurring in real text.
-CONTEXT_PLACEHOLDER = "\x00<cacheblend:documents>\x00"
+__all__ = ["CONTEXT_PLACEHOLDER", "CacheBlendParams", "load_engine", "split_prompt", "usage_from"]
 
-# Keyword arguments a call may pass (through `invoke(..., chunks=...)` or `.bind(...)`).
-_CALL_KWARGS = frozenset(
-    {"chunks", "mode", "recompute_ratio", "max_tokens", "temperature", "top_p", "top_k", "seed", "model", "stream"}
-)
-
-
-@functools.lru_cache(maxsize=4)
-def load_engine(name_or_path: str | None = None, *, device: str = "cpu", dtype: str = "float32") -> CacheBlendEngine:
-    """The engine of a preset or local checkpoint, built once per process and shared by every model object.
-
-    Building an engine loads the model (seconds) and owns the chunk KV store: sharing it is what lets every
-    chain, LLM and chat model of a process reuse each other's chunk caches. The engine is thread-safe.
-    Pass `engine=` to a model instead to control its configuration (store tiers, blend settings) yourself.
-    """
-    return CacheBlendEngine.from_pretrained(
-        name_or_path, config=EngineConfig(device=device, dtype=dtype), show_progress=False
-    )
+# LangChain's own keyword arguments of a call, besides the engine's (`cacheblend_rag.integration.CALL_ARGUMENTS`):
+# the documents (the chains pass them), a per-call model, and the flag LangChain sets on streaming calls.
+_FRAMEWORK_KWARGS = ("chunks", "model", "stream")
 
 
 def split_prompt(text: str, chunks: Sequence[str] | None) -> tuple[str, list[str], str]:
@@ -48,9 +38,8 @@ def split_prompt(text: str, chunks: Sequence[str] | None) -> tuple[str, list[str
 
     Without chunks the whole text is the suffix (a plain full prefill of the prompt).
     """
-    count = text.count(CONTEXT_PLACEHOLDER)
     if chunks is None:
-        if count:
+        if CONTEXT_PLACEHOLDER in text:
             raise PromptError(
                 "the prompt holds the documents' placeholder but no chunks were passed; call the model with "
                 "chunks=[...] (the documents' texts), or use create_blend_documents_chain, which does it"
@@ -58,12 +47,7 @@ def split_prompt(text: str, chunks: Sequence[str] | None) -> tuple[str, list[str
         return "", [], text
     if isinstance(chunks, str):
         raise PromptError("chunks must be a list of strings, got a single string; wrap it: chunks=[text]")
-    if count != 1:
-        raise PromptError(
-            f"with chunks, the prompt must hold the documents' placeholder (CONTEXT_PLACEHOLDER) exactly once, "
-            f"found it {count} times; render the prompt with {{context}} set to CONTEXT_PLACEHOLDER"
-        )
-    prefix, suffix = text.split(CONTEXT_PLACEHOLDER)
+    prefix, suffix = split_at_context(text)
     return prefix, list(chunks), suffix
 
 
@@ -124,13 +108,7 @@ class CacheBlendParams(BaseModel):
     @property
     def model_name(self) -> str:
         """The name reported in metadata and traces: `model`, else the engine's checkpoint name."""
-        if self.model is not None:
-            return self.model
-        if self.engine is not None:
-            return str(getattr(self.engine.model.config, "_name_or_path", "") or "cacheblend")
-        from cacheblend_rag.models import DEFAULT_PRESET
-
-        return DEFAULT_PRESET
+        return resolve_model_name(self.model, self.engine)
 
     def get_engine(self, model: str | None = None) -> CacheBlendEngine:
         """The engine for a call: the given one, or the shared one of `model` (a per-call override) or `self.model`."""
@@ -144,35 +122,33 @@ class CacheBlendParams(BaseModel):
         """Token ids of `text` by the model's own tokenizer (LangChain's default is GPT-2's)."""
         return list(self.get_engine().tokenizer.encode(text, add_special_tokens=False))
 
+    def _defaults(self) -> dict[str, Any]:
+        """This model's settings under the engine's names (`cacheblend_rag.integration.CALL_ARGUMENTS`)."""
+        return {
+            "max_new_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "mode": self.mode,
+            "recompute_ratio": self.recompute_ratio,
+        }
+
+    def _call_arguments(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The engine arguments of a call: this model's settings, overridden by the call's `stop` and kwargs."""
+        overrides = kwargs if stop is None else {**kwargs, "stop": stop}
+        return call_arguments(self._defaults(), overrides, framework=_FRAMEWORK_KWARGS)
+
     def _stream_request(
         self, text: str, stop: list[str] | None, kwargs: dict[str, Any]
     ) -> tuple[Iterator[str], Any, str]:
         """Start one request on a rendered prompt. -> (text deltas with the timeout enforced, the engine's
         stream (its `.result` is set once the deltas are exhausted), the model name used)."""
-        unknown = set(kwargs) - _CALL_KWARGS
-        if unknown:
-            raise TypeError(
-                f"unexpected keyword arguments {sorted(unknown)}; a call accepts {sorted(_CALL_KWARGS)} "
-                "(settings such as top_p may be given when building the model)"
-            )
+        arguments = self._call_arguments(stop, kwargs)
         engine = self.get_engine(kwargs.get("model"))
         prefix, chunks, suffix = split_prompt(text, kwargs.get("chunks"))
-        stops = self.stop if stop is None else stop
-        mode = kwargs.get("mode", self.mode)
-        ratio = kwargs.get("recompute_ratio", self.recompute_ratio)
-        stream = engine.stream(
-            chunks,
-            prefix=prefix,
-            suffix=suffix,
-            mode=mode,
-            recompute_ratio=ratio if mode == "blend" else None,
-            max_new_tokens=kwargs.get("max_tokens", self.max_tokens),
-            temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p),
-            top_k=kwargs.get("top_k", self.top_k),
-            seed=kwargs.get("seed", self.seed),
-            stop=tuple(stops or ()),
-        )
+        stream = engine.stream(chunks, prefix=prefix, suffix=suffix, **arguments)
         return self._with_timeout(stream), stream, kwargs.get("model") or self.model_name
 
     def _with_timeout(self, deltas: Iterator[str]) -> Iterator[str]:

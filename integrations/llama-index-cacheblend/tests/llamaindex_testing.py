@@ -2,7 +2,9 @@
 
 Not a conftest.py: the root tests import their helpers with `from conftest import ...`, which would find this
 folder's conftest when both folders run in one session (pytest imports every conftest outside a package as the
-module `conftest`). A uniquely named module, imported explicitly, keeps both working.
+module `conftest`). A uniquely named module, imported explicitly, keeps both working. For the same reason this
+folder has no `__init__.py` (LlamaIndex's own packages have one): it would be a second top-level `tests` package
+beside the LangChain package's, and the root collection could import only one of them.
 
 The engine is built once per process, as users should build it; tests that count cache hits use texts of their
 own, so what other tests stored cannot change their counts.
@@ -17,6 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag.integration import load_engine
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
 from llama_index.core.schema import NodeWithScore, TextNode
 
 from llama_index.llms.cacheblend import CacheBlendLLM
@@ -27,9 +31,16 @@ MAX_NEW_TOKENS = 16  # short answers keep the real-model tests quick; greedy dec
 
 @functools.cache
 def shared_llm() -> CacheBlendLLM:
-    """A CacheBlendLLM on the one engine of this test process."""
-    engine = CacheBlendEngine.from_pretrained(TEST_MODEL, config=EngineConfig(dtype="float32"), show_progress=False)
-    return CacheBlendLLM(engine=engine, max_new_tokens=MAX_NEW_TOKENS)
+    """A CacheBlendLLM on the process's one engine of the test model (the one LangChain's tests use too)."""
+    return CacheBlendLLM(engine=load_engine(TEST_MODEL), max_new_tokens=MAX_NEW_TOKENS)
+
+
+def tiny_llm() -> CacheBlendLLM:
+    """A CacheBlendLLM on a fresh engine (its own empty store) over a tiny random model with a chat template:
+    for tests of mechanics, where the answer's words do not matter. Texts are words "w0".."w95"."""
+    model = make_tiny_model("llama", num_layers=4, mute_eos=True)
+    engine = CacheBlendEngine(model, make_tiny_tokenizer(chat_template=True), config=EngineConfig())
+    return CacheBlendLLM(engine=engine, max_new_tokens=2)
 
 
 def as_nodes(*texts: str) -> list[NodeWithScore]:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from cacheblend_rag.errors import PromptError
+from cacheblend_rag.integration import load_engine
+from llama_index.core.base.llms.base import BaseLLM
+from llama_index.core.base.llms.types import ImageBlock, TextBlock
 from llama_index.core.llms import ChatMessage, MessageRole
-from llamaindex_testing import shared_llm
+from llamaindex_testing import TEST_MODEL, shared_llm, tiny_llm
 
 from llama_index.llms.cacheblend import METRICS_KEY, CacheBlendLLM
 
@@ -16,8 +20,6 @@ def llm() -> CacheBlendLLM:
     return shared_llm()
 
 
-pytestmark = pytest.mark.real_model
-
 PROMPT = "What is the capital of France?"
 
 
@@ -25,6 +27,7 @@ def chat_text(llm: CacheBlendLLM, messages: list[dict[str, str]]) -> str:
     return llm.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+@pytest.mark.real_model
 def test_metadata_comes_from_the_engine_and_settings(llm: CacheBlendLLM) -> None:
     meta = llm.metadata
     assert meta.context_window == llm.engine.max_tokens
@@ -33,6 +36,7 @@ def test_metadata_comes_from_the_engine_and_settings(llm: CacheBlendLLM) -> None
     assert "smollm2" in meta.model_name
 
 
+@pytest.mark.real_model
 def test_complete_equals_engine_full_prefill_of_the_chat_turn(llm: CacheBlendLLM) -> None:
     response = llm.complete(PROMPT)
     direct = llm.engine.generate(
@@ -46,11 +50,13 @@ def test_complete_equals_engine_full_prefill_of_the_chat_turn(llm: CacheBlendLLM
     assert response.raw["token_ids"] == direct.token_ids
 
 
+@pytest.mark.real_model
 def test_formatted_prompt_is_sent_as_is(llm: CacheBlendLLM) -> None:
     text = chat_text(llm, [{"role": "user", "content": PROMPT}])
     assert llm.complete(text, formatted=True).text == llm.complete(PROMPT).text
 
 
+@pytest.mark.real_model
 def test_stream_complete_yields_the_same_text_as_complete(llm: CacheBlendLLM) -> None:
     pieces = list(llm.stream_complete(PROMPT))
     assert "".join(p.delta or "" for p in pieces) == llm.complete(PROMPT).text
@@ -58,6 +64,7 @@ def test_stream_complete_yields_the_same_text_as_complete(llm: CacheBlendLLM) ->
     assert pieces[-1].additional_kwargs[METRICS_KEY]["generated_tokens"] > 0
 
 
+@pytest.mark.real_model
 def test_chat_renders_messages_with_the_chat_template(llm: CacheBlendLLM) -> None:
     messages = [
         ChatMessage(role=MessageRole.SYSTEM, content="Answer in one word."),
@@ -73,6 +80,7 @@ def test_chat_renders_messages_with_the_chat_template(llm: CacheBlendLLM) -> Non
     assert "".join(r.delta or "" for r in llm.stream_chat(messages)) == response.message.content
 
 
+@pytest.mark.real_model
 def test_async_calls_match_sync_calls(llm: CacheBlendLLM) -> None:
     async def run() -> tuple[str, str, str]:
         completion = await llm.acomplete(PROMPT)
@@ -85,18 +93,47 @@ def test_async_calls_match_sync_calls(llm: CacheBlendLLM) -> None:
     assert completion == streamed == chat == expected
 
 
+@pytest.mark.real_model
 def test_per_call_settings_override_fields(llm: CacheBlendLLM) -> None:
     response = llm.complete(PROMPT, max_new_tokens=2)
     assert response.additional_kwargs[METRICS_KEY]["generated_tokens"] <= 2
     assert response.raw["finish_reason"] in ("length", "stop")
+    # LangChain's (and OpenAI's) name for the answer budget is accepted too: both packages take the same arguments
+    assert llm.complete(PROMPT, max_tokens=1).additional_kwargs[METRICS_KEY]["generated_tokens"] == 1
 
 
+@pytest.mark.real_model
 def test_bad_input_is_refused_with_a_clear_error(llm: CacheBlendLLM) -> None:
-    with pytest.raises(TypeError, match="unexpected keyword arguments \\['max_tokens'\\]"):
-        llm.complete(PROMPT, max_tokens=3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_token'.*'max_new_tokens'"):
+        llm.complete(PROMPT, max_token=3)
+    with pytest.raises(TypeError, match="pass one of them"):
+        llm.complete(PROMPT, max_tokens=3, max_new_tokens=3)
     with pytest.raises(ValueError, match="non-empty string"):
         llm.complete("   ")
     with pytest.raises(TypeError, match="CacheBlendEngine"):
         CacheBlendLLM(engine="qwen")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         CacheBlendLLM(engine=llm.engine, temperature=-1.0)
+
+
+def test_llm_class_is_a_llamaindex_llm() -> None:
+    names_of_base_classes = [b.__name__ for b in CacheBlendLLM.__mro__]
+    assert BaseLLM.__name__ in names_of_base_classes
+
+
+def test_chat_accepts_text_turns_and_refuses_tools_and_images() -> None:
+    llm = tiny_llm()
+    turns = [ChatMessage(role="system", content="w1"), ChatMessage(role="user", content="w2 w3")]
+    assert llm.chat(turns).message.content is not None
+    with pytest.raises(PromptError, match="no tool calling"):
+        llm.chat([*turns, ChatMessage(role=MessageRole.TOOL, content="w4")])
+    image = ChatMessage(role="user", blocks=[TextBlock(text="w5"), ImageBlock(url="https://example.com/x.png")])
+    with pytest.raises(PromptError, match="text only"):
+        llm.chat([image])
+
+
+@pytest.mark.real_model
+def test_without_an_engine_the_process_wide_engine_of_the_model_is_used() -> None:
+    llm = CacheBlendLLM(model_name=TEST_MODEL, max_new_tokens=2)
+    assert llm.engine is load_engine(TEST_MODEL)  # the engine LangChain's models of this name share too
+    assert llm.metadata.model_name == TEST_MODEL

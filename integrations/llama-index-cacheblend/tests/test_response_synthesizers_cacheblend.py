@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from cacheblend_rag.errors import PromptError
+from cacheblend_rag.integration import QuestionBeforeContextWarning
 from llama_index.core import MockEmbedding, VectorStoreIndex
 from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
 from llama_index.core.llms import MockLLM
@@ -20,8 +22,9 @@ from llama_index.core.response_synthesizers import (
     TreeSummarize,
     get_response_synthesizer,
 )
+from llama_index.core.response_synthesizers import BaseSynthesizer as FrameworkSynthesizer
 from llama_index.core.schema import Document, TextNode
-from llamaindex_testing import as_nodes, shared_llm
+from llamaindex_testing import as_nodes, shared_llm, tiny_llm
 
 from llama_index.llms.cacheblend import METRICS_KEY, CacheBlendLLM
 from llama_index.response_synthesizers.cacheblend import BlendSynthesizer, get_blend_query_engine
@@ -187,14 +190,34 @@ def test_framework_compact_mode_runs_on_the_cacheblend_llm(llm: CacheBlendLLM) -
     assert METRICS_KEY not in (response.metadata or {})  # the framework's response carries no engine metrics
 
 
+def test_synthesizer_class_is_a_llamaindex_synthesizer() -> None:
+    names_of_base_classes = [b.__name__ for b in BlendSynthesizer.__mro__]
+    assert FrameworkSynthesizer.__name__ in names_of_base_classes
+
+
+def test_question_before_the_context_warns_answers_and_reuses_nothing() -> None:
+    """The policy both framework packages share (cacheblend_rag.integration): such a template is accepted with a
+    QuestionBeforeContextWarning, every query answers but computes its chunks anew, and precomputing is refused."""
+    llm = tiny_llm()
+    question_first = PromptTemplate("w1 {query_str} w2 {context_str} w3")
+    with pytest.warns(QuestionBeforeContextWarning, match="Put the question after the documents"):
+        synthesizer = BlendSynthesizer(llm=llm, text_qa_template=question_first)
+    nodes = as_nodes("w10 w11 w12", "w13 w14 w15")
+    first = synthesizer.synthesize("w20", nodes).metadata[METRICS_KEY]
+    second = synthesizer.synthesize("w21", nodes).metadata[METRICS_KEY]
+    assert first["chunks_missed"] == second["chunks_missed"] == 2 and second["chunks_hit"] == 0
+    with pytest.raises(PromptError, match="cannot precompute"):
+        synthesizer.precompute(nodes)
+    with pytest.warns(QuestionBeforeContextWarning):
+        BlendSynthesizer(llm=llm).update_prompts({"text_qa_template": PromptTemplate("{query_str} {context_str}")})
+
+
 def test_blend_needs_a_cacheblend_llm() -> None:
     with pytest.raises(TypeError, match="needs a CacheBlendLLM.*got MockLLM"):
         BlendSynthesizer(llm=MockLLM())
 
 
 def test_bad_settings_are_refused_with_a_clear_error(llm: CacheBlendLLM) -> None:
-    with pytest.raises(ValueError, match="put the question after the context"):
-        BlendSynthesizer(llm=llm, text_qa_template=PromptTemplate("Question: {query_str}\n{context_str}\nAnswer:"))
     with pytest.raises(ValueError, match="exactly once"):
         BlendSynthesizer(llm=llm, text_qa_template=PromptTemplate("Answer {query_str}:"))
     with pytest.raises(ValueError, match="recompute_ratio must be in"):
@@ -204,8 +227,6 @@ def test_bad_settings_are_refused_with_a_clear_error(llm: CacheBlendLLM) -> None
     with pytest.raises(ValueError, match="unknown response_mode 'blnd'"):
         get_blend_query_engine(VectorStoreIndex(nodes=[], embed_model=MockEmbedding(embed_dim=8)), "blnd", llm=llm)
     synthesizer = BlendSynthesizer(llm=llm)
-    with pytest.raises(ValueError, match="put the question after the context"):
-        synthesizer.update_prompts({"text_qa_template": PromptTemplate("{query_str} {context_str}")})
     with pytest.raises(TypeError, match="single string"):
         synthesizer.get_response(QUESTION, "one text")  # type: ignore[arg-type]
 

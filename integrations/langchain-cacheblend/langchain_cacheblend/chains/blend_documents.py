@@ -2,8 +2,10 @@
 
 `create_stuff_documents_chain` joins the documents into one string; here the prompt is rendered with the
 documents' placeholder in place of `{context}` and the formatted documents travel beside it as `chunks=`.
-The model splits the rendered prompt at the placeholder, so the text before the documents must not depend on
-the question: put the question after `{context}`, or no chunk is ever reused (a warning says so).
+The model splits the rendered prompt at the placeholder. When the text before the documents depends on the
+question, the chain still answers (as a full prefill would) but no chunk is ever reused: a
+`QuestionBeforeContextWarning` says so when the chain is built, and `precompute_documents` refuses such a prompt
+(`cacheblend_rag.integration` states this policy for both framework packages).
 
 `create_blend_documents_chain` is the LCEL form (drop-in for `create_retrieval_chain`);
 `BlendStuffDocumentsChain` is the classic `BaseCombineDocumentsChain` form (for `RetrievalQA` and friends),
@@ -12,10 +14,10 @@ and returns the request's metrics beside the answer.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from cacheblend_rag.integration import CONTEXT_PLACEHOLDER, check_context_prompt, question_free_prefix
 from langchain_classic.chains.combine_documents.base import BaseCombineDocumentsChain
 from langchain_core.callbacks import Callbacks
 from langchain_core.documents import Document
@@ -25,7 +27,7 @@ from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_do
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
 from pydantic import ConfigDict, Field, model_validator
 
-from .._common import CONTEXT_PLACEHOLDER, CacheBlendParams
+from .._common import CacheBlendParams
 from ..chat_models import ChatCacheBlend, render_messages
 from ..llms import CacheBlendLLM
 
@@ -43,25 +45,30 @@ def _check_model(llm: Any) -> ChatCacheBlend | CacheBlendLLM:
 
 
 def _check_prompt(prompt: BasePromptTemplate, document_variable_name: str) -> None:
-    """The prompt must take the documents; warn when the text before them depends on another variable."""
+    """The prompt must take the documents once; warn when the text before them depends on another variable."""
     if document_variable_name not in prompt.input_variables:
         raise ValueError(
             f"the prompt must take the documents as {{{document_variable_name}}}, but its variables are "
             f"{prompt.input_variables}; add {{{document_variable_name}}} to it or set document_variable_name"
         )
     others = [v for v in prompt.input_variables if v != document_variable_name]
-    if not others:
-        return
-    heads = []
-    for tag in ("\x01first", "\x01second"):
-        text = prompt.format_prompt(**{v: tag for v in others}, **{document_variable_name: CONTEXT_PLACEHOLDER})
-        heads.append(text.to_string().split(CONTEXT_PLACEHOLDER)[0])
-    if heads[0] != heads[1]:
-        warnings.warn(
-            f"the prompt's text before {{{document_variable_name}}} depends on {others}: every request then has "
-            "another prefix and no document's cached KV is ever reused. Put the question after the documents.",
-            stacklevel=3,
-        )
+    check_context_prompt(_renderer(prompt, document_variable_name, _as_string), question=f"{others}")
+
+
+def _as_string(value: PromptValue) -> str:
+    return value.to_string()
+
+
+def _renderer(
+    prompt: BasePromptTemplate, document_variable_name: str, to_text: Callable[[PromptValue], str]
+) -> Callable[[str], str]:
+    """value -> the prompt's text (by `to_text`) with the documents' placeholder, `value` for every other variable."""
+    others = [v for v in prompt.input_variables if v != document_variable_name]
+
+    def render(value: str) -> str:
+        return to_text(prompt.invoke({**{v: value for v in others}, document_variable_name: CONTEXT_PLACEHOLDER}))
+
+    return render
 
 
 def render_documents_prompt(
@@ -83,16 +90,16 @@ def render_documents_prompt(
 def documents_prefix(
     llm: ChatCacheBlend | CacheBlendLLM, prompt: BasePromptTemplate, document_variable_name: str
 ) -> str:
-    """The text before the documents, as the model sees it (the cache key's prefix). Other variables get a
-    stand-in: `_check_prompt` warns when the prefix depends on them."""
+    """The text before the documents, as the model sees it (the cache key's prefix). PromptError when it depends
+    on the question or another variable: no request would read KV precomputed for it."""
     _check_model(llm)
-    others = {v: "?" for v in prompt.input_variables if v != document_variable_name}
-    value = prompt.invoke({**others, document_variable_name: CONTEXT_PLACEHOLDER})
+    others = [v for v in prompt.input_variables if v != document_variable_name]
+    to_text: Callable[[PromptValue], str] = _as_string
     if isinstance(llm, ChatCacheBlend):
-        text = render_messages(llm.get_engine().tokenizer, value.to_messages())
-    else:
-        text = value.to_string()
-    return text.split(CONTEXT_PLACEHOLDER)[0]
+        tokenizer = llm.get_engine().tokenizer
+        to_text = lambda value: render_messages(tokenizer, value.to_messages())  # noqa: E731
+    render = _renderer(prompt, document_variable_name, to_text)
+    return question_free_prefix(render, question=f"{others}")
 
 
 def precompute_documents(

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from cacheblend_rag.errors import PromptError
+from cacheblend_rag.integration import ChatTurn, non_text_error, render_chat
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (
@@ -30,7 +31,7 @@ from .._common import CacheBlendParams, usage_from
 
 
 def _text_of(message: BaseMessage) -> str:
-    """A message's text; anything but text (images, audio, files, tool calls) is refused, not silently dropped."""
+    """A message's text; anything but text (images, audio, files) is refused, not silently dropped."""
     content = message.content
     if isinstance(content, str):
         return content
@@ -41,43 +42,30 @@ def _text_of(message: BaseMessage) -> str:
         elif isinstance(block, dict) and block.get("type") == "text":
             parts.append(str(block.get("text", "")))
         else:
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise PromptError(
-                f"ChatCacheBlend reads text only, got a {kind!r} content block in a {message.type} message; "
-                "pass the content as text (the packaged models take no images, audio or files)"
-            )
+            raise non_text_error(block.get("type") if isinstance(block, dict) else type(block).__name__, message.type)
     return "".join(parts)
 
 
-def _role_of(message: BaseMessage) -> str:
+def _turn_of(message: BaseMessage) -> ChatTurn:
     if isinstance(message, SystemMessage):
-        return "system"
-    if isinstance(message, HumanMessage):
-        return "user"
-    if isinstance(message, AIMessage):
-        if message.tool_calls:
-            raise PromptError("ChatCacheBlend has no tool calling; drop tool calls from the conversation")
-        return "assistant"
-    if isinstance(message, ChatMessage):
-        return message.role
-    if isinstance(message, ToolMessage):
-        raise PromptError("ChatCacheBlend has no tool calling; drop tool messages from the conversation")
-    raise PromptError(f"unsupported message type {type(message).__name__}; use System/Human/AI messages")
+        role = "system"
+    elif isinstance(message, HumanMessage):
+        role = "user"
+    elif isinstance(message, AIMessage):
+        role = "tool" if message.tool_calls else "assistant"  # a tool call is refused as a tool message is
+    elif isinstance(message, ChatMessage):
+        role = message.role
+    elif isinstance(message, ToolMessage):
+        role = "tool"
+    else:
+        raise PromptError(f"unsupported message type {type(message).__name__}; use System/Human/AI messages")
+    return ChatTurn(role, _text_of(message))
 
 
 def render_messages(tokenizer: Any, messages: Sequence[BaseMessage]) -> str:
-    """The prompt text of a conversation, ending with the start of the assistant's turn.
-
-    With a chat template this is exactly the text the model was trained on; a tokenizer without one (base
-    models) gets the conversation as "Role: text" lines.
-    """
-    if not messages:
-        raise PromptError("no messages to answer; pass at least one message")
-    turns = [{"role": _role_of(m), "content": _text_of(m)} for m in messages]
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    lines = [f"{t['role'].capitalize()}: {t['content']}" for t in turns]
-    return "\n".join(lines) + "\nAssistant:"
+    """The prompt text of a conversation, ending with the start of the assistant's turn
+    (`cacheblend_rag.integration.render_chat`: the tokenizer's chat template, or "Role: text" lines)."""
+    return render_chat(tokenizer, [_turn_of(m) for m in messages])
 
 
 class ChatCacheBlend(CacheBlendParams, BaseChatModel):

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 from cacheblend_rag.errors import PromptError
+from cacheblend_rag.integration import QuestionBeforeContextWarning
 from langchain_core.documents import Document
 from langchain_core.language_models import FakeListChatModel
 from langchain_core.messages import HumanMessage
@@ -96,8 +97,8 @@ def test_prompt_and_chunks_must_come_together(engine):
 
 
 def test_unknown_settings_are_errors(engine):
-    with pytest.raises(TypeError, match="unexpected keyword"):
-        ChatCacheBlend(engine=engine).invoke("w5", max_new_tokens=3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'.*'temperature'"):
+        ChatCacheBlend(engine=engine).invoke("w5", temprature=0.5)
     with pytest.raises(ValueError, match="max_new_tokens"):
         ChatCacheBlend(engine=engine, max_new_tokens=3)
 
@@ -182,11 +183,19 @@ def test_precompute_uses_the_prefix_requests_use(engine):
     assert [c.metrics["chunks_hit"] for c in handler.calls] == [3]
 
 
-def test_question_before_the_documents_warns_that_nothing_is_reused(engine):
-    chat = ChatCacheBlend(engine=engine)
+def test_question_before_the_documents_warns_answers_and_reuses_nothing(engine):
+    """The policy both framework packages share (cacheblend_rag.integration): such a prompt is accepted with a
+    QuestionBeforeContextWarning, every question answers but computes its chunks anew, and precomputing is refused."""
+    chat = ChatCacheBlend(engine=engine, max_tokens=2)
     late = ChatPromptTemplate.from_messages([("human", "w7 {input} w8 {context}")])
-    with pytest.warns(UserWarning, match="Put the question after"):
-        create_blend_documents_chain(chat, late)
+    with pytest.warns(QuestionBeforeContextWarning, match="Put the question after the documents"):
+        chain = create_blend_documents_chain(chat, late)
+    handler = CacheBlendMetricsHandler()
+    for question in ("w20", "w21"):
+        chain.invoke({"context": DOCS, "input": question}, {"callbacks": [handler]})
+    assert [(c.metrics["chunks_hit"], c.metrics["chunks_missed"]) for c in handler.calls] == [(0, 3), (0, 3)]
+    with pytest.raises(PromptError, match="cannot precompute"):
+        precompute_documents(chat, late, DOCS)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         create_blend_documents_chain(chat, PROMPT)

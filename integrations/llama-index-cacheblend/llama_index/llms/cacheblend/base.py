@@ -14,7 +14,16 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig, GenerationResult
+from cacheblend_rag import CacheBlendEngine, EngineConfig, GenerationResult, PrefillMode
+from cacheblend_rag.integration import (
+    ChatTurn,
+    call_arguments,
+    has_chat_template,
+    load_engine,
+    non_text_error,
+    render_chat,
+    resolve_model_name,
+)
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -23,6 +32,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
+    TextBlock,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_completion_callback
@@ -33,8 +43,19 @@ from llama_index.core.prompts import BasePromptTemplate
 METRICS_KEY = "cacheblend_metrics"
 
 
+def _turn_of(message: ChatMessage) -> ChatTurn:
+    """A LlamaIndex message as a chat turn: text blocks only (an image or a file is refused, not dropped)."""
+    parts = []
+    for block in message.blocks:
+        if not isinstance(block, TextBlock):
+            raise non_text_error(block.block_type, message.role.value)
+        parts.append(block.text)
+    return ChatTurn(message.role.value, "".join(parts))
+
+
 class ChatTemplate:
-    """Renders chat messages with a tokenizer's chat template, ending with the assistant turn's opening.
+    """Renders chat messages with the tokenizer's chat template (`cacheblend_rag.integration.render_chat`),
+    ending with the assistant turn's opening.
 
     A small callable object rather than a method of the LLM: the LLM's formatting fields then do not point back
     at the LLM (whose repr would recurse through them).
@@ -45,8 +66,7 @@ class ChatTemplate:
         self.system_prompt = system_prompt
 
     def __call__(self, messages: Sequence[ChatMessage]) -> str:
-        turns = [{"role": m.role.value, "content": m.content or ""} for m in messages]
-        return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        return render_chat(self.tokenizer, [_turn_of(m) for m in messages])
 
     def user_turn(self, prompt: str) -> str:
         """A bare completion prompt as one user message (after the system prompt, if any)."""
@@ -57,10 +77,6 @@ class ChatTemplate:
         return f"ChatTemplate(system_prompt={self.system_prompt!r})"
 
 
-# Per-call overrides accepted by complete()/stream_complete() and the synthesizer (names of engine.generate).
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
-
-
 class CacheBlendLLM(CustomLLM):
     """A LlamaIndex LLM served in-process by a `CacheBlendEngine` (build the engine once and share it).
 
@@ -68,9 +84,16 @@ class CacheBlendLLM(CustomLLM):
         engine = CacheBlendEngine.from_pretrained()
         llm = CacheBlendLLM(engine=engine, max_new_tokens=128)
         print(llm.complete("Name three rivers in France."))
+
+    Without `engine`, the engine of `model_name` (default: the default preset) is loaded on construction and
+    shared by every model object of the process, LangChain's included (`cacheblend_rag.integration.load_engine`).
     """
 
-    model_name: str = Field(default="", description="The model's name or path, as reported in metadata.")
+    model_name: str = Field(
+        default="",
+        description="Preset name or checkpoint path: what is loaded without `engine`, and the name reported in "
+        "metadata (default: the engine's checkpoint name, or the default preset).",
+    )
     max_new_tokens: int = Field(default=256, gt=0, description="Most tokens generated per call.")
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 decodes greedily.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (with temperature > 0).")
@@ -92,15 +115,16 @@ class CacheBlendLLM(CustomLLM):
 
     _engine: CacheBlendEngine = PrivateAttr()
 
-    def __init__(self, engine: CacheBlendEngine, **kwargs: Any) -> None:
+    def __init__(self, engine: CacheBlendEngine | None = None, **kwargs: Any) -> None:
+        if engine is None:
+            engine = load_engine(kwargs.get("model_name") or None)
         if not isinstance(engine, CacheBlendEngine):
             raise TypeError(f"engine must be a cacheblend_rag.CacheBlendEngine, got {type(engine).__name__}")
-        has_chat_template = bool(getattr(engine.tokenizer, "chat_template", None))
-        if kwargs.get("is_chat_model") and not has_chat_template:
+        has_template = has_chat_template(engine.tokenizer)
+        if kwargs.get("is_chat_model") and not has_template:
             raise ValueError("is_chat_model=True needs a tokenizer with a chat template; this one has none")
-        kwargs.setdefault("is_chat_model", has_chat_template)
-        if not kwargs.get("model_name"):
-            kwargs["model_name"] = str(getattr(engine.model.config, "name_or_path", "") or "cacheblend")
+        kwargs.setdefault("is_chat_model", has_template)
+        kwargs["model_name"] = resolve_model_name(kwargs.get("model_name"), engine)
         if not kwargs.get("context_window"):
             kwargs["context_window"] = engine.max_tokens
         super().__init__(**kwargs)
@@ -152,15 +176,23 @@ class CacheBlendLLM(CustomLLM):
             return self.messages_to_prompt(self._get_messages(prompt, **prompt_args))
         return self._get_prompt(prompt, **prompt_args)
 
-    def sampling_kwargs(self, overrides: dict[str, Any]) -> dict[str, Any]:
-        """This LLM's decoding settings with per-call overrides, as engine.generate() keyword arguments."""
-        unknown = sorted(set(overrides) - set(SAMPLING_KEYS))
-        if unknown:
-            raise TypeError(f"unexpected keyword arguments {unknown}; per-call settings are {list(SAMPLING_KEYS)}")
-        params: dict[str, Any] = {key: getattr(self, key) for key in SAMPLING_KEYS}
-        params.update(overrides)
-        params["stop"] = tuple(params["stop"] or ())
-        return params
+    def engine_arguments(
+        self, overrides: dict[str, Any], *, mode: PrefillMode | str = "full", recompute_ratio: float | None = None
+    ) -> dict[str, Any]:
+        """engine.generate() keyword arguments of one call: this LLM's decoding settings and the given `mode` and
+        `recompute_ratio`, each overridden by the call's keyword arguments (`cacheblend_rag.integration.
+        CALL_ARGUMENTS`; anything else raises TypeError)."""
+        defaults = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "mode": mode,
+            "recompute_ratio": recompute_ratio,
+        }
+        return call_arguments(defaults, overrides)
 
     # -- completion -----------------------------------------------------------------------------------------
 
@@ -184,14 +216,14 @@ class CacheBlendLLM(CustomLLM):
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         text = self._prompt_text(prompt, formatted)
         # No chunks: the whole prompt is the suffix, so the engine runs a full prefill.
-        result = self._engine.generate([], prefix="", suffix=text, mode="full", **self.sampling_kwargs(kwargs))
+        result = self._engine.generate([], prefix="", suffix=text, **self.engine_arguments(kwargs))
         return self._response(result)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         text = self._prompt_text(prompt, formatted)
         # Arguments are checked here, before the first token is asked for.
-        stream = self._engine.stream([], prefix="", suffix=text, mode="full", **self.sampling_kwargs(kwargs))
+        stream = self._engine.stream([], prefix="", suffix=text, **self.engine_arguments(kwargs))
 
         def gen() -> Iterator[CompletionResponse]:
             so_far = ""

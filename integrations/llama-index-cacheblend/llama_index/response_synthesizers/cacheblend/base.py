@@ -7,8 +7,10 @@ retrieves it, with ~15% of its tokens recomputed to restore cross-attention.
 
 The prompt is the framework's question-answering template (`text_qa_template`, the one compact mode uses)
 rendered by the LLM exactly as `llm.predict` would, then split where `{context_str}` goes: the text before the
-nodes is the shared prefix of every chunk's cache key, the text after holds the question. So the template must
-put the question after the context, or no chunk could be reused; this is checked when the template is set.
+nodes is the shared prefix of every chunk's cache key, the text after holds the question. A template that puts
+the question before the context still answers (as a full prefill would) but reuses no chunk: a
+`QuestionBeforeContextWarning` says so when the template is set, and `precompute` refuses it
+(`cacheblend_rag.integration` states this policy for both framework packages).
 
 `BaseSynthesizer.synthesize` is the template method: it sends the events and answers an empty retrieval with
 the framework's usual empty response. This class writes only `get_response` / `aget_response`.
@@ -17,11 +19,16 @@ the framework's usual empty response. This class writes only `get_response` / `a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Generator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Sequence
 from typing import Any
 
-from cacheblend_rag import GenerationResult, PrefillMode
-from cacheblend_rag.engine.engine import TextStream
+from cacheblend_rag import GenerationResult, PrefillMode, TextStream
+from cacheblend_rag.integration import (
+    CONTEXT_PLACEHOLDER,
+    check_context_prompt,
+    question_free_prefix,
+    split_at_context,
+)
 from llama_index.core.base.response.schema import RESPONSE_TYPE
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.llms import LLM
@@ -34,10 +41,6 @@ from llama_index.core.settings import Settings
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from llama_index.llms.cacheblend import METRICS_KEY, CacheBlendLLM
-
-# Placeholders rendered into the template to find where the nodes and the question land in the final text.
-_CONTEXT_MARK = "\x00<cacheblend:context>\x00"
-_QUERY_MARK = "\x00<cacheblend:query>\x00"
 
 
 class BlendAnswer(str):
@@ -167,28 +170,21 @@ class BlendSynthesizer(BaseSynthesizer):
         if "text_qa_template" in prompts:
             self._text_qa_template = self._checked_template(prompts["text_qa_template"])
 
-    def _render(self, template: BasePromptTemplate, query_str: str) -> tuple[str, str]:
-        text = self._blend_llm.format_prompt(template, context_str=_CONTEXT_MARK, query_str=query_str)
-        if text.count(_CONTEXT_MARK) != 1:
-            raise ValueError(
-                "text_qa_template must contain {context_str} exactly once (where the retrieved nodes go), "
-                f"found it {text.count(_CONTEXT_MARK)} times"
-            )
-        prefix, suffix = text.split(_CONTEXT_MARK)
-        return prefix, suffix
+    def _renderer(self, template: BasePromptTemplate) -> Callable[[str], str]:
+        """query -> the template's text as the LLM sends it, with the nodes' placeholder for `{context_str}`."""
+
+        def render(query_str: str) -> str:
+            return self._blend_llm.format_prompt(template, context_str=CONTEXT_PLACEHOLDER, query_str=query_str)
+
+        return render
 
     def _checked_template(self, template: BasePromptTemplate) -> BasePromptTemplate:
-        prefix, _ = self._render(template, _QUERY_MARK)
-        if _QUERY_MARK in prefix:
-            raise ValueError(
-                "text_qa_template puts {query_str} before {context_str}: every node's cached KV would depend on "
-                "the question and never be reused; put the question after the context"
-            )
+        check_context_prompt(self._renderer(template), question="{query_str}")
         return template
 
     def prompt_parts(self, query_str: str) -> tuple[str, str]:
-        """(text before the nodes, text after them) of the prompt for `query_str`; the first never depends on it."""
-        return self._render(self._text_qa_template, query_str)
+        """(text before the nodes, text after them) of the prompt for `query_str`."""
+        return split_at_context(self._renderer(self._text_qa_template)(query_str))
 
     # -- chunk KV -------------------------------------------------------------------------------------------
 
@@ -196,9 +192,10 @@ class BlendSynthesizer(BaseSynthesizer):
         """Compute and store the KV of these nodes ahead of queries (e.g. all of an index's nodes, offline).
 
         Returns (already cached, newly computed). Later queries that retrieve them find them in the store.
+        PromptError when the template puts the question before the context: no query would read this KV.
         """
         texts = [t for t in (node_text(n) for n in nodes) if t.strip()]
-        prefix, _ = self.prompt_parts(_QUERY_MARK)
+        prefix = question_free_prefix(self._renderer(self._text_qa_template), question="{query_str}")
         return self._blend_llm.engine.precompute(texts, prefix=prefix)
 
     # -- answers --------------------------------------------------------------------------------------------
@@ -212,14 +209,10 @@ class BlendSynthesizer(BaseSynthesizer):
         if not chunks:
             return {}
         prefix, suffix = self.prompt_parts(query_str)
-        return {
-            "chunks": chunks,
-            "prefix": prefix,
-            "suffix": suffix,
-            "mode": self._mode,
-            "recompute_ratio": self._recompute_ratio,
-            **self._blend_llm.sampling_kwargs(response_kwargs),
-        }
+        arguments = self._blend_llm.engine_arguments(
+            response_kwargs, mode=self._mode, recompute_ratio=self._recompute_ratio
+        )
+        return {"chunks": chunks, "prefix": prefix, "suffix": suffix, **arguments}
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any) -> RESPONSE_TEXT_TYPE:
         request = self._request(query_str, text_chunks, response_kwargs)

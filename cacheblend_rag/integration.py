@@ -1,0 +1,224 @@
+"""What the framework integrations share: one answer to each question every integration has to settle.
+
+`langchain-cacheblend` and `llama-index-cacheblend` wrap the same engine in two frameworks' classes. Everything
+that does not depend on the framework lives here, so both packages behave the same:
+
+- **Where the documents go.** A framework renders the user's prompt template to text. The integrations render
+  it with `CONTEXT_PLACEHOLDER` where the documents go (`{context}`, `{context_str}`) and `split_at_context`
+  cuts the text there: the text before is the request's prefix, the text after its suffix, and each document
+  becomes its own chunk with its own cached KV.
+- **A question placed before the documents.** A chunk's cached KV is keyed by the text before it, so when that
+  text holds the question every question gets its own prefix and no chunk is ever reused. Such a prompt is
+  accepted, as the frameworks' own chains accept it: `check_context_prompt` emits a
+  `QuestionBeforeContextWarning` where the prompt is set, and each request runs in the chosen mode but computes
+  its chunks' KV anew. Precomputing chunks for such a prompt raises, since the KV it would store is read by no
+  request. Turn the warning into an error with `warnings.simplefilter("error", QuestionBeforeContextWarning)`.
+- **Chat messages** are rendered by `render_chat` with the tokenizer's own chat template, as plain
+  "Role: text" lines when it has none; roles are system, user and assistant, content is text only.
+- **Per-call arguments** are `CALL_ARGUMENTS`, the engine's names (`max_tokens` is accepted for
+  `max_new_tokens`); `call_arguments` merges a model object's settings with a call's and refuses unknown ones.
+- **The model's name** is `resolve_model_name(requested, engine)`, and `load_engine` shares one engine per
+  (model, device, dtype) across every model object of a process, whichever framework built it.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .config import EngineConfig, PrefillMode
+from .engine import CacheBlendEngine
+from .errors import PromptError
+
+__all__ = [
+    "CALL_ARGUMENTS",
+    "CONTEXT_PLACEHOLDER",
+    "ROLES",
+    "ChatTurn",
+    "QuestionBeforeContextWarning",
+    "call_arguments",
+    "check_context_prompt",
+    "has_chat_template",
+    "load_engine",
+    "resolve_model_name",
+    "question_free_prefix",
+    "render_chat",
+    "split_at_context",
+]
+
+# Stands for the documents in a rendered prompt. NUL bytes keep it from ever occurring in real text.
+CONTEXT_PLACEHOLDER = "\x00<cacheblend:documents>\x00"
+
+# Two stand-ins for the question (and any other variable): a prefix that differs between them depends on it.
+_STAND_INS = ("\x01cacheblend:first\x01", "\x01cacheblend:second\x01")
+
+
+class QuestionBeforeContextWarning(UserWarning):
+    """The text before the documents depends on the question: requests run, but no chunk KV is reused."""
+
+
+def split_at_context(text: str) -> tuple[str, str]:
+    """(prefix, suffix) of a prompt rendered with `CONTEXT_PLACEHOLDER` where the documents go."""
+    count = text.count(CONTEXT_PLACEHOLDER)
+    if count != 1:
+        raise PromptError(
+            f"the rendered prompt must hold the documents' placeholder exactly once, found it {count} times; "
+            "the prompt template needs its context variable ({context} or {context_str}) once"
+        )
+    prefix, suffix = text.split(CONTEXT_PLACEHOLDER)
+    return prefix, suffix
+
+
+def _prefixes(render: Callable[[str], str]) -> tuple[str, str]:
+    first, second = (split_at_context(render(stand_in))[0] for stand_in in _STAND_INS)
+    return first, second
+
+
+def check_context_prompt(render: Callable[[str], str], *, question: str = "the question") -> bool:
+    """Check a prompt template where it is set; True when the text before the documents is question-free.
+
+    `render(value)` renders the template with `CONTEXT_PLACEHOLDER` for the documents and `value` for every
+    other variable. Raises PromptError when the documents' place is missing or repeated; warns with
+    `QuestionBeforeContextWarning` when the text before them depends on `question` (the request still runs).
+    """
+    first, second = _prefixes(render)
+    if first == second:
+        return True
+    warnings.warn(
+        f"the prompt's text before the documents depends on {question}: every question then has its own prefix, "
+        "computes its documents' KV anew and reuses none (the request runs, it is just not faster). Put the "
+        "question after the documents.",
+        QuestionBeforeContextWarning,
+        stacklevel=3,
+    )
+    return False
+
+
+def question_free_prefix(render: Callable[[str], str], *, question: str = "the question") -> str:
+    """The text before the documents for precomputing their KV; PromptError when it depends on `question`,
+    since KV computed for one stand-in question would be read by no request."""
+    first, second = _prefixes(render)
+    if first != second:
+        raise PromptError(
+            f"cannot precompute documents for this prompt: the text before them depends on {question}, so "
+            "each question needs its own chunk KV; put the question after the documents"
+        )
+    return first
+
+
+# -- chat ------------------------------------------------------------------------------------------------------
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str  # one of ROLES
+    content: str  # text only
+
+    def __post_init__(self) -> None:
+        if self.role in ("tool", "function"):
+            raise PromptError(f"no tool calling: drop {self.role} messages (and tool calls) from the conversation")
+        if self.role not in ROLES:
+            raise PromptError(f"unsupported message role {self.role!r}; use one of {', '.join(ROLES)}")
+
+
+def non_text_error(kind: str, role: str) -> PromptError:
+    """The error for a message part that is not text (an image, audio, a file, a tool call)."""
+    return PromptError(
+        f"the models read text only, got a {kind!r} content block in a {role} message; pass the content as text"
+    )
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether a Hugging Face tokenizer carries a chat template (instruct models do, base models do not)."""
+    return bool(tokenizer.chat_template)
+
+
+def render_chat(tokenizer: Any, turns: Sequence[ChatTurn]) -> str:
+    """The prompt text of a conversation, ending where the assistant's answer starts.
+
+    With a chat template this is the text the model was trained on; without one the turns become
+    "Role: text" lines followed by "Assistant:".
+    """
+    if not turns:
+        raise PromptError("no messages to answer; pass at least one message")
+    if has_chat_template(tokenizer):
+        messages = [{"role": t.role, "content": t.content} for t in turns]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n".join(f"{t.role.capitalize()}: {t.content}" for t in turns) + "\nAssistant:"
+
+
+# -- per-call arguments ----------------------------------------------------------------------------------------
+
+# The engine's names of what a call may set; a model object holds a default for each.
+CALL_ARGUMENTS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "mode", "recompute_ratio")
+# Other names of the same settings that the frameworks' users write.
+ALIASES = {"max_tokens": "max_new_tokens"}
+
+
+def call_arguments(
+    defaults: Mapping[str, Any], overrides: Mapping[str, Any], *, framework: Collection[str] = ()
+) -> dict[str, Any]:
+    """`engine.generate` / `engine.stream` keyword arguments of one call.
+
+    `defaults` holds the model object's setting for every name in `CALL_ARGUMENTS`; `overrides` holds the call's
+    keyword arguments (engine names or `ALIASES`); names in `framework` are the framework's own (e.g. LangChain's
+    `chunks`) and are left to the caller. An unknown name raises TypeError listing the accepted ones. `stop`
+    None means no stop strings; `recompute_ratio` applies to blend mode only.
+    """
+    missing = set(CALL_ARGUMENTS) - set(defaults)
+    if missing:
+        raise TypeError(f"defaults lack {sorted(missing)}; give a default for every name in CALL_ARGUMENTS")
+    args = {name: defaults[name] for name in CALL_ARGUMENTS}
+    given: dict[str, str] = {}
+    for key, value in overrides.items():
+        if key in framework:
+            continue
+        name = ALIASES.get(key, key)
+        if name not in args:
+            accepted = sorted({*CALL_ARGUMENTS, *ALIASES, *framework})
+            raise TypeError(
+                f"unexpected keyword argument {key!r}; a call accepts {accepted} (other settings are given when "
+                "the model is built)"
+            )
+        if name in given:
+            raise TypeError(f"{given[name]!r} and {key!r} set the same thing; pass one of them")
+        given[name] = key
+        args[name] = value
+    stop = args["stop"]
+    args["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if PrefillMode.parse(args["mode"]) is not PrefillMode.BLEND:
+        args["recompute_ratio"] = None
+    return args
+
+
+# -- the engine and its name -----------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def load_engine(name_or_path: str | None = None, *, device: str = "cpu", dtype: str = "float32") -> CacheBlendEngine:
+    """The engine of a preset or local checkpoint, built once per process and shared by every model object.
+
+    Building an engine loads the model (seconds) and owns the chunk KV store: sharing it lets every chain,
+    LLM, chat model and synthesizer of a process reuse each other's chunk caches. The engine is thread-safe.
+    Pass an engine you built yourself to control its configuration (store tiers, blend settings).
+    """
+    config = EngineConfig(device=device, dtype=dtype)
+    return CacheBlendEngine.from_pretrained(name_or_path, config=config, show_progress=False)
+
+
+def resolve_model_name(requested: str | None = None, engine: CacheBlendEngine | None = None) -> str:
+    """The name metadata and traces report: the name the user gave (a preset or a path), else the engine's
+    checkpoint name or folder as `transformers` recorded it ("cacheblend" for a model built in code), else the
+    default preset (what `load_engine()` loads)."""
+    if requested:
+        return requested
+    if engine is not None:
+        return str(engine.model.config.name_or_path or "cacheblend")
+    from .models import DEFAULT_PRESET
+
+    return DEFAULT_PRESET

@@ -1,0 +1,110 @@
+"""cacheblend_rag.integration: what the LangChain and LlamaIndex packages share, checked without either framework."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag.errors import PromptError
+from cacheblend_rag.integration import (
+    CALL_ARGUMENTS,
+    CONTEXT_PLACEHOLDER,
+    ChatTurn,
+    QuestionBeforeContextWarning,
+    call_arguments,
+    check_context_prompt,
+    question_free_prefix,
+    render_chat,
+    resolve_model_name,
+    split_at_context,
+)
+from cacheblend_rag.models import DEFAULT_PRESET
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
+
+DEFAULTS = {
+    "max_new_tokens": 8,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "seed": None,
+    "stop": None,
+    "mode": "blend",
+    "recompute_ratio": 0.2,
+}
+
+
+def question_after(question: str) -> str:
+    return f"Passages: {CONTEXT_PLACEHOLDER} Question: {question}"
+
+
+def question_before(question: str) -> str:
+    return f"Question: {question} Passages: {CONTEXT_PLACEHOLDER}"
+
+
+def test_split_at_context_cuts_the_prompt_where_the_documents_go():
+    assert split_at_context(question_after("why?")) == ("Passages: ", " Question: why?")
+    for text in ("no documents here", f"{CONTEXT_PLACEHOLDER} twice {CONTEXT_PLACEHOLDER}"):
+        with pytest.raises(PromptError, match="exactly once"):
+            split_at_context(text)
+
+
+def test_question_after_the_documents_passes_silently_and_gives_a_question_free_prefix():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_context_prompt(question_after) is True
+    assert question_free_prefix(question_after) == "Passages: "
+
+
+def test_question_before_the_documents_warns_and_cannot_be_precomputed():
+    with pytest.warns(QuestionBeforeContextWarning, match="depends on \\{query_str\\}.*reuses none"):
+        assert check_context_prompt(question_before, question="{query_str}") is False
+    with pytest.raises(PromptError, match="cannot precompute"):
+        question_free_prefix(question_before)
+    with pytest.raises(PromptError, match="exactly once"):
+        check_context_prompt(lambda question: f"no documents, {question}")
+
+
+def test_chat_uses_the_tokenizers_template_or_plain_role_lines():
+    turns = [ChatTurn("system", "w1"), ChatTurn("user", "w2")]
+    templated = make_tiny_tokenizer(chat_template=True)
+    expected = templated.apply_chat_template(
+        [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert render_chat(templated, turns) == expected
+    assert render_chat(make_tiny_tokenizer(), turns) == "System: w1\nUser: w2\nAssistant:"
+    with pytest.raises(PromptError, match="at least one message"):
+        render_chat(templated, [])
+
+
+def test_chat_roles_are_system_user_and_assistant_only():
+    with pytest.raises(PromptError, match="no tool calling"):
+        ChatTurn("tool", "result")
+    with pytest.raises(PromptError, match="unsupported message role 'critic'"):
+        ChatTurn("critic", "w1")
+
+
+def test_call_arguments_merge_defaults_and_overrides_under_one_list():
+    args = call_arguments(DEFAULTS, {"max_tokens": 3, "stop": "\n", "chunks": ["x"]}, framework=("chunks",))
+    assert set(args) == set(CALL_ARGUMENTS)
+    assert args["max_new_tokens"] == 3 and args["stop"] == ("\n",) and args["recompute_ratio"] == 0.2
+    assert call_arguments(DEFAULTS, {})["stop"] == ()  # None: no stop strings
+    assert call_arguments(DEFAULTS, {"mode": "full"})["recompute_ratio"] is None  # blend's setting only
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'.*'temperature'"):
+        call_arguments(DEFAULTS, {"temprature": 1.0})
+    with pytest.raises(TypeError, match="pass one of them"):
+        call_arguments(DEFAULTS, {"max_tokens": 3, "max_new_tokens": 4})
+
+
+def test_model_name_is_the_requested_name_else_the_checkpoint_else_the_default_preset(tmp_path):
+    make_tiny_model("llama").save_pretrained(tmp_path)
+    make_tiny_tokenizer().save_pretrained(tmp_path)
+    engine = CacheBlendEngine.from_pretrained(str(tmp_path), config=EngineConfig(), show_progress=False)
+    assert resolve_model_name("my-model", engine) == "my-model"
+    assert resolve_model_name(None, engine) == str(tmp_path)
+    in_code = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig())
+    assert resolve_model_name(None, in_code) == "cacheblend"
+    assert resolve_model_name(None, None) == DEFAULT_PRESET
