@@ -24,6 +24,7 @@ from cacheblend_rag.evaluation import (
     Dataset,
     DatasetError,
     Served,
+    ThroughputResult,
     ThroughputSettings,
     build_workload,
     load_dataset,
@@ -35,6 +36,7 @@ from cacheblend_rag.evaluation import (
     replay_queue,
     run_live,
     run_throughput,
+    write_throughput_report,
 )
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
@@ -90,12 +92,12 @@ def test_lindley_replay_matches_a_hand_computed_fifo_queue():
     assert [t.ttft_s for t in timings] == pytest.approx([0.5, 2.2, 2.1, 0.3])
 
     stats = queue_stats(timings, costs, warmup=1)  # r0 only fills the store
-    assert stats["n"] == 3
-    assert stats["throughput_rps"] == pytest.approx(3 / (12.0 - 1.0))  # measured: first arrival 1, last finish 12
-    assert stats["ttft_p50_s"] == pytest.approx(2.1)
-    assert stats["ttft_mean_s"] == pytest.approx((2.2 + 2.1 + 0.3) / 3)
-    assert stats["ttft_p99_s"] <= 2.2 and stats["ttft_p90_s"] >= stats["ttft_p50_s"]
-    assert stats["hit_rate"] == pytest.approx(5 / 6)
+    assert stats.n == 3
+    assert stats.throughput_rps == pytest.approx(3 / (12.0 - 1.0))  # measured: first arrival 1, last finish 12
+    assert stats.ttft_p50_s == pytest.approx(2.1)
+    assert stats.ttft_mean_s == pytest.approx((2.2 + 2.1 + 0.3) / 3)
+    assert stats.ttft_p99_s <= 2.2 and stats.ttft_p90_s >= stats.ttft_p50_s
+    assert stats.hit_rate == pytest.approx(5 / 6)
     with pytest.raises(ConfigError, match="leaves none"):
         queue_stats(timings, costs, warmup=4)
 
@@ -229,22 +231,31 @@ def test_end_to_end_blend_reuses_chunks_that_prefix_caching_cannot(engine, tmp_p
         engine, datasets, "full,prefix,blend@0.15", out, settings, embedder=BagOfWordsEmbedder(), show_progress=False
     )
     assert engine.store is store  # put back after the benchmark
-    assert len(result["rows"]) == 2 * 3 * 3 and len(result["methods"]) == 2 * 3
-    passes = {(p["dataset"], p["method"]): p["records"] for p in result["passes"]}
+    assert len(result.rows) == 2 * 3 * 3 and len(result.methods) == 2 * 3
+    passes = {(p.dataset, p.method): p.records for p in result.passes}
     for name in ("musique", "wikimqa"):
         blend = passes[name, "blend@0.15"]
-        assert sum(r["chunks_hit"] for r in blend if r["repeat"] > 0) > 0
-        assert blend[0]["chunks_hit"] == 0  # every method starts from an empty store
-        assert all(r["chunks_hit"] == 0 for r in passes[name, "full"])
-        hit = {m["method"]: m["hit_rate"] for m in result["methods"] if m["dataset"] == name}
+        assert sum(r.served.chunks_hit for r in blend if r.repeat > 0) > 0
+        assert blend[0].served.chunks_hit == 0  # every method starts from an empty store
+        assert all(r.served.chunks_hit == 0 for r in passes[name, "full"])
+        hit = {m.method: m.hit_rate for m in result.methods if m.dataset == name}
         assert hit["full"] == 0.0 and hit["prefix"] <= 1 / 3 < hit["blend@0.15"]
-        for row in (r for r in result["rows"] if r["dataset"] == name):
-            assert row["n"] == 9 - 2 and row["ttft_p50_s"] <= row["ttft_p90_s"] <= row["ttft_p99_s"]
+        for row in (r for r in result.rows if r.dataset == name):
+            assert row.stats.n == 9 - 2 and row.stats.ttft_p50_s <= row.stats.ttft_p90_s <= row.stats.ttft_p99_s
     saved = json.loads((out / "results.json").read_text())
     assert saved["settings"]["repeats"] == 3 and "paraphrase" in saved["note"]
     assert len(saved["workloads"][0]["sequence"]) == 9
-    assert "| blend@0.15 | 50 |" in (out / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "| blend@0.15 | 50 |" in summary
     assert (out / "ttft_vs_rate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # results.json reads back into the same typed result, and the report redrawn from it is the same
+    assert ThroughputResult.from_dict(saved).to_dict() == saved
+    (out / "summary.md").unlink()
+    write_throughput_report(out)
+    # the same tables, but for one known loss: JSON has no infinity, so a TTFT target met at any rate ("any")
+    # is null in the file and reads back as not known ("-")
+    assert (out / "summary.md").read_text() == summary.replace("| any |", "| - |")
 
 
 def test_live_mode_end_to_end(engine, tmp_path):
@@ -253,10 +264,12 @@ def test_live_mode_end_to_end(engine, tmp_path):
                                   mode="live")  # fmt: skip
     result = run_throughput(engine, [ds], "blend", tmp_path / "out", settings, embedder=BagOfWordsEmbedder(),
                             show_progress=False)  # fmt: skip
-    (p,) = result["passes"]
-    assert p["rate"] == 100.0 and len(p["records"]) == 4
-    assert all(r["queued_ttft_s"] >= r["ttft_s"] for r in p["records"])
-    assert result["rows"][0]["n"] == 3
+    (p,) = result.passes
+    assert p.rate == 100.0 and len(p.records) == 4
+    assert all(r.timing.ttft_s >= r.served.ttft_s for r in p.records)  # the queue's wait comes on top
+    assert result.rows[0].stats.n == 3
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert ThroughputResult.from_dict(saved).to_dict() == saved  # live records keep their queue timings
 
 
 def test_cli_bench_throughput_runs(tmp_path, capsys, monkeypatch):

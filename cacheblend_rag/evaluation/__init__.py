@@ -3,33 +3,42 @@
 `datasets` reads MuSiQue, 2WikiMQA, MultiNews and SAMSum into `Case`s; `scoring` has F1 and Rouge-L;
 `methods` runs full recompute, prefix caching, full KV reuse, CacheBlend at a ratio, MapReduce and MapRerank
 on the engine; `quality` runs them all, writes one JSONL record per case and the summary table and figures;
-`throughput` queues Poisson arrivals of requests that share chunks at several rates (Fig. 14).
+`throughput` serves the extended `workload` and queues it (`queueing`: Poisson arrivals, one FIFO server) at
+several rates (Fig. 14), with typed results in `throughput_report`. Both reports use `report` (formatting,
+tables, JSON, figures).
 Used by `cacheblend-rag bench quality` / `bench report` / `bench throughput`.
 """
 
 from .datasets import Case, Dataset, DatasetError, TaskSpec, load_dataset, resolve_data_dir
 from .methods import DEFAULT_METHODS, MapReduce, MapRerank, MethodResult, PrefillMethod, parse_methods
-from .quality import load_records, plot_panels, run_quality, summarize, summary_markdown, write_report
-from .scoring import best_f1, best_rouge_l, normalize_answer, score_answer, token_f1
-from .throughput import (
-    DEFAULT_THROUGHPUT_METHODS,
+from .quality import SummaryRow, load_records, run_quality, summarize, summary_markdown, write_report
+from .queueing import (
+    LiveRun,
+    QueueStats,
     Served,
-    ThroughputSettings,
     Timing,
-    Workload,
-    WorkloadRequest,
-    build_workload,
     max_rate_within_slo,
-    parse_rates,
-    parse_throughput_methods,
     poisson_arrivals,
     queue_stats,
     replay_queue,
     run_live,
-    run_throughput,
+)
+from .report import plot_panels
+from .scoring import best_f1, best_rouge_l, normalize_answer, score_answer, token_f1
+from .throughput import run_throughput, serve_request
+from .throughput_report import (
+    MethodRow,
+    RateRow,
+    RequestRecord,
+    ServedPass,
+    ThroughputResult,
+    WorkloadSummary,
+    plot_throughput,
     throughput_markdown,
     write_throughput_report,
 )
+from .throughput_settings import DEFAULT_THROUGHPUT_METHODS, ThroughputSettings, parse_rates, parse_throughput_methods
+from .workload import Workload, WorkloadRequest, build_workload
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -37,16 +46,25 @@ __all__ = [
     "Case",
     "Dataset",
     "DatasetError",
+    "LiveRun",
     "MapReduce",
     "MapRerank",
     "MethodResult",
+    "MethodRow",
     "PrefillMethod",
+    "QueueStats",
+    "RateRow",
+    "RequestRecord",
     "Served",
+    "ServedPass",
+    "SummaryRow",
     "TaskSpec",
+    "ThroughputResult",
     "ThroughputSettings",
     "Timing",
     "Workload",
     "WorkloadRequest",
+    "WorkloadSummary",
     "best_f1",
     "best_rouge_l",
     "build_workload",
@@ -58,6 +76,7 @@ __all__ = [
     "parse_rates",
     "parse_throughput_methods",
     "plot_panels",
+    "plot_throughput",
     "poisson_arrivals",
     "queue_stats",
     "replay_queue",
@@ -66,6 +85,7 @@ __all__ = [
     "run_quality",
     "run_throughput",
     "score_answer",
+    "serve_request",
     "summarize",
     "summary_markdown",
     "throughput_markdown",

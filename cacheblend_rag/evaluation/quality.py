@@ -1,18 +1,17 @@
 """The quality benchmark: data sets x methods x cases, one JSONL record per finished case, a report at the end.
 
-Scope: running (`run_quality`), resuming, and summarising (`summarize`, `write_report`: a markdown table and
-matplotlib figures). One record per (data set, method, case) is appended to `results.jsonl` as soon as it is
-done, so an interrupted run loses at most the case in flight and a rerun with the same `--out` skips what is
-there. `run.json` remembers the model and settings; resuming with different ones is refused, since their
-numbers would not belong in one table.
+Scope: running (`run_quality`), resuming, and summarising (`summarize` into typed `SummaryRow`s, `write_report`: a
+markdown table and matplotlib figures, drawn with the benchmarks' shared `report` module). One record per (data set,
+method, case) is appended to `results.jsonl` as soon as it is done, so an interrupted run loses at most the case in
+flight and a rerun with the same `--out` skips what is there. `run.json` remembers the model and settings; resuming
+with different ones is refused, since their numbers would not belong in one table.
 
-Each case is run by every method before the next case starts (so a partial run stays balanced across
-methods), each method after its untimed warm step (chunk KV precomputed: the paper's steady state).
+Each case is run by every method before the next case starts (so a partial run stays balanced across methods), each
+method after its untimed warm step (chunk KV precomputed: the paper's steady state).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -27,6 +26,7 @@ from .datasets import Dataset
 from .methods import Method, answer_text
 from .records import append_record, check_run_settings
 from .records import load_records as _load
+from .report import fmt, markdown_table, plot_panels, write_json
 from .scoring import METRIC_NAMES, score_answer
 
 __all__ = [
@@ -209,10 +209,6 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> list[SummaryRow]:
     return rows
 
 
-def _fmt(x: float, spec: str) -> str:
-    return "-" if x is None or math.isnan(x) else format(x, spec)
-
-
 def _ci(r: SummaryRow) -> str:
     if r.method == "full" or math.isnan(r.delta_ci95):
         return "-"
@@ -228,112 +224,30 @@ def summary_markdown(rows: Sequence[SummaryRow]) -> str:
     for dataset in dict.fromkeys(r.dataset for r in rows):
         sub = [r for r in rows if r.dataset == dataset]
         m = sub[0].metric
-        lines += [
-            f"### {dataset} ({m})",
-            "",
-            f"| method | {m} | median TTFT (s) | n | {m} - full (same cases) | 95% CI | {m} vs full's answer "
-            "| TTFT full / method (median per case) | paired cases | errors |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        header = [
+            "method", m, "median TTFT (s)", "n", f"{m} - full (same cases)", "95% CI", f"{m} vs full's answer",
+            "TTFT full / method (median per case)", "paired cases", "errors",
+        ]  # fmt: skip
+        cells = [
+            [
+                r.method,
+                fmt(r.score, ".3f"),
+                fmt(r.ttft_s, ".2f"),
+                str(r.n),
+                fmt(r.delta_vs_full, "+.3f"),
+                _ci(r),
+                fmt(r.agreement_with_full, ".3f"),
+                fmt(r.speedup_vs_full, ".2f"),
+                str(r.n_paired),
+                str(r.errors),
+            ]  # fmt: skip
+            for r in sub
         ]
-        for r in sub:
-            lines.append(
-                f"| {r.method} | {_fmt(r.score, '.3f')} | {_fmt(r.ttft_s, '.2f')} | {r.n} | "
-                f"{_fmt(r.delta_vs_full, '+.3f')} | {_ci(r)} | {_fmt(r.agreement_with_full, '.3f')} | "
-                f"{_fmt(r.speedup_vs_full, '.2f')} | {r.n_paired} | {r.errors} |"
-            )
-        lines.append("")
+        lines += [f"### {dataset} ({m})", "", *markdown_table(header, "lrrrrrrrrr", cells), ""]
     return "\n".join(lines)
 
 
 # -- figures ---------------------------------------------------------------------------------------------------
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the benchmark figures need matplotlib: pip install 'cacheblend-rag[eval]'") from e
-    matplotlib.use("Agg")  # files only, never a window
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_panels(
-    rows: Sequence[Mapping[str, Any]],
-    path: str | os.PathLike[str],
-    *,
-    x: str,
-    y: str,
-    panel: str = "dataset",
-    series: str | None = None,
-    label: str | None = None,
-    hlines: Mapping[str, str] | None = None,
-    hline_key: str = "method",
-    xlabel: str | None = None,
-    ylabel: str | Mapping[Any, str] | None = None,
-    title: str | None = None,
-    panel_titles: Mapping[Any, str] | None = None,
-    style: str | None = None,
-) -> Path:
-    """A row of panels (one per value of `panel`), each plotting `y` against `x`.
-
-    Rows with the same `series` value are joined by a line (sorted by x); without `series`, each row is a
-    point named by its `label` field in a legend under its panel (names never overlap the data); points with
-    the same `style` field value (default: the label) share a color and marker in every panel. `hlines` maps
-    values of `hline_key` (e.g. "full") to a legend name: those rows are drawn as horizontal reference lines at
-    their `y`, not as points. `panel_titles` maps a panel's value to its title; `ylabel` is one label for every
-    panel or a mapping from a panel's value to its own (e.g. each data set's metric). Rows missing x or y (None or
-    nan) are left out. Enough for the paper's Fig. 12 (quality vs TTFT, one point per method), Fig. 16 (quality
-    vs recompute ratio) and Fig. 15 (quality or TTFT vs chunk count / length).
-    """
-    plt = _pyplot()
-
-    def ok(v: Any) -> bool:
-        return v is not None and not (isinstance(v, float) and math.isnan(v))
-
-    panels = list(dict.fromkeys(r[panel] for r in rows))
-    if not panels:
-        raise ValueError("nothing to plot: no rows")
-    hlines = hlines or {}
-    point_rows = [r for r in rows if r.get(hline_key) not in hlines]
-    style = style or label
-    styled = series is None and style is not None
-    keys = list(dict.fromkeys(str(r[style]) for r in point_rows)) if styled else []
-    markers = "osD^vP*Xh<>"
-    looks = {k: (f"C{i % 10}", markers[i % len(markers)]) for i, k in enumerate(keys)}
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
-    for ax, name in zip(axes[0], panels, strict=True):
-        sub = [r for r in rows if r[panel] == name]
-        refs = [r for r in sub if r.get(hline_key) in hlines and ok(r.get(y))]
-        pts = [r for r in sub if r.get(hline_key) not in hlines and ok(r.get(x)) and ok(r.get(y))]
-        if series is not None:
-            for s in dict.fromkeys(r[series] for r in pts):
-                line = sorted((r for r in pts if r[series] == s), key=lambda r: r[x])
-                ax.plot([r[x] for r in line], [r[y] for r in line], marker="o", label=str(s))
-        else:
-            for r in pts:
-                color, marker = looks.get(str(r[style]), ("C0", "o")) if styled else ("C0", "o")
-                legend_name = str(r[label]) if label is not None else None
-                ax.scatter(r[x], r[y], s=40, color=color, marker=marker, label=legend_name)
-        for i, r in enumerate(refs):
-            ax.axhline(r[y], linestyle="--", linewidth=1, color=f"C{(i + 3) % 10}", label=hlines[r[hline_key]])
-        ax.set_title((panel_titles or {}).get(name, str(name)))
-        ax.set_xlabel(xlabel or x)
-        ax.set_ylabel((ylabel.get(name, y) if isinstance(ylabel, Mapping) else ylabel) or y)
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            if series is None and label is not None:  # many points: the legend goes under the panel
-                ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2, frameon=False)
-            else:
-                ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return out
 
 
 def plot_quality_vs_ttft(rows: Sequence[SummaryRow], path: str | os.PathLike[str]) -> Path:
@@ -401,7 +315,7 @@ def write_report(
     rows = summarize(records)
     files = {"summary_md": out / SUMMARY_MD, "summary_json": out / SUMMARY_JSON}
     files["summary_md"].write_text("# Quality benchmark\n\n" + summary_markdown(rows))
-    files["summary_json"].write_text(json.dumps([r.to_dict() for r in rows], indent=2) + "\n")
+    write_json(files["summary_json"], [r.to_dict() for r in rows], indent=2)
     if any(r.n for r in rows):
         files["quality_vs_ttft"] = plot_quality_vs_ttft([r for r in rows if r.n], out / FIG_QUALITY_TTFT)
         ratio_fig = plot_quality_vs_ratio(records, out / FIG_QUALITY_RATIO)
