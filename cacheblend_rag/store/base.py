@@ -7,6 +7,7 @@ implements `ChunkReader`, so callers never branch on its class either.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
@@ -14,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from .chunk_kv import ChunkKV
+    from .serialize import CorruptEntryError
 
 
 @dataclass
@@ -59,6 +61,14 @@ class ChunkReader(Protocol):
 
     def materialize(self) -> ChunkKV:
         """Every layer, read now, as an immutable `ChunkKV`. Raises `CorruptEntryError` like `layer`."""
+        ...
+
+    def when_whole(self, callback: Callable[[ChunkKV], None]) -> None:
+        """Call `callback(chunk)` once every layer has been read: at once for a chunk already in memory."""
+        ...
+
+    def when_corrupt(self, callback: Callable[[CorruptEntryError], None]) -> None:
+        """Call `callback(error)` if a layer turns out damaged when it is read (never, for a chunk in memory)."""
         ...
 
 

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import CacheBlendError
+
+if TYPE_CHECKING:
+    from .serialize import CorruptEntryError
 
 
 def chunk_key(fingerprint: str, dtype: torch.dtype | str, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
@@ -80,6 +84,13 @@ class ChunkKV:
     def materialize(self) -> ChunkKV:
         """Already whole: itself (the `ChunkReader` protocol that `LazyChunkKV` shares)."""
         return self
+
+    def when_whole(self, callback: Callable[[ChunkKV], None]) -> None:
+        """Call `callback(self)` now: every layer is here already."""
+        callback(self)
+
+    def when_corrupt(self, callback: Callable[[CorruptEntryError], None]) -> None:
+        """Never calls `callback`: a chunk in memory was checked when it was made."""
 
     def to(self, device: torch.device | str) -> ChunkKV:
         if self.keys.device == torch.device(device):

@@ -99,10 +99,11 @@ class DiskStore:
         lazy = self._read_header(key)
         if lazy is None:
             return None
+        lazy.when_corrupt(lambda exc: self._drop_corrupt(key, exc))
         try:
             kv = lazy.materialize()  # bounded: the header's size was checked against the file's
         except CorruptEntryError:
-            return None  # dropped and counted as a miss by the reader's on_corrupt
+            return None  # dropped and counted as a miss by the when_corrupt callback above
         self._count_hit(lazy.layout.total_bytes)
         return kv
 
@@ -116,7 +117,7 @@ class DiskStore:
         if lazy is None:
             return None
         self._count_hit(lazy.layout.total_bytes)
-        lazy.on_corrupt = lambda exc: self._drop_corrupt(key, exc, was_hit=True)
+        lazy.when_corrupt(lambda exc: self._drop_corrupt(key, exc, was_hit=True))
         return Hit(lazy, self.name)
 
     def _read_header(self, key: str) -> LazyChunkKV | None:
@@ -149,7 +150,7 @@ class DiskStore:
             else:
                 self._count_error("get", key, exc)
             return None
-        return LazyChunkKV(layout, reader, close=close, on_corrupt=lambda exc: self._drop_corrupt(key, exc))
+        return LazyChunkKV(layout, reader, close=close)
 
     def _count_hit(self, nbytes: int) -> None:
         with self._lock:

@@ -24,10 +24,10 @@ RangeReader = Callable[[Sequence[tuple[int, int]]], Sequence[bytes | memoryview]
 class LazyChunkKV:
     """Layers of one stored chunk, fetched on demand and checked one by one.
 
-    `on_complete(kv)` runs once, with the whole chunk, when its last layer has been read (a tiered store uses it
-    to promote the chunk into faster tiers without a second read). `on_corrupt(exc)` runs when a layer fails its
-    check (the owning tier drops the entry and counts it). Layers must be asked for in any order, each as often
-    as wanted; a layer read twice is fetched once. Thread-safe.
+    Callbacks given to `when_whole` run once, with the whole chunk, when its last layer has been read (a tiered
+    store uses it to promote the chunk into faster tiers without a second read). Callbacks given to
+    `when_corrupt` run when a layer fails its check (the owning tier drops the entry and counts it). Layers may be
+    asked for in any order, each as often as wanted; a layer read twice is fetched once. Thread-safe.
     """
 
     def __init__(
@@ -36,15 +36,13 @@ class LazyChunkKV:
         read_ranges: RangeReader,
         *,
         close: Callable[[], None] | None = None,
-        on_complete: Callable[[ChunkKV], None] | None = None,
-        on_corrupt: Callable[[CorruptEntryError], None] | None = None,
     ) -> None:
         self.layout = layout
         self.key = layout.key
         self._read_ranges = read_ranges
         self._close = close
-        self.on_complete = on_complete
-        self.on_corrupt = on_corrupt
+        self._on_whole: list[Callable[[ChunkKV], None]] = []
+        self._on_corrupt: list[Callable[[CorruptEntryError], None]] = []
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layout.num_layers
         self._missing = layout.num_layers
         self._lock = threading.Lock()
@@ -80,10 +78,8 @@ class LazyChunkKV:
 
     def materialize(self) -> ChunkKV:
         """The whole chunk as a ChunkKV, reading every layer not read yet in one batch of range reads."""
-        layers = self._read(range(self.num_layers))
-        keys = torch.stack([k for k, _ in layers])  # [L, Hkv, T, D]
-        values = torch.stack([v for _, v in layers])
-        return ChunkKV(self.key, keys, values)
+        self._read(range(self.num_layers))
+        return self._whole()
 
     def _read(self, wanted: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Layers `wanted`, fetching the missing ones with a single `read_ranges` call; checks each one."""
@@ -106,8 +102,8 @@ class LazyChunkKV:
                     ]
                 except CorruptEntryError as exc:
                     self.close()
-                    if self.on_corrupt is not None:
-                        self.on_corrupt(exc)
+                    for callback in self._on_corrupt:
+                        callback(exc)
                     raise
                 for i, kv in zip(missing, decoded, strict=True):
                     self._layers[i] = kv
@@ -117,9 +113,25 @@ class LazyChunkKV:
             out = [self._layers[i] for i in wanted]
         if complete:
             self.close()
-            if self.on_complete is not None:
-                self.on_complete(self._whole())
+            if self._on_whole:
+                whole = self._whole()
+                for callback in self._on_whole:
+                    callback(whole)
         return out  # type: ignore[return-value]
+
+    def when_whole(self, callback: Callable[[ChunkKV], None]) -> None:
+        """Call `callback(chunk)` once every layer has been read (at once if that has happened already)."""
+        with self._lock:
+            done = self._missing == 0
+            if not done:
+                self._on_whole.append(callback)
+        if done:
+            callback(self._whole())
+
+    def when_corrupt(self, callback: Callable[[CorruptEntryError], None]) -> None:
+        """Call `callback(error)` if a layer read from now on turns out damaged."""
+        with self._lock:
+            self._on_corrupt.append(callback)
 
     def _whole(self) -> ChunkKV:
         layers = self._layers

@@ -260,7 +260,8 @@ class RedisStore:
         with self._lock:
             self.stats.hits += 1
             self.stats.bytes_read += total
-        lazy = LazyChunkKV(layout, read_ranges, on_corrupt=lambda exc: self._drop_corrupt(key, exc, was_hit=True))
+        lazy = LazyChunkKV(layout, read_ranges)
+        lazy.when_corrupt(lambda exc: self._drop_corrupt(key, exc, was_hit=True))
         return Hit(lazy, self.name)
 
     def _drop_corrupt(self, key: str, exc: CorruptEntryError, *, was_hit: bool = False) -> None:

@@ -10,13 +10,12 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import ConfigError
 from .base import ChunkReader, ChunkStore, Hit, StoreStats
 from .chunk_kv import ChunkKV
-from .lazy import LazyChunkKV
 from .memory import MemoryStore
 from .serialize import CorruptEntryError
 
@@ -87,14 +86,11 @@ class TieredStore:
                 kv = tier.get(key)
             if kv is None:
                 continue
-            # Promotion goes to faster tiers only: cheap, and the next lookup needs it.
-            upper = self.tiers[:i]
-            if isinstance(kv, LazyChunkKV):
-                if upper:
-                    kv.on_complete = functools.partial(self._promote, upper)
-                kv.on_corrupt = functools.partial(self._unhit, self.names[i], kv.on_corrupt)
-            else:
-                self._promote(upper, kv.materialize())
+            # Promotion goes to faster tiers only: cheap, and the next lookup needs it. A chunk read by layer is
+            # promoted from the bytes already fetched, once its last layer is in.
+            if i > 0:
+                kv.when_whole(functools.partial(self._promote, self.tiers[:i]))
+            kv.when_corrupt(functools.partial(self._unhit, self.names[i]))
             with self._lock:
                 self.stats.hits += 1
                 self.stats.bytes_read += kv.nbytes
@@ -104,10 +100,8 @@ class TieredStore:
             self.stats.misses += 1
         return None
 
-    def _unhit(self, name: str, tier_callback: Callable[[CorruptEntryError], None] | None, exc: CorruptEntryError):
-        """A lazily read hit turned out corrupt: it was a miss after all, in the tier's counts and in ours."""
-        if tier_callback is not None:
-            tier_callback(exc)
+    def _unhit(self, name: str, exc: CorruptEntryError) -> None:
+        """A hit read by layer turned out corrupt: it was a miss after all (the tier has fixed its own counts)."""
         with self._lock:
             self.stats.hits -= 1
             self.stats.misses += 1
