@@ -213,3 +213,12 @@ def test_a_bad_kv_dir_is_an_error_line_and_exit_code_2_before_a_model_loads(tmp_
         assert main([*command, "--kv-dir", str(kv), *(["question?"] if command[0] == "ask" else [])]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: the disk tier folder") and str(kv) in err and "Traceback" not in err
+
+
+def test_the_fingerprint_sample_reaches_the_last_value_of_a_huge_tensor():
+    from cacheblend_rag.models.fingerprint import _sample_digest
+
+    big = torch.zeros(2**24 + 3)  # past float32's exact integers, where float spacing rounds out of range
+    before = _sample_digest([("w", big)])
+    big[-1] = 1.0
+    assert _sample_digest([("w", big)]) != before

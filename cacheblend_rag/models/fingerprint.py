@@ -109,7 +109,8 @@ def _sample_digest(params: Iterable[tuple[str, torch.Tensor]]) -> str:
         flat = p.detach().reshape(-1)
         n = flat.numel()
         if n > _SMALL:
-            flat = flat[torch.linspace(0, n - 1, _SAMPLE, device=flat.device).long()]
+            # integer spacing: float positions round past the end once n exceeds 2^24
+            flat = flat[torch.arange(_SAMPLE, device=flat.device) * (n - 1) // (_SAMPLE - 1)]
         h.update(f"{name}\0{tuple(p.shape)}\0".encode())
         h.update(_tensor_bytes(flat.float()))
     return h.hexdigest()
