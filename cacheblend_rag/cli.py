@@ -130,9 +130,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         print()
         assert stream.result is not None
         print(f"   {stream.result.metrics.summary()}")
-    flush = getattr(engine.store, "flush", None)
-    if flush is not None:
-        flush()  # chunk KV written to disk/Redis in the background must land before the process exits
+    engine.store.flush()  # chunk KV written to disk/Redis in the background must land before the process exits
     return 0
 
 

@@ -34,6 +34,7 @@ from .engine import CacheBlendEngine
 from .errors import PromptError
 
 __all__ = [
+    "ALIASES",
     "CALL_ARGUMENTS",
     "CONTEXT_PLACEHOLDER",
     "ROLES",
@@ -43,9 +44,10 @@ __all__ = [
     "check_context_prompt",
     "has_chat_template",
     "load_engine",
-    "resolve_model_name",
+    "non_text_error",
     "question_free_prefix",
     "render_chat",
+    "resolve_model_name",
     "split_at_context",
 ]
 

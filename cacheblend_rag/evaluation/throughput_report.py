@@ -43,7 +43,6 @@ REPEAT_NOTE = (
     "each question is asked `repeats` times, its top-k chunks in a new random order each time; the paper used "
     "GPT-4 paraphrases of the question instead, which this offline benchmark cannot make"
 )
-_TIMING_KEYS = {"arrival_s": "arrival_s", "start_s": "start_s", "finish_s": "finish_s", "queued_ttft_s": "ttft_s"}
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,8 @@ class RequestRecord:
         d: dict[str, Any] = {"index": self.index, "case_id": self.case_id, "repeat": self.repeat}
         d.update(asdict(self.served))
         if self.timing is not None:
-            d.update({key: getattr(self.timing, name) for key, name in _TIMING_KEYS.items()})
+            t = self.timing
+            d.update(arrival_s=t.arrival_s, start_s=t.start_s, finish_s=t.finish_s, queued_ttft_s=t.ttft_s)
         return d
 
     @classmethod
@@ -68,7 +68,7 @@ class RequestRecord:
         served = Served(**{f.name: d[f.name] for f in fields(Served) if f.name in d})
         timing = None
         if "queued_ttft_s" in d:
-            timing = Timing(d["index"], **{name: d[key] for key, name in _TIMING_KEYS.items()})
+            timing = Timing(d["index"], d["arrival_s"], d["start_s"], d["finish_s"], d["queued_ttft_s"])
         return cls(d["index"], d["case_id"], d["repeat"], served, timing)
 
 
@@ -140,9 +140,9 @@ class WorkloadSummary:
     sequence: tuple[tuple[str, int, tuple[int, ...]], ...]  # (case id, repeat, chunk indices) per request, in order
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sequence"}
-        d["sequence"] = [{"case_id": c, "repeat": r, "chunks": list(ch)} for c, r, ch in self.sequence]
-        return d
+        sequence = [{"case_id": c, "repeat": r, "chunks": list(ch)} for c, r, ch in self.sequence]
+        return {"dataset": self.dataset, "cases": self.cases, "chunks": self.chunks, "requests": self.requests,
+                "warmup": self.warmup, "sequence": sequence}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> WorkloadSummary:

@@ -12,7 +12,7 @@ from typing import Any
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
-from langchain_core.outputs import LLMResult
+from langchain_core.outputs import ChatGeneration, LLMResult
 
 
 @dataclass
@@ -61,8 +61,8 @@ class CacheBlendMetricsHandler(BaseCallbackHandler):
         for generations in response.generations:
             for generation in generations:
                 metrics = (generation.generation_info or {}).get("cacheblend")
-                if metrics is None:  # a streamed chat call keeps it in the message's metadata
-                    message = getattr(generation, "message", None)
-                    metrics = getattr(message, "response_metadata", {}).get("cacheblend")
+                if metrics is None and isinstance(generation, ChatGeneration):
+                    # a streamed chat call keeps them in the message's metadata
+                    metrics = generation.message.response_metadata.get("cacheblend")
                 if metrics is not None:
                     self.calls.append(CallRecord(started, metrics))
