@@ -131,9 +131,22 @@ def test_a_checkpoint_fingerprint_hashes_the_files_once_and_sees_edits_after_loa
 # ---------------------------------------------------------------- index folders that claim more than they hold
 
 
+def test_the_flat_index_check_passes_what_faiss_writes(tmp_path):
+    import faiss
+    import numpy as np
+
+    from cacheblend_rag.retrieval.faiss_file import flat_index_problem
+
+    for index in (faiss.IndexFlatIP(8), faiss.IndexFlatL2(8)):
+        index.add(np.ones((3, 8), dtype="float32"))
+        faiss.write_index(index, str(tmp_path / "x.faiss"))
+        assert flat_index_problem(tmp_path / "x.faiss", dim=8, count=3) is None
+        assert "expected 4" in flat_index_problem(tmp_path / "x.faiss", dim=8, count=4)
+
+
 def crafted_faiss_file(path: Path, dim: int = 384) -> None:
     """3 KB that claim 2^28 floats: FAISS would allocate 1 GB before noticing the file is short."""
-    header = struct.pack("<4siqqqBiQ", b"IxFI", dim, 2**28 // dim, 1 << 20, 1 << 20, 1, 1, (2**28 // dim) * dim)
+    header = struct.pack("<4siqqqBiQ", b"IxFI", dim, 2**28 // dim, 1 << 20, 1 << 20, 1, 0, (2**28 // dim) * dim)
     path.write_bytes(header + b"\0" * 3000)
 
 
@@ -160,7 +173,7 @@ def test_a_crafted_core_index_is_refused_before_faiss_reads_it(tmp_path, monkeyp
     manifest["index_sha256"] = hashlib.sha256((folder / "index.faiss").read_bytes()).hexdigest()  # forged too
     (folder / "chunks.json").write_text(json.dumps(manifest))
     monkeypatch.setattr(faiss, "read_index", lambda *a: pytest.fail("FAISS read a crafted file"))
-    with pytest.raises(IndexFormatError, match="cannot be loaded: its header is inconsistent|file holds"):
+    with pytest.raises(IndexFormatError, match="cannot be loaded: its header describes .* the file holds 3045 bytes"):
         ChunkIndex.load(folder, TinyEmbedder(), model_name="custom")
 
 
@@ -175,7 +188,7 @@ def test_a_crafted_langchain_index_is_refused_before_faiss_reads_it(tmp_path, mo
     (index_file,) = [p for p in (tmp_path / "index").iterdir() if p.suffix == ".faiss"]
     crafted_faiss_file(index_file)
     monkeypatch.setattr(faiss, "read_index", lambda *a: pytest.fail("FAISS read a crafted file"))
-    with pytest.raises(ValueError, match="cannot be loaded"):
+    with pytest.raises(ValueError, match="cannot be loaded: its header describes .* the file holds 3045 bytes"):
         load_faiss_index(tmp_path / "index")
 
 
@@ -188,7 +201,7 @@ def test_a_crafted_llama_index_is_refused_before_faiss_reads_it(tmp_path, monkey
     build_faiss_index([Document(text=random_words(i, 8)) for i in range(3)], persist_dir=tmp_path / "index")
     crafted_faiss_file(tmp_path / "index" / "default__vector_store.json")
     monkeypatch.setattr(faiss, "read_index", lambda *a: pytest.fail("FAISS read a crafted file"))
-    with pytest.raises(ValueError, match="cannot be loaded"):
+    with pytest.raises(ValueError, match="cannot be loaded: its header describes .* the file holds 3045 bytes"):
         load_faiss_index(tmp_path / "index")
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 # fourcc, d, ntotal, two unused int64, is_trained, metric type, number of floats that follow (faiss >= 1.7).
 _FLAT_HEADER = struct.Struct("<4siqqqBiQ")
-_FLAT_KINDS = {b"IxFI": 1, b"IxF2": 0}  # fourcc -> the metric type it must carry (inner product, L2)
+_FLAT_KINDS = {b"IxFI": 0, b"IxF2": 1}  # fourcc -> its metric type (faiss.METRIC_INNER_PRODUCT, METRIC_L2)
 
 
 def flat_index_problem(path: str | Path, *, dim: int | None = None, count: int | None = None) -> str | None:
