@@ -139,8 +139,8 @@ class RedisClusterServers:
 def started_cluster(directory: str) -> Iterator[RedisClusterServers]:
     """A running three-master cluster for the duration of the block (skips the test where Redis is missing)."""
     servers = RedisClusterServers(directory)
-    servers.start()
     try:
+        servers.start()  # inside the try: a start that fails half-way must not leave nodes running
         yield servers
     finally:
         servers.stop()
