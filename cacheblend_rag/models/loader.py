@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from cacheblend_rag.errors import ConfigError, ModelNotFoundError
-from cacheblend_rag.models.presets import DEFAULT_PRESET, PRESETS, ModelPreset, PackagedFile
+from cacheblend_rag.models.presets import DEFAULT_PRESET, PRESETS, ModelPreset, PackagedFile, find_preset
 from cacheblend_rag.models.support import check_supported
 
 if TYPE_CHECKING:
@@ -363,6 +363,11 @@ def _load_preset(
     hf_dir = folder / "hf"
     # hf/ only ever appears by an atomic rename of a finished folder, so its config.json means "complete".
     if not (hf_dir / "config.json").is_file():
+        # A copy converted while the preset went by an older name holds the same weights: use it as is.
+        for alias in preset.aliases:
+            legacy = folder.parent / alias / "hf"
+            if (legacy / "config.json").is_file():
+                return _load_pretrained(str(legacy), dtype)
         folder.mkdir(parents=True, exist_ok=True)
         _remove_stale_temps(folder)
         _convert_preset(preset, hf_dir, None if cache_dir is None else Path(cache_dir), show_progress)
@@ -382,8 +387,8 @@ def load_model(
     """Load a supported causal LM in eval mode, and its tokenizer, without any network access.
 
     Args:
-        name_or_path: a preset name (see `PRESETS`), a local folder written by `save_pretrained`, a `.gguf`
-            file, or a hub id already present in the local Hugging Face cache.
+        name_or_path: a preset name or alias (see `PRESETS`), a local folder written by `save_pretrained`, a
+            `.gguf` file, or a hub id already present in the local Hugging Face cache.
         device: "cpu", "cuda" or "cuda:N".
         dtype: "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16" or a torch.dtype.
         cache_dir: where presets keep their converted copy; defaults to `cache_home()`.
@@ -403,8 +408,9 @@ def load_model(
     source = os.fspath(name_or_path)
     path = Path(source).expanduser()
     with _progress_bars(show_progress):
-        if isinstance(name_or_path, str) and source in PRESETS:
-            model, tokenizer = _load_preset(PRESETS[source], torch_dtype, cache_dir, show_progress)
+        preset = find_preset(source, PRESETS) if isinstance(name_or_path, str) else None
+        if preset is not None:
+            model, tokenizer = _load_preset(preset, torch_dtype, cache_dir, show_progress)
         elif path.is_file() and path.suffix.lower() == ".gguf":
             # Loaded as is, every time: a user's GGUF is not converted into the cache.
             model, tokenizer = _load_gguf(path.resolve(), torch_dtype)

