@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 _VALUE_NAME = re.compile(r"[0-9a-f]{2}/[0-9a-f]{2}/[0-9a-f]{28}\.val")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # POSIX; 0 elsewhere (the lstat checks below still refuse symlinks)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO for reading must not wait for a writer
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 def import_diskcache() -> Any:
@@ -47,17 +48,17 @@ def _checked_name(filename: object) -> list[str]:
 def open_value_file(directory: str, filename: object) -> BinaryIO:
     """Open a value file for reading, refusing anything but a regular file at a name diskcache writes."""
     parts = _checked_name(filename)
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    fd = os.open(directory, os.O_RDONLY | _DIRECTORY)
     try:
         for sub in parts[:-1]:  # each folder level must be a real folder, not a symlink out of the tier
-            nxt = os.open(sub, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW, dir_fd=fd)
+            nxt = os.open(sub, os.O_RDONLY | _DIRECTORY | _NOFOLLOW, dir_fd=fd)
             os.close(fd)
             fd = nxt
         if stat.S_ISLNK(os.lstat(parts[-1], dir_fd=fd).st_mode):
             raise CorruptEntryError(f"value file {filename} is a symlink")
         file_fd = os.open(parts[-1], os.O_RDONLY | _NOFOLLOW | _NONBLOCK, dir_fd=fd)
     except OSError as exc:
-        if getattr(exc, "errno", None) in (errno.ELOOP, errno.ENOTDIR):  # a symlink where a folder or file should be
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # a symlink where a folder or file should be
             raise CorruptEntryError(f"value file {filename} is reached through a symlink") from exc
         raise
     finally:

@@ -117,10 +117,14 @@ class RedisStore:
         self.where = (where.hostname or where.path) + (f":{where.port}" if where.port else "") + where.path
         self._outage_errors: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
         self._redis_error: type[BaseException] = redis.RedisError
-        self._scripts = {
-            op: self._client.register_script(getattr(redis_scripts, op.upper()))
-            for op in ("get", "open", "put", "discard", "clear")
+        scripts = {
+            "get": redis_scripts.GET,
+            "open": redis_scripts.OPEN,
+            "put": redis_scripts.PUT,
+            "discard": redis_scripts.DISCARD,
+            "clear": redis_scripts.CLEAR,
         }
+        self._scripts = {op: self._client.register_script(script) for op, script in scripts.items()}
         self._lock = threading.Lock()
         self._down_until = 0.0  # time.monotonic() before which the server is not asked again
         self._in_outage = False
