@@ -7,7 +7,7 @@ Folders: `models/` (presets, loading, layer-wise adapter), `store/` (chunk KV an
 selection and the blended prefill), `engine/` (one request end to end), `retrieval/` (chunking, FAISS), `cli`.
 """
 
-from .config import BlendConfig, EngineConfig, PrefillMode
+from .config import RULE_NAMES, BlendConfig, EngineConfig, PrefillMode, blend_rule
 from .engine import (
     QA_SHORT_TEMPLATE,
     CacheBlendEngine,
@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "QA_SHORT_TEMPLATE",
+    "RULE_NAMES",
     "BlendConfig",
     "CacheBlendEngine",
     "CacheBlendError",
@@ -47,4 +48,5 @@ __all__ = [
     "TokenizedPrompt",
     "UnsupportedModelError",
     "__version__",
+    "blend_rule",
 ]

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Any
 
 from .errors import ConfigError
 
 DEVIATION_KINDS = ("key", "value", "both")
-SELECTIONS = ("deviation", "attention", "none")
+SELECTIONS = ("deviation", "deviation+attention", "attention", "none")
 
 
 class PrefillMode(str, Enum):
@@ -53,6 +54,9 @@ class BlendConfig:
         candidates shrink step by step (gradual filtering, Fig. 9): check layer j keeps `check_ratios[j]` of the
         reused tokens, chosen among those kept by check layer j-1. Layers up to the first check layer recompute
         every chunk token, which is the price of measuring the deviation.
+      - "deviation+attention": as "deviation", but each check layer adds the attention the question's tokens
+        pay to each candidate on that layer (each score divided by its mean), so that among deviating tokens
+        those the question reads win. No extra layers: the question is computed on the check layers anyway.
       - "attention": the attention the question's tokens pay to each chunk token, averaged over layers and heads,
         in a first pass that reuses all chunk KV (cheap: only the question is computed); the chosen tokens are
         then recomputed on every layer. No check layers.
@@ -65,7 +69,7 @@ class BlendConfig:
     check_ratios: tuple[float, ...] | None = None  # kept share per check layer; None: derived from the ratio
     filter_slack: float = 0.5  # derived schedule: first check keeps (1 + slack) * r, falling linearly to r
     deviation: str = "key"  # which fresh-vs-cached difference ranks tokens: "key", "value" or "both"
-    selection: str = "deviation"  # how non-anchor tokens are ranked: "deviation", "attention" or "none"
+    selection: str = "deviation"  # how non-anchor tokens are ranked: see SELECTIONS
     anchor_share: float = 0.0  # share of the budget given to the first tokens of every chunk
 
     def __post_init__(self) -> None:
@@ -111,7 +115,7 @@ class BlendConfig:
     @property
     def uses_check_layers(self) -> bool:
         """Whether this rule measures deviations (and so recomputes every chunk token up to a check layer)."""
-        return self.selection == "deviation"
+        return self.selection in ("deviation", "deviation+attention")
 
     def schedule(self, recompute_ratio: float | None = None) -> tuple[float, ...]:
         """Kept share of reused tokens after each check layer, ending at the recompute ratio."""
@@ -144,6 +148,8 @@ _RULES: dict[str, dict[str, object]] = {
     "hybrid": {"selection": "deviation", "deviation": "key", "check_layers": (1,), "anchor_share": 0.5},
     # query-aware: the tokens the question attends to most in a reuse pass
     "attention": {"selection": "attention"},
+    # key deviation plus the question's attention, both on check layer 1
+    "deviation-attention": {"selection": "deviation+attention", "deviation": "key", "check_layers": (1,)},
     # query-aware plus chunk starts, half the budget each
     "attention-anchors": {"selection": "attention", "anchor_share": 0.5},
 }
@@ -182,6 +188,13 @@ def normalize_dtype_name(dtype: object) -> str:
     if name not in _DTYPES:
         raise ConfigError(f"dtype must be one of float32, bfloat16, float16 (or fp32/bf16/fp16), got {dtype!r}")
     return _DTYPES[name]
+
+
+def torch_dtype(dtype: object) -> Any:
+    """'bf16', 'float32', torch.float16, ... -> the torch.dtype; anything else is a ConfigError."""
+    import torch
+
+    return getattr(torch, normalize_dtype_name(dtype))
 
 
 @dataclass(frozen=True)

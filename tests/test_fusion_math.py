@@ -152,7 +152,7 @@ def test_planted_outlier_in_loaded_kv_is_recomputed(family):
     parts = [engine.store.get(engine.chunk_key((), prompt.prefix_ids))] + [
         engine.store.get(engine.chunk_key(prompt.prefix_ids, ids)) for ids in prompt.chunk_ids
     ]
-    load = engine._layer_loader(parts, n)
+    load = engine.chunks.layer_loader(parts, n)
 
     def planted(layer_idx):
         k, v = load(layer_idx)

@@ -69,6 +69,15 @@ class LoadingController:
             if nbytes
         )
 
+    def check_model(self, fingerprint: str, dtype: str) -> None:
+        """ConfigError unless the profile was measured for this model (fingerprint) in this dtype."""
+        if self.profile.model != fingerprint or self.profile.dtype != dtype:
+            raise ConfigError(
+                f"the loading profile was measured for model {self.profile.model[:12]} in {self.profile.dtype}, "
+                f"this engine runs {fingerprint[:12]} in {dtype}; run `cacheblend-rag profile` for this model "
+                f"and dtype"
+            )
+
     def choose_ratio(
         self,
         num_tokens: int,

@@ -1,8 +1,11 @@
 """The request path: prompts made of chunks, the four prefill modes, decoding and per-request metrics."""
 
-from .engine import CacheBlendEngine, GenerationResult, Prefill, TextStream, model_fingerprint
+from ..models.fingerprint import model_fingerprint
+from .decoding import GenerationResult, TextStream
+from .engine import CacheBlendEngine, RequestOptions
 from .generation import SamplingParams
 from .metrics import RequestMetrics
+from .prefill import Prefill, RatioPolicy
 from .prompt import QA_SHORT_TEMPLATE, PromptTemplate, TokenizedPrompt, tokenize_parts
 
 __all__ = [
@@ -11,7 +14,9 @@ __all__ = [
     "GenerationResult",
     "Prefill",
     "PromptTemplate",
+    "RatioPolicy",
     "RequestMetrics",
+    "RequestOptions",
     "SamplingParams",
     "TextStream",
     "TokenizedPrompt",

@@ -1,15 +1,12 @@
-"""The engine that serves one request: find the chunks' KV, build the prompt's KV in the chosen mode, decode.
+"""The engine: one model, one chunk store, and the four ways to prefill a prompt made of chunks.
 
-Modes (`PrefillMode`):
-- full:   the model's own forward over the whole prompt (the reference; uses no cache).
-- prefix: the shared prefix and the first chunk come from the cache (exactly what prefix caching can reuse:
-          the first chunk was precomputed right after the prefix); everything after is computed.
-- reuse:  every chunk's cached KV is placed at its real offset, only the suffix is computed (PromptCache).
-- blend:  CacheBlend's selective recompute.
-The three cached modes run through the same fusor (`fusion.fuse`) with different plans; tests check each
-against the model's own forward.
-A chunk missing from the store is prefilled on the spot (after the prefix) and stored, in every cached mode.
-Chunks found on disk or in Redis are read layer by layer while the fusor runs (`pipeline.LayerPrefetcher`).
+It composes the parts, each in its own module:
+- `prompt`: templates and tokenized prompts (prefix, chunks, suffix);
+- `chunk_cache`: chunk KV by key, from the store or prefilled and stored;
+- `planning`: which tokens a prefill recomputes (pure functions to a `FusionPlan`);
+- `prefill`: the four prefill modes and the request's metrics;
+- `decoding`: the token loop and streamed text.
+One forward runs at a time (a lock): the model's modules are shared, and on a CPU parallel forwards only contend.
 """
 
 from __future__ import annotations
@@ -17,86 +14,52 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
-from tqdm.auto import tqdm
-from transformers import DynamicCache
 
-from ..config import BlendConfig, EngineConfig, PrefillMode
-from ..controller import LoadingController
+from ..config import BlendConfig, EngineConfig, PrefillMode, torch_dtype
 from ..errors import ConfigError, PromptError
-from ..fusion import FusionPlan, fuse
 from ..models.adapter import LayerwiseModel
 from ..models.fingerprint import model_fingerprint
 from ..models.support import max_blend_length
-from ..store import ChunkKV, ChunkReader, ChunkStore, CorruptEntryError, Hit, TieredStore, build_store, chunk_key
-from ..store.lazy import LazyChunkKV
-from .generation import SamplingParams, TextAssembler, TokenPicker, check_encodable, check_ratio_arg, eos_token_ids
-from .metrics import RequestMetrics
-from .pipeline import LayerPrefetcher
-from .planning import blend_plan, reuse_plan
+from ..store import ChunkStore, CorruptEntryError, build_store
+from .chunk_cache import ChunkCache
+from .decoding import GenerationResult, TextStream, decode
+from .generation import SamplingParams, check_encodable, check_ratio_arg, eos_token_ids
+from .planning import check_blend
+from .prefill import Prefill, Prefiller, RatioPolicy
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_chunks, tokenize_parts, tokenize_prefix
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+class RequestOptions(TypedDict, total=False):
+    """The keyword arguments of `generate` and `stream` (see `stream` for each)."""
 
-@dataclass
-class Prefill:
-    """A built KV cache, ready for decoding."""
-
-    cache: DynamicCache
-    logits: torch.Tensor  # [vocab] float32, of the prompt's last token
-    num_tokens: int
-    metrics: RequestMetrics
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (end of turn or a stop string) or "length"
-    metrics: RequestMetrics
-
-
-class TextStream:
-    """Iterator over text deltas of one generation; `.result` holds the GenerationResult once exhausted."""
-
-    def __init__(self, events: Iterator[str | GenerationResult]) -> None:
-        self._events = events
-        self.result: GenerationResult | None = None
-
-    def __iter__(self) -> TextStream:
-        return self
-
-    def close(self) -> None:
-        """Stop generating now (a consumer that abandons the stream); `.result` stays None unless finished."""
-        close = getattr(self._events, "close", None)
-        if close is not None:
-            close()
-
-    def __enter__(self) -> TextStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __next__(self) -> str:
-        while True:
-            event = next(self._events)  # StopIteration ends the stream
-            if isinstance(event, GenerationResult):
-                self.result = event
-                continue
-            if event:
-                return event
+    mode: PrefillMode | str
+    recompute_ratio: float | None
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: Sequence[str] | str | None
+    seed: int | None
+    template: PromptTemplate | None
+    prefix: str | None
+    suffix: str | None
 
 
 class CacheBlendEngine:
-    """One model, one chunk store, and the four ways to prefill a prompt made of chunks."""
+    """One model, one chunk store, and the four ways to prefill a prompt made of chunks.
+
+    `controller`: a ratio policy (e.g. `LoadingController`) that picks the blend ratio per request from the
+    time its chunks take to load (paper §5.1), whenever the caller does not pin a ratio or a blend config.
+    """
 
     def __init__(
         self,
@@ -106,21 +69,18 @@ class CacheBlendEngine:
         config: EngineConfig | None = None,
         store: ChunkStore | None = None,
         template: PromptTemplate | None = None,
-        controller: LoadingController | None = None,
+        controller: RatioPolicy | None = None,
     ) -> None:
         self.config = config or EngineConfig()
-        # Picks the blend ratio per request from load time (paper §5.1) when the caller does not pin one.
-        self.controller = controller
-        dtype = _TORCH_DTYPES[self.config.dtype]
-        device = torch.device(self.config.device)
+        device, dtype = torch.device(self.config.device), torch_dtype(self.config.dtype)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {self.config.device!r} asked for, but no CUDA device is present; use 'cpu'")
-        model = model.to(device=device, dtype=dtype).eval()
-        self.model = model
+        self.model = model.to(device=device, dtype=dtype).eval()
         self.tokenizer = tokenizer
-        self.lm = LayerwiseModel(model)
+        self.lm = LayerwiseModel(self.model)
         self.device, self.dtype = device, dtype
-        self.store: ChunkStore = (
+        check_blend(self.config.blend, self.lm.shape.num_layers, "blend.check_layers")
+        store = (
             store
             if store is not None
             else build_store(
@@ -133,30 +93,15 @@ class CacheBlendEngine:
             )
         )
         self.template = template or PromptTemplate()
-        self.fingerprint = model_fingerprint(model)
-        if controller is not None and (
-            controller.profile.model != self.fingerprint or controller.profile.dtype != self.config.dtype
-        ):
-            raise ConfigError(
-                f"the loading profile was measured for model {controller.profile.model[:12]} in "
-                f"{controller.profile.dtype}, this engine runs {self.fingerprint[:12]} in {self.config.dtype}; "
-                f"run `cacheblend-rag profile` for this model and dtype"
-            )
-        self.eos_ids = eos_token_ids(model, tokenizer)
-        limits = [self.lm.shape.max_positions]
-        if self.config.max_prompt_tokens is not None:
-            limits.append(self.config.max_prompt_tokens)
-        window = max_blend_length(model.config)
-        if window is not None:
-            limits.append(window)
-        self.max_tokens = min(limits)
-        last_check = self.config.blend.check_layers[-1]
-        if last_check >= self.lm.shape.num_layers:
-            raise ConfigError(
-                f"blend.check_layers has layer {last_check}, but the model has {self.lm.shape.num_layers} "
-                f"layers (0..{self.lm.shape.num_layers - 1})"
-            )
-        # One forward at a time: the model's modules are shared, and on CPU parallel forwards only contend.
+        self.fingerprint = model_fingerprint(self.model)
+        self.controller = controller
+        if controller is not None:
+            controller.check_model(self.fingerprint, self.config.dtype)
+        self.eos_ids = eos_token_ids(self.model, tokenizer)
+        limits = [self.lm.shape.max_positions, self.config.max_prompt_tokens, max_blend_length(self.model.config)]
+        self.max_tokens = min(x for x in limits if x is not None)
+        self.chunks = ChunkCache(self.lm, store, self.fingerprint, self.dtype)
+        self._prefiller = Prefiller(self.model, self.lm, self.chunks, pipelined=self.config.pipelined_loading)
         self._lock = threading.RLock()
 
     @classmethod
@@ -167,7 +112,7 @@ class CacheBlendEngine:
         config: EngineConfig | None = None,
         store: ChunkStore | None = None,
         template: PromptTemplate | None = None,
-        controller: LoadingController | None = None,
+        controller: RatioPolicy | None = None,
         cache_dir: str | None = None,
         show_progress: bool = True,
     ) -> CacheBlendEngine:
@@ -184,7 +129,18 @@ class CacheBlendEngine:
         )
         return cls(model, tokenizer, config=config, store=store, template=template, controller=controller)
 
-    # -- prompts --------------------------------------------------------------------------------------------
+    @property
+    def store(self) -> ChunkStore:
+        """The chunk store (a tier or a stack of tiers)."""
+        return self.chunks.store
+
+    @store.setter
+    def store(self, store: ChunkStore) -> None:
+        """Serve later requests from another store (after the request in flight, if any)."""
+        with self._lock:
+            self.chunks.store = store
+
+    # -- prompts and chunk KV ---------------------------------------------------------------------------------
 
     def build_prompt(
         self,
@@ -206,7 +162,8 @@ class CacheBlendEngine:
             raise PromptError("give a question, or a suffix (the text after the chunks)")
         return tokenize_parts(self.tokenizer, prefix or "", chunks, suffix, separator=self.config.chunk_separator)
 
-    def _check_length(self, prompt: TokenizedPrompt, max_new_tokens: int = 0) -> None:
+    def check_length(self, prompt: TokenizedPrompt, max_new_tokens: int = 0) -> None:
+        """PromptError when the prompt and its answer budget do not fit the model's context."""
         total = prompt.num_tokens + max_new_tokens
         if total > self.max_tokens:
             raise PromptError(
@@ -214,107 +171,9 @@ class CacheBlendEngine:
                 f"{self.max_tokens}; retrieve fewer or shorter chunks, or lower max_new_tokens"
             )
 
-    # -- chunk KV -------------------------------------------------------------------------------------------
-
     def chunk_key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
         """The store key of a chunk's KV when it follows `prefix_ids` (model fingerprint, dtype and tokens)."""
-        return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids)
-
-    _key = chunk_key  # the name the engine's own methods use
-
-    def _layer_loader(
-        self, parts: Sequence[ChunkReader], total: int
-    ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
-        """Loads layer l of the given KV parts laid end to end, padded with zeros up to `total` tokens."""
-        covered = sum(p.num_tokens for p in parts)
-        pad = total - covered
-        hkv, d = self.lm.shape.num_kv_heads, self.lm.shape.head_dim
-
-        def load(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-            ks, vs = [], []
-            for p in parts:
-                k, v = p.layer(layer_idx)  # [Hkv, T_p, D] each; a stored chunk may read (and check) it only now
-                ks.append(k.to(self.device, non_blocking=True))
-                vs.append(v.to(self.device, non_blocking=True))
-            if pad:
-                z = torch.zeros(hkv, pad, d, dtype=self.dtype, device=self.device)
-                ks.append(z)
-                vs.append(z)
-            return torch.cat(ks, dim=1), torch.cat(vs, dim=1)  # [Hkv, total, D], fresh tensors
-
-        return load
-
-    def _prefill_kv(self, prefix: ChunkReader | None, prefix_ids: Sequence[int], ids: Sequence[int]) -> ChunkKV:
-        """Prefill `ids` after the (cached) prefix and keep only their KV."""
-        p = len(prefix_ids)
-        all_ids = torch.tensor([*prefix_ids, *ids], dtype=torch.long)
-        n = all_ids.shape[0]
-        exact = torch.zeros(n, dtype=torch.bool)
-        exact[:p] = True
-        plan = FusionPlan(
-            input_ids=all_ids,
-            positions=torch.arange(n),
-            exact=exact,
-            reused=torch.zeros(n, dtype=torch.bool),
-        )
-        parts = [prefix] if prefix is not None else []
-        result = fuse(self.lm, plan, self._layer_loader(parts, n), want_logits=False, keep_raw_keys=True)
-        assert result.raw_keys is not None
-        keys = torch.stack([k[:, p:] for k in result.raw_keys])  # [L, Hkv, T, D]
-        values = torch.stack([v[:, p:] for v in result.values])
-        return ChunkKV(self._key(prefix_ids, ids), keys, values)
-
-    def _lookup(self, key: str, num_tokens: int) -> Hit | None:
-        """The store's hit for `key` if it has this model's dtype and the shape of `num_tokens` tokens.
-
-        The key hashes model, dtype and tokens, so any other shape is a damaged or forged entry: it is dropped
-        (and recomputed by the caller) before a single layer of it is read.
-        """
-        hit = self.store.open(key)
-        if hit is None:
-            return None
-        shape = (self.lm.shape.num_layers, self.lm.shape.num_kv_heads, num_tokens, self.lm.shape.head_dim)
-        if hit.kv.dtype == self.dtype and tuple(hit.kv.shape) == shape:
-            return hit
-        logger.warning(
-            "chunk %s in the %s tier has dtype %s and shape %s, expected %s and %s; recomputing it",
-            key[:12],
-            hit.tier,
-            hit.kv.dtype,
-            tuple(hit.kv.shape),
-            self.dtype,
-            shape,
-        )
-        self.store.discard(key)
-        return None
-
-    def _get_or_prefill(
-        self, prefix: ChunkReader | None, prefix_ids: Sequence[int], ids: Sequence[int], *, lazy: bool
-    ) -> tuple[ChunkReader, str | None]:
-        """-> (KV, the name of the store tier it came from, or None if it was prefilled now)
-
-        With `lazy` (pipelined loading), a chunk found on disk or in Redis comes back unread: its layers are
-        fetched while the fusor runs. Without it, the chunk is read whole now, and one that turns out damaged
-        is recomputed here (its tier has dropped it and counted a miss).
-        """
-        key = self._key(prefix_ids, ids)
-        hit = self._lookup(key, len(ids))
-        if hit is not None:
-            if lazy:
-                return hit.kv, hit.tier
-            try:
-                return hit.kv.materialize(), hit.tier
-            except CorruptEntryError as exc:
-                logger.warning("chunk %s from the %s tier is damaged (%s); recomputing it", key[:12], hit.tier, exc)
-        kv = self._prefill_kv(prefix, prefix_ids, ids)
-        self.store.put(kv)
-        return kv, None
-
-    def _prefix_kv(self, prefix_ids: Sequence[int]) -> ChunkReader | None:
-        """The shared prefix's KV, read whole (it is short, and a prefill after it needs every layer at once)."""
-        if not prefix_ids:
-            return None
-        return self._get_or_prefill(None, (), prefix_ids, lazy=False)[0]
+        return self.chunks.key(prefix_ids, chunk_ids)
 
     def precompute(
         self,
@@ -335,13 +194,8 @@ class CacheBlendEngine:
             prefix, _ = (template or self.template).render(self.tokenizer, question or "?")
         prefix_ids = tokenize_prefix(self.tokenizer, prefix)
         chunk_ids = tokenize_chunks(self.tokenizer, chunks, self.config.chunk_separator)
-        hits = misses = 0
         with self._lock:
-            prefix_kv = self._prefix_kv(prefix_ids)
-            for ids in tqdm(chunk_ids, desc="precomputing chunk KV", unit="chunk", disable=not show_progress):
-                _, tier = self._get_or_prefill(prefix_kv, prefix_ids, ids, lazy=True)
-                hits, misses = hits + (tier is not None), misses + (tier is None)
-        return hits, misses
+            return self.chunks.fill(prefix_ids, chunk_ids, show_progress=show_progress)
 
     def clear_store(self, tiers: Sequence[str] | None = None) -> None:
         """Drop the stored chunk KV: every tier, or only the named ones (`["memory"]` frees this process's
@@ -349,39 +203,9 @@ class CacheBlendEngine:
         finish first; the next request recomputes whatever it no longer finds.
         """
         with self._lock:
-            if tiers is None:
-                self.store.clear()
-            elif isinstance(self.store, TieredStore):
-                self.store.clear(tiers)
-            elif list(tiers) == [self.store.name]:
-                self.store.clear()
-            else:
-                raise ConfigError(
-                    f"this engine's store is the single tier {self.store.name!r}, not {list(tiers)}; call "
-                    f"clear_store() without `tiers`"
-                )
+            self.chunks.clear(tiers)
 
-    # -- prefill --------------------------------------------------------------------------------------------
-
-    def _cache_from(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> DynamicCache:
-        """A transformers DynamicCache holding rotated keys and values ([Hkv, N, D] per layer)."""
-        cache = DynamicCache(config=self.model.config)
-        for layer_idx, (k, v) in enumerate(zip(keys, values, strict=True)):
-            cache.update(k.unsqueeze(0), v.unsqueeze(0), layer_idx)
-        return cache
-
-    @torch.inference_mode()
-    def _forward(self, ids: torch.Tensor, start: int, cache: DynamicCache) -> torch.Tensor:
-        """The model's own forward of `ids` ([T]) at positions start.., extending `cache`; -> last logits."""
-        positions = torch.arange(start, start + ids.shape[0], device=self.device).unsqueeze(0)
-        out = self.model(
-            input_ids=ids.to(self.device).unsqueeze(0),
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[0, -1].float()
+    # -- prefill ----------------------------------------------------------------------------------------------
 
     def prefill(
         self,
@@ -391,19 +215,22 @@ class CacheBlendEngine:
         recompute_ratio: float | None = None,
         blend: BlendConfig | None = None,
     ) -> Prefill:
-        """Build the prompt's KV cache in the given mode. Times exclude tokenization (see `generate`)."""
+        """Build the prompt's KV cache in the given mode. Times exclude tokenization (see `generate`).
+
+        `blend` replaces the engine's `BlendConfig` for this request (another rule); `recompute_ratio` changes
+        only its ratio. The controller, if any, chooses the ratio only when neither is given.
+        """
         mode = PrefillMode.parse(mode)
+        check_ratio_arg(recompute_ratio)
         if mode is not PrefillMode.BLEND and recompute_ratio is not None:
             raise ConfigError(f"recompute_ratio applies to mode 'blend' only, got mode {mode.value!r}")
-        pinned = recompute_ratio if recompute_ratio is not None else blend
+        pinned = recompute_ratio is not None or blend is not None
         blend = blend or self.config.blend
         if recompute_ratio is not None:
             blend = blend.with_ratio(recompute_ratio)
-        if blend.check_layers[-1] >= self.lm.shape.num_layers:
-            raise ConfigError(f"check layer {blend.check_layers[-1]} >= the model's {self.lm.shape.num_layers} layers")
-        self._check_length(prompt)
-        # The controller may choose the ratio only when neither a ratio nor a whole blend config was given.
-        auto_ratio = mode is PrefillMode.BLEND and self.controller is not None and pinned is None
+        check_blend(blend, self.lm.shape.num_layers, "blend.check_layers")
+        self.check_length(prompt)
+        policy = self.controller if mode is PrefillMode.BLEND and not pinned else None
         with self._lock:
             # A chunk read layer by layer can turn out damaged after the fusor has started; its tier has dropped
             # it by then, so trying again finds it in another tier or recomputes it. Each retry follows the
@@ -411,130 +238,11 @@ class CacheBlendEngine:
             fresh: set[str] = set()  # chunks prefilled during this request: misses, even when found on a retry
             for attempt in range(len(prompt.chunk_ids) + 2):
                 try:
-                    return self._prefill_locked(prompt, mode, blend, fresh, auto_ratio)
+                    return self._prefiller.run(prompt, mode, blend, fresh, policy)
                 except CorruptEntryError as exc:
                     logger.warning("prefill attempt %d read a damaged chunk (%s); trying again", attempt + 1, exc)
-            return self._prefill_locked(prompt, mode, blend, fresh, auto_ratio)
+            return self._prefiller.run(prompt, mode, blend, fresh, policy)
 
-    def _prefill_locked(
-        self, prompt: TokenizedPrompt, mode: PrefillMode, blend: BlendConfig, fresh: set[str], auto_ratio: bool
-    ) -> Prefill:
-        n = prompt.num_tokens
-        num_layers = self.lm.shape.num_layers
-        m = RequestMetrics(mode=mode.value, prompt_tokens=n)
-        input_ids = prompt.input_ids()
-        t0 = time.perf_counter()
-
-        if mode is PrefillMode.FULL or not prompt.chunk_ids:
-            # Without chunks there is nothing to reuse or blend: every mode is a full prefill.
-            m.mode = PrefillMode.FULL.value
-            cache = DynamicCache(config=self.model.config)
-            logits = self._forward(input_ids, 0, cache)
-            m.compute_s = time.perf_counter() - t0
-            m.recomputed_tokens = n
-            m.recomputed_per_layer = [n] * num_layers
-            m.compute_share = 1.0
-            return Prefill(cache, logits, n, m)
-
-        # Which chunks this mode reads from the cache: prefix caching can reuse only the first one.
-        n_chunks = 1 if mode is PrefillMode.PREFIX else len(prompt.chunk_ids)
-        prefix_kv = self._prefix_kv(prompt.prefix_ids)
-        parts: list[ChunkReader] = [prefix_kv] if prefix_kv is not None else []
-        bytes_by_tier: dict[str, int] = {}
-        seen: set[str] = set()  # a chunk repeated in one prompt is prefilled once: one miss, then hits
-        for ids in prompt.chunk_ids[:n_chunks]:
-            t = time.perf_counter()
-            kv, tier = self._get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=self.config.pipelined_loading)
-            if tier is None:
-                fresh.add(kv.key)
-            repeat = kv.key in seen
-            seen.add(kv.key)
-            if tier is not None and (repeat or kv.key not in fresh):
-                m.chunks_hit += 1
-                m.hits_by_tier[tier] = m.hits_by_tier.get(tier, 0) + 1
-                m.bytes_loaded += kv.nbytes
-                bytes_by_tier[tier] = bytes_by_tier.get(tier, 0) + kv.nbytes
-            else:
-                m.chunks_missed += 1
-                m.precompute_s += time.perf_counter() - t
-            parts.append(kv)
-        if prefix_kv is not None:
-            m.bytes_loaded += prefix_kv.nbytes
-        m.reused_tokens = sum(len(ids) for ids in prompt.chunk_ids[:n_chunks])
-        t_found = time.perf_counter()
-        m.load_s = t_found - t0 - m.precompute_s  # store lookups
-
-        if mode is PrefillMode.BLEND:
-            if auto_ratio:
-                assert self.controller is not None
-                decision = self.controller.choose_ratio(n, bytes_by_tier, m.hits_by_tier)
-                blend = blend.with_ratio(decision.ratio)
-                m.controller = decision.to_dict()
-            blend_cfg = blend
-            m.recompute_ratio = blend.recompute_ratio
-        else:
-            # prefix / reuse: every token with loaded KV is used as is: no checks, nothing reused-but-recomputed
-            blend_cfg = None
-        result, load_s, wait_s = self._fuse(prompt, parts, blend_cfg)
-        assert result.logits is not None
-        cache = self._cache_from(result.keys, result.values)
-        m.recomputed_per_layer = result.recomputed_per_layer
-        m.recomputed_tokens = int(result.selected_positions.numel())
-        m.load_s += load_s
-        m.wait_s = wait_s
-        m.pipelined = self.config.pipelined_loading
-        m.compute_s = time.perf_counter() - t_found - wait_s
-        m.compute_share = sum(m.recomputed_per_layer) / (n * num_layers)
-        return Prefill(cache, result.logits, n, m)
-
-    def _fuse(self, prompt: TokenizedPrompt, parts: Sequence[ChunkKV | LazyChunkKV], blend: BlendConfig | None):
-        """Run the fusor with the loaded `parts` (the prefix, then chunks in order) at the head of the prompt.
-
-        With a blend config, chunk tokens are recomputed as its rule chooses (`planning.blend_plan`); without
-        one, every loaded token is used as is (prefix caching when `parts` stop after the first chunk, full KV
-        reuse when they cover all). The "attention" rule first runs a reuse pass that records how much the
-        question attends to each chunk token, then recomputes the chosen tokens over that pass's KV.
-        Returns the result, the time spent loading KV (reading, checking, assembling) and the part of it the
-        fusor waited for (all of it without pipelining; with it, only what compute did not hide).
-        """
-        n_loaded = len(parts) - (1 if prompt.prefix_ids else 0)
-        load = self._layer_loader(parts, prompt.num_tokens)
-        if blend is None:
-            return self._run_fusor(reuse_plan(prompt, n_loaded), load)
-        if blend.selection != "attention":
-            return self._run_fusor(blend_plan(prompt, blend), load)
-        question = torch.zeros(prompt.num_tokens, dtype=torch.bool)
-        question[prompt.num_tokens - len(prompt.suffix_ids) :] = True
-        probe, load_s, wait_s = self._run_fusor(
-            reuse_plan(prompt), load, want_logits=False, keep_raw_keys=True, attention_from=question
-        )
-        assert probe.raw_keys is not None and probe.attention is not None
-        raw_keys, values = probe.raw_keys, probe.values
-        result, _, _ = self._run_fusor(blend_plan(prompt, blend, probe.attention), lambda i: (raw_keys[i], values[i]))
-        # The probe's question-only pass is part of this rule's compute.
-        result.recomputed_per_layer = [a + b for a, b in zip(result.recomputed_per_layer, probe.recomputed_per_layer)]
-        return result, load_s, wait_s
-
-    def _run_fusor(self, plan: FusionPlan, load: Callable[[int], tuple[torch.Tensor, torch.Tensor]], **kwargs: Any):
-        """-> (fusion result, load time, time the fusor waited for loads)"""
-        if self.config.pipelined_loading:
-            with LayerPrefetcher(load, self.lm.shape.num_layers, self.device) as prefetcher:
-                result = fuse(self.lm, plan, prefetcher.get, **kwargs)
-            return result, prefetcher.load_s, prefetcher.wait_s
-
-        load_time = 0.0
-
-        def timed_load(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-            nonlocal load_time
-            t = time.perf_counter()
-            out = load(layer_idx)
-            load_time += time.perf_counter() - t
-            return out
-
-        result = fuse(self.lm, plan, timed_load, **kwargs)
-        return result, load_time, load_time
-
-    @torch.inference_mode()
     def extend(self, prefill: Prefill, token_ids: Sequence[int]) -> torch.Tensor:
         """Feed tokens after a prefilled prompt in one forward (teacher forcing); -> logits [T, vocab] float32.
 
@@ -544,46 +252,21 @@ class CacheBlendEngine:
         ids = torch.as_tensor(list(token_ids), dtype=torch.long)
         if ids.ndim != 1 or ids.numel() == 0:
             raise ConfigError("extend needs a non-empty list of token ids")
-        positions = torch.arange(prefill.num_tokens, prefill.num_tokens + ids.numel(), device=self.device)
         with self._lock:
-            out = self.model(
-                input_ids=ids.to(self.device).unsqueeze(0),
-                position_ids=positions.unsqueeze(0),
-                past_key_values=prefill.cache,
-                use_cache=True,
-            )
+            logits = self._prefiller.forward(ids, prefill.num_tokens, prefill.cache, all_logits=True)
         prefill.num_tokens += ids.numel()
-        return out.logits[0].float()
+        return logits
 
-    # -- generation -----------------------------------------------------------------------------------------
+    # -- generation ---------------------------------------------------------------------------------------------
 
     def generate(
-        self,
-        chunks: Sequence[str] | TokenizedPrompt,
-        question: str | None = None,
-        *,
-        mode: PrefillMode | str = PrefillMode.BLEND,
-        recompute_ratio: float | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] | str | None = (),
-        seed: int | None = None,
-        template: PromptTemplate | None = None,
-        prefix: str | None = None,
-        suffix: str | None = None,
+        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Unpack[RequestOptions]
     ) -> GenerationResult:
-        """Answer a question over chunks (or a prebuilt prompt) and return the text with the request's metrics."""
-        stream = self.stream(
-            chunks, question, mode=mode, recompute_ratio=recompute_ratio, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed, template=template,
-            prefix=prefix, suffix=suffix,
-        )  # fmt: skip
-        for _ in stream:
-            pass
-        assert stream.result is not None
-        return stream.result
+        """Answer a question over chunks (or a prebuilt prompt) and return the text with the request's metrics.
+
+        Takes the keyword arguments of `stream`, and collects its stream.
+        """
+        return self.stream(chunks, question, **options).collect()
 
     def stream(
         self,
@@ -602,9 +285,14 @@ class CacheBlendEngine:
         prefix: str | None = None,
         suffix: str | None = None,
     ) -> TextStream:
-        """Like `generate`, but yields text as it is produced. Arguments are checked before the first token."""
+        """Yield the answer's text as it is produced; `.result` holds the `GenerationResult` at the end.
+
+        `mode`: "blend" (default), "full", "prefix" or "reuse"; `recompute_ratio` overrides the blend ratio;
+        sampling: greedy at temperature 0, else `top_p` / `top_k` / `seed`; `stop`: strings that end the answer
+        (None: none). A prompt is chunks + question (rendered by `template`), chunks + explicit `prefix` /
+        `suffix`, or a prebuilt `TokenizedPrompt`. Every argument is checked here, before any compute.
+        """
         t0 = time.perf_counter()
-        # Every argument is checked here, before any compute: `stop=None` means no stop strings.
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, stop, seed)
         check_ratio_arg(recompute_ratio)
         if isinstance(chunks, TokenizedPrompt):
@@ -612,51 +300,19 @@ class CacheBlendEngine:
         else:
             check_encodable(chunks, question=question, prefix=prefix, suffix=suffix)
             prompt = self.build_prompt(chunks, question, template=template, prefix=prefix, suffix=suffix)
-        self._check_length(prompt, params.max_new_tokens)
+        self.check_length(prompt, params.max_new_tokens)
         mode = PrefillMode.parse(mode)
         if mode is not PrefillMode.BLEND and recompute_ratio is not None:
             raise ConfigError(f"recompute_ratio applies to mode 'blend' only, got mode {mode.value!r}")
         if recompute_ratio is not None:
-            self.config.blend.with_ratio(recompute_ratio)  # validate now, not at the first next()
-        return TextStream(self._events(prompt, mode, recompute_ratio, params, t0))
+            check_blend(self.config.blend.with_ratio(recompute_ratio), self.lm.shape.num_layers, "blend")
 
-    def _events(
-        self,
-        prompt: TokenizedPrompt,
-        mode: PrefillMode,
-        recompute_ratio: float | None,
-        params: SamplingParams,
-        t0: float,
-    ) -> Iterator[str | GenerationResult]:
-        # The lock is taken per forward, never across a yield: a consumer may pause, or resume from another thread.
-        pre = self.prefill(prompt, mode, recompute_ratio=recompute_ratio)
-        m = pre.metrics
-        picker = TokenPicker(params, self.device)
-        text = TextAssembler(self.tokenizer, params.stop)
-        generated: list[int] = []
-        token = picker(pre.logits, generated)
-        m.ttft_s = time.perf_counter() - t0
-        t_decode = time.perf_counter()
-        finish = "length"
-        pos = pre.num_tokens
-        while True:
-            if token in self.eos_ids:
-                finish = "stop"
-                break
-            generated.append(token)
-            delta = text.add(token)
-            if text.stopped:
-                finish = "stop"
-                yield delta
-                break
-            yield delta
-            if len(generated) >= params.max_new_tokens:
-                break
+        def prefill() -> Prefill:
+            return self.prefill(prompt, mode, recompute_ratio=recompute_ratio)
+
+        def step(token: int, pos: int, cache: Any) -> torch.Tensor:
+            # The lock is taken per forward, never across a yield: a consumer may pause, or resume elsewhere.
             with self._lock:
-                logits = self._forward(torch.tensor([token]), pos, pre.cache)
-            pos += 1
-            token = picker(logits, generated)
-        yield text.flush()
-        m.decode_s = time.perf_counter() - t_decode
-        m.generated_tokens = len(generated)
-        yield GenerationResult(text.text, generated, finish, replace(m))
+                return self._prefiller.forward(torch.tensor([token]), pos, cache)
+
+        return TextStream(decode(prefill, step, self.tokenizer, self.eos_ids, params, self.device, t0))

@@ -17,6 +17,15 @@ from ..fusion import FusionPlan, anchor_counts, budget, keep_counts, top_scored
 from .prompt import TokenizedPrompt
 
 
+def check_blend(blend: BlendConfig, num_layers: int, name: str = "blend") -> None:
+    """ConfigError when a rule's check layers do not exist in a model of `num_layers` layers."""
+    if blend.uses_check_layers and blend.check_layers[-1] >= num_layers:
+        raise ConfigError(
+            f"{name} has layer {blend.check_layers[-1]}, but the model has {num_layers} layers "
+            f"(0..{num_layers - 1}); use smaller check_layers"
+        )
+
+
 def _masks(prompt: TokenizedPrompt) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (exact prefix mask [N], chunk token mask [N])"""
     n = prompt.num_tokens
@@ -47,6 +56,13 @@ def reuse_plan(prompt: TokenizedPrompt, loaded_chunks: int | None = None) -> Fus
     return _plan(prompt, exact, torch.zeros_like(exact))
 
 
+def question_mask(prompt: TokenizedPrompt) -> torch.Tensor:
+    """[N] bool: the tokens after the chunks (the question and the chat template's tail)."""
+    mask = torch.zeros(prompt.num_tokens, dtype=torch.bool)
+    mask[prompt.num_tokens - len(prompt.suffix_ids) :] = True
+    return mask
+
+
 def anchor_mask(prompt: TokenizedPrompt, blend: BlendConfig) -> torch.Tensor:
     """[N] bool: the leading tokens of every chunk that the rule's anchor share recomputes."""
     spans = prompt.chunk_spans
@@ -69,11 +85,15 @@ def blend_plan(prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor
     free = total - int(anchors.sum())  # budget left after the anchors
     rest = chunks & ~anchors  # chunk tokens the ranking chooses from
 
-    if blend.selection == "deviation":
+    if blend.uses_check_layers:
         counts = keep_counts(int(chunks.sum()), blend.schedule())
         n_rest = int(rest.sum())
         kept = tuple(min(n_rest, max(0, c - int(anchors.sum()))) for c in counts)
-        return _plan(prompt, prefix, rest, check_layers=blend.check_layers, keep_counts=kept, deviation=blend.deviation)
+        query = question_mask(prompt) if blend.selection == "deviation+attention" else None
+        return _plan(
+            prompt, prefix, rest, check_layers=blend.check_layers, keep_counts=kept, deviation=blend.deviation,
+            query=query,
+        )  # fmt: skip
 
     chosen = torch.zeros_like(chunks)
     if blend.selection == "attention":

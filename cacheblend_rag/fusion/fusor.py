@@ -37,6 +37,8 @@ class FusionPlan:
     check_layers: tuple[int, ...] = ()
     keep_counts: tuple[int, ...] = ()  # reused tokens kept after each check layer
     deviation: str = "key"
+    # [N] bool or None: tokens (the question) whose attention on each check layer is added to the deviation
+    query: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.input_ids.shape[0]
@@ -98,6 +100,36 @@ def attend_blocks(
     return torch.cat(outs, dim=0)
 
 
+def _normalized(score: torch.Tensor) -> torch.Tensor:
+    """A score divided by its mean, so that two scores of different scales can be added."""
+    return score / (score.mean() + torch.finfo(torch.float32).tiny)
+
+
+def _check_layer_attention(
+    lm: LayerwiseModel,
+    layer_idx: int,
+    plan: FusionPlan,
+    active: torch.Tensor,
+    x: torch.Tensor,
+    fresh_k: torch.Tensor,
+    raw_k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """The attention the plan's query tokens pay to every token on a check layer, over this layer's fresh keys
+    (every active token is fresh up to here). -> [N] float32, mean over heads and query tokens."""
+    assert plan.query is not None
+    positions = plan.positions.to(raw_k.device)
+    rows = plan.query.to(raw_k.device)[active].nonzero().squeeze(1)  # [Q] indices into active
+    keys = raw_k.clone()
+    keys[:, active] = fresh_k
+    keys = rotate_keys(keys, cos, sin)  # [Hkv, N, D]
+    q_tokens = active[rows]
+    query = lm.project_q(layer_idx, x[rows], cos[q_tokens], sin[q_tokens])  # [H, Q, D]
+    mask = causal_mask(positions[q_tokens], positions)  # [Q, N]
+    return lm.attention_weights(layer_idx, query, keys, mask).mean(dim=(0, 1))
+
+
 @torch.inference_mode()
 def fuse(
     lm: LayerwiseModel,
@@ -157,6 +189,9 @@ def fuse(
                     v[:, cand_tokens],
                     plan.deviation,
                 )  # [C]
+                if plan.query is not None:
+                    attn = _check_layer_attention(lm, layer_idx, plan, active, x, fresh_k, raw_k, cos, sin)  # [N]
+                    dev = _normalized(dev) + _normalized(attn[cand_tokens])
                 keep = ~is_reused
                 keep[candidates[select_recompute_tokens(dev, checks[layer_idx])]] = True
                 active, hidden, x = active[keep], hidden[keep], x[keep]

@@ -1,0 +1,146 @@
+"""Chunk KV by key: find a chunk in the store, or prefill it after its prefix and store it.
+
+A chunk's entry is keyed by (model fingerprint, dtype, prefix tokens, chunk tokens) and holds its per-layer raw
+keys and values. Whatever comes back from a store is checked against the shape this model gives that many
+tokens before a single layer is read; anything else is dropped and recomputed, never used.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import ConfigError
+from ..fusion import FusionPlan, LayerLoader, fuse
+from ..models.adapter import LayerwiseModel
+from ..store import ChunkKV, ChunkReader, ChunkStore, CorruptEntryError, Hit, TieredStore, chunk_key
+
+logger = logging.getLogger(__name__)
+
+
+class ChunkCache:
+    """The chunk KV of one model in one dtype, backed by a store (any tier or stack of tiers)."""
+
+    def __init__(self, lm: LayerwiseModel, store: ChunkStore, fingerprint: str, dtype: torch.dtype) -> None:
+        self.lm = lm
+        self.store = store
+        self.fingerprint = fingerprint
+        self.dtype = dtype
+
+    def key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
+        """The store key of a chunk's KV when it follows `prefix_ids`."""
+        return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids)
+
+    def layer_loader(self, parts: Sequence[ChunkReader], total: int) -> LayerLoader:
+        """Loads layer l of the given KV parts laid end to end, padded with zeros up to `total` tokens."""
+        pad = total - sum(p.num_tokens for p in parts)
+        hkv, d, device = self.lm.shape.num_kv_heads, self.lm.shape.head_dim, self.lm.device
+
+        def load(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+            ks, vs = [], []
+            for p in parts:
+                k, v = p.layer(layer_idx)  # [Hkv, T_p, D] each; a stored chunk may read (and check) it only now
+                ks.append(k.to(device, non_blocking=True))
+                vs.append(v.to(device, non_blocking=True))
+            if pad:
+                z = torch.zeros(hkv, pad, d, dtype=self.dtype, device=device)
+                ks.append(z)
+                vs.append(z)
+            return torch.cat(ks, dim=1), torch.cat(vs, dim=1)  # [Hkv, total, D], fresh tensors
+
+        return load
+
+    def prefill(self, prefix: ChunkReader | None, prefix_ids: Sequence[int], ids: Sequence[int]) -> ChunkKV:
+        """Prefill `ids` after the (cached) prefix and keep only their KV."""
+        p = len(prefix_ids)
+        all_ids = torch.tensor([*prefix_ids, *ids], dtype=torch.long)
+        n = all_ids.shape[0]
+        exact = torch.zeros(n, dtype=torch.bool)
+        exact[:p] = True
+        plan = FusionPlan(input_ids=all_ids, positions=torch.arange(n), exact=exact, reused=torch.zeros_like(exact))
+        parts = [prefix] if prefix is not None else []
+        result = fuse(self.lm, plan, self.layer_loader(parts, n), want_logits=False, keep_raw_keys=True)
+        assert result.raw_keys is not None
+        keys = torch.stack([k[:, p:] for k in result.raw_keys])  # [L, Hkv, T, D]
+        values = torch.stack([v[:, p:] for v in result.values])
+        return ChunkKV(self.key(prefix_ids, ids), keys, values)
+
+    def lookup(self, key: str, num_tokens: int) -> Hit | None:
+        """The store's hit for `key` if it has this model's dtype and the shape of `num_tokens` tokens.
+
+        The key hashes model, dtype and tokens, so any other shape is a damaged or forged entry: it is dropped
+        (and recomputed by the caller) before a single layer of it is read.
+        """
+        hit = self.store.open(key)
+        if hit is None:
+            return None
+        shape = (self.lm.shape.num_layers, self.lm.shape.num_kv_heads, num_tokens, self.lm.shape.head_dim)
+        if hit.kv.dtype == self.dtype and tuple(hit.kv.shape) == shape:
+            return hit
+        logger.warning(
+            "chunk %s in the %s tier has dtype %s and shape %s, expected %s and %s; recomputing it",
+            key[:12],
+            hit.tier,
+            hit.kv.dtype,
+            tuple(hit.kv.shape),
+            self.dtype,
+            shape,
+        )
+        self.store.discard(key)
+        return None
+
+    def get_or_prefill(
+        self, prefix: ChunkReader | None, prefix_ids: Sequence[int], ids: Sequence[int], *, lazy: bool
+    ) -> tuple[ChunkReader, str | None]:
+        """-> (KV, the name of the store tier it came from, or None if it was prefilled now)
+
+        With `lazy` (pipelined loading), a chunk found on disk or in Redis comes back unread: its layers are
+        fetched while the fusor runs. Without it, the chunk is read whole now, and one that turns out damaged
+        is recomputed here (its tier has dropped it and counted a miss).
+        """
+        key = self.key(prefix_ids, ids)
+        hit = self.lookup(key, len(ids))
+        if hit is not None:
+            if lazy:
+                return hit.kv, hit.tier
+            try:
+                return hit.kv.materialize(), hit.tier
+            except CorruptEntryError as exc:
+                logger.warning("chunk %s from the %s tier is damaged (%s); recomputing it", key[:12], hit.tier, exc)
+        kv = self.prefill(prefix, prefix_ids, ids)
+        self.store.put(kv)
+        return kv, None
+
+    def prefix_kv(self, prefix_ids: Sequence[int]) -> ChunkReader | None:
+        """The shared prefix's KV, read whole (it is short, and a prefill after it needs every layer at once)."""
+        if not prefix_ids:
+            return None
+        return self.get_or_prefill(None, (), prefix_ids, lazy=False)[0]
+
+    def fill(
+        self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], *, show_progress: bool = False
+    ) -> tuple[int, int]:
+        """Make sure each chunk's KV (after `prefix_ids`) is stored. -> (already stored, newly computed)"""
+        hits = misses = 0
+        prefix = self.prefix_kv(prefix_ids)
+        for ids in tqdm(chunk_ids, desc="precomputing chunk KV", unit="chunk", disable=not show_progress):
+            _, tier = self.get_or_prefill(prefix, prefix_ids, ids, lazy=True)
+            hits, misses = hits + (tier is not None), misses + (tier is None)
+        return hits, misses
+
+    def clear(self, tiers: Sequence[str] | None = None) -> None:
+        """Drop stored chunk KV: every tier, or only the named ones of a tier stack."""
+        if tiers is None:
+            self.store.clear()
+        elif isinstance(self.store, TieredStore):
+            self.store.clear(tiers)
+        elif list(tiers) == [self.store.name]:
+            self.store.clear()
+        else:
+            raise ConfigError(
+                f"this engine's store is the single tier {self.store.name!r}, not {list(tiers)}; call "
+                f"clear_store() without `tiers`"
+            )

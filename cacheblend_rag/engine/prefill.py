@@ -1,0 +1,216 @@
+"""Building a prompt's KV cache in one of the four modes, with the request's metrics.
+
+- full:   the model's own forward over the whole prompt (the reference; uses no cache).
+- prefix: the shared prefix and the first chunk come from the cache (exactly what prefix caching can reuse:
+          the first chunk was precomputed right after the prefix); everything after is computed.
+- reuse:  every chunk's cached KV is placed at its real offset, only the suffix is computed (PromptCache).
+- blend:  CacheBlend's selective recompute, with the rule of the request's `BlendConfig`.
+The three cached modes run through the same fusor (`fusion.fuse`) with plans from `planning`. A chunk missing
+from the store is prefilled on the spot and stored. Chunks found on disk or in Redis are read layer by layer
+while the fusor runs (`pipeline.LayerPrefetcher`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from transformers import DynamicCache
+
+from ..config import BlendConfig, PrefillMode
+from ..fusion import FusionPlan, FusionResult, LayerLoader, fuse
+from ..models.adapter import LayerwiseModel
+from ..store import ChunkReader
+from .chunk_cache import ChunkCache
+from .metrics import RequestMetrics
+from .pipeline import LayerPrefetcher
+from .planning import blend_plan, question_mask, reuse_plan
+from .prompt import TokenizedPrompt
+
+
+class RatioDecisionLike(Protocol):
+    ratio: float
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class RatioPolicy(Protocol):
+    """Chooses a request's recompute ratio from what its chunks cost to load (the loading controller, §5.1)."""
+
+    def check_model(self, fingerprint: str, dtype: str) -> None:
+        """Raise ConfigError when the policy was made for another model or dtype."""
+        ...
+
+    def choose_ratio(
+        self, num_tokens: int, bytes_by_tier: Mapping[str, int], hits_by_tier: Mapping[str, int]
+    ) -> RatioDecisionLike: ...
+
+
+@dataclass
+class Prefill:
+    """A built KV cache, ready for decoding."""
+
+    cache: DynamicCache
+    logits: torch.Tensor  # [vocab] float32, of the prompt's last token
+    num_tokens: int
+    metrics: RequestMetrics
+
+
+class Prefiller:
+    """Runs one prefill: reads the chunks through the chunk cache, plans, fuses, and fills the metrics."""
+
+    def __init__(self, model: torch.nn.Module, lm: LayerwiseModel, chunks: ChunkCache, *, pipelined: bool) -> None:
+        self.model = model
+        self.lm = lm
+        self.chunks = chunks
+        self.pipelined = pipelined
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int, cache: DynamicCache, *, all_logits: bool = False) -> torch.Tensor:
+        """The model's own forward of `ids` ([T]) at positions start.., extending `cache`.
+
+        -> logits of the last token [vocab], or of every token [T, vocab] with `all_logits` (float32).
+        """
+        device = self.lm.device
+        out = self.model(
+            input_ids=ids.to(device).unsqueeze(0),
+            position_ids=torch.arange(start, start + ids.shape[0], device=device).unsqueeze(0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
+        return out.logits[0].float() if all_logits else out.logits[0, -1].float()
+
+    def run(
+        self,
+        prompt: TokenizedPrompt,
+        mode: PrefillMode,
+        blend: BlendConfig,
+        fresh: set[str],
+        policy: RatioPolicy | None,
+    ) -> Prefill:
+        """`fresh` collects the chunks prefilled during this request (misses, even when found on a retry);
+        `policy` chooses the blend ratio when given."""
+        n = prompt.num_tokens
+        num_layers = self.lm.shape.num_layers
+        m = RequestMetrics(mode=mode.value, prompt_tokens=n)
+        t0 = time.perf_counter()
+
+        if mode is PrefillMode.FULL or not prompt.chunk_ids:
+            # Without chunks there is nothing to reuse or blend: every mode is a full prefill.
+            m.mode = PrefillMode.FULL.value
+            cache = DynamicCache(config=self.model.config)
+            logits = self.forward(prompt.input_ids(), 0, cache)
+            m.compute_s = time.perf_counter() - t0
+            m.recomputed_tokens = n
+            m.recomputed_per_layer = [n] * num_layers
+            m.compute_share = 1.0
+            return Prefill(cache, logits, n, m)
+
+        # Which chunks this mode reads from the cache: prefix caching can reuse only the first one.
+        n_chunks = 1 if mode is PrefillMode.PREFIX else len(prompt.chunk_ids)
+        parts, bytes_by_tier = self._gather(prompt, n_chunks, fresh, m)
+        t_found = time.perf_counter()
+        m.load_s = t_found - t0 - m.precompute_s  # store lookups
+
+        blend_cfg = None  # prefix / reuse: every token with loaded KV is used as is
+        if mode is PrefillMode.BLEND:
+            if policy is not None:
+                decision = policy.choose_ratio(n, bytes_by_tier, m.hits_by_tier)
+                blend = blend.with_ratio(decision.ratio)
+                m.controller = decision.to_dict()
+            blend_cfg = blend
+            m.recompute_ratio = blend.recompute_ratio
+        result, load_s, wait_s = self._fuse(prompt, parts, blend_cfg)
+        assert result.logits is not None
+        cache = DynamicCache(config=self.model.config)
+        for layer_idx, (k, v) in enumerate(zip(result.keys, result.values, strict=True)):
+            cache.update(k.unsqueeze(0), v.unsqueeze(0), layer_idx)  # rotated keys, values: [1, Hkv, N, D]
+        m.recomputed_per_layer = result.recomputed_per_layer
+        m.recomputed_tokens = int(result.selected_positions.numel())
+        m.load_s += load_s
+        m.wait_s = wait_s
+        m.pipelined = self.pipelined
+        m.compute_s = time.perf_counter() - t_found - wait_s
+        m.compute_share = sum(m.recomputed_per_layer) / (n * num_layers)
+        return Prefill(cache, result.logits, n, m)
+
+    def _gather(
+        self, prompt: TokenizedPrompt, n_chunks: int, fresh: set[str], m: RequestMetrics
+    ) -> tuple[list[ChunkReader], dict[str, int]]:
+        """The prefix's and the first `n_chunks` chunks' KV, counting hits and misses. -> (parts, bytes by tier)"""
+        prefix_kv = self.chunks.prefix_kv(prompt.prefix_ids)
+        parts: list[ChunkReader] = [prefix_kv] if prefix_kv is not None else []
+        bytes_by_tier: dict[str, int] = {}
+        seen: set[str] = set()  # a chunk repeated in one prompt is prefilled once: one miss, then hits
+        for ids in prompt.chunk_ids[:n_chunks]:
+            t = time.perf_counter()
+            kv, tier = self.chunks.get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=self.pipelined)
+            if tier is None:
+                fresh.add(kv.key)
+            repeat = kv.key in seen
+            seen.add(kv.key)
+            if tier is not None and (repeat or kv.key not in fresh):
+                m.chunks_hit += 1
+                m.hits_by_tier[tier] = m.hits_by_tier.get(tier, 0) + 1
+                m.bytes_loaded += kv.nbytes
+                bytes_by_tier[tier] = bytes_by_tier.get(tier, 0) + kv.nbytes
+            else:
+                m.chunks_missed += 1
+                m.precompute_s += time.perf_counter() - t
+            parts.append(kv)
+        if prefix_kv is not None:
+            m.bytes_loaded += prefix_kv.nbytes
+        m.reused_tokens = sum(len(ids) for ids in prompt.chunk_ids[:n_chunks])
+        return parts, bytes_by_tier
+
+    def _fuse(
+        self, prompt: TokenizedPrompt, parts: Sequence[ChunkReader], blend: BlendConfig | None
+    ) -> tuple[FusionResult, float, float]:
+        """Run the fusor with the loaded `parts` (the prefix, then chunks in order) at the head of the prompt.
+
+        With a blend config, chunk tokens are recomputed as its rule chooses (`planning.blend_plan`); without
+        one, every loaded token is used as is (prefix caching when `parts` stop after the first chunk, full KV
+        reuse when they cover all). The "attention" rule first runs a reuse pass that records how much the
+        question attends to each chunk token, then recomputes the chosen tokens over that pass's KV.
+        Returns the result, the time spent loading KV (reading, checking, assembling) and the part of it the
+        fusor waited for (all of it without pipelining; with it, only what compute did not hide).
+        """
+        n_loaded = len(parts) - (1 if prompt.prefix_ids else 0)
+        load = self.chunks.layer_loader(parts, prompt.num_tokens)
+        if blend is None:
+            return self._run_fusor(reuse_plan(prompt, n_loaded), load)
+        if blend.selection != "attention":
+            return self._run_fusor(blend_plan(prompt, blend), load)
+        probe, load_s, wait_s = self._run_fusor(
+            reuse_plan(prompt), load, want_logits=False, keep_raw_keys=True, attention_from=question_mask(prompt)
+        )
+        assert probe.raw_keys is not None and probe.attention is not None
+        raw_keys, values = probe.raw_keys, probe.values
+        result, _, _ = self._run_fusor(blend_plan(prompt, blend, probe.attention), lambda i: (raw_keys[i], values[i]))
+        # The probe's question-only pass is part of this rule's compute.
+        per_layer = zip(result.recomputed_per_layer, probe.recomputed_per_layer, strict=True)
+        result.recomputed_per_layer = [a + b for a, b in per_layer]
+        return result, load_s, wait_s
+
+    def _run_fusor(self, plan: FusionPlan, load: LayerLoader, **kwargs: Any) -> tuple[FusionResult, float, float]:
+        """-> (fusion result, load time, time the fusor waited for loads)"""
+        if self.pipelined:
+            with LayerPrefetcher(load, self.lm.shape.num_layers, self.lm.device) as prefetcher:
+                result = fuse(self.lm, plan, prefetcher.get, **kwargs)
+            return result, prefetcher.load_s, prefetcher.wait_s
+
+        load_time = 0.0
+
+        def timed_load(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+            nonlocal load_time
+            t = time.perf_counter()
+            out = load(layer_idx)
+            load_time += time.perf_counter() - t
+            return out
+
+        result = fuse(self.lm, plan, timed_load, **kwargs)
+        return result, load_time, load_time
