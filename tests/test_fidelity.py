@@ -25,13 +25,13 @@ from cacheblend_rag.evaluation.fidelity import (
     run_fidelity,
 )
 from cacheblend_rag.evaluation.fidelity_report import (
-    bootstrap_ci,
     common_cases,
     paired_difference,
     summarize_fidelity,
     write_fidelity_report,
 )
 from cacheblend_rag.evaluation.records import load_records
+from cacheblend_rag.evaluation.report import bootstrap_ci
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,26 +14,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..errors import CacheBlendError
+from .report import bootstrap_ci, comparable_cases
 
 SUMMARY_MD = "summary.md"
-BOOTSTRAP_SAMPLES = 2000
-
-
-def bootstrap_ci(values: Sequence[float], *, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean (resampling cases)."""
-    x = np.asarray(values, dtype=float)
-    if x.size == 0:
-        return (float("nan"), float("nan"))
-    if x.size == 1:
-        return (float(x[0]), float(x[0]))
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, x.size, size=(BOOTSTRAP_SAMPLES, x.size))].mean(axis=1)
-    tail = (1.0 - level) / 2 * 100
-    lo, hi = np.percentile(means, [tail, 100 - tail])
-    return float(lo), float(hi)
 
 
 @dataclass(frozen=True)
@@ -61,21 +45,9 @@ def _ok(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 
 
 def common_cases(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[set[str], list[str], list[str]]]:
-    """Per data set: (the common cases, the methods compared on them, the methods left out).
-
-    A method measured on fewer than half the cases of the best-covered one is left out (a later, narrower run
-    must not shrink the table); the others are compared on the cases they all finished.
-    """
-    by: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
-    for r in _ok(records):
-        by[r["dataset"]][r["method"]].add(r["case_id"])
-    out = {}
-    for ds, methods in by.items():
-        most = max(len(c) for c in methods.values())
-        kept = [m for m, c in methods.items() if 2 * len(c) >= most]
-        cases = set.intersection(*(methods[m] for m in kept))
-        out[ds] = (cases, kept, [m for m in methods if m not in kept])
-    return out
+    """Per data set: (the common cases, the methods compared on them, the methods left out); see
+    `report.comparable_cases`."""
+    return comparable_cases(_ok(records))
 
 
 def summarize_fidelity(records: Sequence[Mapping[str, Any]]) -> list[FidelityRow]:

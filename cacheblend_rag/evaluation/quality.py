@@ -26,7 +26,7 @@ from .datasets import Dataset
 from .methods import Method, answer_text
 from .records import append_record, check_run_settings
 from .records import load_records as _load
-from .report import fmt, markdown_table, plot_panels, write_json
+from .report import bootstrap_ci, comparable_cases, fmt, markdown_table, plot_panels, write_json
 from .scoring import METRIC_NAMES, score_answer
 
 __all__ = [
@@ -154,6 +154,7 @@ class SummaryRow:
     # Mean metric of this method's answer scored against full recompute's answer as the reference: how closely
     # it reproduces full prefill, which a weak model's low scores against the gold answers cannot show.
     agreement_with_full: float = math.nan
+    score_ci: tuple[float, float] = (math.nan, math.nan)  # 95% bootstrap interval of the mean score
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -195,6 +196,7 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> list[SummaryRow]:
                 method=method,
                 metric=recs[0].get("metric", "score"),
                 score=statistics.fmean(r["score"] for r in ok) if ok else math.nan,
+                score_ci=bootstrap_ci([r["score"] for r in ok]),
                 ttft_s=statistics.median(r["ttft_s"] for r in ok) if ok else math.nan,
                 n=len(ok),
                 errors=len(recs) - len(ok),
@@ -250,15 +252,21 @@ def summary_markdown(rows: Sequence[SummaryRow]) -> str:
 # -- figures ---------------------------------------------------------------------------------------------------
 
 
-def plot_quality_vs_ttft(rows: Sequence[SummaryRow], path: str | os.PathLike[str]) -> Path:
-    """Fig. 12 style: per data set, each method's mean quality against its median TTFT.
+def plot_quality_vs_ttft(records: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
+    """Fig. 12 style: per data set, each method's mean quality (95% bootstrap interval) against its median TTFT.
 
-    Each legend entry says how many cases the method ran; where some ran on fewer cases than others, their
-    points are means over different cases (the summary table's paired columns compare like with like)."""
-    data = [r.to_dict() | {"label": f"{r.method} (n={r.n})"} for r in rows]
+    Only methods measured on the same cases are compared: per data set, the methods that ran at least half as
+    many cases as the best-covered one, on the cases they all finished (each panel's title gives the count)."""
+    done = [r for r in records if r.get("error") is None and r.get("score") is not None]
+    rows, titles = [], {}
+    for dataset, (cases, methods, left) in comparable_cases(done).items():
+        sub = summarize(r for r in done if r["dataset"] == dataset and r["method"] in methods and r["case_id"] in cases)
+        rows += [r.to_dict() | {"label": r.method, "lo": r.score_ci[0], "hi": r.score_ci[1]} for r in sub]
+        titles[dataset] = f"{dataset}: {len(cases)} common cases" + (f" ({', '.join(left)} left out)" if left else "")
     return plot_panels(
-        data, path, x="ttft_s", y="score", label="label", style="method", xlabel="median TTFT (s)",
-        ylabel={r.dataset: f"mean {r.metric}" for r in rows}, title="Quality vs TTFT",
+        rows, path, x="ttft_s", y="score", label="label", style="method", xlabel="median TTFT (s)",
+        ylabel={r["dataset"]: f"mean {r['metric']} (95% CI)" for r in rows}, title="Quality vs TTFT",
+        panel_titles=titles, yerr=("lo", "hi"),
     )  # fmt: skip
 
 
@@ -317,7 +325,7 @@ def write_report(
     files["summary_md"].write_text("# Quality benchmark\n\n" + summary_markdown(rows))
     write_json(files["summary_json"], [r.to_dict() for r in rows], indent=2)
     if any(r.n for r in rows):
-        files["quality_vs_ttft"] = plot_quality_vs_ttft([r for r in rows if r.n], out / FIG_QUALITY_TTFT)
+        files["quality_vs_ttft"] = plot_quality_vs_ttft(records, out / FIG_QUALITY_TTFT)
         ratio_fig = plot_quality_vs_ratio(records, out / FIG_QUALITY_RATIO)
         if ratio_fig is not None:
             files["quality_vs_ratio"] = ratio_fig

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,44 @@ def write_json(path: str | os.PathLike[str], value: Any, *, indent: int = 1) -> 
     return path
 
 
+def comparable_cases(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[set[str], list[str], list[str]]]:
+    """Per data set: (the common cases, the methods compared on them, the methods left out), from the records
+    of finished measurements (`dataset`, `method`, `case_id`).
+
+    A method measured on fewer than half the cases of the best-covered one is left out (a later, narrower run
+    must not shrink a table or figure); the others are compared on the cases they all finished.
+    """
+    by: dict[str, dict[str, set[str]]] = {}
+    for r in records:
+        by.setdefault(r["dataset"], {}).setdefault(r["method"], set()).add(r["case_id"])
+    out = {}
+    for ds, methods in by.items():
+        most = max(len(c) for c in methods.values())
+        kept = [m for m, c in methods.items() if 2 * len(c) >= most]
+        cases = set.intersection(*(methods[m] for m in kept))
+        out[ds] = (cases, kept, [m for m in methods if m not in kept])
+    return out
+
+
+BOOTSTRAP_SAMPLES = 2000
+
+
+def bootstrap_ci(values: Sequence[float], *, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean (resampling cases); nan for no values."""
+    import numpy as np
+
+    x = np.asarray(values, dtype=float)
+    if x.size == 0:
+        return (float("nan"), float("nan"))
+    if x.size == 1:
+        return (float(x[0]), float(x[0]))
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(BOOTSTRAP_SAMPLES, x.size))].mean(axis=1)
+    tail = (1.0 - level) / 2 * 100
+    lo, hi = np.percentile(means, [tail, 100 - tail])
+    return float(lo), float(hi)
+
+
 def pyplot() -> Any:
     """matplotlib's pyplot drawing to files only (the Agg backend), with an install hint when it is missing."""
     try:
@@ -87,6 +125,7 @@ def plot_panels(
     title: str | None = None,
     panel_titles: Mapping[Any, str] | None = None,
     style: str | None = None,
+    yerr: tuple[str, str] | None = None,
 ) -> Path:
     """A row of panels (one per value of `panel`), each plotting `y` against `x`.
 
@@ -96,7 +135,8 @@ def plot_panels(
     values of `hline_key` (e.g. "full") to a legend name: those rows are drawn as horizontal reference lines at
     their `y`, not as points. `panel_titles` maps a panel's value to its title; `ylabel` is one label for every
     panel or a mapping from a panel's value to its own (e.g. each data set's metric). Rows missing x or y (None or
-    nan) are left out. Enough for the paper's Fig. 12 (quality vs TTFT, one point per method), Fig. 16 (quality
+    nan) are left out. `yerr` names the fields of each point's interval (low, high), drawn as an error bar.
+    Enough for the paper's Fig. 12 (quality vs TTFT, one point per method), Fig. 16 (quality
     vs recompute ratio) and Fig. 15 (quality or TTFT vs chunk count / length).
     """
     plt = pyplot()
@@ -127,7 +167,11 @@ def plot_panels(
             for r in pts:
                 color, marker = looks.get(str(r[style]), ("C0", "o")) if styled else ("C0", "o")
                 legend_name = str(r[label]) if label is not None else None
-                ax.scatter(r[x], r[y], s=40, color=color, marker=marker, label=legend_name)
+                if yerr is not None and ok(r.get(yerr[0])) and ok(r.get(yerr[1])):
+                    err = [[r[y] - r[yerr[0]]], [r[yerr[1]] - r[y]]]
+                    ax.errorbar(r[x], r[y], yerr=err, fmt=marker, color=color, capsize=3, label=legend_name)
+                else:
+                    ax.scatter(r[x], r[y], s=40, color=color, marker=marker, label=legend_name)
         for i, r in enumerate(refs):
             ax.axhline(r[y], linestyle="--", linewidth=1, color=f"C{(i + 3) % 10}", label=hlines[r[hline_key]])
         ax.set_title((panel_titles or {}).get(name, str(name)))
