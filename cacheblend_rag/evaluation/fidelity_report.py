@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CacheBlendError
-from .report import bootstrap_ci, comparable_cases
+from .report import bootstrap_ci, cases_text, comparable_cases
 
 SUMMARY_MD = "summary.md"
 
@@ -106,7 +106,7 @@ def fidelity_markdown(rows: Sequence[FidelityRow], records: Sequence[Mapping[str
     for ds in sorted({r.dataset for r in rows}):
         mine = [r for r in rows if r.dataset == ds]
         lines += [
-            f"### {ds} ({mine[0].n} cases)",
+            f"### {ds} ({cases_text(mine[0].n)})",
             "",
             "| method | mean KL (nats) [95% CI] | max KL | top-1 agreement [95% CI] | first token | "
             "log p(ref) | compute share | median TTFT (s) |",
@@ -193,7 +193,7 @@ def plot_pareto(rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLi
         ax.set_xlabel("compute share (recomputed token-layers / all)")
         ax.grid(alpha=0.3)
     ax_top.legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Fidelity to full recompute vs compute: {dataset}, {mine[0].n} common cases (95% bootstrap CIs)")
+    fig.suptitle(f"Fidelity to full recompute vs compute: {dataset}, {cases_text(mine[0].n, 'common ')} (95% CIs)")
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)

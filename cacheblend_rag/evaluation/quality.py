@@ -26,7 +26,7 @@ from .datasets import Dataset
 from .methods import Method, answer_text
 from .records import append_record, check_run_settings
 from .records import load_records as _load
-from .report import bootstrap_ci, comparable_cases, fmt, markdown_table, plot_panels, write_json
+from .report import bootstrap_ci, cases_text, comparable_cases, fmt, markdown_table, plot_panels, write_json
 from .scoring import METRIC_NAMES, score_answer
 
 __all__ = [
@@ -262,7 +262,8 @@ def plot_quality_vs_ttft(records: Sequence[Mapping[str, Any]], path: str | os.Pa
     for dataset, (cases, methods, left) in comparable_cases(done).items():
         sub = summarize(r for r in done if r["dataset"] == dataset and r["method"] in methods and r["case_id"] in cases)
         rows += [r.to_dict() | {"label": r.method, "lo": r.score_ci[0], "hi": r.score_ci[1]} for r in sub]
-        titles[dataset] = f"{dataset}: {len(cases)} common cases" + (f" ({', '.join(left)} left out)" if left else "")
+        dropped = f" ({', '.join(left)} left out)" if left else ""
+        titles[dataset] = f"{dataset}: {cases_text(len(cases), 'common ')}{dropped}"
     return plot_panels(
         rows, path, x="ttft_s", y="score", label="label", style="method", xlabel="median TTFT (s)",
         ylabel={r["dataset"]: f"mean {r['metric']} (95% CI)" for r in rows}, title="Quality vs TTFT",

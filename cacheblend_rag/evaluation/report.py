@@ -59,6 +59,11 @@ def write_json(path: str | os.PathLike[str], value: Any, *, indent: int = 1) -> 
     return path
 
 
+def cases_text(n: int, kind: str = "") -> str:
+    """'1 case', '5 common cases'."""
+    return f"{n} {kind}case{'' if n == 1 else 's'}"
+
+
 def comparable_cases(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[set[str], list[str], list[str]]]:
     """Per data set: (the common cases, the methods compared on them, the methods left out), from the records
     of finished measurements (`dataset`, `method`, `case_id`).
