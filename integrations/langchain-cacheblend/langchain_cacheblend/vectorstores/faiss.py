@@ -148,8 +148,10 @@ def load_faiss_index(folder: str | Path, embeddings: Embeddings | None = None) -
             f"the index at {str(folder)!r} was built with {manifest['embedding_model']!r}, but the embeddings "
             f"given are {expected!r}; pass the same embeddings or rebuild the index"
         )
-    problem = flat_index_problem(index_path, dim=manifest["dimension"], count=len(manifest["ids"]))
-    if problem is not None:  # checked before FAISS allocates what the file claims
+    # The file's own size claims, checked before FAISS allocates what it claims; a file that is sound but does
+    # not match its docstore gets the message below, which says so.
+    problem = flat_index_problem(index_path)
+    if problem is not None:
         raise ValueError(f"{str(index_path)!r} cannot be loaded: {problem}; rebuild the index")
     index = faiss.read_index(str(index_path))
     ids, docs = manifest["ids"], manifest["documents"]

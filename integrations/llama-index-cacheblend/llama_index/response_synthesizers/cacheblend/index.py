@@ -65,8 +65,10 @@ def load_faiss_index(persist_dir: str | Path, *, embed_model: BaseEmbedding | No
     embed_model = embed_model or minilm_embedding()
     dim = _embedding_dim(embed_model)
     faiss_file = persist_dir / f"{DEFAULT_VECTOR_STORE}{NAMESPACE_SEP}{DEFAULT_PERSIST_FNAME}"
-    problem = flat_index_problem(faiss_file, dim=dim) if faiss_file.is_file() else "it is missing"
-    if problem is not None:  # checked before FAISS allocates what the file claims
+    # The file's own size claims, checked before FAISS allocates what it claims; a sound file built with another
+    # embedding model gets the message below, which says which model to load it with.
+    problem = flat_index_problem(faiss_file) if faiss_file.is_file() else "it is missing"
+    if problem is not None:
         raise ValueError(f"{str(faiss_file)!r} cannot be loaded: {problem}; rebuild the index")
     vector_store = FaissVectorStore.from_persist_dir(str(persist_dir))
     stored_dim = vector_store.client.d
