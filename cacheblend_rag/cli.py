@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from .errors import CacheBlendError
 
 if TYPE_CHECKING:
-    from .engine import CacheBlendEngine
+    pass
 
 
 def _engine_config(args: argparse.Namespace):
@@ -162,10 +162,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 repeats=args.repeats,
             )
         finally:
-            for store in tiers.values():
-                clear = getattr(store, "clear", None)
-                if clear is not None and store is not tiers["memory"]:
-                    clear()
+            for name, store in tiers.items():
+                if name != "memory":  # the profile's own entries in disk / Redis
+                    store.clear()
     profile.save(args.out)
     print(f"profile of {args.model or 'the default preset'} ({args.dtype}, {args.device}) written to {args.out}")
     for point in profile.compute:
@@ -201,179 +200,6 @@ def cmd_models(args: argparse.Namespace) -> int:
         aliases = f" [alias: {', '.join(preset.aliases)}]" if preset.aliases else ""
         print(f"{name}{mark}{aliases}: {preset.description}")
     return 0
-
-
-# -- bench: the paper's §7 evaluation (quality per data set and method) ----------------------------------------
-
-
-def _require_eval_deps() -> None:
-    import importlib.util
-
-    missing = [m for m in ("rouge_score", "matplotlib") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise CacheBlendError(f"bench needs {', '.join(missing)}: pip install 'cacheblend-rag[eval]'")
-
-
-def _bench_dataset_names(args: argparse.Namespace) -> list[str]:
-    """The canonical, de-duplicated names of --datasets, after checking --limit (both before any model loads)."""
-    from .evaluation.datasets import canonical_dataset_name
-
-    if args.limit is not None and args.limit < 1:
-        raise CacheBlendError(f"--limit must be >= 1, got {args.limit}")
-    names = list(dict.fromkeys(canonical_dataset_name(n) for n in args.datasets.split(",") if n.strip()))
-    if not names:
-        raise CacheBlendError("--datasets names no data set; e.g. musique,wikimqa")
-    return names
-
-
-def _load_bench_engine(args: argparse.Namespace) -> CacheBlendEngine:
-    """The engine of --model/--device/--dtype, its load time reported on stderr."""
-    from .config import EngineConfig
-    from .engine import CacheBlendEngine
-
-    t = time.perf_counter()
-    engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(device=args.device, dtype=args.dtype))
-    print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
-    return engine
-
-
-def cmd_bench_quality(args: argparse.Namespace) -> int:
-    from .evaluation import load_dataset, parse_methods, run_quality, summarize, summary_markdown, write_report
-
-    # Check names, files, numbers and packages before the model loads (that takes a while).
-    _require_eval_deps()
-    names = _bench_dataset_names(args)
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise CacheBlendError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    methods = parse_methods(args.methods)
-    datasets = [
-        load_dataset(n, args.data_dir, args.limit, **({"shots": args.samsum_shots} if n == "samsum" else {}))
-        for n in names
-    ]
-    engine = _load_bench_engine(args)
-    settings = {
-        "model": args.model or "default",
-        "dtype": args.dtype,
-        "device": args.device,
-        "samsum_shots": args.samsum_shots,
-    }
-    records = run_quality(engine, datasets, methods, args.out, max_new_tokens=args.max_new_tokens, settings=settings)
-    files = write_report(args.out, records)
-    print(summary_markdown(summarize(records)))
-    print("wrote " + ", ".join(str(p) for p in files.values()), file=sys.stderr)
-    return 0
-
-
-def cmd_bench_report(args: argparse.Namespace) -> int:
-    from .evaluation import load_records, summarize, summary_markdown, write_report
-
-    _require_eval_deps()
-    records = load_records(args.out)
-    files = write_report(args.out, records)
-    print(summary_markdown(summarize(records)))
-    print("wrote " + ", ".join(str(p) for p in files.values()), file=sys.stderr)
-    return 0
-
-
-def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from .evaluation import (
-        ThroughputSettings,
-        load_dataset,
-        parse_rates,
-        parse_throughput_methods,
-        run_throughput,
-        throughput_markdown,
-    )
-    from .evaluation.datasets import SPECS
-
-    # Names, numbers, files and packages are checked before the model loads.
-    _require_eval_deps()
-    names = _bench_dataset_names(args)
-    if args.store_mb is not None and args.store_mb <= 0:
-        raise CacheBlendError(f"--store-mb must be > 0, got {args.store_mb}")
-    not_qa = [n for n in names if SPECS[n].task != "qa"]
-    if not_qa:
-        raise CacheBlendError(f"--datasets: {', '.join(not_qa)} is not a QA data set; use musique and/or wikimqa")
-    settings = ThroughputSettings(
-        rates=parse_rates(args.rates), chunk_tokens=args.chunk_tokens, top_k=args.top_k, repeats=args.repeats,
-        warmup=args.warmup, max_new_tokens=args.max_new_tokens, seed=args.seed, mode=args.mode,
-        ttft_slo_s=args.ttft_slo, store_bytes=None if args.store_mb is None else int(args.store_mb * 2**20),
-    )  # fmt: skip
-    methods = [m.name for m in parse_throughput_methods(args.methods)]
-    datasets = [load_dataset(n, args.data_dir, args.limit) for n in names]
-    engine = _load_bench_engine(args)
-    info = {"model": args.model or "default", "dtype": args.dtype, "device": args.device, "limit": args.limit}
-    result = run_throughput(engine, datasets, methods, args.out, settings, info=info)
-    print(throughput_markdown(result))
-    print(f"wrote {args.out}/results.json, summary.md and ttft_vs_rate.png", file=sys.stderr)
-    return 0
-
-
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    """`bench quality` runs the paper's quality comparison; `bench report` redraws its table and figures."""
-    from .evaluation.fidelity_cli import add_fidelity_parser
-    from .evaluation.methods import DEFAULT_METHODS
-    from .evaluation.throughput import DEFAULT_RATES, DEFAULT_THROUGHPUT_METHODS
-
-    bench = sub.add_parser("bench", help="benchmarks of the paper's evaluation (quality per data set and method)")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-
-    q = bench_sub.add_parser(
-        "quality",
-        help="score each method on each data set; resumable (one JSONL record per case in --out)",
-        description="Runs data sets x methods x cases on one model, appending a record per case to "
-        "OUT/results.jsonl (rerun the same command to resume), then writes OUT/summary.md and figures.",
-    )
-    q.add_argument("--datasets", default="musique,wikimqa,multi_news,samsum", help="comma-separated")
-    q.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated: full, prefix, reuse, blend@R, "
-                   "mapreduce, maprerank")  # fmt: skip
-    q.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
-    q.add_argument("--out", default="bench-results/quality", help="output folder (results.jsonl, summary, PNGs)")
-    q.add_argument("--data-dir", help="folder with musique/, wikimqa/, multi_news/, samsum/ (default ../shared/data)")
-    q.add_argument("--model", help="preset name or local checkpoint (default: the default preset)")
-    q.add_argument("--device", default="cpu")
-    q.add_argument("--dtype", default="float32")
-    q.add_argument("--max-new-tokens", type=int, help="answer budget for every data set (default: 32 for QA, "
-                   "128 for summaries)")  # fmt: skip
-    q.add_argument("--samsum-shots", type=int, default=10, help="validation examples per SAMSum case")
-    q.set_defaults(func=cmd_bench_quality)
-
-    r = bench_sub.add_parser("report", help="rebuild summary.md and the figures from OUT/results.jsonl")
-    r.add_argument("--out", default="bench-results/quality", help="the folder `bench quality` wrote")
-    r.set_defaults(func=cmd_bench_report)
-
-    t = bench_sub.add_parser(
-        "throughput",
-        help="TTFT and completed requests/s under Poisson arrivals, chunks reused across requests (Fig. 14)",
-        description="Builds the paper's 'extended' sets (the contexts of the first --limit cases split into "
-        "--chunk-tokens chunks, each question asked --repeats times with its top-k chunks in a new random order; "
-        "repeated, not paraphrased as the paper did with GPT-4), serves them with each method from an empty store, "
-        "and queues them at each rate on one FIFO server. Writes OUT/results.json, summary.md and a figure.",
-    )
-    t.add_argument("--datasets", default="musique,wikimqa", help="comma-separated QA data sets")
-    t.add_argument("--methods", default=DEFAULT_THROUGHPUT_METHODS, help="comma-separated: full, prefix, reuse, "
-                   "blend@R")  # fmt: skip
-    t.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES), help="request rates (req/s), "
-                   "comma-separated")  # fmt: skip
-    t.add_argument("--mode", default="replay", choices=["replay", "live"], help="replay: one pass per method, "
-                   "exact FIFO queue computed per rate; live: real arrivals, one pass per method and rate")  # fmt: skip
-    t.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
-    t.add_argument("--repeats", type=int, default=4, help="times each question is asked")
-    t.add_argument("--top-k", type=int, default=6, help="chunks retrieved per request")
-    t.add_argument("--chunk-tokens", type=int, default=512, help="chunk size of the chunk database")
-    t.add_argument("--warmup", type=int, help="first requests served but not measured (default: a sixth)")
-    t.add_argument("--max-new-tokens", type=int, default=16, help="answer budget; service lasts until it ends")
-    t.add_argument("--ttft-slo", type=float, help="TTFT target (s): report the highest rate whose p90 meets it")
-    t.add_argument("--store-mb", type=float, help="memory store budget per method (default: the engine's)")
-    t.add_argument("--seed", type=int, default=0, help="chunk orders, request order and arrival gaps")
-    t.add_argument("--out", default="bench-results/throughput", help="output folder")
-    t.add_argument("--data-dir", help="folder with musique/ and wikimqa/ (default ../shared/data)")
-    t.add_argument("--model", help="preset name or local checkpoint (default: the default preset)")
-    t.add_argument("--device", default="cpu")
-    t.add_argument("--dtype", default="float32")
-    t.set_defaults(func=cmd_bench_throughput)
-
-    add_fidelity_parser(bench_sub)
 
 
 def _add_document_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -431,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="list the packaged model presets")
     models.set_defaults(func=cmd_models)
+
+    from .evaluation.bench_cli import add_bench_parser
 
     add_bench_parser(sub)
     return p

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CacheBlendError
-from .report import bootstrap_ci, cases_text, comparable_cases
+from .report import bootstrap_ci, cases_text, comparable_cases, pyplot
 
 SUMMARY_MD = "summary.md"
 
@@ -158,20 +158,9 @@ def targets_markdown(rows: Sequence[FidelityRow], records: Sequence[Mapping[str,
     return "\n".join(lines) + "\n"
 
 
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:  # pragma: no cover - the eval extra brings it
-        raise CacheBlendError("the fidelity figures need matplotlib: pip install 'cacheblend-rag[eval]'") from e
-    return plt
-
-
 def plot_pareto(rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLike[str]) -> Path:
     """Mean KL (log scale) and top-1 agreement against compute share: one line per rule, 95% intervals."""
-    plt = _pyplot()
+    plt = pyplot()
     mine = [r for r in rows if r.dataset == dataset and r.rule != "full"]
     if not mine:
         raise CacheBlendError(f"no fidelity rows for {dataset!r}")
@@ -180,11 +169,14 @@ def plot_pareto(rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLi
         pts = sorted((r for r in mine if r.rule == rule), key=lambda r: r.compute_share)
         x = [r.compute_share for r in pts]
         style = {"marker": "s", "linestyle": "none", "color": "black"} if rule == "reuse" else {"marker": "o"}
-        for ax, y, ci in ((ax_kl, "kl_mean", "kl_ci"), (ax_top, "top1", "top1_ci")):
-            ys = [getattr(r, y) for r in pts]
-            lows = [v - getattr(r, ci)[0] for v, r in zip(ys, pts, strict=True)]
-            highs = [getattr(r, ci)[1] - v for v, r in zip(ys, pts, strict=True)]
-            err = [lows, highs]
+        for ax, ys, cis in (
+            (ax_kl, [r.kl_mean for r in pts], [r.kl_ci for r in pts]),
+            (ax_top, [r.top1 for r in pts], [r.top1_ci for r in pts]),
+        ):
+            err = [
+                [v - lo for v, (lo, _) in zip(ys, cis, strict=True)],
+                [hi - v for v, (_, hi) in zip(ys, cis, strict=True)],
+            ]
             ax.errorbar(x, ys, yerr=err, capsize=3, label=rule, **style)
     ax_kl.set_yscale("log")
     ax_kl.set_ylabel("mean KL(full || method), nats (log)")
