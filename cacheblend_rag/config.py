@@ -14,7 +14,7 @@ from typing import Any
 from .errors import ConfigError
 
 DEVIATION_KINDS = ("key", "value", "both")
-SELECTIONS = ("deviation", "deviation+attention", "attention", "none")
+SELECTIONS = ("deviation", "deviation+attention", "attention", "attention|deviation", "none")
 
 
 class PrefillMode(str, Enum):
@@ -57,6 +57,8 @@ class BlendConfig:
       - "deviation+attention": as "deviation", but each check layer adds the attention the question's tokens
         pay to each candidate on that layer (each score divided by its mean), so that among deviating tokens
         those the question reads win. No extra layers: the question is computed on the check layers anyway.
+      - "attention|deviation": half of the budget as "attention" chooses, the other half as "deviation" does
+        among the remaining tokens (a reuse pass first, then the check layers).
       - "attention": the attention the question's tokens pay to each chunk token, averaged over layers and heads,
         in a first pass that reuses all chunk KV (cheap: only the question is computed); the chosen tokens are
         then recomputed on every layer. No check layers.
@@ -115,7 +117,12 @@ class BlendConfig:
     @property
     def uses_check_layers(self) -> bool:
         """Whether this rule measures deviations (and so recomputes every chunk token up to a check layer)."""
-        return self.selection in ("deviation", "deviation+attention")
+        return self.selection in ("deviation", "deviation+attention", "attention|deviation")
+
+    @property
+    def uses_attention_pass(self) -> bool:
+        """Whether this rule first runs a reuse pass to read the question's attention."""
+        return self.selection in ("attention", "attention|deviation")
 
     def schedule(self, recompute_ratio: float | None = None) -> tuple[float, ...]:
         """Kept share of reused tokens after each check layer, ending at the recompute ratio."""
@@ -148,6 +155,8 @@ _RULES: dict[str, dict[str, object]] = {
     "hybrid": {"selection": "deviation", "deviation": "key", "check_layers": (1,), "anchor_share": 0.5},
     # query-aware: the tokens the question attends to most in a reuse pass
     "attention": {"selection": "attention"},
+    # half the budget by the question's attention (reuse pass), half by key deviation on layer 1
+    "attention-deviation": {"selection": "attention|deviation", "deviation": "key", "check_layers": (1,)},
     # key deviation plus the question's attention, both on check layer 1
     "deviation-attention": {"selection": "deviation+attention", "deviation": "key", "check_layers": (1,)},
     # query-aware plus chunk starts, half the budget each

@@ -76,8 +76,9 @@ def anchor_mask(prompt: TokenizedPrompt, blend: BlendConfig) -> torch.Tensor:
 def blend_plan(prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor | None = None) -> FusionPlan:
     """The plan of one blended prefill under the rule in `blend`.
 
-    `scores` ([N], higher = recompute first) are needed by the "attention" selection, which picks its tokens
-    before the prefill; the "deviation" selection picks them on the check layers, inside the fusor.
+    `scores` ([N], higher = recompute first) are needed by the rules with an attention pass, which pick (some of)
+    their tokens before the prefill; deviation rules pick theirs on the check layers, inside the fusor. Tokens
+    chosen before the prefill, like anchors, are computed on every layer.
     """
     prefix, chunks = _masks(prompt)
     anchors = anchor_mask(prompt, blend)
@@ -85,6 +86,12 @@ def blend_plan(prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor
     free = total - int(anchors.sum())  # budget left after the anchors
     rest = chunks & ~anchors  # chunk tokens the ranking chooses from
 
+    if blend.uses_attention_pass and (scores is None or scores.shape != (prompt.num_tokens,)):
+        raise ConfigError(f"the {blend.selection!r} selection needs one score per prompt token ({prompt.num_tokens})")
+    if blend.selection == "attention|deviation":  # half of the free budget by attention, now
+        picked = torch.zeros_like(chunks)
+        picked[top_scored(scores.float().cpu(), rest.nonzero().squeeze(1), free // 2)] = True  # type: ignore[union-attr]
+        anchors, rest = anchors | picked, rest & ~picked
     if blend.uses_check_layers:
         counts = keep_counts(int(chunks.sum()), blend.schedule())
         n_rest = int(rest.sum())
@@ -97,8 +104,6 @@ def blend_plan(prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor
 
     chosen = torch.zeros_like(chunks)
     if blend.selection == "attention":
-        if scores is None or scores.shape != (prompt.num_tokens,):
-            raise ConfigError(f"the 'attention' selection needs one score per prompt token ({prompt.num_tokens})")
         chosen[top_scored(scores.float().cpu(), rest.nonzero().squeeze(1), free)] = True
     # "none" (and what "attention" did not choose): chunk tokens outside the anchors keep their loaded KV
     exact = prefix | (chunks & ~anchors & ~chosen)

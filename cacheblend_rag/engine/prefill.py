@@ -174,8 +174,8 @@ class Prefiller:
 
         With a blend config, chunk tokens are recomputed as its rule chooses (`planning.blend_plan`); without
         one, every loaded token is used as is (prefix caching when `parts` stop after the first chunk, full KV
-        reuse when they cover all). The "attention" rule first runs a reuse pass that records how much the
-        question attends to each chunk token, then recomputes the chosen tokens over that pass's KV.
+        reuse when they cover all). Rules with an attention pass first run a reuse pass that records how much the
+        question attends to each chunk token, then run their plan over that pass's KV.
         Returns the result, the time spent loading KV (reading, checking, assembling) and the part of it the
         fusor waited for (all of it without pipelining; with it, only what compute did not hide).
         """
@@ -183,7 +183,7 @@ class Prefiller:
         load = self.chunks.layer_loader(parts, prompt.num_tokens)
         if blend is None:
             return self._run_fusor(reuse_plan(prompt, n_loaded), load)
-        if blend.selection != "attention":
+        if not blend.uses_attention_pass:
             return self._run_fusor(blend_plan(prompt, blend), load)
         probe, load_s, wait_s = self._run_fusor(
             reuse_plan(prompt), load, want_logits=False, keep_raw_keys=True, attention_from=question_mask(prompt)
