@@ -35,7 +35,7 @@ def test_blend_at_ratio_one_equals_full_prefill(tiny_engine):
     for (kf, vf), (kb, vb) in zip(cache_tensors(full), cache_tensors(blend), strict=False):
         torch.testing.assert_close(kb, kf, atol=1e-4, rtol=0)
         torch.testing.assert_close(vb, vf, atol=1e-4, rtol=0)
-    assert blend.metrics.recomputed_per_layer[-1] == prompt.num_tokens - len(prompt.prefix_ids)
+    assert blend.metrics.recomputed_tokens == prompt.num_tokens - len(prompt.prefix_ids)
 
 
 def test_blend_at_ratio_zero_equals_full_reuse(tiny_engine):
@@ -47,7 +47,7 @@ def test_blend_at_ratio_zero_equals_full_reuse(tiny_engine):
         torch.testing.assert_close(kb, kr, atol=1e-4, rtol=0)
         torch.testing.assert_close(vb, vr, atol=1e-4, rtol=0)
     # Only the suffix is recomputed after the check layers.
-    assert blend.metrics.recomputed_per_layer[-1] == len(prompt.suffix_ids)
+    assert blend.metrics.recomputed_tokens == len(prompt.suffix_ids)
 
 
 def test_cached_modes_match_the_models_own_forward_over_a_filled_cache(tiny_engine):
@@ -174,7 +174,7 @@ def test_planted_outlier_in_loaded_kv_is_recomputed(family):
 @pytest.mark.parametrize("ratio", [0.05, 0.15, 0.3])
 def test_selected_count_follows_the_schedule(tiny_engine, ratio):
     prompt = three_chunk_prompt(tiny_engine, chunk_len=40)
-    blend_cfg = BlendConfig(recompute_ratio=ratio, check_layers=(1, 2, 3), filter_slack=0.5)
+    blend_cfg = BlendConfig(recompute_ratio=ratio, check_layers=(1, 2, 3), filter_slack=0.5, selection="deviation")
     out = tiny_engine.prefill(prompt, PrefillMode.BLEND, blend=blend_cfg)
     reused = sum(len(c) for c in prompt.chunk_ids)
     computed = len(prompt.suffix_ids)
