@@ -31,8 +31,7 @@ from ttft import chunk_texts  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
 from cacheblend_rag.controller import LoadingController, LoadingProfile, profile_engine  # noqa: E402
-from cacheblend_rag.store import ChunkKV, DiskStore, MemoryStore, RedisStore, TieredStore  # noqa: E402
-from cacheblend_rag.store.lazy import LazyChunkKV  # noqa: E402
+from cacheblend_rag.store import ChunkKV, DiskStore, Hit, MemoryStore, RedisStore, TieredStore  # noqa: E402
 
 
 class ThrottledDisk(DiskStore):
@@ -43,11 +42,12 @@ class ThrottledDisk(DiskStore):
         self.bytes_per_s = bytes_per_s
         self.name = name
 
-    def open(self, key: str) -> LazyChunkKV | None:
-        lazy = super().open(key)
-        if lazy is None:
+    def open(self, key: str) -> Hit | None:
+        hit = super().open(key)
+        if hit is None:
             return None
-        read = lazy._read_ranges
+        lazy = hit.kv
+        read = lazy._read_ranges  # a benchmark's throttle on the file reads of this one entry
 
         def slow_read(ranges: Sequence[tuple[int, int]]):
             t = time.perf_counter()
@@ -57,11 +57,11 @@ class ThrottledDisk(DiskStore):
             return out
 
         lazy._read_ranges = slow_read
-        return lazy
+        return hit
 
     def get(self, key: str) -> ChunkKV | None:
-        lazy = self.open(key)
-        return None if lazy is None else lazy.materialize()
+        hit = self.open(key)
+        return None if hit is None else hit.kv.materialize()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         question = "Which of these passages mentions a city, and what is its name?"
         prompt = base.build_prompt(texts, question)
         base.precompute(texts, question)
-        keys = [base.chunk_key((), prompt.prefix_ids)] + [base.chunk_key(prompt.prefix_ids, ids) for ids in prompt.chunk_ids]
+        keys = [base.chunk_key((), prompt.prefix_ids)] + [
+            base.chunk_key(prompt.prefix_ids, ids) for ids in prompt.chunk_ids
+        ]
         controller = LoadingController(profile, min_ratio=args.min_ratio)
         nbytes = sum(base.store.get(k).nbytes for k in keys[1:])
 
