@@ -159,9 +159,9 @@ class LayerwiseModel:
         query: [H, A, D] rotated; keys: [Hkv, N, D] rotated; mask: [A, N] bool. Returns [H, A, N] float32.
         """
         scale = self.layers[layer_idx].self_attn.scaling
-        groups = self.shape.num_heads // self.shape.num_kv_heads
-        k = keys.float().repeat_interleave(groups, dim=0)  # [H, N, D]
-        scores = torch.matmul(query.float(), k.transpose(1, 2)) * scale  # [H, A, N]
+        hkv, a = keys.shape[0], query.shape[1]
+        q = query.float().reshape(hkv, -1, query.shape[2])  # [Hkv, groups * A, D]: heads of one KV head together
+        scores = torch.matmul(q, keys.float().transpose(1, 2)).view(query.shape[0], a, -1) * scale  # [H, A, N]
         scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
         return torch.softmax(scores, dim=-1)
 
