@@ -79,9 +79,10 @@ def test_quality_figure_compares_only_methods_measured_on_the_same_cases(tmp_pat
 
     rows = [_record("musique", m, f"c{i}", 0.1 * i, 1.0) for i in range(6) for m in ("full", "reuse", "blend@0.15")]
     rows += [_record("musique", "prefix", "c0", 0.9, 4.0)]  # one case: its mean is not comparable
-    rows += [_record("musique", "blend@0.05", f"c{i}", 0.2, 0.5) for i in range(3, 6)]  # half the cases
+    rows += [_record("musique", "blend@0.05", f"c{i}", 0.2, 0.5) for i in range(2, 6)]  # 4 of 6 cases
+    rows += [_record("musique", "blend@0.30", f"c{i}", 0.2, 0.5) for i in range(3)]  # half: left out too
     cases, kept, left = comparable_cases(rows)["musique"]
-    assert left == ["prefix"] and cases == {"c3", "c4", "c5"} and "blend@0.05" in kept
+    assert left == ["prefix", "blend@0.30"] and cases == {"c2", "c3", "c4", "c5"} and "blend@0.05" in kept
     full = next(r for r in summarize(rows) if r.method == "full")
     assert full.score_ci[0] < full.score < full.score_ci[1]  # the interval drawn as the error bar
     assert plot_quality_vs_ttft(rows, tmp_path / "fig.png").stat().st_size > 1000

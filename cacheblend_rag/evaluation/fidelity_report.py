@@ -120,7 +120,7 @@ def fidelity_markdown(rows: Sequence[FidelityRow], records: Sequence[Mapping[str
             )
         left = cover[ds][2]
         if left:
-            lines += ["", f"Left out (measured on under half as many cases): {', '.join(sorted(left))}."]
+            lines += ["", f"Left out (measured on half as many cases or fewer): {', '.join(sorted(left))}."]
         lines.append("")
     return "\n".join(lines)
 

@@ -68,7 +68,7 @@ def comparable_cases(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[se
     """Per data set: (the common cases, the methods compared on them, the methods left out), from the records
     of finished measurements (`dataset`, `method`, `case_id`).
 
-    A method measured on fewer than half the cases of the best-covered one is left out (a later, narrower run
+    A method measured on half the cases of the best-covered one or fewer is left out (a later, narrower run
     must not shrink a table or figure); the others are compared on the cases they all finished.
     """
     by: dict[str, dict[str, set[str]]] = {}
@@ -77,7 +77,7 @@ def comparable_cases(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[se
     out = {}
     for ds, methods in by.items():
         most = max(len(c) for c in methods.values())
-        kept = [m for m, c in methods.items() if 2 * len(c) >= most]
+        kept = [m for m, c in methods.items() if 2 * len(c) > most]
         cases = set.intersection(*(methods[m] for m in kept))
         out[ds] = (cases, kept, [m for m in methods if m not in kept])
     return out
