@@ -213,7 +213,6 @@ def profile_engine(
     from tqdm.auto import tqdm
 
     from ..store import DiskStore, MemoryStore
-    from ..store.lazy import LazyChunkKV
 
     if not token_counts or any(n < chunk_tokens for n in token_counts):
         raise ConfigError(f"token_counts must each be >= chunk_tokens ({chunk_tokens}), got {list(token_counts)}")
@@ -258,40 +257,30 @@ def profile_engine(
         for name, store in tiers.items():
             for e in entries:
                 store.put(e)
-            flush = getattr(store, "flush", None)
-            if flush is not None:
-                flush()
+            store.flush()
             opens, reads = [], []  # seconds per chunk to find and open it; seconds per byte to read its layers
             for _ in range(repeats + 1):
                 t_open = t_read = 0.0
                 nbytes = 0
                 for e in entries:
                     t = time.perf_counter()
-                    opener = getattr(store, "open", None)
-                    got = opener(e.key) if opener is not None else store.get(e.key)
-                    if isinstance(got, tuple):  # a TieredStore's (entry, tier)
-                        got = got[0]
-                    if got is None:
+                    hit = store.open(e.key)
+                    if hit is None:
                         raise ConfigError(f"tier {name!r} lost a chunk while being profiled; give it more budget")
                     t_open += time.perf_counter() - t
                     t = time.perf_counter()
-                    for layer_idx in range(got.num_layers):
-                        if isinstance(got, LazyChunkKV):
-                            got.layer(layer_idx)
-                        else:  # copy out, as the loader does when it lays chunks end to end
-                            got.keys[layer_idx].clone()
-                            got.values[layer_idx].clone()
+                    for layer_idx in range(hit.kv.num_layers):
+                        k, v = hit.kv.layer(layer_idx)  # read (and checked) now from a lazy tier
+                        k.clone(), v.clone()  # copied out, as the loader does when it lays chunks end to end
                     t_read += time.perf_counter() - t
-                    nbytes += got.nbytes
+                    nbytes += hit.kv.nbytes
                 opens.append(t_open / len(entries))
                 reads.append(t_read / nbytes)
             speeds[name] = TierSpeed(bytes_per_s=1.0 / statistics.median(reads), latency_s=statistics.median(opens))
     finally:
         if own_dir is not None:
             for store in tiers.values():
-                close = getattr(store, "close", None)
-                if close is not None:
-                    close()
+                store.close()
             import shutil
 
             shutil.rmtree(own_dir, ignore_errors=True)
