@@ -131,7 +131,7 @@ def synthetic_records() -> list[dict]:
     for i in range(8):
         c = f"c{i}"
         recs += [_rec("full", c, 0.0, 1.0), _rec("reuse", c, 0.5 + 0.01 * i, 0.6), _rec("paper@0.15", c, 0.1, 0.8)]
-        recs += [_rec("attention-deviation@0.05", c, 0.08, 0.85), _rec("attention-deviation@0.15", c, 0.05, 0.9)]
+        recs += [_rec("gradual@0.05", c, 0.08, 0.85), _rec("gradual@0.15", c, 0.05, 0.9)]
     recs += [_rec("epic@0.05", "c0", 0.3, 0.7)]  # measured on one case only: left out
     recs += [_rec("hybrid@0.05", f"c{i}", 0.2, 0.7) for i in range(5)]  # on 5 of 8: the table shrinks to 5
     return recs
@@ -151,15 +151,15 @@ def test_report_compares_methods_only_on_common_cases():
     assert [r.method for r in rows] == [
         "full",
         "reuse",
-        "attention-deviation@0.05",
-        "attention-deviation@0.15",
+        "gradual@0.05",
+        "gradual@0.15",
         "hybrid@0.05",
         "paper@0.15",
     ]
     reuse = rows[1]
     assert reuse.n == 5 and reuse.kl_ci[0] <= reuse.kl_mean <= reuse.kl_ci[1]
     # Paired differences use every case both methods finished, beyond the table's common cases.
-    n, mean, _ = paired_difference(recs, "musique", "attention-deviation@0.05", "paper@0.15", "kl_mean")
+    n, mean, _ = paired_difference(recs, "musique", "gradual@0.05", "paper@0.15", "kl_mean")
     assert n == 8 and mean == pytest.approx(-0.02)
 
 
@@ -168,7 +168,7 @@ def test_report_writes_summary_targets_and_a_figure_per_data_set(tmp_path):
     files = write_fidelity_report(tmp_path, recs)
     text = files["summary"].read_text()
     assert "### musique (5 cases)" in text and "Left out (measured on half as many cases or fewer): epic@0.05." in text
-    assert "| musique | attention-deviation@0.05 | paper@0.15 | 8 |" in text and "A at least as faithful" in text
+    assert "| musique | gradual@0.05 | paper@0.15 | 8 |" in text and "A at least as faithful" in text
     assert "| musique | reuse | paper@0.15 | 8 |" in text and "intervals apart" in text
     assert files["musique"].stat().st_size > 1000 and files["samsum"].stat().st_size > 1000
     assert json.loads(files["json"].read_text())[0]["dataset"] == "musique"

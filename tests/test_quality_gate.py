@@ -42,13 +42,14 @@ ANSWER_TOKENS = 24
 
 # Bounds on the mean over the three questions of the per-token KL(full || method), in nats, with the values
 # measured when they were set (full KV reuse: 0.114). Breaking the deviation ranking (picking the least or random
-# deviating tokens) gave 0.103 / 0.079 for the deviation-only check below; the attention check fails when the
-# attention pass ranks badly, the default's checks when either half of it or the fused prefill breaks.
-DEFAULT_KL_BOUND = 0.105  # default rule at its default ratio (0.15): measured 0.092
-DEFAULT_HALF_KL_BOUND = 0.045  # default rule at r = 0.5: measured 0.034
+# deviating tokens) gave 0.114 / 0.111 for the default rule at its ratio and 0.112 / 0.071 at r = 0.5, and
+# 0.103 / 0.079 for the layer-1 key-deviation check below; the attention check guards the attention rules.
+DEFAULT_KL_BOUND = 0.09  # default rule (gradual) at its default ratio (0.15): measured 0.080
+REUSE_OVER_DEFAULT = 1.25  # reuse is at least this many times further from full than the default (1.42)
+DEFAULT_HALF_KL_BOUND = 0.03  # default rule at r = 0.5: measured 0.018
 DEVIATION_HALF_KL_BOUND = 0.06  # key deviation on layer 1 alone (the "lmcache" rule) at r = 0.5: measured 0.046
 ATTENTION_KL_BOUND = 0.07  # the question's attention alone (the "attention" rule) at r = 0.15: measured 0.058
-REUSE_OVER_DEFAULT_HALF = 2.5  # reuse is at least this many times further from full than the default at 0.5 (3.3)
+REUSE_OVER_DEFAULT_HALF = 4.0  # reuse is at least this many times further from full than the default at 0.5 (6.2)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def test_default_blend_stays_close_to_full_recompute_and_closer_than_reuse(engin
     blend = mean_kl(engine, references, default_method())
     reuse = mean_kl(engine, references, FidelityMethod("reuse"))
     assert blend < DEFAULT_KL_BOUND, f"default blend drifted from full recompute: mean KL {blend:.4f}"
-    assert blend < reuse, f"default blend ({blend:.4f}) is not closer to full recompute than reuse ({reuse:.4f})"
+    assert reuse > REUSE_OVER_DEFAULT * blend, f"blend ({blend:.4f}) is not clearly closer than reuse ({reuse:.4f})"
 
 
 def test_default_rule_with_more_budget_is_far_closer_than_reuse(engine, references):
@@ -95,7 +96,7 @@ def test_default_rule_with_more_budget_is_far_closer_than_reuse(engine, referenc
     assert reuse > REUSE_OVER_DEFAULT_HALF * blend, f"blend ({blend:.4f}) is not far closer than reuse ({reuse:.4f})"
 
 
-def test_each_ranking_of_the_default_rule_finds_the_tokens_that_matter(engine, references):
+def test_the_deviation_and_attention_rankings_find_the_tokens_that_matter(engine, references):
     deviation = mean_kl(engine, references, FidelityMethod("lmcache", 0.5))
     attention = mean_kl(engine, references, FidelityMethod("attention", 0.15))
     assert deviation < DEVIATION_HALF_KL_BOUND, f"key-deviation ranking: mean KL {deviation:.4f}"
