@@ -121,6 +121,14 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_engine_arguments(parser: argparse.ArgumentParser, folders: str, *, dtype_help: str | None = None) -> None:
+    """--data-dir, --model, --device and --dtype, the arguments every bench command shares."""
+    parser.add_argument("--data-dir", help=f"folder with {folders} (default ../shared/data)")
+    parser.add_argument("--model", help="preset name or local checkpoint (default: the default preset)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", help=dtype_help)
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """`bench quality` runs the paper's quality comparison; `bench report` redraws its table and figures."""
     from .methods import DEFAULT_METHODS
@@ -140,10 +148,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    "mapreduce, maprerank")  # fmt: skip
     q.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
     q.add_argument("--out", default="bench-results/quality", help="output folder (results.jsonl, summary, PNGs)")
-    q.add_argument("--data-dir", help="folder with musique/, wikimqa/, multi_news/, samsum/ (default ../shared/data)")
-    q.add_argument("--model", help="preset name or local checkpoint (default: the default preset)")
-    q.add_argument("--device", default="cpu")
-    q.add_argument("--dtype", default="float32")
+    _add_engine_arguments(q, "musique/, wikimqa/, multi_news/, samsum/")
     q.add_argument("--max-new-tokens", type=int, help="answer budget for every data set (default: 32 for QA, "
                    "128 for summaries)")  # fmt: skip
     q.add_argument("--samsum-shots", type=int, default=10, help="validation examples per SAMSum case")
@@ -178,10 +183,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--store-mb", type=float, help="memory store budget per method (default: the engine's)")
     t.add_argument("--seed", type=int, default=0, help="chunk orders, request order and arrival gaps")
     t.add_argument("--out", default="bench-results/throughput", help="output folder")
-    t.add_argument("--data-dir", help="folder with musique/ and wikimqa/ (default ../shared/data)")
-    t.add_argument("--model", help="preset name or local checkpoint (default: the default preset)")
-    t.add_argument("--device", default="cpu")
-    t.add_argument("--dtype", default="float32")
+    _add_engine_arguments(t, "musique/ and wikimqa/")
     t.set_defaults(func=cmd_bench_throughput)
 
     add_fidelity_parser(bench_sub)
@@ -238,9 +240,6 @@ def add_fidelity_parser(bench_sub: argparse._SubParsersAction) -> None:
     f.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
     f.add_argument("--out", default="bench-results/fidelity", help="output folder")
     f.add_argument("--report-only", action="store_true", help="only rebuild summary.md and figures from OUT")
-    f.add_argument("--data-dir", help="folder with musique/, wikimqa/, multi_news/, samsum/ (default ../shared/data)")
-    f.add_argument("--model", help="preset name or local checkpoint (default: the default preset)")
-    f.add_argument("--device", default="cpu")
-    f.add_argument("--dtype", default="float32", help="float32 (default): deviations and fidelity are measured "
-                   "in full precision")  # fmt: skip
+    _add_engine_arguments(f, "musique/, wikimqa/, multi_news/, samsum/", dtype_help="float32 (default): "
+                          "deviations and fidelity are measured in full precision")  # fmt: skip
     f.set_defaults(func=cmd_bench_fidelity)

@@ -15,15 +15,15 @@
 
 # The value vanished behind our back (server-side maxmemory, a manual DEL): forget its bookkeeping too.
 # Shared tail of the read scripts. KEYS: value, lru, sizes, bytes. ARGV[1]: chunk key.
-FORGET_VANISHED = """
+_FORGET = """
 local size = redis.call('HGET', KEYS[3], ARGV[1])
 if size then
   redis.call('HDEL', KEYS[3], ARGV[1])
   redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('DECRBY', KEYS[4], size)
 end
-return false
 """
+FORGET_VANISHED = _FORGET + "return false\n"
 
 # KEYS: value, lru, sizes, bytes, clock. ARGV: chunk key.
 GET = (
@@ -73,16 +73,7 @@ return evicted
 """
 
 # KEYS: value, lru, sizes, bytes. ARGV: chunk key.
-DISCARD = """
-redis.call('DEL', KEYS[1])
-local size = redis.call('HGET', KEYS[3], ARGV[1])
-if size then
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('DECRBY', KEYS[4], size)
-end
-return 0
-"""
+DISCARD = "redis.call('DEL', KEYS[1])\n" + _FORGET + "return 0\n"
 
 # KEYS: lru, sizes, bytes, clock. ARGV: the value key prefix. Deletes every entry the bookkeeping lists, then it.
 CLEAR = """
