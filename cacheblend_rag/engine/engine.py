@@ -304,8 +304,6 @@ class CacheBlendEngine:
         mode = PrefillMode.parse(mode)
         if mode is not PrefillMode.BLEND and recompute_ratio is not None:
             raise ConfigError(f"recompute_ratio applies to mode 'blend' only, got mode {mode.value!r}")
-        if recompute_ratio is not None:
-            check_blend(self.config.blend.with_ratio(recompute_ratio), self.lm.shape.num_layers, "blend")
 
         def prefill() -> Prefill:
             return self.prefill(prompt, mode, recompute_ratio=recompute_ratio)
