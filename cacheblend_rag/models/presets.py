@@ -1,7 +1,7 @@
 """Named models that ship inside PyPI wheels, so nothing has to be downloaded at run time.
 
 Scope: the description of each preset (which wheels, where its GGUF bytes live inside the installed
-packages, the digest the bytes must have). Finding and joining the files is `loader.py`'s job.
+packages, the digest the bytes must have). Finding and joining the files is `gguf.py`'s job.
 """
 
 from __future__ import annotations
