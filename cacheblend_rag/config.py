@@ -7,6 +7,7 @@ of the engine's calls, never module state.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -61,7 +62,8 @@ class BlendConfig:
         among the remaining tokens (a reuse pass first, then the check layers).
       - "attention": the attention the question's tokens pay to each chunk token, averaged over layers and heads,
         in a first pass that reuses all chunk KV (cheap: only the question is computed); the chosen tokens are
-        then recomputed on every layer. No check layers.
+        then recomputed on every layer. No check layers. `probe_depth` < 1 stops that pass early: it computes
+        only the first `probe_depth` of the layers (at least 2) and averages their attention.
       - "none": no ranking; only the anchors are recomputed (needs `anchor_share=1.0`). No check layers.
     `blend_rule(name, r)` builds the named rules compared in `docs/benchmarks.md`.
     """
@@ -75,6 +77,7 @@ class BlendConfig:
     deviation: str = "key"  # which fresh-vs-cached difference ranks tokens: "key", "value" or "both"
     selection: str = "deviation"  # how non-anchor tokens are ranked: see SELECTIONS
     anchor_share: float = 0.0  # share of the budget given to the first tokens of every chunk
+    probe_depth: float = 1.0  # share of the layers the attention pass computes (rules with one); at least 2
 
     def __post_init__(self) -> None:
         _check_ratio("recompute_ratio", self.recompute_ratio)
@@ -95,6 +98,9 @@ class BlendConfig:
         if self.selection not in SELECTIONS:
             raise ConfigError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         _check_ratio("anchor_share", self.anchor_share)
+        _check_ratio("probe_depth", self.probe_depth)
+        if self.probe_depth == 0:
+            raise ConfigError("probe_depth must be above 0 (a share of the layers), got 0")
         if self.selection == "none" and self.anchor_share != 1.0:
             raise ConfigError(
                 f"selection 'none' recomputes only chunk starts, so anchor_share must be 1.0, got {self.anchor_share}"
@@ -125,6 +131,10 @@ class BlendConfig:
     def uses_attention_pass(self) -> bool:
         """Whether this rule first runs a reuse pass to read the question's attention."""
         return self.selection in ("attention", "attention|deviation")
+
+    def probe_layers(self, num_layers: int) -> int:
+        """How many layers the attention pass computes in a model of `num_layers` layers."""
+        return min(num_layers, max(2, math.ceil(self.probe_depth * num_layers - 1e-9)))
 
     def schedule(self, recompute_ratio: float | None = None) -> tuple[float, ...]:
         """Kept share of reused tokens after each check layer, ending at the recompute ratio."""

@@ -4,6 +4,9 @@ own attention gives."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
@@ -11,7 +14,7 @@ from cacheblend_rag import BlendConfig
 from cacheblend_rag.config import RULE_NAMES, blend_rule, rule_name
 from cacheblend_rag.engine.planning import anchor_mask, blend_plan, reuse_plan
 from cacheblend_rag.engine.prompt import TokenizedPrompt
-from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.errors import CacheBlendError, ConfigError
 from cacheblend_rag.fusion import anchor_counts, budget, fuse
 from cacheblend_rag.testing import random_words
 
@@ -127,7 +130,8 @@ def test_compute_share_counts_check_layers_and_the_attention_probe(tiny_engine):
 # -- the question-attention probe against the model's own attention ---------------------------------------------
 
 
-def test_attention_probe_equals_the_models_own_attention_weights(family, tiny_tokenizer):
+@pytest.mark.parametrize("depth", [None, 2])
+def test_attention_probe_equals_the_models_own_attention_weights(family, tiny_tokenizer, depth):
     from transformers import DynamicCache
 
     from cacheblend_rag import CacheBlendEngine, EngineConfig
@@ -151,7 +155,10 @@ def test_attention_probe_equals_the_models_own_attention_weights(family, tiny_to
 
     question = torch.zeros(n, dtype=torch.bool)
     question[-q:] = True
-    probe = fuse(engine.lm, reuse_plan(prompt), load, want_logits=False, attention_from=question)
+    probe = fuse(engine.lm, reuse_plan(prompt), load, want_logits=False, attention_from=question, compute_layers=depth)
+    layers = engine.lm.shape.num_layers
+    computed = layers if depth is None else depth
+    assert probe.recomputed_per_layer == [q] * computed + [0] * (layers - computed)
 
     # Independent: transformers' eager attention over a cache of the stored KV rotated to its offsets.
     cached = n - q
@@ -167,8 +174,34 @@ def test_attention_probe_equals_the_models_own_attention_weights(family, tiny_to
             past_key_values=cache,
             output_attentions=True,
         )
-    expected = torch.stack([a[0].float().mean(dim=(0, 1)) for a in out.attentions[:-1]]).mean(0)  # [N]
+    # The probe averages every computed layer but its last (nothing reads that layer's output).
+    expected = torch.stack([a[0].float().mean(dim=(0, 1)) for a in out.attentions[: computed - 1]]).mean(0)  # [N]
     torch.testing.assert_close(probe.attention, expected, atol=1e-5, rtol=1e-4)
+    for layer_idx in range(computed, layers):  # past a shallow probe: the loaded KV, untouched
+        k, v = load(layer_idx)
+        torch.testing.assert_close(probe.values[layer_idx], v, atol=0, rtol=0)
+        cos_all, sin_all = engine.lm.rope(torch.arange(n))
+        torch.testing.assert_close(probe.keys[layer_idx], rotate_keys(k, cos_all, sin_all), atol=0, rtol=0)
+
+
+def test_a_shallow_probe_costs_its_share_of_the_layers(tiny_engine):
+    prompt = three_chunk_prompt(tiny_engine)
+    layers = tiny_engine.lm.shape.num_layers
+    reuse = tiny_engine.prefill(prompt, "reuse").metrics.compute_share
+    deep = blend_rule("attention", 0.1)
+    shallow = dataclasses.replace(deep, probe_depth=0.5)
+    assert shallow.probe_layers(layers) == max(2, math.ceil(layers / 2)) and deep.probe_layers(layers) == layers
+    assert BlendConfig(probe_depth=0.01).probe_layers(layers) == 2  # the probe reads attention below its last layer
+    share = {
+        c.probe_depth: tiny_engine.prefill(prompt, "blend", blend=c).metrics.compute_share for c in (deep, shallow)
+    }
+    assert share[1.0] - share[0.5] == pytest.approx(reuse * (1 - shallow.probe_layers(layers) / layers), abs=1e-9)
+
+
+def test_fuse_refuses_a_shallow_pass_that_must_give_logits(tiny_engine):
+    prompt = three_chunk_prompt(tiny_engine)
+    with pytest.raises(CacheBlendError, match="compute_layers"):
+        fuse(tiny_engine.lm, reuse_plan(prompt), lambda i: None, compute_layers=2)
 
 
 # -- settings ------------------------------------------------------------------------------------------------
@@ -190,6 +223,8 @@ def test_rule_names_round_trip_and_unknown_names_are_refused():
         ({"anchor_share": 1.5}, r"anchor_share must be in \[0, 1\]"),
         ({"recompute_ratio": True}, r"recompute_ratio must be in \[0, 1\], got True"),
         ({"check_layers": (True,)}, "check_layers must be layer indices"),
+        ({"probe_depth": 0.0}, "probe_depth must be above 0"),
+        ({"probe_depth": 1.5}, r"probe_depth must be in \[0, 1\]"),
     ],
 )
 def test_rule_settings_are_validated(kwargs, match):

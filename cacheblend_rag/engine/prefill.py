@@ -175,7 +175,8 @@ class Prefiller:
         With a blend config, chunk tokens are recomputed as its rule chooses (`planning.blend_plan`); without
         one, every loaded token is used as is (prefix caching when `parts` stop after the first chunk, full KV
         reuse when they cover all). Rules with an attention pass first run a reuse pass that records how much the
-        question attends to each chunk token, then run their plan over that pass's KV.
+        question attends to each chunk token (on the first `probe_depth` of the layers), then run their plan over
+        that pass's KV.
         Returns the result, the time spent loading KV (reading, checking, assembling) and the part of it the
         fusor waited for (all of it without pipelining; with it, only what compute did not hide).
         """
@@ -186,7 +187,12 @@ class Prefiller:
         if not blend.uses_attention_pass:
             return self._run_fusor(blend_plan(prompt, blend), load)
         probe, load_s, wait_s = self._run_fusor(
-            reuse_plan(prompt), load, want_logits=False, keep_raw_keys=True, attention_from=question_mask(prompt)
+            reuse_plan(prompt),
+            load,
+            want_logits=False,
+            keep_raw_keys=True,
+            attention_from=question_mask(prompt),
+            compute_layers=blend.probe_layers(self.lm.shape.num_layers),
         )
         assert probe.raw_keys is not None and probe.attention is not None
         raw_keys, values = probe.raw_keys, probe.values

@@ -140,12 +140,15 @@ def fuse(
     keep_raw_keys: bool = False,
     block_size: int = 512,
     attention_from: torch.Tensor | None = None,
+    compute_layers: int | None = None,
 ) -> FusionResult:
     """Run the blended prefill of one prompt. See the module docstring for the rule.
 
     `block_size`: queries are attended in groups of this many positions (see `attend_blocks`).
     `attention_from`: [N] bool, tokens (computed on every layer, e.g. the question) whose attention to every
     token is averaged over heads, these queries and all layers but the last into `FusionResult.attention`.
+    `compute_layers`: compute only the first this many layers; later layers pass their loaded KV through as is
+    (a shallow attention probe: it averages the attention of the layers it computes). Needs `want_logits=False`.
     """
     num_layers = lm.shape.num_layers
     if plan.check_layers and plan.check_layers[-1] >= num_layers:
@@ -153,6 +156,9 @@ def fuse(
             f"check layer {plan.check_layers[-1]} does not exist: "
             f"the model has {num_layers} layers (0..{num_layers - 1})"
         )
+    depth = num_layers if compute_layers is None else compute_layers
+    if not 1 <= depth <= num_layers or (depth < num_layers and want_logits):
+        raise CacheBlendError(f"compute_layers must be in [1, {num_layers}] and, below {num_layers}, without logits")
     device = lm.device
     positions = plan.positions.to(device)
     cos, sin = lm.rope(positions)  # [N, D]
@@ -174,6 +180,14 @@ def fuse(
 
     for layer_idx in range(num_layers):
         raw_k, v = load_layer(layer_idx)  # [Hkv, N, D] each
+        if layer_idx >= depth:  # past a shallow probe: the loaded KV as is
+            keys_out.append(rotate_keys(raw_k, cos, sin))
+            values_out.append(v)
+            if raw_out is not None:
+                raw_out.append(raw_k)
+            counts.append(0)
+            selected = active[:0]
+            continue
         x = lm.normed_input(layer_idx, hidden)  # [A, hidden]
         fresh_k, fresh_v = lm.project_kv(layer_idx, x)  # [Hkv, A, D]
 
@@ -207,10 +221,10 @@ def fuse(
         counts.append(int(active.numel()))
         selected = active
 
+        if layer_idx == depth - 1 and not want_logits:
+            continue  # nothing reads this layer's output
         if layer_idx == num_layers - 1:
             # Only the last token's output is needed from the last layer; its K/V are already stored above.
-            if not want_logits:
-                break
             active, hidden, x = active[-1:], hidden[-1:], x[-1:]
         query = lm.project_q(layer_idx, x, cos[active], sin[active])  # [H, A, D]
         if attn_rows is not None and layer_idx < num_layers - 1:
