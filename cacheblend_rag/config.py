@@ -63,7 +63,9 @@ class BlendConfig:
       - "attention": the attention the question's tokens pay to each chunk token, averaged over layers and heads,
         in a first pass that reuses all chunk KV (cheap: only the question is computed); the chosen tokens are
         then recomputed on every layer. No check layers. `probe_depth` < 1 stops that pass early: it computes
-        only the first `probe_depth` of the layers (at least 2) and averages their attention.
+        only the first `probe_depth` of the layers (at least 2) and averages their attention. With `per_chunk`,
+        each chunk gets its length's share of the attention picks, ranked within the chunk: the question's
+        attention favours the last chunk (recency), which is not the same as relevance.
       - "none": no ranking; only the anchors are recomputed (needs `anchor_share=1.0`). No check layers.
     `blend_rule(name, r)` builds the named rules compared in `docs/benchmarks.md`.
     """
@@ -78,6 +80,7 @@ class BlendConfig:
     selection: str = "deviation"  # how non-anchor tokens are ranked: see SELECTIONS
     anchor_share: float = 0.0  # share of the budget given to the first tokens of every chunk
     probe_depth: float = 1.0  # share of the layers the attention pass computes (rules with one); at least 2
+    per_chunk: bool = False  # attention rankings: each chunk gets its length's share of the budget
 
     def __post_init__(self) -> None:
         _check_ratio("recompute_ratio", self.recompute_ratio)
@@ -99,6 +102,13 @@ class BlendConfig:
             raise ConfigError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         _check_ratio("anchor_share", self.anchor_share)
         _check_ratio("probe_depth", self.probe_depth)
+        if not isinstance(self.per_chunk, bool):
+            raise ConfigError(f"per_chunk must be True or False, got {self.per_chunk!r}")
+        if self.per_chunk and not self.uses_attention_pass:
+            raise ConfigError(
+                f"per_chunk applies to the attention rankings (selection 'attention' or 'attention|deviation'), "
+                f"not to {self.selection!r}"
+            )
         if self.probe_depth == 0:
             raise ConfigError("probe_depth must be above 0 (a share of the layers), got 0")
         if self.selection == "none" and self.anchor_share != 1.0:
@@ -173,6 +183,15 @@ _RULES: dict[str, dict[str, object]] = {
     "deviation-attention": {"selection": "deviation+attention", "deviation": "key", "check_layers": (1,)},
     # query-aware plus chunk starts, half the budget each
     "attention-anchors": {"selection": "attention", "anchor_share": 0.5},
+    # query-aware, each chunk ranked on its own with a budget in proportion to its length
+    "attention-quota": {"selection": "attention", "per_chunk": True},
+    # as attention-deviation, with the attention half split over chunks by length
+    "attention-deviation-quota": {
+        "selection": "attention|deviation",
+        "deviation": "key",
+        "check_layers": (1,),
+        "per_chunk": True,
+    },
 }
 RULE_NAMES = tuple(_RULES)
 

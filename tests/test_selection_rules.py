@@ -15,7 +15,7 @@ from cacheblend_rag.config import RULE_NAMES, blend_rule, rule_name
 from cacheblend_rag.engine.planning import anchor_mask, blend_plan, reuse_plan
 from cacheblend_rag.engine.prompt import TokenizedPrompt
 from cacheblend_rag.errors import CacheBlendError, ConfigError
-from cacheblend_rag.fusion import anchor_counts, budget, fuse
+from cacheblend_rag.fusion import anchor_counts, budget, chunk_quotas, fuse
 from cacheblend_rag.testing import random_words
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -101,6 +101,31 @@ def test_attention_plan_takes_the_highest_scored_tokens_outside_the_anchors():
     assert chosen[:64].nonzero().squeeze(1).tolist() == [5, 20, 40]
     with pytest.raises(ConfigError, match="one score per prompt token"):
         blend_plan(prompt, blend_rule("attention", 0.05))
+
+
+def test_chunk_quotas_split_by_size_and_add_up():
+    assert chunk_quotas([10, 20, 30], 6) == (1, 2, 3)
+    assert chunk_quotas([10, 20, 30], 7) == (1, 2, 4)  # 1.17, 2.33, 3.5: the largest remainder gets the spare
+    assert chunk_quotas([1, 1, 1], 2) == (1, 1, 0)  # ties: earlier chunks first
+    assert chunk_quotas([5, 0, 5], 20) == (5, 0, 5)  # never more than a chunk holds
+    assert chunk_quotas([3, 4], 0) == (0, 0) and chunk_quotas([], 0) == ()
+    for sizes, count in (([7, 1, 300, 41], 33), ([2, 2, 2, 2, 2], 9), ([100], 17)):
+        q = chunk_quotas(sizes, count)
+        assert sum(q) == count and all(0 <= a <= n for a, n in zip(q, sizes, strict=True))
+    with pytest.raises(ConfigError, match=">= 0"):
+        chunk_quotas([3], -1)
+
+
+def test_per_chunk_attention_ranks_each_chunk_on_its_own():
+    prompt = toy_prompt()  # chunks at 4..13, 14..33, 34..63
+    scores = torch.zeros(prompt.num_tokens)
+    scores[34:64] = torch.arange(30, 60, dtype=torch.float32)  # the last chunk outscores every other token
+    scores[[6, 20, 25]] = torch.tensor([0.5, 0.2, 0.3])
+    blend = blend_rule("attention-quota", 0.1)  # budget 6: quotas 1, 2, 3
+    chosen = ~blend_plan(prompt, blend, scores).exact
+    assert chosen[:64].nonzero().squeeze(1).tolist() == [6, 20, 25, 61, 62, 63]
+    plain = ~blend_plan(prompt, blend_rule("attention", 0.1), scores).exact
+    assert plain[:64].nonzero().squeeze(1).tolist() == [58, 59, 60, 61, 62, 63]  # recency takes it all
 
 
 def test_reuse_plan_loads_the_prefix_and_the_named_chunks():
@@ -224,6 +249,8 @@ def test_rule_names_round_trip_and_unknown_names_are_refused():
         ({"recompute_ratio": True}, r"recompute_ratio must be in \[0, 1\], got True"),
         ({"check_layers": (True,)}, "check_layers must be layer indices"),
         ({"probe_depth": 0.0}, "probe_depth must be above 0"),
+        ({"per_chunk": True}, "per_chunk applies to the attention rankings"),
+        ({"selection": "attention", "per_chunk": 1}, "per_chunk must be True or False"),
         ({"probe_depth": 1.5}, r"probe_depth must be in \[0, 1\]"),
     ],
 )

@@ -13,7 +13,7 @@ import torch
 
 from ..config import BlendConfig
 from ..errors import ConfigError
-from ..fusion import FusionPlan, anchor_counts, budget, keep_counts, top_scored
+from ..fusion import FusionPlan, anchor_counts, budget, keep_counts, top_scored, top_scored_per_group
 from .prompt import TokenizedPrompt
 
 
@@ -73,6 +73,21 @@ def anchor_mask(prompt: TokenizedPrompt, blend: BlendConfig) -> torch.Tensor:
     return mask
 
 
+def attention_picks(
+    prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor, candidates: torch.Tensor, count: int
+) -> torch.Tensor:
+    """The `count` candidates ([N] bool mask) with the highest attention scores, per chunk with `per_chunk`.
+    -> [count] token indices, ascending."""
+    idx = candidates.nonzero().squeeze(1)
+    scores = scores.float().cpu()
+    if not blend.per_chunk:
+        return top_scored(scores, idx, count)
+    chunk_of = torch.full((prompt.num_tokens,), -1, dtype=torch.long)
+    for i, (start, end) in enumerate(prompt.chunk_spans):
+        chunk_of[start:end] = i
+    return top_scored_per_group(scores, idx, chunk_of[idx], count)
+
+
 def blend_plan(prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor | None = None) -> FusionPlan:
     """The plan of one blended prefill under the rule in `blend`.
 
@@ -90,7 +105,7 @@ def blend_plan(prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor
         raise ConfigError(f"the {blend.selection!r} selection needs one score per prompt token ({prompt.num_tokens})")
     if blend.selection == "attention|deviation":  # half of the free budget by attention, now
         picked = torch.zeros_like(chunks)
-        picked[top_scored(scores.float().cpu(), rest.nonzero().squeeze(1), free // 2)] = True  # type: ignore[union-attr]
+        picked[attention_picks(prompt, blend, scores, rest, free // 2)] = True  # type: ignore[arg-type]
         anchors, rest = anchors | picked, rest & ~picked
     if blend.uses_check_layers:
         counts = keep_counts(int(chunks.sum()), blend.schedule())
@@ -104,7 +119,7 @@ def blend_plan(prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor
 
     chosen = torch.zeros_like(chunks)
     if blend.selection == "attention":
-        chosen[top_scored(scores.float().cpu(), rest.nonzero().squeeze(1), free)] = True
+        chosen[attention_picks(prompt, blend, scores, rest, free)] = True  # type: ignore[arg-type]
     # "none" (and what "attention" did not choose): chunk tokens outside the anchors keep their loaded KV
     exact = prefix | (chunks & ~anchors & ~chosen)
     return _plan(prompt, exact, torch.zeros_like(exact))

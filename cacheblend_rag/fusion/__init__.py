@@ -1,17 +1,28 @@
 """The fusion step of CacheBlend: token selection and the blended, layer-by-layer prefill."""
 
 from .fusor import FusionPlan, FusionResult, LayerLoader, fuse
-from .selection import anchor_counts, budget, keep_counts, select_recompute_tokens, token_deviation, top_scored
+from .selection import (
+    anchor_counts,
+    budget,
+    chunk_quotas,
+    keep_counts,
+    select_recompute_tokens,
+    token_deviation,
+    top_scored,
+    top_scored_per_group,
+)
 
 __all__ = [
     "FusionPlan",
     "FusionResult",
     "LayerLoader",
     "anchor_counts",
+    "chunk_quotas",
     "budget",
     "fuse",
     "keep_counts",
     "select_recompute_tokens",
     "token_deviation",
     "top_scored",
+    "top_scored_per_group",
 ]

@@ -95,3 +95,37 @@ def top_scored(scores: torch.Tensor, candidates: torch.Tensor, count: int) -> to
     if candidates.numel() == 0 or count <= 0:
         return candidates[:0]
     return candidates[select_recompute_tokens(scores[candidates], count)]
+
+
+def chunk_quotas(sizes: Sequence[int], count: int) -> tuple[int, ...]:
+    """Split `count` picks over groups of `sizes` candidates in proportion to their sizes (largest remainders
+    get the leftover picks, earlier groups first on ties); no group gets more than it holds."""
+    total = sum(sizes)
+    if count < 0 or any(n < 0 for n in sizes):
+        raise ConfigError(f"count and sizes must be >= 0, got {count} and {list(sizes)}")
+    count = min(count, total)
+    if count == 0:
+        return tuple(0 for _ in sizes)
+    exact = [count * n / total for n in sizes]
+    quotas = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(sizes)), key=lambda i: (quotas[i] - exact[i], i))
+    for i in by_remainder[: count - sum(quotas)]:
+        quotas[i] += 1
+    return tuple(quotas)
+
+
+def top_scored_per_group(
+    scores: torch.Tensor, candidates: torch.Tensor, groups: torch.Tensor, count: int
+) -> torch.Tensor:
+    """`count` candidates, each group (e.g. chunk) taking its length-proportional quota of its own best.
+
+    scores: [N]; candidates: [C] indices, ascending; groups: [C] group id of each candidate -> [count] sorted.
+    Query attention favours the last chunk (recency): ranking inside each chunk keeps it from taking most of
+    the budget when the question needs every chunk (a summary) or attention mass is not relevance.
+    """
+    _, sizes = torch.unique_consecutive(groups, return_counts=True)
+    picks, start = [], 0
+    for quota, size in zip(chunk_quotas(sizes.tolist(), count), sizes.tolist(), strict=True):
+        picks.append(top_scored(scores, candidates[start : start + size], quota))
+        start += size
+    return torch.sort(torch.cat(picks)).values if picks else candidates[:0]
