@@ -148,7 +148,12 @@ def targets_markdown(rows: Sequence[FidelityRow], records: Sequence[Mapping[str,
                 ra = next((r for r in rows if r.dataset == ds and r.method == a), None)
                 rb = next((r for r in rows if r.dataset == ds and r.method == b), None)
                 ok = ra is not None and rb is not None and ra.kl_ci[0] > rb.kl_ci[1]
-                verdict = "intervals apart" if ok else "intervals overlap (or not on common cases)"
+                if ok:
+                    verdict = "intervals apart"
+                elif kl[2][0] > 0:  # the per-case differences still put reuse further from full, every resample
+                    verdict = "intervals overlap; paired KL difference above 0"
+                else:
+                    verdict = "intervals overlap (or not on common cases)"
             else:  # A must be at least as faithful as B on both measures
                 verdict = "A at least as faithful" if kl[1] <= 0 and top[1] >= 0 else "A less faithful"
             lines.append(
