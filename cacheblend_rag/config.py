@@ -70,14 +70,16 @@ class BlendConfig:
     `blend_rule(name, r)` builds the named rules compared in `docs/benchmarks.md`.
     """
 
-    # The defaults are the rule "gradual" at r = 0.15, kept after `bench fidelity` (docs/benchmarks.md, "Fidelity
-    # to full recompute"): no other rule was both more faithful on every data set and as fast.
+    # The defaults are the rule "attention" at r = 0.15, chosen from `bench fidelity` and `benchmarks/ttft.py`
+    # (docs/benchmarks.md, "Fidelity to full recompute"): closer to full recompute than the deviation rules on
+    # MuSiQue, 2WikiMQA and SAMSum, and faster (no check layers); on MultiNews the deviation rules stay closer.
+    # The check-layer fields below serve the deviation rules (e.g. `blend_rule("gradual")`).
     recompute_ratio: float = 0.15  # r: share of reused chunk tokens recomputed on the non-check layers
     check_layers: tuple[int, ...] = (1, 2, 3)  # layers where deviations are measured; increasing, each >= 1
     check_ratios: tuple[float, ...] | None = None  # kept share per check layer; None: derived from the ratio
     filter_slack: float = 0.5  # derived schedule: first check keeps (1 + slack) * r, falling linearly to r
     deviation: str = "key"  # which fresh-vs-cached difference ranks tokens: "key", "value" or "both"
-    selection: str = "deviation"  # how non-anchor tokens are ranked: see SELECTIONS
+    selection: str = "attention"  # how non-anchor tokens are ranked: see SELECTIONS
     anchor_share: float = 0.0  # share of the budget given to the first tokens of every chunk
     probe_depth: float = 1.0  # share of the layers the attention pass computes (rules with one); at least 2
     per_chunk: bool = False  # attention rankings: each chunk gets its length's share of the budget
@@ -169,13 +171,13 @@ _RULES: dict[str, dict[str, object]] = {
     "paper": {"selection": "deviation", "deviation": "value", "check_layers": (1,)},
     # LMCache's blending: key deviation on layer 1, one top-k
     "lmcache": {"selection": "deviation", "deviation": "key", "check_layers": (1,)},
-    # gradual filtering over layers 1-3 on key deviation (the paper's §4.3 refinement): the default
+    # gradual filtering over layers 1-3 on key deviation (the paper's §4.3 refinement)
     "gradual": {"selection": "deviation", "deviation": "key", "check_layers": (1, 2, 3)},
     # EPIC-style static: the first tokens of every chunk, no deviation check
     "epic": {"selection": "none", "anchor_share": 1.0},
     # half the budget on chunk starts, the other half on key deviation at layer 1
     "hybrid": {"selection": "deviation", "deviation": "key", "check_layers": (1,), "anchor_share": 0.5},
-    # query-aware: the tokens the question attends to most in a reuse pass
+    # query-aware: the tokens the question attends to most in a reuse pass: the default
     "attention": {"selection": "attention"},
     # half the budget by the question's attention (reuse pass), half by key deviation on layer 1
     "attention-deviation": {"selection": "attention|deviation", "deviation": "key", "check_layers": (1,)},

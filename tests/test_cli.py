@@ -126,6 +126,10 @@ def test_ask_answers_from_a_folder_and_reuses_chunks(tmp_path, capsys):
             "2",
             "--max-new-tokens",
             "16",
+            # SmolLM2-135M needs r = 0.5 here under the default rule (attention): at 0.15 and 0.3 it gives full KV
+            # reuse's answer (the sports chunk), while `gradual` finds Quillton at 0.15 (docs/benchmarks.md).
+            "--ratio",
+            "0.5",
             "What is the capital of Zorbania?",
             "What is the capital city of Zorbania called?",
         ]

@@ -196,7 +196,7 @@ def test_engine_config_validation():
         CacheBlendEngine(
             make_tiny_model("llama"),
             make_tiny_tokenizer(),
-            config=EngineConfig(blend=BlendConfig(check_layers=(1, 9))),
+            config=EngineConfig(blend=BlendConfig(check_layers=(1, 9), selection="deviation")),
         )
 
 

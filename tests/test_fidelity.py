@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig
 from cacheblend_rag.cli import main
+from cacheblend_rag.config import rule_name
 from cacheblend_rag.engine.prompt import PromptTemplate
 from cacheblend_rag.errors import CacheBlendError, ConfigError
 from cacheblend_rag.evaluation import Case, Dataset, TaskSpec
@@ -126,12 +127,15 @@ def _rec(method: str, case: str, kl: float, top1: float, dataset: str = "musique
             "first_token": 1.0, "logprob": -kl, "compute_share": 0.1, "ttft_s": 1.0}  # fmt: skip
 
 
+DEFAULT = rule_name(BlendConfig())  # the targets compare the default rule with the paper's
+
+
 def synthetic_records() -> list[dict]:
     recs = []
     for i in range(8):
         c = f"c{i}"
         recs += [_rec("full", c, 0.0, 1.0), _rec("reuse", c, 0.5 + 0.01 * i, 0.6), _rec("paper@0.15", c, 0.1, 0.8)]
-        recs += [_rec("gradual@0.05", c, 0.08, 0.85), _rec("gradual@0.15", c, 0.05, 0.9)]
+        recs += [_rec(f"{DEFAULT}@0.05", c, 0.08, 0.85), _rec(f"{DEFAULT}@0.15", c, 0.05, 0.9)]
     recs += [_rec("epic@0.05", "c0", 0.3, 0.7)]  # measured on one case only: left out
     recs += [_rec("hybrid@0.05", f"c{i}", 0.2, 0.7) for i in range(5)]  # on 5 of 8: the table shrinks to 5
     return recs
@@ -148,18 +152,12 @@ def test_report_compares_methods_only_on_common_cases():
     cases, kept, left = common_cases(recs)["musique"]
     assert len(cases) == 5 and left == ["epic@0.05"] and "hybrid@0.05" in kept
     rows = summarize_fidelity(recs)
-    assert [r.method for r in rows] == [
-        "full",
-        "reuse",
-        "gradual@0.05",
-        "gradual@0.15",
-        "hybrid@0.05",
-        "paper@0.15",
-    ]
+    assert [r.method for r in rows] == ["full", "reuse", *sorted([f"{DEFAULT}@0.05", f"{DEFAULT}@0.15", "hybrid@0.05",
+                                                                   "paper@0.15"])]  # fmt: skip
     reuse = rows[1]
     assert reuse.n == 5 and reuse.kl_ci[0] <= reuse.kl_mean <= reuse.kl_ci[1]
     # Paired differences use every case both methods finished, beyond the table's common cases.
-    n, mean, _ = paired_difference(recs, "musique", "gradual@0.05", "paper@0.15", "kl_mean")
+    n, mean, _ = paired_difference(recs, "musique", f"{DEFAULT}@0.05", "paper@0.15", "kl_mean")
     assert n == 8 and mean == pytest.approx(-0.02)
 
 
@@ -168,7 +166,7 @@ def test_report_writes_summary_targets_and_a_figure_per_data_set(tmp_path):
     files = write_fidelity_report(tmp_path, recs)
     text = files["summary"].read_text()
     assert "### musique (5 cases)" in text and "Left out (measured on half as many cases or fewer): epic@0.05." in text
-    assert "| musique | gradual@0.05 | paper@0.15 | 8 |" in text and "A at least as faithful" in text
+    assert f"| musique | {DEFAULT}@0.05 | paper@0.15 | 8 |" in text and "A at least as faithful" in text
     assert "| musique | reuse | paper@0.15 | 8 |" in text and "intervals apart" in text
     assert files["musique"].stat().st_size > 1000 and files["samsum"].stat().st_size > 1000
     assert json.loads(files["json"].read_text())[0]["dataset"] == "musique"

@@ -249,7 +249,7 @@ def test_rule_names_round_trip_and_unknown_names_are_refused():
         ({"recompute_ratio": True}, r"recompute_ratio must be in \[0, 1\], got True"),
         ({"check_layers": (True,)}, "check_layers must be layer indices"),
         ({"probe_depth": 0.0}, "probe_depth must be above 0"),
-        ({"per_chunk": True}, "per_chunk applies to the attention rankings"),
+        ({"selection": "deviation", "per_chunk": True}, "per_chunk applies to the attention rankings"),
         ({"selection": "attention", "per_chunk": 1}, "per_chunk must be True or False"),
         ({"probe_depth": 1.5}, r"probe_depth must be in \[0, 1\]"),
     ],
