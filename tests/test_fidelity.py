@@ -195,3 +195,17 @@ def test_bench_fidelity_report_only_rebuilds_from_the_records(tmp_path, capsys):
     (tmp_path / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in synthetic_records()))
     assert main(["bench", "fidelity", "--report-only", "--out", str(tmp_path)]) == 0
     assert "| reuse |" in capsys.readouterr().out and (tmp_path / "fidelity_musique.png").exists()
+
+
+def test_reuse_verdict_tells_a_paired_difference_from_an_overlap(tmp_path):
+    # Blend's KL varies a lot between cases, reuse is always a bit worse on the same case: the unpaired
+    # intervals overlap, the paired difference does not reach 0.
+    recs = []
+    for i in range(8):
+        kl = 0.1 * (i + 1)
+        recs += [_rec("full", f"c{i}", 0.0, 1.0), _rec("paper@0.15", f"c{i}", kl, 0.9)]
+        recs += [_rec("reuse", f"c{i}", kl + 0.05, 0.8), _rec(f"{DEFAULT}@0.15", f"c{i}", kl, 0.9)]
+        recs += [_rec(f"{DEFAULT}@0.05", f"c{i}", kl, 0.9)]
+    text = write_fidelity_report(tmp_path, recs)["summary"].read_text()
+    assert "| musique | reuse | paper@0.15 | 8 | +0.0500 [+0.0500, +0.0500]" in text
+    assert "intervals overlap; paired KL difference above 0" in text and "intervals apart" not in text
