@@ -19,12 +19,11 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, blend_rule
 from cacheblend_rag.evaluation.datasets import load_dataset
-from cacheblend_rag.evaluation.fidelity import compare, reference_answer, teacher_forced_logits
+from cacheblend_rag.evaluation.fidelity import measure_blend, reference_answer
 
 DATASETS = ("multi_news", "samsum", "musique", "wikimqa")
 RESULTS_FILE = "probe_depth.jsonl"
@@ -84,12 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                     engine.precompute(list(case.chunks), case.question, template=ds.spec.template)
                     ref = reference_answer(engine, prompt, ds.spec.max_new_tokens)
                     for method, blend in plan.items():
-                        t0 = time.perf_counter()
-                        pre = engine.prefill(prompt, "blend", blend=blend)
-                        ttft = time.perf_counter() - t0
-                        rec = compare(ref, teacher_forced_logits(engine, pre, ref))
-                        rec.update(dataset=name, case=case.id, method=method, ttft_s=ttft,
-                                   compute_share=pre.metrics.compute_share)  # fmt: skip
+                        rec = measure_blend(engine, prompt, ref, blend)
+                        rec.update(dataset=name, case=case.id, method=method)
                         sink.write(json.dumps(rec) + "\n")
                         sink.flush()
                     print(name, case.id, file=sys.stderr, flush=True)

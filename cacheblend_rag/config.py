@@ -104,6 +104,8 @@ class BlendConfig:
             raise ConfigError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         _check_ratio("anchor_share", self.anchor_share)
         _check_ratio("probe_depth", self.probe_depth)
+        if self.probe_depth == 0:
+            raise ConfigError("probe_depth must be above 0 (a share of the layers), got 0")
         if not isinstance(self.per_chunk, bool):
             raise ConfigError(f"per_chunk must be True or False, got {self.per_chunk!r}")
         if self.per_chunk and not self.uses_attention_pass:
@@ -111,8 +113,6 @@ class BlendConfig:
                 f"per_chunk applies to the attention rankings (selection 'attention' or 'attention|deviation'), "
                 f"not to {self.selection!r}"
             )
-        if self.probe_depth == 0:
-            raise ConfigError("probe_depth must be above 0 (a share of the layers), got 0")
         if self.selection == "none" and self.anchor_share != 1.0:
             raise ConfigError(
                 f"selection 'none' recomputes only chunk starts, so anchor_share must be 1.0, got {self.anchor_share}"

@@ -118,9 +118,14 @@ def teacher_forced_logits(engine: Any, prefill: Any, reference: Reference) -> to
 
 def measure(engine: Any, prompt: Any, reference: Reference, method: FidelityMethod) -> dict[str, Any]:
     """One method's fidelity figures on one prompt, with its TTFT (prefill and first token, warm store)."""
+    return measure_blend(engine, prompt, reference, method.blend)
+
+
+def measure_blend(engine: Any, prompt: Any, reference: Reference, blend: BlendConfig | None) -> dict[str, Any]:
+    """`measure` for any `BlendConfig` (None: full KV reuse), named rule or not (e.g. another `probe_depth`)."""
     t0 = time.perf_counter()
-    mode = "reuse" if method.blend is None else "blend"
-    pre = engine.prefill(prompt, mode, blend=method.blend)
+    mode = "reuse" if blend is None else "blend"
+    pre = engine.prefill(prompt, mode, blend=blend)
     int(pre.logits.argmax())
     ttft = time.perf_counter() - t0
     m = pre.metrics
