@@ -26,7 +26,10 @@ from cacheblend_rag.evaluation.fidelity import (
     run_fidelity,
 )
 from cacheblend_rag.evaluation.fidelity_report import (
+    case_groups,
     common_cases,
+    fidelity_markdown,
+    left_out,
     paired_difference,
     summarize_fidelity,
     write_fidelity_report,
@@ -161,11 +164,27 @@ def test_report_compares_methods_only_on_common_cases():
     assert n == 8 and mean == pytest.approx(-0.02)
 
 
+def test_rules_run_on_fewer_cases_get_their_own_table_beside_the_reference_rows():
+    recs = synthetic_records() + [_rec("lmcache@0.05", f"c{i}", 0.15, 0.8) for i in (1, 2, 3)]
+    groups = case_groups(recs)["musique"]
+    assert len(groups) == 2 and groups[0][0] == {f"c{i}" for i in range(5)} and "lmcache@0.05" not in groups[0][1]
+    cases, methods = groups[1]
+    # hybrid finished c0..c4, so it covers c1..c3 and is repeated; epic (c0 only) stays out
+    assert cases == {"c1", "c2", "c3"} and methods[-1] == "lmcache@0.05" and "hybrid@0.05" in methods
+    assert "epic@0.05" not in methods and left_out(recs, "musique") == ["epic@0.05"]
+    rows = [r for r in summarize_fidelity(recs) if r.group == 1]
+    assert [r.method for r in rows][:2] == ["full", "reuse"] and {r.n for r in rows} == {3}
+    reuse = rows[1]
+    assert reuse.kl_mean == pytest.approx(0.52)  # the mean over c1..c3 only, not over the first table's cases
+    text = fidelity_markdown(summarize_fidelity(recs), recs)
+    assert "#### musique: rules run on fewer cases (3 cases)" in text and "| lmcache@0.05 | 0.1500" in text
+
+
 def test_report_writes_summary_targets_and_a_figure_per_data_set(tmp_path):
     recs = synthetic_records() + [_rec(m, "s0", 0.1, 0.9, "samsum") for m in ("full", "reuse", "paper@0.15")]
     files = write_fidelity_report(tmp_path, recs)
     text = files["summary"].read_text()
-    assert "### musique (5 cases)" in text and "Left out (measured on half as many cases or fewer): epic@0.05." in text
+    assert "### musique (5 cases)" in text and "Left out (measured on fewer than 2 common cases): epic@0.05." in text
     assert f"| musique | {DEFAULT}@0.05 | paper@0.15 | 8 |" in text and "A at least as faithful" in text
     assert "| musique | reuse | paper@0.15 | 8 |" in text and "intervals apart" in text
     assert files["musique"].stat().st_size > 1000 and files["samsum"].stat().st_size > 1000

@@ -1,7 +1,8 @@
 """Tables and figures of the fidelity benchmark (`fidelity.py`): means with bootstrap 95% intervals.
 
-Every comparison is made on common cases: per data set, only the cases that every reported method finished.
-A method that ran on fewer cases than the others is listed apart, never mixed into the same table or plot.
+Every comparison is made on common cases: per data set, only the cases that every method of a table finished.
+Methods that ran on far fewer cases than the others get a table of their own, on their cases, with the rows of
+the better-covered methods that finished those cases too; the figures show the best-covered table only.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class FidelityRow:
     """One method on one data set, over that data set's common cases."""
 
     dataset: str
+    group: int  # 0: the data set's best-covered methods; k > 0: the k-th table of methods run on fewer cases
     method: str
     rule: str
     ratio: float | None
@@ -50,35 +52,76 @@ def common_cases(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[set[st
     return comparable_cases(_ok(records))
 
 
+MIN_GROUP_CASES = 2  # a table of methods run on fewer cases needs at least this many common cases
+
+
+def case_groups(records: Iterable[Mapping[str, Any]]) -> dict[str, list[tuple[set[str], list[str]]]]:
+    """Per data set, the tables to print, each (its common cases, its methods).
+
+    The first is `common_cases`. The methods it leaves out are grouped the same way among themselves, and each
+    such table also gets every method of the earlier tables that finished all its cases (full, reuse, the
+    reference rules), so that they are compared on the same cases. A group of fewer than `MIN_GROUP_CASES`
+    cases is not shown (its methods are listed as left out).
+    """
+    ok = _ok(records)
+    out: dict[str, list[tuple[set[str], list[str]]]] = {}
+    for ds in sorted({r["dataset"] for r in ok}):
+        mine = [r for r in ok if r["dataset"] == ds]
+        done: dict[str, set[str]] = defaultdict(set)
+        for r in mine:
+            done[r["method"]].add(r["case_id"])
+        groups: list[tuple[set[str], list[str]]] = []
+        while mine:
+            cases, kept, left = comparable_cases(mine)[ds]
+            if len(cases) < MIN_GROUP_CASES and groups:
+                break
+            shown = [m for _, ms in groups for m in ms if m not in kept and cases <= done[m]]
+            groups.append((cases, list(dict.fromkeys(shown + kept))))
+            mine = [r for r in mine if r["method"] in left]
+        out[ds] = groups
+    return out
+
+
+def left_out(records: Iterable[Mapping[str, Any]], dataset: str) -> list[str]:
+    """The methods of `dataset` in no table of `case_groups` (run on too few cases), sorted."""
+    ok = _ok(records)
+    shown = {m for _, ms in case_groups(ok).get(dataset, []) for m in ms}
+    return sorted({r["method"] for r in ok if r["dataset"] == dataset} - shown)
+
+
+def _row(dataset: str, group: int, method: str, recs: Sequence[Mapping[str, Any]]) -> FidelityRow:
+    mine = sorted((r for r in recs if r["method"] == method), key=lambda r: r["case_id"])
+    kl = [r["kl_mean"] for r in mine]
+    top1 = [r["top1"] for r in mine]
+    return FidelityRow(
+        dataset=dataset,
+        group=group,
+        method=method,
+        rule=mine[0]["rule"],
+        ratio=mine[0]["ratio"],
+        n=len(mine),
+        kl_mean=statistics.fmean(kl),
+        kl_ci=bootstrap_ci(kl),
+        kl_max=statistics.fmean(r["kl_max"] for r in mine),
+        top1=statistics.fmean(top1),
+        top1_ci=bootstrap_ci(top1),
+        first_token=statistics.fmean(r["first_token"] for r in mine),
+        logprob=statistics.fmean(r["logprob"] for r in mine),
+        compute_share=statistics.fmean(r["compute_share"] for r in mine),
+        ttft_s=statistics.median(r["ttft_s"] for r in mine),
+    )
+
+
 def summarize_fidelity(records: Sequence[Mapping[str, Any]]) -> list[FidelityRow]:
-    """One row per (data set, method) on the data set's common cases, ordered by rule, then ratio."""
+    """One row per (data set, table, method) on that table's common cases (`case_groups`), ordered by table,
+    then rule, then ratio."""
     rows = []
-    for ds, (cases, methods, _) in sorted(common_cases(records).items()):
-        recs = [r for r in _ok(records) if r["dataset"] == ds and r["case_id"] in cases]
-        for method in methods:
-            mine = sorted((r for r in recs if r["method"] == method), key=lambda r: r["case_id"])
-            kl = [r["kl_mean"] for r in mine]
-            top1 = [r["top1"] for r in mine]
-            rows.append(
-                FidelityRow(
-                    dataset=ds,
-                    method=method,
-                    rule=mine[0]["rule"],
-                    ratio=mine[0]["ratio"],
-                    n=len(mine),
-                    kl_mean=statistics.fmean(kl),
-                    kl_ci=bootstrap_ci(kl),
-                    kl_max=statistics.fmean(r["kl_max"] for r in mine),
-                    top1=statistics.fmean(top1),
-                    top1_ci=bootstrap_ci(top1),
-                    first_token=statistics.fmean(r["first_token"] for r in mine),
-                    logprob=statistics.fmean(r["logprob"] for r in mine),
-                    compute_share=statistics.fmean(r["compute_share"] for r in mine),
-                    ttft_s=statistics.median(r["ttft_s"] for r in mine),
-                )
-            )
+    for ds, groups in sorted(case_groups(records).items()):
+        for group, (cases, methods) in enumerate(groups):
+            recs = [r for r in _ok(records) if r["dataset"] == ds and r["case_id"] in cases]
+            rows += [_row(ds, group, method, recs) for method in methods]
     order = {"full": 0, "reuse": 1}
-    return sorted(rows, key=lambda r: (r.dataset, order.get(r.rule, 2), r.rule, r.ratio or 0.0))
+    return sorted(rows, key=lambda r: (r.dataset, r.group, order.get(r.rule, 2), r.rule, r.ratio or 0.0))
 
 
 def paired_difference(
@@ -100,28 +143,37 @@ def _ci(ci: tuple[float, float], spec: str) -> str:
 
 
 def fidelity_markdown(rows: Sequence[FidelityRow], records: Sequence[Mapping[str, Any]]) -> str:
-    """A table per data set (KL, top-1, first token, compute share, TTFT) and the methods left out."""
+    """Per data set, a table per `case_groups` group (KL, top-1, first token, compute share, TTFT), then the
+    methods run on too few cases to be shown."""
     lines = []
-    cover = common_cases(records)
     for ds in sorted({r.dataset for r in rows}):
-        mine = [r for r in rows if r.dataset == ds]
-        lines += [
-            f"### {ds} ({cases_text(mine[0].n)})",
-            "",
-            "| method | mean KL (nats) [95% CI] | max KL | top-1 agreement [95% CI] | first token | "
-            "log p(ref) | compute share | median TTFT (s) |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for r in mine:
-            lines.append(
-                f"| {r.method} | {r.kl_mean:.4f} {_ci(r.kl_ci, '.4f')} | {r.kl_max:.3f} | "
-                f"{r.top1:.3f} {_ci(r.top1_ci, '.3f')} | {r.first_token:.2f} | {r.logprob:.2f} | "
-                f"{r.compute_share:.3f} | {r.ttft_s:.2f} |"
-            )
-        left = cover[ds][2]
+        for group in sorted({r.group for r in rows if r.dataset == ds}):
+            mine = [r for r in rows if r.dataset == ds and r.group == group]
+            if group == 0:
+                lines += [f"### {ds} ({cases_text(mine[0].n)})", ""]
+            else:
+                lines += [
+                    f"#### {ds}: rules run on fewer cases ({cases_text(mine[0].n)})",
+                    "",
+                    "These rules ran on fewer cases than the table above. Every row here, the rows repeated "
+                    "from above included, is over the cases they all finished.",
+                    "",
+                ]
+            lines += [
+                "| method | mean KL (nats) [95% CI] | max KL | top-1 agreement [95% CI] | first token | "
+                "log p(ref) | compute share | median TTFT (s) |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
+            for r in mine:
+                lines.append(
+                    f"| {r.method} | {r.kl_mean:.4f} {_ci(r.kl_ci, '.4f')} | {r.kl_max:.3f} | "
+                    f"{r.top1:.3f} {_ci(r.top1_ci, '.3f')} | {r.first_token:.2f} | {r.logprob:.2f} | "
+                    f"{r.compute_share:.3f} | {r.ttft_s:.2f} |"
+                )
+            lines.append("")
+        left = left_out(records, ds)
         if left:
-            lines += ["", f"Left out (measured on half as many cases or fewer): {', '.join(sorted(left))}."]
-        lines.append("")
+            lines += [f"Left out (measured on fewer than {MIN_GROUP_CASES} common cases): {', '.join(left)}.", ""]
     return "\n".join(lines)
 
 
@@ -145,8 +197,8 @@ def targets_markdown(rows: Sequence[FidelityRow], records: Sequence[Mapping[str,
             if kl is None or top is None:
                 continue
             if a == "reuse":  # reuse must be clearly worse: its KL interval above blend's, not overlapping
-                ra = next((r for r in rows if r.dataset == ds and r.method == a), None)
-                rb = next((r for r in rows if r.dataset == ds and r.method == b), None)
+                ra = next((r for r in rows if r.dataset == ds and r.method == a and r.group == 0), None)
+                rb = next((r for r in rows if r.dataset == ds and r.method == b and r.group == 0), None)
                 ok = ra is not None and rb is not None and ra.kl_ci[0] > rb.kl_ci[1]
                 if ok:
                     verdict = "intervals apart"
@@ -166,7 +218,7 @@ def targets_markdown(rows: Sequence[FidelityRow], records: Sequence[Mapping[str,
 def plot_pareto(rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLike[str]) -> Path:
     """Mean KL (log scale) and top-1 agreement against compute share: one line per rule, 95% intervals."""
     plt = pyplot()
-    mine = [r for r in rows if r.dataset == dataset and r.rule != "full"]
+    mine = [r for r in rows if r.dataset == dataset and r.group == 0 and r.rule != "full"]
     if not mine:
         raise CacheBlendError(f"no fidelity rows for {dataset!r}")
     fig, (ax_kl, ax_top) = plt.subplots(1, 2, figsize=(12, 4.6))
