@@ -92,12 +92,19 @@ def reference_answer(engine: Any, prompt: Any, max_new_tokens: int) -> Reference
     return Reference(tokens, logprobs, text, ttft, prompt.num_tokens)
 
 
+def token_kl(reference: Reference, logits: torch.Tensor) -> torch.Tensor:
+    """[T] KL(full || method) in nats before each reference token, from the method's teacher-forced logits
+    ([T, vocab], row t before reference token t)."""
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    logp = reference.logprobs
+    return (logp.exp() * (logp - logq)).sum(dim=-1).clamp_min(0.0)
+
+
 def compare(reference: Reference, logits: torch.Tensor) -> dict[str, float]:
     """Teacher-forced comparison of one method's logits ([T, vocab], row t before reference token t)."""
     logq = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
-    logp = reference.logprobs
     ref = torch.tensor(reference.token_ids)
-    kl = (logp.exp() * (logp - logq)).sum(dim=-1).clamp_min(0.0)  # [T]
+    kl = token_kl(reference, logits)  # [T]
     picks = logq.argmax(dim=-1)  # [T]
     return {
         "kl_mean": float(kl.mean()),

@@ -1,12 +1,14 @@
 """Draws docs/figures/how_it_works.png, the picture in docs/how-it-works.md.
 
     python docs/figures/how_it_works.py            # needs matplotlib (the `eval` extra)
+    python docs/figures/how_it_works.py --rule gradual --out /tmp/gradual.png
 
 Left: what happens once per chunk (prefill alone, store the KV). Right: one request as a grid of layers x prompt
 tokens, coloured by what the fusor does there: loaded and kept (the reused KV), recomputed, or exact (the shared
-prefix). The recomputed sets follow the engine's real schedule (`BlendConfig().schedule()`: layer 0 for all,
-shrinking sets on the check layers, r on the rest); which chunk tokens are picked is drawn at random here,
-whereas the engine picks the tokens whose fresh KV deviates most from the loaded one.
+prefix). The default rule (`attention`) is drawn with its first pass, a strip of the attention the question
+pays to each chunk token; the tokens it ranks highest are recomputed on every layer. `--rule gradual` draws a
+deviation rule instead, with the engine's real schedule (`schedule()`: layer 0 for all, shrinking sets on the
+check layers, r on the rest). Scores are made up here; the engine measures them.
 """
 
 from __future__ import annotations
@@ -22,12 +24,22 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 
-from cacheblend_rag import BlendConfig
+from cacheblend_rag import RULE_NAMES, BlendConfig, blend_rule
 
 PREFIX, CHUNK, QUESTION = 6, 22, 8  # tokens per part in the drawing (not to scale)
 CHUNKS = 3
 LAYERS = 12
 COLORS = {"kept": "#d9d9d9", "exact": "#9ecae1", "recomputed": "#e6550d", "question": "#fd8d3c"}
+
+
+def attention_scores(seed: int = 0) -> np.ndarray:
+    """[chunk tokens] made-up attention of the question: a few spans it reads (the evidence), noise elsewhere."""
+    rng = np.random.default_rng(seed)
+    n_reused = CHUNKS * CHUNK
+    scores = rng.gamma(1.0, 0.25, n_reused)
+    for start, width in ((9, 5), (CHUNK + 15, 4), (2 * CHUNK + 4, 3)):  # the spans that answer the question
+        scores[start : start + width] += rng.uniform(1.5, 2.5, width)
+    return scores
 
 
 def recompute_grid(config: BlendConfig, seed: int = 0) -> np.ndarray:
@@ -37,6 +49,14 @@ def recompute_grid(config: BlendConfig, seed: int = 0) -> np.ndarray:
     grid = np.zeros((LAYERS, n), dtype=int)
     grid[:, :PREFIX] = 1
     grid[:, PREFIX + n_reused :] = 3
+    if config.selection == "attention":  # the picks of the first pass, recomputed on every layer
+        picks = np.argsort(-attention_scores(seed))[: max(1, round(config.recompute_ratio * n_reused))]
+        grid[:, PREFIX + picks] = 2
+        return grid
+    if config.selection == "none":  # EPIC: the first tokens of every chunk
+        for i in range(CHUNKS):
+            grid[:, PREFIX + i * CHUNK : PREFIX + i * CHUNK + max(1, round(config.recompute_ratio * CHUNK))] = 2
+        return grid
     rng = np.random.default_rng(seed)
     # deviation score per chunk token: higher near chunk starts, where the missing cross-attention shows most
     base = rng.gamma(1.2, 1.0, n_reused) + np.tile(np.linspace(1.5, 0, CHUNK), CHUNKS)
@@ -60,11 +80,11 @@ def arrow(ax, a, b):
     ax.add_patch(FancyArrowPatch(a, b, arrowstyle="-|>", mutation_scale=12, lw=1.0, color="#333333"))
 
 
-def draw(out: Path) -> None:
-    config = BlendConfig()
+def draw(out: Path, config: BlendConfig) -> None:
+    probe = config.selection == "attention"
     fig = plt.figure(figsize=(14, 5.8))
-    left = fig.add_axes([0.01, 0.05, 0.30, 0.86])
-    left.set_xlim(0, 10.6)
+    left = fig.add_axes([0.01, 0.05, 0.32, 0.86])
+    left.set_xlim(0, 11.0)
     left.set_ylim(0, 10)
     left.axis("off")
     left.set_title("once per chunk (precompute, or on first miss)", fontsize=11)
@@ -74,25 +94,38 @@ def draw(out: Path) -> None:
         arrow(left, (2.9, y + 0.65), (4.0, y + 0.65))
         box(left, (4.1, y), 2.2, 1.3, "prefill\nalone", "#fff7bc")
         arrow(left, (6.4, y + 0.65), (7.1, y + 0.65))
-        box(left, (7.2, y), 2.4, 1.3, f"K, V of chunk {i + 1}\n(keys before RoPE)", COLORS["kept"], 8)
+        box(left, (7.2, y), 2.9, 1.3, f"K, V of chunk {i + 1}\n(keys before RoPE)", COLORS["kept"], 8)
     box(left, (4.0, 0.3), 5.8, 1.4, "store: memory -> disk -> Redis\nsafetensors, sha256 per layer", "#e5f5e0")
     for i in range(CHUNKS):  # every chunk's KV goes to the store
         y = 7.6 - i * 2.4 + 0.65
         left.add_patch(
             FancyArrowPatch(
-                (9.6, y), (9.3, 1.75), arrowstyle="-|>", mutation_scale=12, lw=1.0, color="#333333",
-                connectionstyle=f"arc3,rad=-{0.25 + 0.1 * (CHUNKS - i)}",
+                (10.1, y), (9.3, 1.75), arrowstyle="-|>", mutation_scale=12, lw=1.0, color="#333333",
+                connectionstyle=f"arc3,rad=-{0.15 + 0.05 * (CHUNKS - i)}",
             )
         )  # fmt: skip
 
-    right = fig.add_axes([0.45, 0.22, 0.53, 0.68])
+    right = fig.add_axes([0.45, 0.22, 0.53, 0.52 if probe else 0.68])
     grid = recompute_grid(config)
+    if probe:  # the first pass: the question reads all loaded chunk KV; its attention ranks the chunk tokens
+        strip = fig.add_axes([0.45, 0.79, 0.53, 0.06], sharex=right)
+        row = np.full((1, grid.shape[1]), np.nan)
+        row[0, PREFIX : PREFIX + CHUNKS * CHUNK] = attention_scores()
+        strip.imshow(row, aspect="auto", cmap="Purples", interpolation="nearest", origin="upper")
+        strip.set_yticks([0])
+        strip.set_yticklabels(["attention of the question"], fontsize=8)
+        strip.tick_params(axis="x", labelbottom=False)
+        strip.set_title(
+            "one request. 1) first pass: the question alone, over all loaded chunk KV (positions re-rotated)\n"
+            f"2) the top {config.recompute_ratio:.0%} of chunk tokens by its attention are recomputed on every layer",
+            fontsize=10,
+        )
     cmap = ListedColormap([COLORS["kept"], COLORS["exact"], COLORS["recomputed"], COLORS["question"]])
     right.imshow(grid, aspect="auto", cmap=cmap, interpolation="nearest", vmin=0, vmax=3, origin="upper")
     bounds = [PREFIX + CHUNK * i for i in range(CHUNKS + 1)]
     for b in bounds:
         right.axvline(b - 0.5, color="white", lw=2)
-    for layer in config.check_layers:
+    for layer in config.check_layers if config.uses_check_layers else ():
         right.axhline(layer - 0.5, color="#333333", lw=0.6, ls=":")
         right.axhline(layer + 0.5, color="#333333", lw=0.6, ls=":")
     labels = [PREFIX / 2] + [bounds[i] + CHUNK / 2 for i in range(CHUNKS)] + [bounds[-1] + QUESTION / 2]
@@ -101,7 +134,9 @@ def draw(out: Path) -> None:
     right.set_yticks(range(LAYERS))
     ticks = []
     for layer in range(LAYERS):
-        if layer == 0:
+        if probe:
+            ticks.append(f"{layer}: r = {config.recompute_ratio:.0%}")
+        elif layer == 0 and config.uses_check_layers:
             ticks.append("0: all")
         elif layer in config.check_layers:
             share = config.schedule()[config.check_layers.index(layer)]
@@ -110,12 +145,15 @@ def draw(out: Path) -> None:
             ticks.append(f"{layer}: r = {config.recompute_ratio:.0%}")
     right.set_yticklabels(ticks, fontsize=8)
     right.set_ylabel("layer")
-    title = "one request: chunk KV loaded at real positions (keys re-rotated), fused layer by layer"
-    right.set_title(title, fontsize=11)
+    if not probe:
+        title = "one request: chunk KV loaded at real positions (keys re-rotated), fused layer by layer"
+        right.set_title(title, fontsize=11)
+    picked = "most deviating" if config.uses_check_layers else "chunk start"
+    picked = "most attended by the question" if probe else picked
     right.legend(
         handles=[
             Patch(color=COLORS["kept"], label="loaded chunk KV, kept"),
-            Patch(color=COLORS["recomputed"], label="chunk token recomputed (most deviating)"),
+            Patch(color=COLORS["recomputed"], label=f"chunk token recomputed ({picked})"),
             Patch(color=COLORS["question"], label="question: always computed"),
             Patch(color=COLORS["exact"], label="shared prefix: exact, never recomputed"),
         ],
@@ -133,8 +171,9 @@ def draw(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("how_it_works.png"))
+    parser.add_argument("--rule", choices=RULE_NAMES, default=None, help="a named rule (default: BlendConfig())")
     args = parser.parse_args()
-    draw(args.out)
+    draw(args.out, BlendConfig() if args.rule is None else blend_rule(args.rule))
     print(f"wrote {args.out}")
 
 
