@@ -14,6 +14,7 @@ from cacheblend_rag import (
     MemoryStore,
     PromptError,
     PromptTemplate,
+    blend_rule,
 )
 from cacheblend_rag.engine.generation import SamplingParams, TextAssembler
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
@@ -34,6 +35,28 @@ def test_blend_at_ratio_one_generates_the_same_tokens_as_full(engine):
     blend = ask(engine, mode="blend", recompute_ratio=1.0, max_new_tokens=12)
     assert blend.token_ids == full.token_ids
     assert len(full.token_ids) > 0
+
+
+@pytest.mark.parametrize("rule", ["paper", "attention", "epic"])
+def test_a_rule_pinned_per_request_is_full_at_one_and_reuse_at_zero(engine, rule):
+    full = ask(engine, mode="full", max_new_tokens=8)
+    reuse = ask(engine, mode="reuse", max_new_tokens=8)
+    at_one = ask(engine, blend=blend_rule(rule, 1.0), max_new_tokens=8)
+    assert at_one.token_ids == full.token_ids
+    m = at_one.metrics  # every loaded chunk token recomputed on every layer, with the question
+    assert m.recomputed_tokens > m.reused_tokens and min(m.recomputed_per_layer) >= m.recomputed_tokens
+    if rule != "paper":  # paper's check layers recompute every chunk token up to layer 1, even at r = 0
+        at_zero = ask(engine, blend=blend_rule(rule, 0.0), max_new_tokens=8)
+        assert at_zero.token_ids == reuse.token_ids
+
+
+def test_a_per_request_rule_is_checked_before_any_compute(engine):
+    with pytest.raises(ConfigError, match="apply to mode 'blend' only"):
+        ask(engine, mode="full", blend=blend_rule("gradual"))
+    with pytest.raises(ConfigError, match="blend must be a BlendConfig"):
+        ask(engine, blend="gradual")
+    with pytest.raises(ConfigError, match="check layer|check_layers"):
+        ask(engine, blend=BlendConfig(selection="deviation", check_layers=(1, 99)))
 
 
 def test_stream_yields_the_same_text_as_generate(engine):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from cacheblend_rag import blend_rule
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.evaluation import (
     Case,
@@ -30,7 +32,7 @@ from cacheblend_rag.evaluation import (
     write_report,
 )
 from cacheblend_rag.evaluation.datasets import QA_SPEC_TEMPLATE, load_samsum, split_passages
-from cacheblend_rag.evaluation.methods import parse_rerank_output
+from cacheblend_rag.evaluation.methods import parse_method, parse_rerank_output
 from cacheblend_rag.evaluation.quality import RESULTS_FILE
 from cacheblend_rag.evaluation.scoring import parse_short_answer
 from cacheblend_rag.testing import random_words
@@ -159,6 +161,31 @@ def test_method_names_parse_and_canonicalize():
         parse_methods("stuff")
     with pytest.raises(ConfigError, match=r"\[0, 1\]"):
         parse_methods("blend@1.5")
+
+
+def test_named_rules_are_methods_that_pin_their_rule_per_request():
+    gradual, default = parse_methods("gradual@0.15,blend@0.15")
+    assert (gradual.name, default.name) == ("gradual@0.15", "blend@0.15")
+    assert gradual.rule == "gradual" and default.rule is None
+    with pytest.raises(ConfigError, match="gradual@R needs a number"):
+        parse_method("gradual@x")
+    with pytest.raises(ConfigError, match="unknown method 'nope@0.1'.*RULE@R"):
+        parse_method("nope@0.1")
+
+    class Spy:  # the engine's generate, recording what the method asks for
+        def generate(self, chunks, question, **options):
+            self.options = options
+            keys = ("compute_share", "chunks_hit", "chunks_missed", "load_s", "compute_s", "decode_s")
+            keys += ("generated_tokens",)
+            metrics = SimpleNamespace(ttft_s=0.1, prompt_tokens=9, recomputed_tokens=2, **dict.fromkeys(keys, 0))
+            return SimpleNamespace(text="x", metrics=metrics, finish_reason="stop")
+
+    case = Case("c", ("a chunk",), "q?", ("x",), "qa")
+    engine = Spy()
+    gradual.run(engine, QA_SPEC, case, 8)
+    assert engine.options["blend"] == blend_rule("gradual", 0.15) and "recompute_ratio" not in engine.options
+    default.run(engine, QA_SPEC, case, 8)
+    assert "blend" not in engine.options and engine.options["recompute_ratio"] == 0.15
 
 
 def test_rerank_output_parsing():

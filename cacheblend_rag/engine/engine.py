@@ -43,6 +43,7 @@ class RequestOptions(TypedDict, total=False):
 
     mode: PrefillMode | str
     recompute_ratio: float | None
+    blend: BlendConfig | None
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -275,6 +276,7 @@ class CacheBlendEngine:
         *,
         mode: PrefillMode | str = PrefillMode.BLEND,
         recompute_ratio: float | None = None,
+        blend: BlendConfig | None = None,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -287,7 +289,8 @@ class CacheBlendEngine:
     ) -> TextStream:
         """Yield the answer's text as it is produced; `.result` holds the `GenerationResult` at the end.
 
-        `mode`: "blend" (default), "full", "prefix" or "reuse"; `recompute_ratio` overrides the blend ratio;
+        `mode`: "blend" (default), "full", "prefix" or "reuse"; `blend` replaces the engine's `BlendConfig` for
+        this request (e.g. `blend_rule("gradual", 0.15)`), `recompute_ratio` overrides the blend ratio;
         sampling: greedy at temperature 0, else `top_p` / `top_k` / `seed`; `stop`: strings that end the answer
         (None: none). A prompt is chunks + question (rendered by `template`), chunks + explicit `prefix` /
         `suffix`, or a prebuilt `TokenizedPrompt`. Every argument is checked here, before any compute.
@@ -302,11 +305,15 @@ class CacheBlendEngine:
             prompt = self.build_prompt(chunks, question, template=template, prefix=prefix, suffix=suffix)
         self.check_length(prompt, params.max_new_tokens)
         mode = PrefillMode.parse(mode)
-        if mode is not PrefillMode.BLEND and recompute_ratio is not None:
-            raise ConfigError(f"recompute_ratio applies to mode 'blend' only, got mode {mode.value!r}")
+        if mode is not PrefillMode.BLEND and (recompute_ratio is not None or blend is not None):
+            raise ConfigError(f"recompute_ratio and blend apply to mode 'blend' only, got mode {mode.value!r}")
+        if blend is not None and not isinstance(blend, BlendConfig):
+            raise ConfigError(f"blend must be a BlendConfig (e.g. blend_rule('gradual')), got {type(blend).__name__}")
+        if blend is not None:
+            check_blend(blend, self.lm.shape.num_layers, "blend.check_layers")
 
         def prefill() -> Prefill:
-            return self.prefill(prompt, mode, recompute_ratio=recompute_ratio)
+            return self.prefill(prompt, mode, recompute_ratio=recompute_ratio, blend=blend)
 
         def step(token: int, pos: int, cache: Any) -> torch.Tensor:
             # The lock is taken per forward, never across a yield: a consumer may pause, or resume elsewhere.

@@ -144,8 +144,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "OUT/results.jsonl (rerun the same command to resume), then writes OUT/summary.md and figures.",
     )
     q.add_argument("--datasets", default="musique,wikimqa,multi_news,samsum", help="comma-separated")
-    q.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated: full, prefix, reuse, blend@R, "
-                   "mapreduce, maprerank")  # fmt: skip
+    q.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated: full, prefix, reuse, blend@R "
+                   "(the default rule), RULE@R (a named rule, e.g. gradual@0.15), mapreduce, maprerank")  # fmt: skip
     q.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
     q.add_argument("--out", default="bench-results/quality", help="output folder (results.jsonl, summary, PNGs)")
     _add_engine_arguments(q, "musique/, wikimqa/, multi_news/, samsum/")

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from ..config import RULE_NAMES, blend_rule
 from ..engine.prompt import PromptTemplate
 from ..errors import ConfigError
 from .datasets import Case, TaskSpec
@@ -78,6 +79,7 @@ class PrefillMethod:
 
     mode: str  # "full" | "prefix" | "reuse" | "blend"
     recompute_ratio: float | None = None  # blend only
+    rule: str | None = None  # blend only: a named selection rule (`blend_rule`); None: the engine's BlendConfig
 
     def __post_init__(self) -> None:
         if self.mode not in ("full", "prefix", "reuse", "blend"):
@@ -88,10 +90,20 @@ class PrefillMethod:
             )
         if self.recompute_ratio is not None and not 0.0 <= self.recompute_ratio <= 1.0:
             raise ConfigError(f"recompute ratio must be in [0, 1], got {self.recompute_ratio}")
+        if self.rule is not None and (self.mode != "blend" or self.rule not in RULE_NAMES):
+            raise ConfigError(f"rule goes with mode 'blend' and is one of {', '.join(RULE_NAMES)}; got {self.rule!r}")
 
     @property
     def name(self) -> str:
-        return self.mode if self.recompute_ratio is None else f"blend@{self.recompute_ratio:.2f}"
+        if self.recompute_ratio is None:
+            return self.mode
+        return f"{self.rule or 'blend'}@{self.recompute_ratio:.2f}"
+
+    def request_options(self) -> dict[str, Any]:
+        """The prefill options of `CacheBlendEngine.generate` for this method (mode, ratio or pinned rule)."""
+        if self.rule is not None:
+            return {"mode": self.mode, "blend": blend_rule(self.rule, self.recompute_ratio or 0.0)}
+        return {"mode": self.mode, "recompute_ratio": self.recompute_ratio}
 
     def supports(self, spec: TaskSpec) -> bool:
         return True
@@ -104,8 +116,7 @@ class PrefillMethod:
         res = engine.generate(
             list(case.chunks),
             case.question,
-            mode=self.mode,
-            recompute_ratio=self.recompute_ratio,
+            **self.request_options(),
             max_new_tokens=max_new_tokens,
             template=spec.template,
         )
@@ -284,24 +295,27 @@ class MapRerank:
 
 
 def parse_method(name: str) -> Method:
-    """ "full" | "prefix" | "reuse" | "blend" (r = 0.15) | "blend@R" | "mapreduce" | "maprerank"."""
+    """ "full" | "prefix" | "reuse" | "blend" (r = 0.15) | "blend@R" (the engine's rule) | "RULE@R" (a named rule,
+    e.g. "gradual@0.15": see `RULE_NAMES`) | "mapreduce" | "maprerank"."""
     key = name.strip().lower()
     if key in ("full", "prefix", "reuse"):
         return PrefillMethod(key)
     if key == "blend":
         return PrefillMethod("blend", 0.15)
-    if key.startswith("blend@"):
+    head, at, tail = key.partition("@")
+    if at and (head == "blend" or head in RULE_NAMES):
         try:
-            ratio = float(key.split("@", 1)[1])
+            ratio = float(tail)
         except ValueError:
-            raise ConfigError(f"blend@R needs a number R in [0, 1], got {name!r}") from None
-        return PrefillMethod("blend", ratio)
+            raise ConfigError(f"{head}@R needs a number R in [0, 1], got {name!r}") from None
+        return PrefillMethod("blend", ratio, None if head == "blend" else head)
     if key in ("mapreduce", "map_reduce", "map-reduce"):
         return MapReduce()
     if key in ("maprerank", "map_rerank", "map-rerank", "rerank"):
         return MapRerank()
     raise ConfigError(
-        f"unknown method {name!r}; choose from full, prefix, reuse, blend@R (R in [0, 1]), mapreduce, maprerank"
+        f"unknown method {name!r}; choose from full, prefix, reuse, blend@R (R in [0, 1]), RULE@R (RULE one of "
+        f"{', '.join(RULE_NAMES)}), mapreduce, maprerank"
     )
 
 

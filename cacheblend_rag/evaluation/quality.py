@@ -161,9 +161,11 @@ class SummaryRow:
 
 
 def _ratio(method: str) -> float | None:
-    if method.startswith("blend@"):
+    """The recompute ratio of "blend@R" or "RULE@R" (a named rule), else None."""
+    head, at, tail = method.partition("@")
+    if at and head:
         try:
-            return float(method.split("@", 1)[1])
+            return float(tail)
         except ValueError:
             return None
     return None
@@ -297,7 +299,7 @@ def plot_quality_vs_ratio(records: Sequence[Mapping[str, Any]], path: str | os.P
         if not cases:
             continue
         rows = summarize(r for r in recs if r["method"] in methods and (dataset, r["case_id"]) in cases)
-        data += [r.to_dict() | {"series": "blend"} for r in rows]
+        data += [r.to_dict() | {"series": r.method.partition("@")[0]} for r in rows]  # "blend" or the rule
         titles[dataset] = f"{dataset} ({len(cases)} cases with every ratio)"
         ylabels[dataset] = f"mean {rows[0].metric}"
     if not data:

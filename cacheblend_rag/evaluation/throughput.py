@@ -66,8 +66,7 @@ def serve_request(
     result = engine.generate(
         workload.texts(request),
         request.question,
-        mode=method.mode,
-        recompute_ratio=method.recompute_ratio,
+        **method.request_options(),
         max_new_tokens=max_new_tokens,
         template=workload.spec.template,
     )
