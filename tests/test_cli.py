@@ -127,9 +127,10 @@ def test_ask_answers_from_a_folder_and_reuses_chunks(tmp_path, capsys):
             "--max-new-tokens",
             "16",
             # SmolLM2-135M needs r = 0.5 here under the default rule (attention): at 0.15 and 0.3 it gives full KV
-            # reuse's answer (it recites the sports chunk), while `gradual`, `epic` and attention with half its
-            # budget on chunk starts find Quillton at 0.15. The question's attention ranks periods and line breaks
-            # highest, never the second chunk's first tokens, whose KV (prefilled alone) reads as a new message.
+            # reuse's answer (it recites the sports chunk). `gradual` finds Quillton at 0.15; `epic` and
+            # `attention-anchors` (chunk starts recomputed) stop the recital. The question's attention ranks periods
+            # and line breaks highest, not the second chunk's first tokens, whose KV (prefilled alone) reads as the
+            # start of a new message.
             "--ratio",
             "0.5",
             "What is the capital of Zorbania?",
