@@ -16,14 +16,14 @@ late-answer KL (last half) to its early-answer KL (first quarter).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, blend_rule
 from cacheblend_rag.evaluation.datasets import load_dataset
-from cacheblend_rag.evaluation.fidelity import reference_answer, teacher_forced_logits, token_kl
+from cacheblend_rag.evaluation.fidelity import prepare_case, teacher_forced_logits, token_kl
+from cacheblend_rag.evaluation.records import append_record, load_records
 from cacheblend_rag.evaluation.report import bootstrap_ci
 
 RESULTS_FILE = "answer_drift.jsonl"
@@ -66,12 +66,13 @@ def table(records: list[dict]) -> str:
                   + "   last half / Q1 [95% CI]"]  # fmt: skip
         for method in dict.fromkeys(r["method"] for r in mine):
             rs = sorted((r for r in mine if r["method"] == method and r["case"] in cases), key=lambda r: r["case"])
+            per_case = [quarters(r["kl"]) for r in rs]
             cells = []
             for q in range(QUARTERS):
-                vals = [quarters(r["kl"])[q] for r in rs]
+                vals = [qs[q] for qs in per_case]
                 lo, hi = bootstrap_ci(vals)
                 cells.append(f"{statistics.fmean(vals):.4f} [{lo:.4f}, {hi:.4f}]".rjust(26))
-            late = [statistics.fmean(quarters(r["kl"])[2:]) / max(quarters(r["kl"])[0], 1e-6) for r in rs]
+            late = [statistics.fmean(qs[2:]) / max(qs[0], 1e-6) for qs in per_case]
             lo, hi = bootstrap_ci(late)
             lines.append(method.ljust(26) + "".join(cells) + f"   {statistics.fmean(late):.2f} [{lo:.2f}, {hi:.2f}]")
         lines.append("")
@@ -91,33 +92,30 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / RESULTS_FILE
-    done = set()
-    if path.exists():
-        done = {(r["dataset"], r["case"], r["method"]) for r in map(json.loads, path.read_text().splitlines())}
+    records = load_records(out, repair=True, filename=RESULTS_FILE)
     if not args.report_only:
+        done = {(r["dataset"], r["case"], r["method"]) for r in records}
         indices = parse_cases(args.cases)
         plan = methods(args.rules.split(","), args.ratio)
         engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig())
-        with path.open("a") as sink:
-            for name in args.datasets.split(","):
-                ds = load_dataset(name, args.data_dir, limit=max(indices) + 1)
-                for i in indices:
-                    case = ds.cases[i]
-                    todo = {m: b for m, b in plan.items() if (name, case.id, m) not in done}
-                    if not todo:
-                        continue
-                    prompt = engine.build_prompt(list(case.chunks), case.question, template=ds.spec.template)
-                    engine.precompute(list(case.chunks), case.question, template=ds.spec.template)
-                    ref = reference_answer(engine, prompt, ds.spec.max_new_tokens)
-                    for method, blend in todo.items():
-                        pre = engine.prefill(prompt, "reuse" if blend is None else "blend", blend=blend)
-                        kl = token_kl(ref, teacher_forced_logits(engine, pre, ref)).tolist()
-                        rec = {"dataset": name, "case": case.id, "method": method, "kl": kl}
-                        sink.write(json.dumps(rec) + "\n")
-                        sink.flush()
-                    print(name, case.id, file=sys.stderr, flush=True)
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for name in args.datasets.split(","):
+            ds = load_dataset(name, args.data_dir, limit=max(indices) + 1)
+            for i in indices:
+                case = ds.cases[i]
+                todo = {m: b for m, b in plan.items() if (name, case.id, m) not in done}
+                if not todo:
+                    continue
+                prompt, ref = prepare_case(engine, ds.spec, case)
+                for method, blend in todo.items():
+                    pre = engine.prefill(prompt, "reuse" if blend is None else "blend", blend=blend)
+                    kl = token_kl(ref, teacher_forced_logits(engine, pre, ref)).tolist()
+                    rec = {"dataset": name, "case": case.id, "method": method, "kl": kl}
+                    append_record(out / RESULTS_FILE, rec)
+                    records.append(rec)
+                print(name, case.id, file=sys.stderr, flush=True)
+    if not records:
+        print(f"no records in {out / RESULTS_FILE}; run without --report-only first", file=sys.stderr)
+        return 2
     text = table(records)
     (out / "summary.txt").write_text(text + "\n")
     print(text)

@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import statistics
 import sys
 from pathlib import Path
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, blend_rule
 from cacheblend_rag.evaluation.datasets import load_dataset
-from cacheblend_rag.evaluation.fidelity import measure_blend, reference_answer
+from cacheblend_rag.evaluation.fidelity import measure_blend, prepare_case
+from cacheblend_rag.evaluation.records import append_record, load_records
 
 DATASETS = ("multi_news", "samsum", "musique", "wikimqa")
 RESULTS_FILE = "probe_depth.jsonl"
@@ -69,26 +69,25 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / RESULTS_FILE
+    records = load_records(out, repair=True, filename=RESULTS_FILE)
     if not args.report_only:
         indices = [int(x) for x in args.cases.split(",")]
         plan = methods([float(x) for x in args.depths.split(",")])
         engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig())
-        with path.open("a") as sink:
-            for name in args.datasets.split(","):
-                ds = load_dataset(name, args.data_dir, limit=max(indices) + 1)
-                for i in indices:
-                    case = ds.cases[i]
-                    prompt = engine.build_prompt(list(case.chunks), case.question, template=ds.spec.template)
-                    engine.precompute(list(case.chunks), case.question, template=ds.spec.template)
-                    ref = reference_answer(engine, prompt, ds.spec.max_new_tokens)
-                    for method, blend in plan.items():
-                        rec = measure_blend(engine, prompt, ref, blend)
-                        rec.update(dataset=name, case=case.id, method=method)
-                        sink.write(json.dumps(rec) + "\n")
-                        sink.flush()
-                    print(name, case.id, file=sys.stderr, flush=True)
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for name in args.datasets.split(","):
+            ds = load_dataset(name, args.data_dir, limit=max(indices) + 1)
+            for i in indices:
+                case = ds.cases[i]
+                prompt, ref = prepare_case(engine, ds.spec, case)
+                for method, blend in plan.items():
+                    rec = measure_blend(engine, prompt, ref, blend)
+                    rec.update(dataset=name, case=case.id, method=method)
+                    append_record(out / RESULTS_FILE, rec)
+                    records.append(rec)
+                print(name, case.id, file=sys.stderr, flush=True)
+    if not records:
+        print(f"no records in {out / RESULTS_FILE}; run without --report-only first", file=sys.stderr)
+        return 2
     print(table(records))
     return 0
 

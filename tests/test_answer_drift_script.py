@@ -42,3 +42,8 @@ def test_report_only_compares_methods_on_their_common_cases(drift, tmp_path, cap
     assert "multi_news: 2 cases" in out and "0.4000 [0.4000, 0.4000]" in out and "9.0" not in out
     assert "0.25 [0.25, 0.25]" in out and "0.50 [0.50, 0.50]" in out  # last half / first quarter
     assert (tmp_path / "summary.txt").read_text().strip() == out.strip()
+
+
+def test_report_only_without_records_says_what_to_run(drift, tmp_path, capsys):
+    assert drift.main(["--report-only", "--out", str(tmp_path)]) == 2
+    assert "run without --report-only first" in capsys.readouterr().err

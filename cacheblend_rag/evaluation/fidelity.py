@@ -92,6 +92,14 @@ def reference_answer(engine: Any, prompt: Any, max_new_tokens: int) -> Reference
     return Reference(tokens, logprobs, text, ttft, prompt.num_tokens)
 
 
+def prepare_case(engine: Any, spec: TaskSpec, case: Case) -> tuple[Any, Reference]:
+    """A case's prompt (the data set's template), its chunks warmed in the store (untimed), and full recompute's
+    reference answer: what every method of a case is measured against."""
+    prompt = engine.build_prompt(list(case.chunks), case.question, template=spec.template)
+    engine.precompute(list(case.chunks), case.question, template=spec.template)
+    return prompt, reference_answer(engine, prompt, spec.max_new_tokens)
+
+
 def token_kl(reference: Reference, logits: torch.Tensor) -> torch.Tensor:
     """[T] KL(full || method) in nats before each reference token, from the method's teacher-forced logits
     ([T, vocab], row t before reference token t)."""
@@ -184,9 +192,7 @@ def run_fidelity(
         bar.set_postfix_str(f"{spec.name} {case.id}", refresh=True)
         base = {"dataset": spec.name, "case_id": case.id, "task": case.task}
         try:
-            prompt = engine.build_prompt(list(case.chunks), case.question, template=spec.template)
-            engine.precompute(list(case.chunks), case.question, template=spec.template)
-            ref = reference_answer(engine, prompt, spec.max_new_tokens)
+            prompt, ref = prepare_case(engine, spec, case)
         except CacheBlendError as e:
             rec = {**base, "method": "full", "error": f"{type(e).__name__}: {e}"}
             append_record(out / RESULTS_FILE, rec)
