@@ -307,9 +307,10 @@ class CacheBlendEngine:
         mode = PrefillMode.parse(mode)
         if mode is not PrefillMode.BLEND and (recompute_ratio is not None or blend is not None):
             raise ConfigError(f"recompute_ratio and blend apply to mode 'blend' only, got mode {mode.value!r}")
-        if blend is not None and not isinstance(blend, BlendConfig):
-            raise ConfigError(f"blend must be a BlendConfig (e.g. blend_rule('gradual')), got {type(blend).__name__}")
         if blend is not None:
+            if not isinstance(blend, BlendConfig):
+                kind = type(blend).__name__
+                raise ConfigError(f"blend must be a BlendConfig (e.g. blend_rule('gradual')), got {kind}")
             check_blend(blend, self.lm.shape.num_layers, "blend.check_layers")
 
         def prefill() -> Prefill:
