@@ -32,6 +32,7 @@ from cacheblend_rag.evaluation.fidelity_report import (
     left_out,
     paired_difference,
     summarize_fidelity,
+    sweep_group,
     write_fidelity_report,
 )
 from cacheblend_rag.evaluation.records import load_records
@@ -189,6 +190,26 @@ def test_report_writes_summary_targets_and_a_figure_per_data_set(tmp_path):
     assert "| musique | reuse | paper@0.15 | 8 |" in text and "intervals apart" in text
     assert files["musique"].stat().st_size > 1000 and files["samsum"].stat().st_size > 1000
     assert json.loads(files["json"].read_text())[0]["dataset"] == "musique"
+
+
+def test_a_ratio_sweep_on_fewer_cases_gets_a_figure_of_its_own(tmp_path):
+    recs = synthetic_records()
+    assert sweep_group(summarize_fidelity(recs), "musique") is None  # no table sweeps more ratios
+    ratios = (0.02, 0.10, 0.30)
+    recs += [_rec(f"paper@{r:.2f}", f"c{i}", 0.1, 0.8) for r in ratios for i in (0, 1, 2)]
+    recs += [_rec(f"{DEFAULT}@{r:.2f}", f"c{i}", 0.1, 0.8) for r in ratios for i in (0, 1, 2)]
+    rows = summarize_fidelity(recs)
+    group = sweep_group(rows, "musique")
+    assert group is not None and group > 0
+    swept = {r.method for r in rows if r.group == group}
+    # the sweep's table has every ratio of the default rule, the better-covered 0.05 and 0.15 included
+    assert {f"{DEFAULT}@{r:.2f}" for r in (0.02, 0.05, 0.10, 0.15, 0.30)} <= swept
+    files = write_fidelity_report(tmp_path, recs)
+    sweep_png = files["musique_ratios"]
+    assert sweep_png.name == "fidelity_musique_ratios.png" and sweep_png.stat().st_size > 1000
+    # a table of fewer cases with two ratios per rule is not a sweep
+    narrow = [r for r in rows if r.group == 0 or r.ratio is None or r.ratio <= 0.05]
+    assert sweep_group(narrow, "musique") is None
 
 
 # -- the command line ------------------------------------------------------------------------------------------

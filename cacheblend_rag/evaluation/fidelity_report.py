@@ -2,7 +2,8 @@
 
 Every comparison is made on common cases: per data set, only the cases that every method of a table finished.
 Methods that ran on far fewer cases than the others get a table of their own, on their cases, with the rows of
-the better-covered methods that finished those cases too; the figures show the best-covered table only.
+the better-covered methods that finished those cases too. Each data set's figure shows its best-covered table;
+a table that sweeps more ratios on fewer cases (e.g. the full grid on the first 8 cases) gets a figure of its own.
 """
 
 from __future__ import annotations
@@ -215,12 +216,38 @@ def targets_markdown(rows: Sequence[FidelityRow], records: Sequence[Mapping[str,
     return "\n".join(lines) + "\n"
 
 
-def plot_pareto(rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLike[str]) -> Path:
-    """Mean KL (log scale) and top-1 agreement against compute share: one line per rule, 95% intervals."""
+def _ratios_per_rule(rows: Sequence[FidelityRow], dataset: str, group: int) -> int:
+    """The most ratios any blend rule has in one table."""
+    per: dict[str, set[float]] = defaultdict(set)
+    for r in rows:
+        if r.dataset == dataset and r.group == group and r.ratio is not None:
+            per[r.rule].add(r.ratio)
+    return max((len(v) for v in per.values()), default=0)
+
+
+SWEEP_MIN_RATIOS = 3  # a table of fewer cases gets a figure of its own when a rule has this many ratios in it
+
+
+def sweep_group(rows: Sequence[FidelityRow], dataset: str) -> int | None:
+    """The table (group) of `dataset` that sweeps the most ratios per rule, when it is not the best-covered one
+    and sweeps at least `SWEEP_MIN_RATIOS` (more ratios than the first table); None otherwise."""
+    groups = sorted({r.group for r in rows if r.dataset == dataset})
+    best = max(groups, key=lambda g: (_ratios_per_rule(rows, dataset, g), -g), default=None)
+    if best in (None, 0):
+        return None
+    wide = _ratios_per_rule(rows, dataset, best)
+    return best if wide >= SWEEP_MIN_RATIOS and wide > _ratios_per_rule(rows, dataset, 0) else None
+
+
+def plot_pareto(
+    rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLike[str], *, group: int = 0
+) -> Path:
+    """Mean KL (log scale) and top-1 agreement against compute share: one line per rule, 95% intervals.
+    Only the rows of one table (`group`), so every point is over the same cases."""
     plt = pyplot()
-    mine = [r for r in rows if r.dataset == dataset and r.group == 0 and r.rule != "full"]
+    mine = [r for r in rows if r.dataset == dataset and r.group == group and r.rule != "full"]
     if not mine:
-        raise CacheBlendError(f"no fidelity rows for {dataset!r}")
+        raise CacheBlendError(f"no fidelity rows for {dataset!r} in table {group}")
     fig, (ax_kl, ax_top) = plt.subplots(1, 2, figsize=(12, 4.6))
     for rule in dict.fromkeys(r.rule for r in mine):
         pts = sorted((r for r in mine if r.rule == rule), key=lambda r: r.compute_share)
@@ -251,7 +278,8 @@ def plot_pareto(rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLi
 
 
 def write_fidelity_report(out_dir: str | os.PathLike[str], records: Sequence[Mapping[str, Any]]) -> dict[str, Path]:
-    """`fidelity_summary.md` (+ .json) and one `fidelity_<dataset>.png` per data set, in `out_dir`."""
+    """`summary.md` (+ .json) and one `fidelity_<dataset>.png` per data set, in `out_dir`; plus
+    `fidelity_<dataset>_ratios.png` where a table of fewer cases sweeps more ratios (`sweep_group`)."""
     import json
 
     rows = summarize_fidelity(records)
@@ -263,4 +291,7 @@ def write_fidelity_report(out_dir: str | os.PathLike[str], records: Sequence[Map
     files["json"].write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
     for ds in sorted({r.dataset for r in rows}):
         files[ds] = plot_pareto(rows, ds, out / f"fidelity_{ds}.png")
+        sweep = sweep_group(rows, ds)
+        if sweep is not None:
+            files[f"{ds}_ratios"] = plot_pareto(rows, ds, out / f"fidelity_{ds}_ratios.png", group=sweep)
     return files
