@@ -239,9 +239,7 @@ def sweep_group(rows: Sequence[FidelityRow], dataset: str) -> int | None:
     return best if wide >= SWEEP_MIN_RATIOS and wide > _ratios_per_rule(rows, dataset, 0) else None
 
 
-def plot_pareto(
-    rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLike[str], *, group: int = 0
-) -> Path:
+def plot_pareto(rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLike[str], *, group: int = 0) -> Path:
     """Mean KL (log scale) and top-1 agreement against compute share: one line per rule, 95% intervals.
     Only the rows of one table (`group`), so every point is over the same cases."""
     plt = pyplot()
