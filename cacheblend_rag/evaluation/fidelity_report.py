@@ -247,10 +247,13 @@ def plot_pareto(rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLi
     if not mine:
         raise CacheBlendError(f"no fidelity rows for {dataset!r} in table {group}")
     fig, (ax_kl, ax_top) = plt.subplots(1, 2, figsize=(12, 4.6))
-    for rule in dict.fromkeys(r.rule for r in mine):
+    rules = list(dict.fromkeys(r.rule for r in mine))
+    colors = plt.get_cmap("tab10" if len(rules) <= 10 else "tab20").colors  # one color per rule
+    for i, rule in enumerate(rules):
         pts = sorted((r for r in mine if r.rule == rule), key=lambda r: r.compute_share)
         x = [r.compute_share for r in pts]
         style = {"marker": "s", "linestyle": "none", "color": "black"} if rule == "reuse" else {"marker": "o"}
+        style.setdefault("color", colors[i % len(colors)])
         for ax, ys, cis in (
             (ax_kl, [r.kl_mean for r in pts], [r.kl_ci for r in pts]),
             (ax_top, [r.top1 for r in pts], [r.top1_ci for r in pts]),
@@ -261,6 +264,9 @@ def plot_pareto(rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLi
             ]
             ax.errorbar(x, ys, yerr=err, capsize=3, label=rule, **style)
     ax_kl.set_yscale("log")
+    low = min((r.kl_mean for r in mine if r.kl_mean > 0), default=None)
+    if low is not None:  # an interval reaching 0 (a few cases) must not stretch the log axis over decades
+        ax_kl.set_ylim(bottom=low / 3)
     ax_kl.set_ylabel("mean KL(full || method), nats (log)")
     ax_top.set_ylabel("top-1 agreement with full recompute")
     for ax in (ax_kl, ax_top):
