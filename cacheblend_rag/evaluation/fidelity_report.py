@@ -231,12 +231,11 @@ SWEEP_MIN_RATIOS = 3  # a table of fewer cases gets a figure of its own when a r
 def sweep_group(rows: Sequence[FidelityRow], dataset: str) -> int | None:
     """The table (group) of `dataset` that sweeps the most ratios per rule, when it is not the best-covered one
     and sweeps at least `SWEEP_MIN_RATIOS` (more ratios than the first table); None otherwise."""
-    groups = sorted({r.group for r in rows if r.dataset == dataset})
-    best = max(groups, key=lambda g: (_ratios_per_rule(rows, dataset, g), -g), default=None)
-    if best in (None, 0):
+    width = {g: _ratios_per_rule(rows, dataset, g) for g in sorted({r.group for r in rows if r.dataset == dataset})}
+    best = max(width, key=lambda g: (width[g], -g), default=None)
+    if best in (None, 0) or width[best] < SWEEP_MIN_RATIOS or width[best] <= width.get(0, 0):
         return None
-    wide = _ratios_per_rule(rows, dataset, best)
-    return best if wide >= SWEEP_MIN_RATIOS and wide > _ratios_per_rule(rows, dataset, 0) else None
+    return best
 
 
 def plot_pareto(rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLike[str], *, group: int = 0) -> Path:
@@ -252,8 +251,10 @@ def plot_pareto(rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLi
     for i, rule in enumerate(rules):
         pts = sorted((r for r in mine if r.rule == rule), key=lambda r: r.compute_share)
         x = [r.compute_share for r in pts]
-        style = {"marker": "s", "linestyle": "none", "color": "black"} if rule == "reuse" else {"marker": "o"}
-        style.setdefault("color", colors[i % len(colors)])
+        if rule == "reuse":
+            style = {"marker": "s", "linestyle": "none", "color": "black"}
+        else:
+            style = {"marker": "o", "color": colors[i % len(colors)]}
         for ax, ys, cis in (
             (ax_kl, [r.kl_mean for r in pts], [r.kl_ci for r in pts]),
             (ax_top, [r.top1 for r in pts], [r.top1_ci for r in pts]),
