@@ -23,7 +23,7 @@ from pathlib import Path
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, blend_rule
 from cacheblend_rag.evaluation.datasets import load_dataset
 from cacheblend_rag.evaluation.fidelity import prepare_case, teacher_forced_logits, token_kl
-from cacheblend_rag.evaluation.records import append_record, load_records
+from cacheblend_rag.evaluation.records import append_record, load_records, no_records
 from cacheblend_rag.evaluation.report import bootstrap_ci
 
 RESULTS_FILE = "answer_drift.jsonl"
@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                     append_record(out / RESULTS_FILE, rec)
                     records.append(rec)
                 print(name, case.id, file=sys.stderr, flush=True)
-    if not records:
-        print(f"no records in {out / RESULTS_FILE}; run without --report-only first", file=sys.stderr)
+    if no_records(records, out / RESULTS_FILE):
         return 2
     text = table(records)
     (out / "summary.txt").write_text(text + "\n")

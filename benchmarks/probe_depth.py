@@ -23,7 +23,7 @@ from pathlib import Path
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, blend_rule
 from cacheblend_rag.evaluation.datasets import load_dataset
 from cacheblend_rag.evaluation.fidelity import measure_blend, prepare_case
-from cacheblend_rag.evaluation.records import append_record, load_records
+from cacheblend_rag.evaluation.records import append_record, load_records, no_records
 
 DATASETS = ("multi_news", "samsum", "musique", "wikimqa")
 RESULTS_FILE = "probe_depth.jsonl"
@@ -85,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     append_record(out / RESULTS_FILE, rec)
                     records.append(rec)
                 print(name, case.id, file=sys.stderr, flush=True)
-    if not records:
-        print(f"no records in {out / RESULTS_FILE}; run without --report-only first", file=sys.stderr)
+    if no_records(records, out / RESULTS_FILE):
         return 2
     print(table(records))
     return 0

@@ -229,6 +229,51 @@ def test_fuse_refuses_a_shallow_pass_that_must_give_logits(tiny_engine):
         fuse(tiny_engine.lm, reuse_plan(prompt), lambda i: None, compute_layers=2)
 
 
+# -- scores given by the caller in place of the attention pass ----------------------------------------------------
+
+
+def test_given_token_scores_choose_the_recomputed_tokens_and_skip_the_probe(tiny_engine):
+    prompt = three_chunk_prompt(tiny_engine)  # 3 chunks of 24 tokens
+    (s1, e1), _, (s3, e3) = prompt.chunk_spans
+    blend = blend_rule("attention", 24 / 72)  # a budget of exactly one chunk
+    first, last = torch.zeros(prompt.num_tokens), torch.zeros(prompt.num_tokens)
+    first[s1:e1], last[s3:e3] = 1.0, 1.0
+    reuse = tiny_engine.prefill(prompt, "reuse")
+    on_first = tiny_engine.prefill(prompt, "blend", blend=blend, token_scores=first)
+    on_last = tiny_engine.prefill(prompt, "blend", blend=blend, token_scores=last)
+    # The first chunk was precomputed right after the prefix, so its cached KV is exact: recomputing it changes
+    # nothing. Recomputing the last chunk lets it see the other two.
+    torch.testing.assert_close(on_first.logits, reuse.logits, atol=1e-4, rtol=0)
+    assert (on_last.logits - reuse.logits).abs().max() > 1e-3
+    assert on_first.metrics.recomputed_tokens == on_last.metrics.recomputed_tokens == 24 + len(prompt.suffix_ids)
+    # No probe: the cost is the attention rule's less the question-only pass (full reuse's cost).
+    probed = tiny_engine.prefill(prompt, "blend", blend=blend).metrics.compute_share
+    assert on_last.metrics.compute_share == pytest.approx(probed - reuse.metrics.compute_share, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    "mode, rule, scores, match",
+    [
+        ("reuse", "attention", "ok", "mode 'reuse' recomputes none"),
+        ("blend", "paper", "ok", "selection 'deviation' does not have"),
+        ("blend", "attention", "short", r"shape \(\d+,\), one per token, got \(3,\)"),
+        ("blend", "attention", "list", "got list"),
+        ("blend", "attention", "nan", "must be finite"),
+    ],
+)
+def test_given_token_scores_are_refused_where_they_cannot_rank(tiny_engine, mode, rule, scores, match):
+    prompt = three_chunk_prompt(tiny_engine)
+    given = {
+        "ok": torch.ones(prompt.num_tokens),
+        "short": torch.ones(3),
+        "list": [1.0] * prompt.num_tokens,
+        "nan": torch.full((prompt.num_tokens,), float("nan")),
+    }[scores]
+    blend = blend_rule(rule, 0.1) if mode == "blend" else None
+    with pytest.raises(ConfigError, match=match):
+        tiny_engine.prefill(prompt, mode, blend=blend, token_scores=given)
+
+
 # -- settings ------------------------------------------------------------------------------------------------
 
 

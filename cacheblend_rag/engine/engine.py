@@ -28,7 +28,7 @@ from ..store import ChunkStore, CorruptEntryError, build_store
 from .chunk_cache import ChunkCache
 from .decoding import GenerationResult, TextStream, decode
 from .generation import SamplingParams, check_encodable, check_ratio_arg, eos_token_ids
-from .planning import check_blend
+from .planning import check_blend, check_token_scores
 from .prefill import Prefill, Prefiller, RatioPolicy
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_chunks, tokenize_parts, tokenize_prefix
 
@@ -215,11 +215,15 @@ class CacheBlendEngine:
         *,
         recompute_ratio: float | None = None,
         blend: BlendConfig | None = None,
+        token_scores: torch.Tensor | None = None,
     ) -> Prefill:
         """Build the prompt's KV cache in the given mode. Times exclude tokenization (see `generate`).
 
         `blend` replaces the engine's `BlendConfig` for this request (another rule); `recompute_ratio` changes
         only its ratio. The controller, if any, chooses the ratio only when neither is given.
+        `token_scores` ([N] floats, higher = recompute first) rank the chunk tokens in place of the question's
+        attention pass, for the rules that have one (selection "attention" or "attention|deviation"): your own
+        relevance signal, or an oracle in a study. Their cost is not counted; the probe's is not spent.
         """
         mode = PrefillMode.parse(mode)
         check_ratio_arg(recompute_ratio)
@@ -231,6 +235,8 @@ class CacheBlendEngine:
             blend = blend.with_ratio(recompute_ratio)
         check_blend(blend, self.lm.shape.num_layers, "blend.check_layers")
         self.check_length(prompt)
+        if token_scores is not None:
+            token_scores = check_token_scores(token_scores, prompt, mode, blend)
         policy = self.controller if mode is PrefillMode.BLEND and not pinned else None
         with self._lock:
             # A chunk read layer by layer can turn out damaged after the fusor has started; its tier has dropped
@@ -239,10 +245,10 @@ class CacheBlendEngine:
             fresh: set[str] = set()  # chunks prefilled during this request: misses, even when found on a retry
             for attempt in range(len(prompt.chunk_ids) + 2):
                 try:
-                    return self._prefiller.run(prompt, mode, blend, fresh, policy)
+                    return self._prefiller.run(prompt, mode, blend, fresh, policy, token_scores)
                 except CorruptEntryError as exc:
                     logger.warning("prefill attempt %d read a damaged chunk (%s); trying again", attempt + 1, exc)
-            return self._prefiller.run(prompt, mode, blend, fresh, policy)
+            return self._prefiller.run(prompt, mode, blend, fresh, policy, token_scores)
 
     def extend(self, prefill: Prefill, token_ids: Sequence[int]) -> torch.Tensor:
         """Feed tokens after a prefilled prompt in one forward (teacher forcing); -> logits [T, vocab] float32.

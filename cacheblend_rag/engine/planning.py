@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import BlendConfig
+from ..config import BlendConfig, PrefillMode
 from ..errors import ConfigError
 from ..fusion import FusionPlan, anchor_counts, budget, keep_counts, top_scored, top_scored_per_group
 from .prompt import TokenizedPrompt
@@ -24,6 +24,25 @@ def check_blend(blend: BlendConfig, num_layers: int, name: str = "blend") -> Non
             f"{name} has layer {blend.check_layers[-1]}, but the model has {num_layers} layers "
             f"(0..{num_layers - 1}); use smaller check_layers"
         )
+
+
+def check_token_scores(scores: object, prompt: TokenizedPrompt, mode: PrefillMode, blend: BlendConfig) -> torch.Tensor:
+    """Caller-given token scores as a float32 [N] tensor on the CPU; ConfigError when they cannot rank this
+    prompt's chunk tokens under this request (wrong mode, a rule without an attention pass, shape, NaN)."""
+    if mode is not PrefillMode.BLEND:
+        raise ConfigError(f"token_scores rank the tokens a blend recomputes; mode {mode.value!r} recomputes none")
+    if not blend.uses_attention_pass:
+        raise ConfigError(
+            f"token_scores replace the question's attention pass, which selection {blend.selection!r} does not "
+            "have; use a rule with one, e.g. blend_rule('attention', r)"
+        )
+    if not isinstance(scores, torch.Tensor) or scores.shape != (prompt.num_tokens,):
+        shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ConfigError(f"token_scores must be a tensor of shape ({prompt.num_tokens},), one per token, got {shape}")
+    out = scores.detach().float().cpu()
+    if not bool(torch.isfinite(out).all()):
+        raise ConfigError("token_scores must be finite numbers (no NaN or inf)")
+    return out
 
 
 def _masks(prompt: TokenizedPrompt) -> tuple[torch.Tensor, torch.Tensor]:

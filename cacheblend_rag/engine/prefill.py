@@ -91,9 +91,10 @@ class Prefiller:
         blend: BlendConfig,
         fresh: set[str],
         policy: RatioPolicy | None,
+        token_scores: torch.Tensor | None = None,
     ) -> Prefill:
         """`fresh` collects the chunks prefilled during this request (misses, even when found on a retry);
-        `policy` chooses the blend ratio when given."""
+        `policy` chooses the blend ratio when given; `token_scores` replace the rule's attention pass."""
         n = prompt.num_tokens
         num_layers = self.lm.shape.num_layers
         m = RequestMetrics(mode=mode.value, prompt_tokens=n)
@@ -124,7 +125,7 @@ class Prefiller:
                 m.controller = decision.to_dict()
             blend_cfg = blend
             m.recompute_ratio = blend.recompute_ratio
-        result, load_s, wait_s = self._fuse(prompt, parts, blend_cfg)
+        result, load_s, wait_s = self._fuse(prompt, parts, blend_cfg, token_scores)
         assert result.logits is not None
         cache = DynamicCache(config=self.model.config)
         for layer_idx, (k, v) in enumerate(zip(result.keys, result.values, strict=True)):
@@ -168,7 +169,11 @@ class Prefiller:
         return parts, bytes_by_tier
 
     def _fuse(
-        self, prompt: TokenizedPrompt, parts: Sequence[ChunkReader], blend: BlendConfig | None
+        self,
+        prompt: TokenizedPrompt,
+        parts: Sequence[ChunkReader],
+        blend: BlendConfig | None,
+        token_scores: torch.Tensor | None = None,
     ) -> tuple[FusionResult, float, float]:
         """Run the fusor with the loaded `parts` (the prefix, then chunks in order) at the head of the prompt.
 
@@ -176,7 +181,7 @@ class Prefiller:
         one, every loaded token is used as is (prefix caching when `parts` stop after the first chunk, full KV
         reuse when they cover all). Rules with an attention pass first run a reuse pass that records how much the
         question attends to each chunk token (on the first `probe_depth` of the layers), then run their plan over
-        that pass's KV.
+        that pass's KV; `token_scores` given by the caller take the place of that pass (no probe is run).
         Returns the result, the time spent loading KV (reading, checking, assembling) and the part of it the
         fusor waited for (all of it without pipelining; with it, only what compute did not hide).
         """
@@ -186,6 +191,8 @@ class Prefiller:
             return self._run_fusor(reuse_plan(prompt, n_loaded), load)
         if not blend.uses_attention_pass:
             return self._run_fusor(blend_plan(prompt, blend), load)
+        if token_scores is not None:
+            return self._run_fusor(blend_plan(prompt, blend, token_scores), load)
         probe, load_s, wait_s = self._run_fusor(
             reuse_plan(prompt),
             load,
