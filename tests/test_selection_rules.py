@@ -251,6 +251,21 @@ def test_given_token_scores_choose_the_recomputed_tokens_and_skip_the_probe(tiny
     assert on_last.metrics.compute_share == pytest.approx(probed - reuse.metrics.compute_share, abs=1e-9)
 
 
+def test_given_layer_one_value_deviation_reproduces_the_paper_rule(tiny_engine):
+    # The paper's rule ranks chunk tokens by how far their layer-1 values move when recomputed in context, which
+    # is full prefill's layer-1 values against the cached ones. Given as scores, that ranking picks the same
+    # tokens, and the blend is the same (the check layer's extra work changes only the cost).
+    prompt = three_chunk_prompt(tiny_engine)
+    full = tiny_engine.prefill(prompt, "full").cache.layers[1].values[0]
+    cached = tiny_engine.prefill(prompt, "reuse").cache.layers[1].values[0]
+    deviation = (full - cached).float().pow(2).sum(dim=(0, 2))
+    paper = tiny_engine.prefill(prompt, "blend", blend=blend_rule("paper", 0.1))
+    given = tiny_engine.prefill(prompt, "blend", blend=blend_rule("attention", 0.1), token_scores=deviation)
+    torch.testing.assert_close(given.logits, paper.logits, atol=1e-4, rtol=0)
+    assert given.metrics.recomputed_tokens == paper.metrics.recomputed_tokens
+    assert given.metrics.compute_share < paper.metrics.compute_share
+
+
 @pytest.mark.parametrize(
     "mode, rule, scores, match",
     [
