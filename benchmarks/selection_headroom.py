@@ -12,9 +12,11 @@ cases:
   check layers only.
 - `oracle-product`: the two above multiplied (each divided by its mean): tokens the answer reads whose KV is
   wrong.
+`weighted-deviation` is the rule this study suggested: `oracle-product` with what check layer 1 can see (the
+question's attention there, times the layer-1 value error).
 The oracles are ranked through `CacheBlendEngine.prefill(..., token_scores=...)`, which skips the attention
-pass, so their compute share is the recompute alone. If an oracle at r = 0.05 does not reach `paper` at 0.15,
-no rule that picks 5% of the tokens once and recomputes them on every layer can.
+pass, so their compute share is the recompute alone. Every method runs at r = 0.05, 0.10 and 0.15. If no oracle
+at r = 0.05 reaches `paper` at 0.15, a rule that picks 5% of the tokens once, by either signal, is unlikely to.
 
     python benchmarks/selection_headroom.py --datasets multi_news,musique --cases 0-9 \\
         --out benchmarks/results/selection_headroom
@@ -43,9 +45,9 @@ from cacheblend_rag.evaluation.report import bootstrap_ci
 from cacheblend_rag.fusion import FusionPlan, fuse
 
 RESULTS_FILE = "selection_headroom.jsonl"
-RULES = (("paper", 0.05), ("paper", 0.15), ("attention", 0.05), ("attention", 0.15))
+RATIOS = (0.05, 0.10, 0.15)
+RULES = tuple((rule, r) for rule in ("paper", "attention", "weighted-deviation") for r in RATIOS)
 ORACLES = ("oracle-attention", "oracle-deviation", "oracle-product")
-RATIOS = (0.05, 0.15)
 BASELINE = "paper@0.15"
 
 

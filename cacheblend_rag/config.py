@@ -15,7 +15,7 @@ from typing import Any
 from .errors import ConfigError
 
 DEVIATION_KINDS = ("key", "value", "both")
-SELECTIONS = ("deviation", "deviation+attention", "attention", "attention|deviation", "none")
+SELECTIONS = ("deviation", "deviation+attention", "deviation*attention", "attention", "attention|deviation", "none")
 
 
 class PrefillMode(str, Enum):
@@ -58,6 +58,9 @@ class BlendConfig:
       - "deviation+attention": as "deviation", but each check layer adds the attention the question's tokens
         pay to each candidate on that layer (each score divided by its mean), so that among deviating tokens
         those the question reads win. No extra layers: the question is computed on the check layers anyway.
+      - "deviation*attention": as "deviation+attention", but the two multiply: the question's attention to a
+        token times the size of its deviation (the root of the squared distance), which is how much the stale
+        KV moves what the question reads. A token with no attention or no deviation is never chosen.
       - "attention|deviation": half of the budget as "attention" chooses, the other half as "deviation" does
         among the remaining tokens (a reuse pass first, then the check layers).
       - "attention": the attention the question's tokens pay to each chunk token, averaged over layers and heads,
@@ -137,7 +140,7 @@ class BlendConfig:
     @property
     def uses_check_layers(self) -> bool:
         """Whether this rule measures deviations (and so recomputes every chunk token up to a check layer)."""
-        return self.selection in ("deviation", "deviation+attention", "attention|deviation")
+        return self.selection in ("deviation", "deviation+attention", "deviation*attention", "attention|deviation")
 
     @property
     def uses_attention_pass(self) -> bool:
@@ -183,6 +186,8 @@ _RULES: dict[str, dict[str, object]] = {
     "attention-deviation": {"selection": "attention|deviation", "deviation": "key", "check_layers": (1,)},
     # key deviation plus the question's attention, both on check layer 1
     "deviation-attention": {"selection": "deviation+attention", "deviation": "key", "check_layers": (1,)},
+    # value deviation on layer 1 weighted by the question's attention there: the error the question reads
+    "weighted-deviation": {"selection": "deviation*attention", "deviation": "value", "check_layers": (1,)},
     # query-aware plus chunk starts, half the budget each
     "attention-anchors": {"selection": "attention", "anchor_share": 0.5},
     # query-aware, each chunk ranked on its own with a budget in proportion to its length

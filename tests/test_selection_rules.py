@@ -266,6 +266,31 @@ def test_given_layer_one_value_deviation_reproduces_the_paper_rule(tiny_engine):
     assert given.metrics.compute_share < paper.metrics.compute_share
 
 
+def test_weighted_deviation_ranks_by_the_questions_attention_times_the_value_error(family, tiny_tokenizer):
+    from cacheblend_rag import CacheBlendEngine, EngineConfig
+    from cacheblend_rag.testing import make_tiny_model
+
+    model = make_tiny_model(family)
+    model.set_attn_implementation("eager")
+    engine = CacheBlendEngine(model, tiny_tokenizer, config=EngineConfig(chunk_separator=""))
+    prompt = three_chunk_prompt(engine)
+    q = len(prompt.suffix_ids)
+    # Independent: on check layer 1 every chunk token is fresh, so the question's attention there is a full
+    # prefill's (transformers' eager weights), and the value error is full prefill's against the cached values.
+    with torch.no_grad():
+        out = model(input_ids=prompt.input_ids()[None], output_attentions=True, use_cache=True)
+    attention = out.attentions[1][0, :, -q:].float().mean(dim=(0, 1))  # [N]
+    cached = engine.prefill(prompt, "reuse").cache.layers[1].values[0]
+    error = (out.past_key_values.layers[1].values[0] - cached).float().pow(2).sum(dim=(0, 2)).sqrt()
+    rule = blend_rule("weighted-deviation", 0.1)
+    weighted = engine.prefill(prompt, "blend", blend=rule)
+    given = engine.prefill(prompt, "blend", blend=blend_rule("attention", 0.1), token_scores=attention * error)
+    torch.testing.assert_close(weighted.logits, given.logits, atol=1e-4, rtol=0)
+    # and it is not the unweighted rule's choice
+    plain = engine.prefill(prompt, "blend", blend=dataclasses.replace(rule, selection="deviation"))
+    assert (plain.logits - weighted.logits).abs().max() > 1e-4
+
+
 @pytest.mark.parametrize(
     "mode, rule, scores, match",
     [

@@ -130,10 +130,11 @@ def blend_plan(prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor
         counts = keep_counts(int(chunks.sum()), blend.schedule())
         n_rest = int(rest.sum())
         kept = tuple(min(n_rest, max(0, c - int(anchors.sum()))) for c in counts)
-        query = question_mask(prompt) if blend.selection == "deviation+attention" else None
+        combine = {"deviation+attention": "sum", "deviation*attention": "product"}.get(blend.selection)
+        query = question_mask(prompt) if combine else None
         return _plan(
             prompt, prefix, rest, check_layers=blend.check_layers, keep_counts=kept, deviation=blend.deviation,
-            query=query,
+            query=query, combine=combine or "sum",
         )  # fmt: skip
 
     chosen = torch.zeros_like(chunks)

@@ -37,8 +37,9 @@ class FusionPlan:
     check_layers: tuple[int, ...] = ()
     keep_counts: tuple[int, ...] = ()  # reused tokens kept after each check layer
     deviation: str = "key"
-    # [N] bool or None: tokens (the question) whose attention on each check layer is added to the deviation
+    # [N] bool or None: tokens (the question) whose attention on each check layer joins the deviation
     query: torch.Tensor | None = None
+    combine: str = "sum"  # with `query`: "sum" of both scores over their means, or "product" (attention x |dev|)
 
     def __post_init__(self) -> None:
         n = self.input_ids.shape[0]
@@ -47,6 +48,8 @@ class FusionPlan:
                 raise CacheBlendError(f"plan.{name} must have shape ({n},), got {tuple(getattr(self, name).shape)}")
         if bool((self.exact & self.reused).any()):
             raise CacheBlendError("a token cannot be both exact and reused")
+        if self.combine not in ("sum", "product"):
+            raise CacheBlendError(f"plan.combine must be 'sum' or 'product', got {self.combine!r}")
         if len(self.check_layers) != len(self.keep_counts):
             raise CacheBlendError(
                 f"one keep count per check layer: {len(self.check_layers)} layers, {len(self.keep_counts)} counts"
@@ -205,7 +208,10 @@ def fuse(
                 )  # [C]
                 if plan.query is not None:
                     attn = _check_layer_attention(lm, layer_idx, plan, active, x, fresh_k, raw_k, cos, sin)  # [N]
-                    dev = _normalized(dev) + _normalized(attn[cand_tokens])
+                    if plan.combine == "sum":
+                        dev = _normalized(dev) + _normalized(attn[cand_tokens])
+                    else:  # the size of the KV error times the attention that reads it
+                        dev = dev.sqrt() * attn[cand_tokens]
                 keep = ~is_reused
                 keep[candidates[select_recompute_tokens(dev, checks[layer_idx])]] = True
                 active, hidden, x = active[keep], hidden[keep], x[keep]
