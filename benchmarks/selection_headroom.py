@@ -179,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         indices = parse_cases(args.cases)
         engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig())
+        sets = {name: load_dataset(name, args.data_dir, limit=max(indices) + 1) for name in args.datasets.split(",")}
         for i in indices:  # case i of every data set, then case i + 1: a stopped run covers the sets evenly
-            for name in args.datasets.split(","):
-                ds = load_dataset(name, args.data_dir, limit=i + 1)
+            for name, ds in sets.items():
                 if i >= len(ds.cases):
                     continue
                 case = ds.cases[i]
