@@ -12,8 +12,11 @@ cases:
   check layers only.
 - `oracle-product`: the two above multiplied (each divided by its mean): tokens the answer reads whose KV is
   wrong.
-`weighted-deviation` is the rule this study suggested: `oracle-product` with what check layer 1 can see (the
-question's attention there, times the layer-1 value error).
+Two rankings a rule can compute, beside them:
+- `probe-x-error`: `oracle-product` with signals a rule can have: the question's attention in the `attention`
+  rule's reuse pass, times the layer-1 value error that `paper` measures on its check layer. (Given as scores,
+  its compute share leaves out that pass and that check layer.)
+- `weighted-deviation`, a named rule: the question's attention on check layer 1 times the layer-1 value error.
 The oracles are ranked through `CacheBlendEngine.prefill(..., token_scores=...)`, which skips the attention
 pass, so their compute share is the recompute alone. Every method runs at r = 0.05, 0.10 and 0.15. If no oracle
 at r = 0.05 reaches `paper` at 0.15, a rule that picks 5% of the tokens once, by either signal, is unlikely to.
@@ -37,6 +40,7 @@ from pathlib import Path
 import torch
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, blend_rule
+from cacheblend_rag.engine.planning import question_mask, reuse_plan
 from cacheblend_rag.evaluation.datasets import load_dataset
 from cacheblend_rag.evaluation.fidelity import measure_blend, prepare_case
 from cacheblend_rag.evaluation.fidelity_report import paired_difference
@@ -48,6 +52,7 @@ RESULTS_FILE = "selection_headroom.jsonl"
 RATIOS = (0.05, 0.10, 0.15)
 RULES = tuple((rule, r) for rule in ("paper", "attention", "weighted-deviation") for r in RATIOS)
 ORACLES = ("oracle-attention", "oracle-deviation", "oracle-product")
+PROBE_PRODUCT = "probe-x-error"  # scores a rule could compute: see `probe_times_error`
 BASELINE = "paper@0.15"
 
 
@@ -109,7 +114,32 @@ def oracle_scores(engine, prompt, reference) -> dict[str, torch.Tensor]:
 
 def method_names() -> list[str]:
     rules = [f"{rule}@{r:.2f}" for rule, r in RULES]
-    return ["reuse", *rules, *(f"{o}@{r:.2f}" for o in ORACLES for r in RATIOS)]
+    scored = [f"{o}@{r:.2f}" for o in (*ORACLES, PROBE_PRODUCT) for r in RATIOS]
+    return ["reuse", *rules, *scored]
+
+
+@torch.inference_mode()
+def probe_times_error(engine, prompt) -> torch.Tensor:
+    """[N]: what a rule could compute before and during a blend: the question's attention in a reuse pass (the
+    `attention` rule's probe, over the stored chunk KV) times each token's layer-1 value error (what `paper`
+    measures on its check layer, here taken from a full prefill, which gives the same layer-1 values)."""
+    lm, n = engine.lm, prompt.num_tokens
+    parts = [engine.store.get(engine.chunk_key((), prompt.prefix_ids))] if prompt.prefix_ids else []
+    parts += [engine.store.get(engine.chunk_key(prompt.prefix_ids, ids)) for ids in prompt.chunk_ids]
+    pad = n - sum(p.keys.shape[2] for p in parts)
+
+    def stored(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        zeros = torch.zeros(lm.shape.num_kv_heads, pad, lm.shape.head_dim, dtype=engine.dtype, device=lm.device)
+        keys = torch.cat([*(p.keys[layer].to(lm.device) for p in parts), zeros], dim=1)
+        values = torch.cat([*(p.values[layer].to(lm.device) for p in parts), zeros], dim=1)
+        return keys, values
+
+    probe = fuse(lm, reuse_plan(prompt), stored, want_logits=False, attention_from=question_mask(prompt))
+    assert probe.attention is not None
+    full = engine.prefill(prompt, "full").cache.layers[1].values[0]
+    cached = engine.prefill(prompt, "reuse").cache.layers[1].values[0]
+    error = (full.float() - cached.float()).pow(2).sum(dim=(0, 2)).sqrt().cpu()
+    return probe.attention.float().cpu() * error
 
 
 def run_case(engine, name: str, spec, case, done: set[str], out: Path) -> list[dict]:
@@ -122,6 +152,9 @@ def run_case(engine, name: str, spec, case, done: set[str], out: Path) -> list[d
     if any(f"{o}@{r:.2f}" not in done for o in ORACLES for r in RATIOS):
         scores = oracle_scores(engine, prompt, ref)
         jobs += [(f"{o}@{r:.2f}", blend_rule("attention", r), scores[o]) for o in ORACLES for r in RATIOS]
+    if any(f"{PROBE_PRODUCT}@{r:.2f}" not in done for r in RATIOS):
+        product = probe_times_error(engine, prompt)
+        jobs += [(f"{PROBE_PRODUCT}@{r:.2f}", blend_rule("attention", r), product) for r in RATIOS]
     new = []
     for method, blend, given in jobs:
         if method in done:

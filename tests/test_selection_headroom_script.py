@@ -25,7 +25,7 @@ def test_cases_and_methods(headroom):
     assert headroom.parse_cases("0-2,5") == [0, 1, 2, 5]
     names = headroom.method_names()
     assert names[0] == "reuse" and headroom.BASELINE in names and "oracle-product@0.05" in names
-    assert len(names) == len(set(names)) == 1 + 3 * len(headroom.RATIOS) * 2
+    assert len(names) == len(set(names)) == 1 + 3 * len(headroom.RATIOS) + 4 * len(headroom.RATIOS)
 
 
 def test_report_pairs_each_method_with_the_paper_rule_on_common_cases(headroom, tmp_path, capsys):
@@ -50,3 +50,22 @@ def test_report_pairs_each_method_with_the_paper_rule_on_common_cases(headroom, 
 def test_report_without_records_says_what_to_run(headroom, tmp_path, capsys):
     assert headroom.main(["--report-only", "--out", str(tmp_path)]) == 2
     assert "run without --report-only first" in capsys.readouterr().err
+
+
+def test_scores_on_a_tiny_model_ignore_the_exact_first_chunk(headroom, tiny_engine):
+    from types import SimpleNamespace
+
+    from cacheblend_rag.testing import random_words
+
+    chunks = [random_words(s, 16) for s in (11, 12, 13)]
+    prompt = tiny_engine.build_prompt(chunks, prefix=random_words(1, 5), suffix=random_words(2, 6))
+    tiny_engine.precompute(chunks, prefix=random_words(1, 5))
+    scores = headroom.oracle_scores(tiny_engine, prompt, SimpleNamespace(token_ids=[5, 6, 7]))
+    scores["probe-x-error"] = headroom.probe_times_error(tiny_engine, prompt)
+    (s1, e1), (s2, e2), _ = prompt.chunk_spans
+    for name, s in scores.items():
+        assert s.shape == (prompt.num_tokens,) and bool((s >= 0).all()), name
+        assert float(s[s2:].max()) > 0, name
+    # The first chunk was precomputed right after the prefix: its cached KV is exact, so no error to weigh.
+    for name in ("oracle-deviation", "oracle-product", "probe-x-error"):
+        assert float(scores[name][s1:e1].max()) < 1e-6 * float(scores[name][s2:e2].max()), name
