@@ -15,15 +15,14 @@ late-answer KL (last half) to its early-answer KL (first quarter).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-from pathlib import Path
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, blend_rule
+from cacheblend_rag.evaluation.case_scripts import case_script_parser, no_records, open_records, parse_cases
 from cacheblend_rag.evaluation.datasets import load_dataset
 from cacheblend_rag.evaluation.fidelity import prepare_case, teacher_forced_logits, token_kl
-from cacheblend_rag.evaluation.records import append_record, load_records, no_records
+from cacheblend_rag.evaluation.records import append_record
 from cacheblend_rag.evaluation.report import bootstrap_ci
 
 RESULTS_FILE = "answer_drift.jsonl"
@@ -41,15 +40,6 @@ def quarters(kl: list[float]) -> list[float]:
     n = len(kl)
     bounds = [round(i * n / QUARTERS) for i in range(QUARTERS + 1)]
     return [statistics.fmean(kl[a:b]) if b > a else float("nan") for a, b in zip(bounds, bounds[1:], strict=False)]
-
-
-def parse_cases(text: str) -> list[int]:
-    """'0-7' or '0,3,5' -> case indices."""
-    out: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out += list(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 def table(records: list[dict]) -> str:
@@ -80,19 +70,11 @@ def table(records: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", default="0-7", help="case indices of every data set: '0-7' or '0,3,5'")
+    p = case_script_parser(__doc__, cases="0-7", datasets="multi_news,samsum", out="bench-results/answer_drift")
     p.add_argument("--rules", default="attention,paper,gradual,attention-deviation", help="comma-separated")
     p.add_argument("--ratio", type=float, default=0.15)
-    p.add_argument("--datasets", default="multi_news,samsum")
-    p.add_argument("--out", default="bench-results/answer_drift")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--model", default=None)
-    p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    records = load_records(out, repair=True, filename=RESULTS_FILE)
+    out, records = open_records(args.out, RESULTS_FILE)
     if not args.report_only:
         done = {(r["dataset"], r["case"], r["method"]) for r in records}
         indices = parse_cases(args.cases)

@@ -13,17 +13,16 @@ Appends one JSON line per (case, method) to OUT/probe_depth.jsonl and prints a t
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import statistics
 import sys
-from pathlib import Path
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, blend_rule
+from cacheblend_rag.evaluation.case_scripts import case_script_parser, no_records, open_records, parse_cases
 from cacheblend_rag.evaluation.datasets import load_dataset
 from cacheblend_rag.evaluation.fidelity import measure_blend, prepare_case
-from cacheblend_rag.evaluation.records import append_record, load_records, no_records
+from cacheblend_rag.evaluation.records import append_record
 
 DATASETS = ("multi_news", "samsum", "musique", "wikimqa")
 RESULTS_FILE = "probe_depth.jsonl"
@@ -58,20 +57,12 @@ def table(records: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", default="45,46", help="case indices of every data set, comma-separated")
+    p = case_script_parser(__doc__, cases="45,46", datasets=",".join(DATASETS), out="bench-results/probe_depth")
     p.add_argument("--depths", default="1.0,0.5,0.25", help="probe depths, comma-separated")
-    p.add_argument("--datasets", default=",".join(DATASETS))
-    p.add_argument("--out", default="bench-results/probe_depth")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--model", default=None)
-    p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    records = load_records(out, repair=True, filename=RESULTS_FILE)
+    out, records = open_records(args.out, RESULTS_FILE)
     if not args.report_only:
-        indices = [int(x) for x in args.cases.split(",")]
+        indices = parse_cases(args.cases)
         plan = methods([float(x) for x in args.depths.split(",")])
         engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig())
         for name in args.datasets.split(","):

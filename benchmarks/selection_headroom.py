@@ -31,7 +31,6 @@ each method's paired KL difference to `paper@0.15`.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import statistics
 import sys
@@ -40,11 +39,12 @@ from pathlib import Path
 import torch
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, blend_rule
-from cacheblend_rag.engine.planning import question_mask, reuse_plan
+from cacheblend_rag.engine.planning import prefix_and_chunk_masks, question_mask, reuse_plan
+from cacheblend_rag.evaluation.case_scripts import case_script_parser, no_records, open_records, parse_cases
 from cacheblend_rag.evaluation.datasets import load_dataset
 from cacheblend_rag.evaluation.fidelity import measure_blend, prepare_case
 from cacheblend_rag.evaluation.fidelity_report import paired_difference
-from cacheblend_rag.evaluation.records import append_record, load_records, no_records
+from cacheblend_rag.evaluation.records import append_record
 from cacheblend_rag.evaluation.report import bootstrap_ci
 from cacheblend_rag.fusion import FusionPlan, fuse
 
@@ -52,24 +52,8 @@ RESULTS_FILE = "selection_headroom.jsonl"
 RATIOS = (0.05, 0.10, 0.15)
 RULES = tuple((rule, r) for rule in ("paper", "attention", "weighted-deviation") for r in RATIOS)
 ORACLES = ("oracle-attention", "oracle-deviation", "oracle-product")
-PROBE_PRODUCT = "probe-x-error"  # scores a rule could compute: see `probe_times_error`
+PROBE_PRODUCT = "probe-x-error"  # scores a rule could compute: see `rankings`
 BASELINE = "paper@0.15"
-
-
-def parse_cases(text: str) -> list[int]:
-    """'0-2,5' -> [0, 1, 2, 5]"""
-    out: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out += range(int(lo), int(hi or lo) + 1)
-    return out
-
-
-def chunk_mask(prompt) -> torch.Tensor:
-    mask = torch.zeros(prompt.num_tokens, dtype=torch.bool)
-    for start, end in prompt.chunk_spans:
-        mask[start:end] = True
-    return mask
 
 
 def _per_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -77,39 +61,46 @@ def _per_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def oracle_scores(engine, prompt, reference) -> dict[str, torch.Tensor]:
-    """The three oracle scores ([N] each) of one prompt, from one full prefill of the prompt and its answer."""
+def rankings(engine, prompt, reference) -> dict[str, torch.Tensor]:
+    """The three oracles' and `probe-x-error`'s scores ([N] each) of one prompt, from one full prefill of the
+    prompt and its answer (by the fusor, which gives the prompt's KV as a full prefill does), one full-KV-reuse
+    prefill and the `attention` rule's probe over the stored chunks."""
     lm = engine.lm
     fed = list(reference.token_ids[:-1])  # the answer tokens teacher forcing feeds
     ids = torch.cat([prompt.input_ids(), torch.tensor(fed, dtype=torch.long)])
     m, n = ids.shape[0], prompt.num_tokens
     readers = torch.zeros(m, dtype=torch.bool)
     readers[n - 1 :] = True  # the positions whose logits are compared
-    plan = FusionPlan(
-        input_ids=ids,
-        positions=torch.arange(m),
-        exact=torch.zeros(m, dtype=torch.bool),
-        reused=torch.zeros(m, dtype=torch.bool),
-    )
-    shape = (lm.shape.num_kv_heads, m, lm.shape.head_dim)
-
-    def nothing_loaded(_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # two tensors: the fusor writes keys and values into what it is given
-        return tuple(torch.zeros(shape, dtype=engine.dtype, device=lm.device) for _ in range(2))
-
-    full = fuse(lm, plan, nothing_loaded, want_logits=False, attention_from=readers)
+    nothing = torch.zeros(m, dtype=torch.bool)
+    plan = FusionPlan(input_ids=ids, positions=torch.arange(m), exact=nothing, reused=nothing)
+    full = fuse(lm, plan, engine.chunks.layer_loader([], m), want_logits=False, attention_from=readers)
     reuse = engine.prefill(prompt, "reuse").cache
-    chunks = chunk_mask(prompt)
+    _, chunks = prefix_and_chunk_masks(prompt)
+
+    def distance(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:  # [Hkv, N, D] x 2 -> [N]
+        return (fresh[:, :n].float() - cached.float()).pow(2).sum(dim=(0, 2)).cpu()
+
     deviation = torch.zeros(n)
     for layer, (k_full, v_full) in enumerate(zip(full.keys, full.values, strict=True)):
         k_reuse, v_reuse = reuse.layers[layer].keys[0], reuse.layers[layer].values[0]  # [Hkv, N, D], rotated
-        dk = (k_full[:, :n].float() - k_reuse.float()).pow(2).sum(dim=(0, 2)).cpu()
-        dv = (v_full[:, :n].float() - v_reuse.float()).pow(2).sum(dim=(0, 2)).cpu()
-        deviation += _per_mean(dk, chunks) + _per_mean(dv, chunks)
+        deviation += _per_mean(distance(k_full, k_reuse), chunks) + _per_mean(distance(v_full, v_reuse), chunks)
     assert full.attention is not None
     attention = full.attention[:n].float().cpu()
-    product = _per_mean(attention, chunks) * _per_mean(deviation, chunks)
-    return {"oracle-attention": attention, "oracle-deviation": deviation, "oracle-product": product}
+
+    # What a rule could compute: the question's attention in the `attention` rule's probe over the stored chunk
+    # KV, times the layer-1 value error that `paper` measures on its check layer.
+    parts = [engine.store.get(engine.chunk_key((), prompt.prefix_ids))] if prompt.prefix_ids else []
+    parts += [engine.store.get(engine.chunk_key(prompt.prefix_ids, ids)) for ids in prompt.chunk_ids]
+    load = engine.chunks.layer_loader(parts, n)
+    probe = fuse(lm, reuse_plan(prompt), load, want_logits=False, attention_from=question_mask(prompt))
+    assert probe.attention is not None
+    value_error = distance(full.values[1], reuse.layers[1].values[0]).sqrt()
+    return {
+        "oracle-attention": attention,
+        "oracle-deviation": deviation,
+        "oracle-product": _per_mean(attention, chunks) * _per_mean(deviation, chunks),
+        PROBE_PRODUCT: probe.attention.float().cpu() * value_error,
+    }
 
 
 def method_names() -> list[str]:
@@ -118,43 +109,18 @@ def method_names() -> list[str]:
     return ["reuse", *rules, *scored]
 
 
-@torch.inference_mode()
-def probe_times_error(engine, prompt) -> torch.Tensor:
-    """[N]: what a rule could compute before and during a blend: the question's attention in a reuse pass (the
-    `attention` rule's probe, over the stored chunk KV) times each token's layer-1 value error (what `paper`
-    measures on its check layer, here taken from a full prefill, which gives the same layer-1 values)."""
-    lm, n = engine.lm, prompt.num_tokens
-    parts = [engine.store.get(engine.chunk_key((), prompt.prefix_ids))] if prompt.prefix_ids else []
-    parts += [engine.store.get(engine.chunk_key(prompt.prefix_ids, ids)) for ids in prompt.chunk_ids]
-    pad = n - sum(p.keys.shape[2] for p in parts)
-
-    def stored(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        zeros = torch.zeros(lm.shape.num_kv_heads, pad, lm.shape.head_dim, dtype=engine.dtype, device=lm.device)
-        keys = torch.cat([*(p.keys[layer].to(lm.device) for p in parts), zeros], dim=1)
-        values = torch.cat([*(p.values[layer].to(lm.device) for p in parts), zeros], dim=1)
-        return keys, values
-
-    probe = fuse(lm, reuse_plan(prompt), stored, want_logits=False, attention_from=question_mask(prompt))
-    assert probe.attention is not None
-    full = engine.prefill(prompt, "full").cache.layers[1].values[0]
-    cached = engine.prefill(prompt, "reuse").cache.layers[1].values[0]
-    error = (full.float() - cached.float()).pow(2).sum(dim=(0, 2)).sqrt().cpu()
-    return probe.attention.float().cpu() * error
-
-
 def run_case(engine, name: str, spec, case, done: set[str], out: Path) -> list[dict]:
     """Measure the methods of one case not in `done`; -> the new records (already appended to the file)."""
-    if done >= set(method_names()):
+    names = method_names()
+    if done >= set(names):
         return []
     prompt, ref = prepare_case(engine, spec, case)
     base = {"dataset": name, "case_id": case.id, "answer_tokens": len(ref.token_ids)}
     jobs = [("reuse", None, None)] + [(f"{rule}@{r:.2f}", blend_rule(rule, r), None) for rule, r in RULES]
-    if any(f"{o}@{r:.2f}" not in done for o in ORACLES for r in RATIOS):
-        scores = oracle_scores(engine, prompt, ref)
-        jobs += [(f"{o}@{r:.2f}", blend_rule("attention", r), scores[o]) for o in ORACLES for r in RATIOS]
-    if any(f"{PROBE_PRODUCT}@{r:.2f}" not in done for r in RATIOS):
-        product = probe_times_error(engine, prompt)
-        jobs += [(f"{PROBE_PRODUCT}@{r:.2f}", blend_rule("attention", r), product) for r in RATIOS]
+    scored = [(f"{o}@{r:.2f}", o, r) for o in (*ORACLES, PROBE_PRODUCT) for r in RATIOS]
+    if any(method not in done for method, _, _ in scored):
+        scores = rankings(engine, prompt, ref)
+        jobs += [(method, blend_rule("attention", r), scores[o]) for method, o, r in scored]
     new = []
     for method, blend, given in jobs:
         if method in done:
@@ -198,17 +164,9 @@ def table(records: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", default="0-9", help="case indices of every data set, e.g. 0-9 or 0,3,7")
-    p.add_argument("--datasets", default="multi_news,musique")
-    p.add_argument("--out", default="bench-results/selection_headroom")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--model", default=None)
-    p.add_argument("--report-only", action="store_true")
+    p = case_script_parser(__doc__, cases="0-9", datasets="multi_news,musique", out="bench-results/selection_headroom")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    records = load_records(out, repair=True, filename=RESULTS_FILE)
+    out, records = open_records(args.out, RESULTS_FILE)
     if not args.report_only:
         indices = parse_cases(args.cases)
         engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig())

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "answer_drift.py"
-
 
 @pytest.fixture()
-def drift(monkeypatch):
-    spec = importlib.util.spec_from_file_location("answer_drift_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+def drift(load_script):
+    return load_script("answer_drift")
 
 
 def test_quarters_split_the_answer_by_position(drift):

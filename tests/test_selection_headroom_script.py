@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "selection_headroom.py"
-
 
 @pytest.fixture()
-def headroom(monkeypatch):
-    spec = importlib.util.spec_from_file_location("selection_headroom_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+def headroom(load_script):
+    return load_script("selection_headroom")
 
 
 def test_cases_and_methods(headroom):
@@ -60,8 +51,8 @@ def test_scores_on_a_tiny_model_ignore_the_exact_first_chunk(headroom, tiny_engi
     chunks = [random_words(s, 16) for s in (11, 12, 13)]
     prompt = tiny_engine.build_prompt(chunks, prefix=random_words(1, 5), suffix=random_words(2, 6))
     tiny_engine.precompute(chunks, prefix=random_words(1, 5))
-    scores = headroom.oracle_scores(tiny_engine, prompt, SimpleNamespace(token_ids=[5, 6, 7]))
-    scores["probe-x-error"] = headroom.probe_times_error(tiny_engine, prompt)
+    scores = headroom.rankings(tiny_engine, prompt, SimpleNamespace(token_ids=[5, 6, 7]))
+    assert set(scores) == {*headroom.ORACLES, headroom.PROBE_PRODUCT}
     (s1, e1), (s2, e2), _ = prompt.chunk_spans
     for name, s in scores.items():
         assert s.shape == (prompt.num_tokens,) and bool((s >= 0).all()), name

@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 
-from cacheblend_rag import BlendConfig
+from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig
 from cacheblend_rag.config import RULE_NAMES, blend_rule, rule_name
 from cacheblend_rag.engine.planning import anchor_mask, blend_plan, reuse_plan
 from cacheblend_rag.engine.prompt import TokenizedPrompt
 from cacheblend_rag.errors import CacheBlendError, ConfigError
 from cacheblend_rag.fusion import anchor_counts, budget, chunk_quotas, fuse
-from cacheblend_rag.testing import random_words
+from cacheblend_rag.testing import make_tiny_model, random_words
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -24,6 +24,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def three_chunk_prompt(engine, chunk_len: int = 24):
     chunks = [random_words(s, chunk_len) for s in (11, 12, 13)]
     return engine.build_prompt(chunks, prefix=random_words(1, 5), suffix=random_words(2, 6))
+
+
+def eager_engine(family, tokenizer):
+    """A tiny model with eager attention (transformers then returns its attention weights) and its engine."""
+    model = make_tiny_model(family)
+    model.set_attn_implementation("eager")
+    return model, CacheBlendEngine(model, tokenizer, config=EngineConfig(chunk_separator=""))
 
 
 def toy_prompt(lengths=(10, 20, 30), prefix=4, suffix=3) -> TokenizedPrompt:
@@ -159,13 +166,9 @@ def test_compute_share_counts_check_layers_and_the_attention_probe(tiny_engine):
 def test_attention_probe_equals_the_models_own_attention_weights(family, tiny_tokenizer, depth):
     from transformers import DynamicCache
 
-    from cacheblend_rag import CacheBlendEngine, EngineConfig
     from cacheblend_rag.models import rotate_keys
-    from cacheblend_rag.testing import make_tiny_model
 
-    model = make_tiny_model(family)
-    model.set_attn_implementation("eager")
-    engine = CacheBlendEngine(model, tiny_tokenizer, config=EngineConfig(chunk_separator=""))
+    model, engine = eager_engine(family, tiny_tokenizer)
     prompt = three_chunk_prompt(engine)
     engine.prefill(prompt, "reuse")  # fills the store
     parts = [engine.store.get(engine.chunk_key((), prompt.prefix_ids))]
@@ -267,12 +270,7 @@ def test_given_layer_one_value_deviation_reproduces_the_paper_rule(tiny_engine):
 
 
 def test_weighted_deviation_ranks_by_the_questions_attention_times_the_value_error(family, tiny_tokenizer):
-    from cacheblend_rag import CacheBlendEngine, EngineConfig
-    from cacheblend_rag.testing import make_tiny_model
-
-    model = make_tiny_model(family)
-    model.set_attn_implementation("eager")
-    engine = CacheBlendEngine(model, tiny_tokenizer, config=EngineConfig(chunk_separator=""))
+    model, engine = eager_engine(family, tiny_tokenizer)
     prompt = three_chunk_prompt(engine)
     q = len(prompt.suffix_ids)
     # Independent: on check layer 1 every chunk token is fresh, so the question's attention there is a full

@@ -6,12 +6,7 @@ model's context is skipped with a message rather than a traceback.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sweep.py"
 
 # Small enough to time in well under a second per point on CPU; a short context so that one point cannot fit.
 TINY_SHAPE = dict(
@@ -24,16 +19,8 @@ TINY_SHAPE = dict(
 )
 
 
-def _load_sweep(monkeypatch):
-    spec = importlib.util.spec_from_file_location("sweep_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_sweep_measures_every_mode_per_point_and_skips_overlong(tmp_path, monkeypatch, capsys):
-    sweep = _load_sweep(monkeypatch)
+def test_sweep_measures_every_mode_per_point_and_skips_overlong(tmp_path, monkeypatch, capsys, load_script):
+    sweep = load_script("sweep")
     monkeypatch.setitem(sweep.ttft.RANDOM_SHAPES, "tiny", TINY_SHAPE)
     argv = [
         "--random-weights", "--model-shape", "tiny",

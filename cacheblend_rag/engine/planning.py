@@ -45,8 +45,8 @@ def check_token_scores(scores: object, prompt: TokenizedPrompt, mode: PrefillMod
     return out
 
 
-def _masks(prompt: TokenizedPrompt) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (exact prefix mask [N], chunk token mask [N])"""
+def prefix_and_chunk_masks(prompt: TokenizedPrompt) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> ([N] bool of the shared prefix's tokens, [N] bool of the chunks' tokens)"""
     n = prompt.num_tokens
     prefix = torch.zeros(n, dtype=torch.bool)
     prefix[: len(prompt.prefix_ids)] = True
@@ -114,7 +114,7 @@ def blend_plan(prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor
     their tokens before the prefill; deviation rules pick theirs on the check layers, inside the fusor. Tokens
     chosen before the prefill, like anchors, are computed on every layer.
     """
-    prefix, chunks = _masks(prompt)
+    prefix, chunks = prefix_and_chunk_masks(prompt)
     anchors = anchor_mask(prompt, blend)
     total = budget(int(chunks.sum()), blend.recompute_ratio)
     free = total - int(anchors.sum())  # budget left after the anchors

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -69,11 +68,3 @@ def check_run_settings(out: Path, settings: Mapping[str, Any]) -> None:
             raise CacheBlendError(f"{out} holds results of another setup ({details}); use another --out")
     merged = {**(json.loads(path.read_text()) if path.exists() else {}), **settings}
     path.write_text(json.dumps(merged, indent=2) + "\n")
-
-
-def no_records(records: list[dict[str, Any]], path: Path) -> bool:
-    """True, after telling stderr what to run, when a report finds no records at `path` to build on."""
-    if records:
-        return False
-    print(f"no records in {path}; run without --report-only first", file=sys.stderr)
-    return True
