@@ -1,0 +1,164 @@
+"""Would better cached KV close the gap that no choice of tokens closes? Chunks precomputed after other text.
+
+The library prefills every chunk on its own, right after the prompt's prefix, so a chunk's cached KV never saw
+the chunks that precede it in a request. `selection_headroom.py` shows that on MultiNews no single choice of 5% of
+the tokens, oracles included, makes up for that. This script changes the cached KV instead: before measuring,
+each chunk of a case is prefilled again after some context (placed between the prefix and the chunk, keeping
+only the chunk's KV) and stored under the key the request looks up. Contexts:
+- `alone`: none, as the library stores chunks (the baseline of every row);
+- `predecessor`: the chunk just before it in this prompt (the first chunk keeps none): what a store could hold
+  if chunks came back in a stable order, e.g. neighbouring pieces of one document;
+- `all-before`: every chunk before it in this prompt. The cached KV is then full prefill's, so full KV reuse
+  must match full recompute (a check of the set-up, and the bound of the lever);
+- `unrelated`: the first 256 tokens of another case's chunks (case i + 25 of the set): some text before the
+  chunk, but not the text the request puts there.
+Every context is measured with full KV reuse and the `paper` and `attention` rules at r = 0.05 and 0.15,
+teacher-forced along full recompute's answer (as `cacheblend-rag bench fidelity` does).
+
+    python benchmarks/chunk_context.py --datasets multi_news,musique --cases 0-4 \\
+        --out benchmarks/results/chunk_context
+
+Appends one JSON line per (case, context, method) to OUT/chunk_context.jsonl (a run resumes where it stopped)
+and prints, per data set, mean KL and top-1 agreement with 95% intervals over the cases every row finished,
+with each row's paired KL difference to the same method on `alone` chunk KV.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import sys
+from collections.abc import Sequence
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig, blend_rule
+from cacheblend_rag.evaluation.case_scripts import case_script_parser, no_records, open_records, parse_cases
+from cacheblend_rag.evaluation.datasets import load_dataset
+from cacheblend_rag.evaluation.fidelity import measure_blend, prepare_case
+from cacheblend_rag.evaluation.fidelity_report import paired_difference
+from cacheblend_rag.evaluation.records import append_record
+from cacheblend_rag.evaluation.report import bootstrap_ci
+from cacheblend_rag.store import ChunkKV
+
+RESULTS_FILE = "chunk_context.jsonl"
+CONTEXTS = ("alone", "predecessor", "all-before", "unrelated")
+UNRELATED_TOKENS = 256
+UNRELATED_OFFSET = 25  # case i borrows its unrelated context from case i + 25 (mod the set's size)
+METHODS = ("reuse",) + tuple(f"{rule}@{r:.2f}" for rule in ("paper", "attention") for r in (0.05, 0.15))
+
+
+def contexts(kind: str, chunk_ids: Sequence[Sequence[int]], unrelated: Sequence[int]) -> list[tuple[int, ...]]:
+    """The tokens placed before each chunk (after the prefix) when its KV is prefilled, for one context kind."""
+    if kind == "alone":
+        return [()] * len(chunk_ids)
+    if kind == "predecessor":
+        return [()] + [tuple(c) for c in chunk_ids[:-1]]
+    if kind == "all-before":
+        return [tuple(t for c in chunk_ids[:j] for t in c) for j in range(len(chunk_ids))]
+    if kind == "unrelated":
+        return [tuple(unrelated)] * len(chunk_ids)
+    raise ValueError(f"unknown context {kind!r}; choose from {CONTEXTS}")
+
+
+def store_with_context(engine, prompt, before: Sequence[Sequence[int]]) -> None:
+    """Prefill each chunk of `prompt` after its prefix and `before[j]`, and store only the chunk's KV under the
+    key a request for `prompt` looks up (its prefix and its tokens), replacing what was there."""
+    prefix = tuple(prompt.prefix_ids)
+    for ids, ctx in zip(prompt.chunk_ids, before, strict=True):
+        context = prefix + tuple(ctx)
+        kv = engine.chunks.prefill(engine.chunks.prefix_kv(context), context, ids)
+        engine.store.put(ChunkKV(engine.chunk_key(prefix, ids), kv.keys, kv.values))
+
+
+def row_name(context: str, method: str) -> str:
+    return f"{context}/{method}"
+
+
+def run_case(engine, name: str, ds, index: int, done: set[str], out) -> list[dict]:
+    """Measure one case's rows not in `done`; -> the new records (already appended to the file)."""
+    rows = [(c, m) for c in CONTEXTS for m in METHODS if row_name(c, m) not in done]
+    if not rows:
+        return []
+    case = ds.cases[index]
+    prompt, ref = prepare_case(engine, ds.spec, case)
+    other = ds.cases[(index + UNRELATED_OFFSET) % len(ds.cases)]
+    other_ids = engine.build_prompt(list(other.chunks), other.question, template=ds.spec.template).chunk_ids
+    unrelated = [t for c in other_ids for t in c][:UNRELATED_TOKENS]
+    base = {"dataset": name, "case_id": case.id, "answer_tokens": len(ref.token_ids)}
+    new = []
+    for context in CONTEXTS:
+        todo = [m for c, m in rows if c == context]
+        if not todo:
+            continue
+        store_with_context(engine, prompt, contexts(context, prompt.chunk_ids, unrelated))
+        for method in todo:
+            blend = None if method == "reuse" else blend_rule(*_rule(method))
+            rec = {**base, "method": row_name(context, method), **measure_blend(engine, prompt, ref, blend)}
+            append_record(out / RESULTS_FILE, rec)
+            new.append(rec)
+    store_with_context(engine, prompt, contexts("alone", prompt.chunk_ids, unrelated))  # leave the store as found
+    return new
+
+
+def _rule(method: str) -> tuple[str, float]:
+    rule, _, r = method.partition("@")
+    return rule, float(r)
+
+
+def table(records: list[dict]) -> str:
+    """Per data set, over the cases every row finished: mean KL and top-1 [95% CI], compute share, and the
+    paired KL difference to the same method on `alone` chunk KV."""
+    lines = []
+    for ds in sorted({r["dataset"] for r in records}):
+        mine = [r for r in records if r["dataset"] == ds]
+        names = [row_name(c, m) for c in CONTEXTS for m in METHODS if any(r["method"] == row_name(c, m) for r in mine)]
+        by_case: dict[str, set[str]] = collections.defaultdict(set)
+        for r in mine:
+            by_case[r["case_id"]].add(r["method"])
+        cases = {c for c, ms in by_case.items() if ms >= set(names)}
+        rows = [r for r in mine if r["case_id"] in cases]
+        lines += [f"{ds}: {len(cases)} cases with every row", ""]
+        lines += ["| context / method | mean KL [95% CI] | top-1 [95% CI] | compute share | KL - alone [95% CI] |"]
+        lines += ["|---|---|---|---|---|"]
+        for name in names:
+            rs = [r for r in rows if r["method"] == name]
+            if not rs:
+                continue
+            kl, top1 = [r["kl_mean"] for r in rs], [r["top1"] for r in rs]
+            (kl_lo, kl_hi), (t_lo, t_hi) = bootstrap_ci(kl), bootstrap_ci(top1)
+            share = statistics.fmean(r["compute_share"] for r in rs)
+            context, _, method = name.partition("/")
+            baseline = row_name("alone", method)
+            diff = None if context == "alone" else paired_difference(rows, ds, name, baseline, "kl_mean")
+            d = f"{diff[1]:+.4f} [{diff[2][0]:+.4f}, {diff[2][1]:+.4f}]" if diff else "-"
+            lines.append(
+                f"| {name} | {statistics.fmean(kl):.4f} [{kl_lo:.4f}, {kl_hi:.4f}] | "
+                f"{statistics.fmean(top1):.3f} [{t_lo:.3f}, {t_hi:.3f}] | {share:.3f} | {d} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = case_script_parser(__doc__, cases="0-4", datasets="multi_news,musique", out="bench-results/chunk_context")
+    args = p.parse_args(argv)
+    out, records = open_records(args.out, RESULTS_FILE)
+    if not args.report_only:
+        indices = parse_cases(args.cases)
+        engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig())
+        sets = {name: load_dataset(name, args.data_dir, limit=None) for name in args.datasets.split(",")}
+        for i in indices:  # case i of every data set, then case i + 1: a stopped run covers the sets evenly
+            for name, ds in sets.items():
+                if i >= len(ds.cases):
+                    continue
+                done = {r["method"] for r in records if r["dataset"] == name and r["case_id"] == ds.cases[i].id}
+                records += run_case(engine, name, ds, i, done, out)
+                print(name, ds.cases[i].id, file=sys.stderr, flush=True)
+    if no_records(records, out / RESULTS_FILE):
+        return 2
+    print(table(records))
+    (out / "summary.md").write_text(table(records) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
