@@ -25,18 +25,13 @@ with each row's paired KL difference to the same method on `alone` chunk KV.
 
 from __future__ import annotations
 
-import collections
-import statistics
 import sys
 from collections.abc import Sequence
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig, blend_rule
-from cacheblend_rag.evaluation.case_scripts import case_script_parser, no_records, open_records, parse_cases
-from cacheblend_rag.evaluation.datasets import load_dataset
+from cacheblend_rag import blend_rule
+from cacheblend_rag.evaluation.case_scripts import case_script_parser, paired_kl_table, run_case_script
 from cacheblend_rag.evaluation.fidelity import measure_blend, prepare_case
-from cacheblend_rag.evaluation.fidelity_report import paired_difference
 from cacheblend_rag.evaluation.records import append_record
-from cacheblend_rag.evaluation.report import bootstrap_ci
 from cacheblend_rag.store import ChunkKV
 
 RESULTS_FILE = "chunk_context.jsonl"
@@ -107,57 +102,20 @@ def _rule(method: str) -> tuple[str, float]:
 def table(records: list[dict]) -> str:
     """Per data set, over the cases every row finished: mean KL and top-1 [95% CI], compute share, and the
     paired KL difference to the same method on `alone` chunk KV."""
-    lines = []
-    for ds in sorted({r["dataset"] for r in records}):
-        mine = [r for r in records if r["dataset"] == ds]
-        names = [row_name(c, m) for c in CONTEXTS for m in METHODS if any(r["method"] == row_name(c, m) for r in mine)]
-        by_case: dict[str, set[str]] = collections.defaultdict(set)
-        for r in mine:
-            by_case[r["case_id"]].add(r["method"])
-        cases = {c for c, ms in by_case.items() if ms >= set(names)}
-        rows = [r for r in mine if r["case_id"] in cases]
-        lines += [f"{ds}: {len(cases)} cases with every row", ""]
-        lines += ["| context / method | mean KL [95% CI] | top-1 [95% CI] | compute share | KL - alone [95% CI] |"]
-        lines += ["|---|---|---|---|---|"]
-        for name in names:
-            rs = [r for r in rows if r["method"] == name]
-            if not rs:
-                continue
-            kl, top1 = [r["kl_mean"] for r in rs], [r["top1"] for r in rs]
-            (kl_lo, kl_hi), (t_lo, t_hi) = bootstrap_ci(kl), bootstrap_ci(top1)
-            share = statistics.fmean(r["compute_share"] for r in rs)
-            context, _, method = name.partition("/")
-            baseline = row_name("alone", method)
-            diff = None if context == "alone" else paired_difference(rows, ds, name, baseline, "kl_mean")
-            d = f"{diff[1]:+.4f} [{diff[2][0]:+.4f}, {diff[2][1]:+.4f}]" if diff else "-"
-            lines.append(
-                f"| {name} | {statistics.fmean(kl):.4f} [{kl_lo:.4f}, {kl_hi:.4f}] | "
-                f"{statistics.fmean(top1):.3f} [{t_lo:.3f}, {t_hi:.3f}] | {share:.3f} | {d} |"
-            )
-        lines.append("")
-    return "\n".join(lines)
+    order = [row_name(c, m) for c in CONTEXTS for m in METHODS]
+    return paired_kl_table(
+        records,
+        lambda names: [n for n in order if n in names],
+        lambda name: None if name.startswith("alone/") else row_name("alone", name.partition("/")[2]),
+        first_column="context / method",
+        diff_column="KL - alone",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = case_script_parser(__doc__, cases="0-4", datasets="multi_news,musique", out="bench-results/chunk_context")
     args = p.parse_args(argv)
-    out, records = open_records(args.out, RESULTS_FILE)
-    if not args.report_only:
-        indices = parse_cases(args.cases)
-        engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig())
-        sets = {name: load_dataset(name, args.data_dir, limit=None) for name in args.datasets.split(",")}
-        for i in indices:  # case i of every data set, then case i + 1: a stopped run covers the sets evenly
-            for name, ds in sets.items():
-                if i >= len(ds.cases):
-                    continue
-                done = {r["method"] for r in records if r["dataset"] == name and r["case_id"] == ds.cases[i].id}
-                records += run_case(engine, name, ds, i, done, out)
-                print(name, ds.cases[i].id, file=sys.stderr, flush=True)
-    if no_records(records, out / RESULTS_FILE):
-        return 2
-    print(table(records))
-    (out / "summary.md").write_text(table(records) + "\n")
-    return 0
+    return run_case_script(args, RESULTS_FILE, run_case, table)
 
 
 if __name__ == "__main__":

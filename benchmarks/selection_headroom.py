@@ -31,21 +31,16 @@ each method's paired KL difference to `paper@0.15`.
 
 from __future__ import annotations
 
-import collections
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig, blend_rule
+from cacheblend_rag import blend_rule
 from cacheblend_rag.engine.planning import prefix_and_chunk_masks, question_mask, reuse_plan
-from cacheblend_rag.evaluation.case_scripts import case_script_parser, no_records, open_records, parse_cases
-from cacheblend_rag.evaluation.datasets import load_dataset
+from cacheblend_rag.evaluation.case_scripts import case_script_parser, paired_kl_table, run_case_script
 from cacheblend_rag.evaluation.fidelity import measure_blend, prepare_case
-from cacheblend_rag.evaluation.fidelity_report import paired_difference
 from cacheblend_rag.evaluation.records import append_record
-from cacheblend_rag.evaluation.report import bootstrap_ci
 from cacheblend_rag.fusion import FusionPlan, fuse
 
 RESULTS_FILE = "selection_headroom.jsonl"
@@ -134,55 +129,23 @@ def run_case(engine, name: str, spec, case, done: set[str], out: Path) -> list[d
 def table(records: list[dict]) -> str:
     """Per data set, over the cases every method finished: mean KL and top-1 [95% CI], compute share, and the
     paired KL difference to `paper@0.15`."""
-    lines = []
-    for ds in sorted({r["dataset"] for r in records}):
-        mine = [r for r in records if r["dataset"] == ds]
-        methods = sorted({r["method"] for r in mine}, key=lambda s: (s != "reuse", s))
-        by_case: dict[str, set[str]] = collections.defaultdict(set)
-        for r in mine:
-            by_case[r["case_id"]].add(r["method"])
-        cases = {c for c, ms in by_case.items() if ms >= set(methods)}
-        rows = [r for r in mine if r["case_id"] in cases]
-        lines += [f"{ds}: {len(cases)} cases with every method", ""]
-        lines += ["| method | mean KL [95% CI] | top-1 [95% CI] | compute share | KL - paper@0.15 [95% CI] |"]
-        lines += ["|---|---|---|---|---|"]
-        for method in methods:
-            rs = [r for r in rows if r["method"] == method]
-            if not rs:
-                continue
-            kl, top1 = [r["kl_mean"] for r in rs], [r["top1"] for r in rs]
-            (kl_lo, kl_hi), (t_lo, t_hi) = bootstrap_ci(kl), bootstrap_ci(top1)
-            share = statistics.fmean(r["compute_share"] for r in rs)
-            diff = paired_difference(rows, ds, method, BASELINE, "kl_mean") if method != BASELINE else None
-            d = f"{diff[1]:+.4f} [{diff[2][0]:+.4f}, {diff[2][1]:+.4f}]" if diff else "-"
-            lines.append(
-                f"| {method} | {statistics.fmean(kl):.4f} [{kl_lo:.4f}, {kl_hi:.4f}] | "
-                f"{statistics.fmean(top1):.3f} [{t_lo:.3f}, {t_hi:.3f}] | {share:.3f} | {d} |"
-            )
-        lines.append("")
-    return "\n".join(lines)
+    return paired_kl_table(
+        records,
+        lambda names: sorted(names, key=lambda s: (s != "reuse", s)),
+        lambda method: None if method == BASELINE else BASELINE,
+        diff_column=f"KL - {BASELINE}",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = case_script_parser(__doc__, cases="0-9", datasets="multi_news,musique", out="bench-results/selection_headroom")
     args = p.parse_args(argv)
-    out, records = open_records(args.out, RESULTS_FILE)
-    if not args.report_only:
-        indices = parse_cases(args.cases)
-        engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig())
-        sets = {name: load_dataset(name, args.data_dir, limit=max(indices) + 1) for name in args.datasets.split(",")}
-        for i in indices:  # case i of every data set, then case i + 1: a stopped run covers the sets evenly
-            for name, ds in sets.items():
-                if i >= len(ds.cases):
-                    continue
-                case = ds.cases[i]
-                done = {r["method"] for r in records if r["dataset"] == name and r["case_id"] == case.id}
-                records += run_case(engine, name, ds.spec, case, done, out)
-                print(name, case.id, file=sys.stderr, flush=True)
-    if no_records(records, out / RESULTS_FILE):
-        return 2
-    print(table(records))
-    return 0
+    return run_case_script(
+        args,
+        RESULTS_FILE,
+        lambda engine, name, ds, i, done, out: run_case(engine, name, ds.spec, ds.cases[i], done, out),
+        table,
+    )
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def test_report_pairs_each_row_with_the_same_method_on_alone_kv(context_script, 
     (tmp_path / context_script.RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert context_script.main(["--report-only", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "multi_news: 2 cases with every row" in out
+    assert "multi_news: 2 cases with every method" in out
     row = "| predecessor/reuse | 0.6000 [0.1000, 1.1000] | 0.900 [0.900, 0.900] | 0.100 | -0.4000 [-0.4000, -0.4000] |"
     assert row in out
     assert "| alone/reuse | 1.0000 [0.5000, 1.5000] | 0.900 [0.900, 0.900] | 0.100 | - |" in out
