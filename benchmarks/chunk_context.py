@@ -11,7 +11,10 @@ only the chunk's KV) and stored under the key the request looks up. Contexts:
 - `all-before`: every chunk before it in this prompt. The cached KV is then full prefill's, so full KV reuse
   must match full recompute (a check of the set-up, and the bound of the lever);
 - `unrelated`: the first 256 tokens of another case's chunks (case i + 25 of the set): some text before the
-  chunk, but not the text the request puts there.
+  chunk, but not the text the request puts there;
+- `lead-in`: as `unrelated`, but the first chunk keeps none. A store can do this for real: it needs no knowledge
+  of the request, only two entries per chunk (one for the first place, whose KV alone is exact, and one for
+  the others).
 Every context is measured with full KV reuse and the `paper` and `attention` rules at r = 0.05, teacher-forced
 along full recompute's answer (as `cacheblend-rag bench fidelity` does); `paper` at r = 0.15 on `alone` KV is the
 row the issue's r = 0.05 target compares with.
@@ -36,7 +39,7 @@ from cacheblend_rag.evaluation.records import append_record
 from cacheblend_rag.store import ChunkKV
 
 RESULTS_FILE = "chunk_context.jsonl"
-CONTEXTS = ("alone", "predecessor", "all-before", "unrelated")
+CONTEXTS = ("alone", "predecessor", "all-before", "unrelated", "lead-in")
 UNRELATED_TOKENS = 256
 UNRELATED_OFFSET = 25  # case i borrows its unrelated context from case i + 25 (mod the set's size)
 METHODS = ("reuse", "paper@0.05", "attention@0.05")  # on every context
@@ -58,6 +61,8 @@ def contexts(kind: str, chunk_ids: Sequence[Sequence[int]], unrelated: Sequence[
         return [tuple(t for c in chunk_ids[:j] for t in c) for j in range(len(chunk_ids))]
     if kind == "unrelated":
         return [tuple(unrelated)] * len(chunk_ids)
+    if kind == "lead-in":
+        return [()] + [tuple(unrelated)] * (len(chunk_ids) - 1)
     raise ValueError(f"unknown context {kind!r}; choose from {CONTEXTS}")
 
 

@@ -21,6 +21,7 @@ def test_contexts(context_script):
     assert context_script.contexts("predecessor", chunks, (9,)) == [(), (1, 2), (3,)]
     assert context_script.contexts("all-before", chunks, (9,)) == [(), (1, 2), (1, 2, 3)]
     assert context_script.contexts("unrelated", chunks, (9, 8)) == [(9, 8)] * 3
+    assert context_script.contexts("lead-in", chunks, (9, 8)) == [(), (9, 8), (9, 8)]
     with pytest.raises(ValueError, match="unknown context"):
         context_script.contexts("after", chunks, ())
 
