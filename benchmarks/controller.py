@@ -109,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         question = "Which of these passages mentions a city, and what is its name?"
         prompt = base.build_prompt(texts, question)
         base.precompute(texts, question)
-        keys = [base.chunk_key((), prompt.prefix_ids)] + [
-            base.chunk_key(prompt.prefix_ids, ids) for ids in prompt.chunk_ids
-        ]
+        keys = base.prompt_keys(prompt)
         controller = LoadingController(profile, min_ratio=args.min_ratio)
         nbytes = sum(base.store.get(k).nbytes for k in keys[1:])
 

@@ -84,8 +84,7 @@ def rankings(engine, prompt, reference) -> dict[str, torch.Tensor]:
 
     # What a rule could compute: the question's attention in the `attention` rule's probe over the stored chunk
     # KV, times the layer-1 value error that `paper` measures on its check layer.
-    parts = [engine.store.get(engine.chunk_key((), prompt.prefix_ids))] if prompt.prefix_ids else []
-    parts += [engine.store.get(engine.chunk_key(prompt.prefix_ids, ids)) for ids in prompt.chunk_ids]
+    parts = [engine.store.get(k) for k in engine.prompt_keys(prompt)]
     load = engine.chunks.layer_loader(parts, n)
     probe = fuse(lm, reuse_plan(prompt), load, want_logits=False, attention_from=question_mask(prompt))
     assert probe.attention is not None

@@ -93,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         stores["disk"] = TieredStore([DiskStore(disk_dir)], ["disk"])
         if redis_url is not None:
             stores["redis"] = TieredStore([RedisStore(redis_url, namespace=f"bench-{os.getpid()}")], ["redis"])
-        keys = [base.chunk_key((), prompt.prefix_ids)] + [
-            base.chunk_key(prompt.prefix_ids, ids) for ids in prompt.chunk_ids
-        ]
+        keys = base.prompt_keys(prompt)
         engines: dict[tuple[str, bool], CacheBlendEngine] = {}
         for name, store in stores.items():
             for key in keys:  # the same chunk KV, copied into each tier

@@ -7,7 +7,7 @@ Folders: `models/` (presets, loading, layer-wise adapter), `store/` (chunk KV an
 selection and the blended prefill), `engine/` (one request end to end), `retrieval/` (chunking, FAISS), `cli`.
 """
 
-from .config import RULE_NAMES, BlendConfig, EngineConfig, PrefillMode, blend_rule
+from .config import DEFAULT_LEAD_IN, RULE_NAMES, BlendConfig, EngineConfig, PrefillMode, blend_rule
 from .engine import (
     QA_SHORT_TEMPLATE,
     CacheBlendEngine,
@@ -29,6 +29,7 @@ from .store import ChunkKV, MemoryStore
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_LEAD_IN",
     "QA_SHORT_TEMPLATE",
     "RULE_NAMES",
     "BlendConfig",

@@ -244,6 +244,21 @@ def torch_dtype(dtype: object) -> Any:
     return getattr(torch, normalize_dtype_name(dtype))
 
 
+# A neutral passage for `EngineConfig(lead_in=DEFAULT_LEAD_IN)`: chunks cached after it read as a passage that
+# follows another, not as the opening of the prompt. Any ordinary prose of about this length serves; a passage
+# typical of your own corpus may serve better.
+DEFAULT_LEAD_IN = (
+    "Lighthouses have guided ships along dangerous coasts for more than two thousand years. Early ones were "
+    "simple towers with an open fire at the top, kept burning through the night by a keeper who carried wood or "
+    "coal up the stairs. Later towers used oil lamps and, from the nineteenth century, glass lenses that gathered "
+    "the light into a narrow beam visible many miles out to sea. Each light was given its own pattern of flashes "
+    "so that sailors could tell one station from another. Keepers lived at the station with their families, "
+    "recording the weather, cleaning the lenses and sounding a fog signal when visibility fell. Most lights today "
+    "are automatic and maintained by small teams who visit them a few times a year, and many old towers have "
+    "become museums."
+)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs: device and precision, memory budget for chunk KV, prompt assembly."""
@@ -256,6 +271,9 @@ class EngineConfig:
     redis_url: str | None = None  # shared Redis tier, e.g. "redis://127.0.0.1:6379/0"; None: no Redis tier
     redis_budget_bytes: int = 8 * 1024**3
     chunk_separator: str = "\n\n"  # appended to each chunk's text before tokenizing (part of its cache key)
+    # Text that every chunk but a prompt's first is cached after (between the prefix and the chunk): see
+    # `CacheBlendEngine` and docs/how-it-works.md. None: each chunk is cached right after the prefix only.
+    lead_in: str | None = None
     max_prompt_tokens: int | None = None  # None: the model's context length
     pipelined_loading: bool = True  # fetch layer l+1's chunk KV (disk, Redis) while layer l is being fused
     blend: BlendConfig = field(default_factory=BlendConfig)
@@ -274,6 +292,10 @@ class EngineConfig:
             raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ConfigError(f"max_prompt_tokens must be >= 1 or None, got {self.max_prompt_tokens}")
+        if self.lead_in is not None and (not isinstance(self.lead_in, str) or not self.lead_in.strip()):
+            raise ConfigError(
+                f"lead_in must be None (no lead-in) or a non-blank text such as DEFAULT_LEAD_IN, got {self.lead_in!r}"
+            )
         if not isinstance(self.blend, BlendConfig):
             raise ConfigError(f"blend must be a BlendConfig, got {type(self.blend).__name__}")
         if self.store_hmac_key is not None and (

@@ -73,8 +73,8 @@ def reference_logits_with_cache(engine: CacheBlendEngine, prompt, num_chunks: in
 
     from cacheblend_rag.models import rotate_keys
 
-    parts = [engine.store.get(engine.chunk_key((), prompt.prefix_ids))] if prompt.prefix_ids else []
-    parts += [engine.store.get(engine.chunk_key(prompt.prefix_ids, ids)) for ids in prompt.chunk_ids[:num_chunks]]
+    keys = engine.prompt_keys(prompt)[: num_chunks + (1 if prompt.prefix_ids else 0)]
+    parts = [engine.store.get(k) for k in keys]
     assert all(p is not None for p in parts), "run a cached mode first so the store holds the chunks"
     cached = sum(p.num_tokens for p in parts)
     cos, sin = engine.lm.rope(torch.arange(cached))

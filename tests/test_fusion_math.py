@@ -149,9 +149,7 @@ def test_planted_outlier_in_loaded_kv_is_recomputed(family):
     n = prompt.num_tokens
     start, _ = prompt.chunk_spans[1]
     victim = start + 7
-    parts = [engine.store.get(engine.chunk_key((), prompt.prefix_ids))] + [
-        engine.store.get(engine.chunk_key(prompt.prefix_ids, ids)) for ids in prompt.chunk_ids
-    ]
+    parts = [engine.store.get(k) for k in engine.prompt_keys(prompt)]
     load = engine.chunks.layer_loader(parts, n)
 
     def planted(layer_idx):

@@ -171,8 +171,7 @@ def test_attention_probe_equals_the_models_own_attention_weights(family, tiny_to
     model, engine = eager_engine(family, tiny_tokenizer)
     prompt = three_chunk_prompt(engine)
     engine.prefill(prompt, "reuse")  # fills the store
-    parts = [engine.store.get(engine.chunk_key((), prompt.prefix_ids))]
-    parts += [engine.store.get(engine.chunk_key(prompt.prefix_ids, ids)) for ids in prompt.chunk_ids]
+    parts = [engine.store.get(k) for k in engine.prompt_keys(prompt)]
     n, q = prompt.num_tokens, len(prompt.suffix_ids)
 
     def load(layer_idx):  # the stored KV, then zeros for the question: [Hkv, N, D] each

@@ -1,8 +1,13 @@
 """Chunk KV by key: find a chunk in the store, or prefill it after its prefix and store it.
 
 A chunk's entry is keyed by (model fingerprint, dtype, prefix tokens, chunk tokens) and holds its per-layer raw
-keys and values. Whatever comes back from a store is checked against the shape this model gives that many
-tokens before a single layer is read; anything else is dropped and recomputed, never used.
+keys and values. With a lead-in (`EngineConfig.lead_in`), a chunk has two entries: one prefilled right after the
+prefix, read when the chunk comes first in a prompt (where that KV is exact), and one prefilled after the prefix
+and the lead-in text, read everywhere else: a chunk that has some text before it is cached closer to how it reads
+after other chunks than one that opens the prompt.
+
+Whatever comes back from a store is checked against the shape this model gives that many tokens before a single
+layer is read; anything else is dropped and recomputed, never used.
 """
 
 from __future__ import annotations
@@ -24,15 +29,33 @@ logger = logging.getLogger(__name__)
 class ChunkCache:
     """The chunk KV of one model in one dtype, backed by a store (any tier or stack of tiers)."""
 
-    def __init__(self, lm: LayerwiseModel, store: ChunkStore, fingerprint: str, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        lm: LayerwiseModel,
+        store: ChunkStore,
+        fingerprint: str,
+        dtype: torch.dtype,
+        lead_in_ids: Sequence[int] = (),
+    ) -> None:
         self.lm = lm
         self.store = store
         self.fingerprint = fingerprint
         self.dtype = dtype
+        self.lead_in_ids = tuple(lead_in_ids)  # () : no lead-in, one entry per chunk
 
     def key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
         """The store key of a chunk's KV when it follows `prefix_ids`."""
         return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids)
+
+    def context(self, prefix_ids: Sequence[int], first: bool) -> tuple[int, ...]:
+        """The tokens a chunk's stored KV was prefilled after: the prefix alone for the prompt's first chunk (or
+        with no lead-in), else the prefix and the lead-in."""
+        return tuple(prefix_ids) if first else (*prefix_ids, *self.lead_in_ids)
+
+    def prompt_keys(self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]]) -> list[str]:
+        """The store keys a prompt's KV is read from: the prefix's (if any), then each chunk's, in order."""
+        keys = [self.key((), prefix_ids)] if prefix_ids else []
+        return keys + [self.key(self.context(prefix_ids, j == 0), ids) for j, ids in enumerate(chunk_ids)]
 
     def layer_loader(self, parts: Sequence[ChunkReader], total: int) -> LayerLoader:
         """Loads layer l of the given KV parts laid end to end, padded with zeros up to `total` tokens."""
@@ -93,15 +116,24 @@ class ChunkCache:
         return None
 
     def get_or_prefill(
-        self, prefix: ChunkReader | None, prefix_ids: Sequence[int], ids: Sequence[int], *, lazy: bool
+        self,
+        prefix: ChunkReader | None,
+        prefix_ids: Sequence[int],
+        ids: Sequence[int],
+        *,
+        lazy: bool,
+        first: bool = True,
     ) -> tuple[ChunkReader, str | None]:
         """-> (KV, the name of the store tier it came from, or None if it was prefilled now)
 
+        `prefix` is the KV of `prefix_ids`. With `first` False and a lead-in, the entry read or made is the one
+        prefilled after the prefix and the lead-in (whose KV is read from the store, or made, only on a miss).
         With `lazy` (pipelined loading), a chunk found on disk or in Redis comes back unread: its layers are
         fetched while the fusor runs. Without it, the chunk is read whole now, and one that turns out damaged
         is recomputed here (its tier has dropped it and counted a miss).
         """
-        key = self.key(prefix_ids, ids)
+        context = self.context(prefix_ids, first)
+        key = self.key(context, ids)
         hit = self.lookup(key, len(ids))
         if hit is not None:
             if lazy:
@@ -110,7 +142,9 @@ class ChunkCache:
                 return hit.kv.materialize(), hit.tier
             except CorruptEntryError as exc:
                 logger.warning("chunk %s from the %s tier is damaged (%s); recomputing it", key[:12], hit.tier, exc)
-        kv = self.prefill(prefix, prefix_ids, ids)
+        if len(context) > len(prefix_ids):
+            prefix = self.prefix_kv(context)
+        kv = self.prefill(prefix, context, ids)
         self.store.put(kv)
         return kv, None
 
@@ -123,12 +157,16 @@ class ChunkCache:
     def fill(
         self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], *, show_progress: bool = False
     ) -> tuple[int, int]:
-        """Make sure each chunk's KV (after `prefix_ids`) is stored. -> (already stored, newly computed)"""
+        """Make sure each chunk's KV (after `prefix_ids`; with a lead-in, both entries) is stored.
+
+        -> (chunks already stored, chunks computed now, in whole or in part)"""
         hits = misses = 0
         prefix = self.prefix_kv(prefix_ids)
+        places = (True, False) if self.lead_in_ids else (True,)
         for ids in tqdm(chunk_ids, desc="precomputing chunk KV", unit="chunk", disable=not show_progress):
-            _, tier = self.get_or_prefill(prefix, prefix_ids, ids, lazy=True)
-            hits, misses = hits + (tier is not None), misses + (tier is None)
+            tiers = [self.get_or_prefill(prefix, prefix_ids, ids, lazy=True, first=f)[1] for f in places]
+            stored = all(t is not None for t in tiers)
+            hits, misses = hits + stored, misses + (not stored)
         return hits, misses
 
     def clear(self, tiers: Sequence[str] | None = None) -> None:

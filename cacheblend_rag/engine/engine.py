@@ -30,7 +30,7 @@ from .decoding import GenerationResult, TextStream, decode
 from .generation import SamplingParams, check_encodable, check_ratio_arg, eos_token_ids
 from .planning import check_blend, check_token_scores
 from .prefill import Prefill, Prefiller, RatioPolicy
-from .prompt import PromptTemplate, TokenizedPrompt, tokenize_chunks, tokenize_parts, tokenize_prefix
+from .prompt import PromptTemplate, TokenizedPrompt, encode, tokenize_chunks, tokenize_parts, tokenize_prefix
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -101,7 +101,9 @@ class CacheBlendEngine:
         self.eos_ids = eos_token_ids(self.model, tokenizer)
         limits = [self.lm.shape.max_positions, self.config.max_prompt_tokens, max_blend_length(self.model.config)]
         self.max_tokens = min(x for x in limits if x is not None)
-        self.chunks = ChunkCache(self.lm, store, self.fingerprint, self.dtype)
+        lead_in = self.config.lead_in
+        lead_in_ids = encode(tokenizer, lead_in + self.config.chunk_separator) if lead_in is not None else ()
+        self.chunks = ChunkCache(self.lm, store, self.fingerprint, self.dtype, lead_in_ids)
         self._prefiller = Prefiller(self.model, self.lm, self.chunks, pipelined=self.config.pipelined_loading)
         self._lock = threading.RLock()
 
@@ -175,6 +177,11 @@ class CacheBlendEngine:
     def chunk_key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
         """The store key of a chunk's KV when it follows `prefix_ids` (model fingerprint, dtype and tokens)."""
         return self.chunks.key(prefix_ids, chunk_ids)
+
+    def prompt_keys(self, prompt: TokenizedPrompt) -> list[str]:
+        """The store keys this engine reads a prompt's KV from: the prefix's (if any), then each chunk's in order
+        (with a lead-in, every chunk but the first reads its entry cached after the lead-in)."""
+        return self.chunks.prompt_keys(prompt.prefix_ids, prompt.chunk_ids)
 
     def precompute(
         self,

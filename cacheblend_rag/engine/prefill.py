@@ -147,9 +147,9 @@ class Prefiller:
         parts: list[ChunkReader] = [prefix_kv] if prefix_kv is not None else []
         bytes_by_tier: dict[str, int] = {}
         seen: set[str] = set()  # a chunk repeated in one prompt is prefilled once: one miss, then hits
-        for ids in prompt.chunk_ids[:n_chunks]:
+        for j, ids in enumerate(prompt.chunk_ids[:n_chunks]):
             t = time.perf_counter()
-            kv, tier = self.chunks.get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=self.pipelined)
+            kv, tier = self.chunks.get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=self.pipelined, first=j == 0)
             if tier is None:
                 fresh.add(kv.key)
             repeat = kv.key in seen
