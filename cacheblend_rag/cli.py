@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from .config import LEAD_IN_DEFAULT, LEAD_IN_HELP
 from .errors import CacheBlendError
 
 if TYPE_CHECKING:
@@ -22,12 +23,17 @@ if TYPE_CHECKING:
 
 
 def _engine_config(args: argparse.Namespace):
-    from .config import BlendConfig, EngineConfig
+    from .config import BlendConfig, EngineConfig, resolve_lead_in
 
     blend = BlendConfig(recompute_ratio=args.ratio) if args.ratio is not None else BlendConfig()
     _check_kv_dir(args)
     return EngineConfig(
-        device=args.device, dtype=args.dtype, blend=blend, disk_dir=args.kv_dir, redis_url=args.redis_url
+        device=args.device,
+        dtype=args.dtype,
+        blend=blend,
+        disk_dir=args.kv_dir,
+        redis_url=args.redis_url,
+        lead_in=resolve_lead_in(args.lead_in),
     )
 
 
@@ -227,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--dtype", default="float32")
+    ask.add_argument("--lead-in", default=LEAD_IN_DEFAULT, help=LEAD_IN_HELP)
     ask.add_argument("--precompute-all", action="store_true", help="precompute KV of every chunk up front")
     ask.add_argument("--show-sources", action="store_true", help="print the retrieved chunks' sources")
     ask.add_argument("--kv-dir", help="keep chunk KV on disk in this folder, so later runs reuse it")

@@ -259,6 +259,27 @@ DEFAULT_LEAD_IN = (
 )
 
 
+LEAD_IN_HELP = (
+    "text every chunk but a prompt's first is cached after: 'none', 'default' (DEFAULT_LEAD_IN) or a text file"
+)
+
+
+def resolve_lead_in(value: str) -> str | None:
+    """A command line's --lead-in: 'none' -> None, 'default' -> DEFAULT_LEAD_IN, else the text of that file."""
+    if value == "none":
+        return None
+    if value == "default":
+        return DEFAULT_LEAD_IN
+    try:
+        with open(value, encoding="utf-8") as f:
+            text = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"--lead-in must be 'none', 'default' or a readable text file; {value!r}: {exc}") from None
+    if not text:
+        raise ConfigError(f"--lead-in file {value!r} is empty; give a passage of ordinary prose, or 'none'")
+    return text
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs: device and precision, memory budget for chunk KV, prompt assembly."""
@@ -302,3 +323,7 @@ class EngineConfig:
             not isinstance(self.store_hmac_key, (bytes, str)) or len(self.store_hmac_key) < 16
         ):
             raise ConfigError("store_hmac_key must be None or a secret of at least 16 bytes (str or bytes)")
+
+
+# The command lines' --lead-in default: the spelling of EngineConfig's own default.
+LEAD_IN_DEFAULT = "default" if EngineConfig.lead_in == DEFAULT_LEAD_IN else "none"

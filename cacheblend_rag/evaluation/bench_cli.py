@@ -7,7 +7,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from ..config import RULE_NAMES
+from ..config import LEAD_IN_DEFAULT, LEAD_IN_HELP, RULE_NAMES
 from ..errors import CacheBlendError
 from .fidelity import DEFAULT_RATIOS
 
@@ -40,11 +40,12 @@ def _bench_dataset_names(args: argparse.Namespace) -> list[str]:
 
 def _load_bench_engine(args: argparse.Namespace) -> CacheBlendEngine:
     """The engine of --model/--device/--dtype, its load time reported on stderr."""
-    from ..config import EngineConfig
+    from ..config import EngineConfig, resolve_lead_in
     from ..engine import CacheBlendEngine
 
     t = time.perf_counter()
-    engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(device=args.device, dtype=args.dtype))
+    config = EngineConfig(device=args.device, dtype=args.dtype, lead_in=resolve_lead_in(args.lead_in))
+    engine = CacheBlendEngine.from_pretrained(args.model, config=config)
     print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     return engine
 
@@ -69,6 +70,8 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
         "device": args.device,
         "samsum_shots": args.samsum_shots,
     }
+    if args.lead_in != "none":  # runs from before lead-ins had none; a resumed run must keep its own
+        settings["lead_in"] = args.lead_in
     records = run_quality(engine, datasets, methods, args.out, max_new_tokens=args.max_new_tokens, settings=settings)
     files = write_report(args.out, records)
     print(summary_markdown(summarize(records)))
@@ -122,11 +125,12 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser, folders: str, *, dtype_help: str | None = None) -> None:
-    """--data-dir, --model, --device and --dtype, the arguments every bench command shares."""
+    """--data-dir, --model, --device, --dtype and --lead-in, the arguments every bench command shares."""
     parser.add_argument("--data-dir", help=f"folder with {folders} (default ../shared/data)")
     parser.add_argument("--model", help="preset name or local checkpoint (default: the default preset)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", help=dtype_help)
+    parser.add_argument("--lead-in", default=LEAD_IN_DEFAULT, help=LEAD_IN_HELP)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -216,6 +220,8 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
         datasets = [load_dataset(n, args.data_dir, args.limit) for n in names]
         engine = _load_bench_engine(args)
         settings = {"model": args.model or "default", "dtype": args.dtype, "device": args.device}
+        if args.lead_in != "none":  # runs from before lead-ins had none; a resumed run must keep its own
+            settings["lead_in"] = args.lead_in
         records = run_fidelity(engine, datasets, methods, args.out, settings=settings)
     files = write_fidelity_report(args.out, records)
     print(fidelity_markdown(summarize_fidelity(records), records))
