@@ -93,3 +93,18 @@ def test_a_blank_or_non_text_lead_in_is_refused(bad):
 
 def test_the_default_lead_in_is_ordinary_prose():
     assert 500 < len(DEFAULT_LEAD_IN) < 1200 and DEFAULT_LEAD_IN.strip() == DEFAULT_LEAD_IN
+
+
+def test_command_line_lead_ins(tmp_path):
+    from cacheblend_rag.config import resolve_lead_in
+
+    assert resolve_lead_in("none") is None
+    assert resolve_lead_in("default") == DEFAULT_LEAD_IN
+    passage = tmp_path / "lead_in.txt"
+    passage.write_text("  A passage typical of my corpus.\n")
+    assert resolve_lead_in(str(passage)) == "A passage typical of my corpus."
+    with pytest.raises(ConfigError, match="'none', 'default' or a readable text file"):
+        resolve_lead_in(str(tmp_path / "missing.txt"))
+    (tmp_path / "blank.txt").write_text("\n \n")
+    with pytest.raises(ConfigError, match="is empty"):
+        resolve_lead_in(str(tmp_path / "blank.txt"))
