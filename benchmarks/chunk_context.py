@@ -68,12 +68,13 @@ def contexts(kind: str, chunk_ids: Sequence[Sequence[int]], unrelated: Sequence[
 
 def store_with_context(engine, prompt, before: Sequence[Sequence[int]]) -> None:
     """Prefill each chunk of `prompt` after its prefix and `before[j]`, and store only the chunk's KV under the
-    key a request for `prompt` looks up (its prefix and its tokens), replacing what was there."""
+    key a request for `prompt` reads it from (`engine.prompt_keys`), replacing what was there."""
     prefix = tuple(prompt.prefix_ids)
-    for ids, ctx in zip(prompt.chunk_ids, before, strict=True):
+    keys = engine.prompt_keys(prompt)[1 if prefix else 0 :]  # the entries this engine reads (lead-in or not)
+    for ids, ctx, key in zip(prompt.chunk_ids, before, keys, strict=True):
         context = prefix + tuple(ctx)
         kv = engine.chunks.prefill(engine.chunks.prefix_kv(context), context, ids)
-        engine.store.put(ChunkKV(engine.chunk_key(prefix, ids), kv.keys, kv.values))
+        engine.store.put(ChunkKV(key, kv.keys, kv.values))
 
 
 def row_name(context: str, method: str) -> str:

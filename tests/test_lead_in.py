@@ -75,7 +75,8 @@ def test_cached_modes_stay_exact_where_they_were(lead_engine):
 
 def test_the_lead_in_changes_what_reuse_reads(lead_engine, family, tiny_tokenizer):
     _, prompt = chunks_and_prompt(lead_engine)
-    plain = CacheBlendEngine(make_tiny_model(family), tiny_tokenizer, config=EngineConfig(chunk_separator=""))
+    plain_config = EngineConfig(chunk_separator="", lead_in=None)
+    plain = CacheBlendEngine(make_tiny_model(family), tiny_tokenizer, config=plain_config)
     assert plain.fingerprint == lead_engine.fingerprint  # the same weights: only the stored KV differs
     assert plain.prompt_keys(prompt) == [plain.chunk_key((), prompt.prefix_ids)] + [
         plain.chunk_key(prompt.prefix_ids, ids) for ids in prompt.chunk_ids
@@ -108,3 +109,17 @@ def test_command_line_lead_ins(tmp_path):
     (tmp_path / "blank.txt").write_text("\n \n")
     with pytest.raises(ConfigError, match="is empty"):
         resolve_lead_in(str(tmp_path / "blank.txt"))
+
+
+def test_a_chunk_stored_for_the_other_place_is_read_not_prefilled_except_as_prefix_cachings_first(lead_engine):
+    a, b = random_words(41, 14), random_words(42, 14)
+    ab = lead_engine.build_prompt([a, b], prefix=PREFIX, suffix=random_words(2, 6))
+    ba = lead_engine.build_prompt([b, a], prefix=PREFIX, suffix=random_words(2, 6))
+    cold = lead_engine.prefill(ab, "reuse").metrics  # stores a's entry for the first place, b's for the others
+    assert (cold.chunks_hit, cold.chunks_missed) == (0, 2)
+    warm = lead_engine.prefill(ba, "blend").metrics  # each chunk's entry for its new place is missing
+    assert (warm.chunks_hit, warm.chunks_missed) == (2, 0)
+    # Prefix caching uses the first chunk's KV as exact: b must be read from its entry after the prefix alone.
+    prefix = lead_engine.prefill(ba, "prefix")
+    assert (prefix.metrics.chunks_hit, prefix.metrics.chunks_missed) == (0, 1)
+    torch.testing.assert_close(prefix.logits, lead_engine.prefill(ba, "full").logits, atol=1e-4, rtol=0)

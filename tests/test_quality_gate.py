@@ -12,7 +12,7 @@ import statistics
 
 import pytest
 
-from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig
+from cacheblend_rag import DEFAULT_LEAD_IN, BlendConfig, CacheBlendEngine, EngineConfig
 from cacheblend_rag.evaluation.fidelity import FidelityMethod, Reference, measure, reference_answer
 
 pytestmark = pytest.mark.real_model
@@ -53,6 +53,9 @@ DEFAULT_HALF_KL_BOUND = 0.03  # default rule at r = 0.5: measured 0.0245
 DEVIATION_HALF_KL_BOUND = 0.06  # key deviation on layer 1 alone (the "lmcache" rule) at r = 0.5: measured 0.046
 GRADUAL_KL_BOUND = 0.09  # gradual filtering on layers 1-3 (the "gradual" rule) at r = 0.15: measured 0.080
 REUSE_OVER_DEFAULT_HALF = 4.0  # reuse is at least this many times further from full than the default at 0.5 (4.6)
+# With EngineConfig(lead_in=DEFAULT_LEAD_IN) (every chunk but the first cached after a neutral passage):
+LEAD_IN_REUSE_GAIN = 0.75  # full KV reuse's KL with the lead-in over its KL without: measured 0.066 / 0.114 = 0.58
+LEAD_IN_KL_BOUND = 0.055  # the default rule at 0.15 with the lead-in: measured 0.048 (0.058 without)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +63,13 @@ def engine() -> CacheBlendEngine:
     return CacheBlendEngine.from_pretrained(
         "smollm2-135m-instruct", config=EngineConfig(dtype="float32"), show_progress=False
     )
+
+
+@pytest.fixture(scope="module")
+def lead_in_engine(engine) -> CacheBlendEngine:
+    """The same model, its chunks cached after DEFAULT_LEAD_IN (a store of its own)."""
+    config = EngineConfig(dtype="float32", lead_in=DEFAULT_LEAD_IN)
+    return CacheBlendEngine(engine.model, engine.tokenizer, config=config, template=engine.template)
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +126,11 @@ def test_more_recompute_follows_full_recompute_more_closely(engine, references):
     rule = default_method().rule
     low, high = (mean_kl(engine, references, FidelityMethod(rule, r)) for r in (0.05, 0.5))
     assert high < low, (low, high)
+
+
+def test_a_lead_in_brings_the_cached_chunks_closer_to_full_recompute(engine, lead_in_engine, references):
+    plain_reuse = mean_kl(engine, references, FidelityMethod("reuse"))
+    reuse = mean_kl(lead_in_engine, references, FidelityMethod("reuse"))
+    blend = mean_kl(lead_in_engine, references, default_method())
+    assert reuse < LEAD_IN_REUSE_GAIN * plain_reuse, f"reuse with the lead-in {reuse:.4f}, without {plain_reuse:.4f}"
+    assert blend < LEAD_IN_KL_BOUND and blend < reuse, f"default blend with the lead-in {blend:.4f}, reuse {reuse:.4f}"

@@ -123,11 +123,14 @@ class ChunkCache:
         *,
         lazy: bool,
         first: bool = True,
+        fallback: bool = False,
     ) -> tuple[ChunkReader, str | None]:
         """-> (KV, the name of the store tier it came from, or None if it was prefilled now)
 
         `prefix` is the KV of `prefix_ids`. With `first` False and a lead-in, the entry read or made is the one
         prefilled after the prefix and the lead-in (whose KV is read from the store, or made, only on a miss).
+        With `fallback`, a chunk whose entry for its place is missing comes from its other entry if that one is
+        stored (cached for the other place, so less close to full prefill, but far cheaper than a prefill).
         With `lazy` (pipelined loading), a chunk found on disk or in Redis comes back unread: its layers are
         fetched while the fusor runs. Without it, the chunk is read whole now, and one that turns out damaged
         is recomputed here (its tier has dropped it and counted a miss).
@@ -135,6 +138,8 @@ class ChunkCache:
         context = self.context(prefix_ids, first)
         key = self.key(context, ids)
         hit = self.lookup(key, len(ids))
+        if hit is None and fallback and self.lead_in_ids:
+            hit = self.lookup(self.key(self.context(prefix_ids, not first), ids), len(ids))
         if hit is not None:
             if lazy:
                 return hit.kv, hit.tier

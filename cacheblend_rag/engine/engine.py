@@ -180,7 +180,8 @@ class CacheBlendEngine:
 
     def prompt_keys(self, prompt: TokenizedPrompt) -> list[str]:
         """The store keys this engine reads a prompt's KV from: the prefix's (if any), then each chunk's in order
-        (with a lead-in, every chunk but the first reads its entry cached after the lead-in)."""
+        (with a lead-in, every chunk but the first reads its entry cached after the lead-in). A request whose
+        chunk lacks that entry reads the chunk's other entry if it is stored; `precompute` stores both."""
         return self.chunks.prompt_keys(prompt.prefix_ids, prompt.chunk_ids)
 
     def precompute(

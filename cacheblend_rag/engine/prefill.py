@@ -113,7 +113,8 @@ class Prefiller:
 
         # Which chunks this mode reads from the cache: prefix caching can reuse only the first one.
         n_chunks = 1 if mode is PrefillMode.PREFIX else len(prompt.chunk_ids)
-        parts, bytes_by_tier = self._gather(prompt, n_chunks, fresh, m)
+        # Prefix caching loads the first chunk as exact KV: it must read the entry cached right after the prefix.
+        parts, bytes_by_tier = self._gather(prompt, n_chunks, fresh, m, exact_first=mode is PrefillMode.PREFIX)
         t_found = time.perf_counter()
         m.load_s = t_found - t0 - m.precompute_s  # store lookups
 
@@ -140,16 +141,23 @@ class Prefiller:
         return Prefill(cache, result.logits, n, m)
 
     def _gather(
-        self, prompt: TokenizedPrompt, n_chunks: int, fresh: set[str], m: RequestMetrics
+        self, prompt: TokenizedPrompt, n_chunks: int, fresh: set[str], m: RequestMetrics, *, exact_first: bool
     ) -> tuple[list[ChunkReader], dict[str, int]]:
-        """The prefix's and the first `n_chunks` chunks' KV, counting hits and misses. -> (parts, bytes by tier)"""
+        """The prefix's and the first `n_chunks` chunks' KV, counting hits and misses. -> (parts, bytes by tier)
+
+        With a lead-in, a chunk whose entry for its place is not stored reads its other entry (a hit), unless it
+        is the first chunk and `exact_first`; only a chunk with neither entry is prefilled."""
         prefix_kv = self.chunks.prefix_kv(prompt.prefix_ids)
         parts: list[ChunkReader] = [prefix_kv] if prefix_kv is not None else []
         bytes_by_tier: dict[str, int] = {}
         seen: set[str] = set()  # a chunk repeated in one prompt is prefilled once: one miss, then hits
         for j, ids in enumerate(prompt.chunk_ids[:n_chunks]):
             t = time.perf_counter()
-            kv, tier = self.chunks.get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=self.pipelined, first=j == 0)
+            first = j == 0
+            fallback = not (first and exact_first)
+            kv, tier = self.chunks.get_or_prefill(
+                prefix_kv, prompt.prefix_ids, ids, lazy=self.pipelined, first=first, fallback=fallback
+            )
             if tier is None:
                 fresh.add(kv.key)
             repeat = kv.key in seen
