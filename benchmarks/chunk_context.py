@@ -5,16 +5,16 @@ the chunks that precede it in a request. `selection_headroom.py` shows that on M
 the tokens, oracles included, makes up for that. This script changes the cached KV instead: before measuring,
 each chunk of a case is prefilled again after some context (placed between the prefix and the chunk, keeping
 only the chunk's KV) and stored under the key the request looks up. Contexts:
-- `alone`: none, as the library stores chunks (the baseline of every row);
+- `alone`: none, as the library stores chunks without a lead-in (the baseline of every row);
 - `predecessor`: the chunk just before it in this prompt (the first chunk keeps none): what a store could hold
   if chunks came back in a stable order, e.g. neighbouring pieces of one document;
 - `all-before`: every chunk before it in this prompt. The cached KV is then full prefill's, so full KV reuse
   must match full recompute (a check of the set-up, and the bound of the lever);
 - `unrelated`: the first 256 tokens of another case's chunks (case i + 25 of the set): some text before the
   chunk, but not the text the request puts there;
-- `lead-in`: as `unrelated`, but the first chunk keeps none. A store can do this for real: it needs no knowledge
-  of the request, only two entries per chunk (one for the first place, whose KV alone is exact, and one for
-  the others).
+- `lead-in`: as `unrelated`, but the first chunk keeps none: what `EngineConfig(lead_in=...)` does, with a
+  passage of the same data set as the lead-in. It needs no knowledge of the request, only two entries per chunk
+  (one for the first place, whose KV alone is exact, and one for the others).
 Every context is measured with full KV reuse and the `paper` and `attention` rules at r = 0.05, teacher-forced
 along full recompute's answer (as `cacheblend-rag bench fidelity` does); `paper` at r = 0.15 on `alone` KV is the
 row the issue's r = 0.05 target compares with.
