@@ -292,8 +292,8 @@ class EngineConfig:
     redis_url: str | None = None  # shared Redis tier, e.g. "redis://127.0.0.1:6379/0"; None: no Redis tier
     redis_budget_bytes: int = 8 * 1024**3
     chunk_separator: str = "\n\n"  # appended to each chunk's text before tokenizing (part of its cache key)
-    # Text that every chunk but a prompt's first is cached after (between the prefix and the chunk): see
-    # `CacheBlendEngine` and docs/how-it-works.md. None: each chunk is cached right after the prefix only.
+    # Text that every chunk but a prompt's first is also cached after (between the prefix and the chunk), e.g.
+    # DEFAULT_LEAD_IN: see docs/configuration.md. None: each chunk is cached right after the prefix only.
     lead_in: str | None = None
     max_prompt_tokens: int | None = None  # None: the model's context length
     pipelined_loading: bool = True  # fetch layer l+1's chunk KV (disk, Redis) while layer l is being fused

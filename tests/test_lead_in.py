@@ -123,3 +123,24 @@ def test_a_chunk_stored_for_the_other_place_is_read_not_prefilled_except_as_pref
     prefix = lead_engine.prefill(ba, "prefix")
     assert (prefix.metrics.chunks_hit, prefix.metrics.chunks_missed) == (0, 1)
     torch.testing.assert_close(prefix.logits, lead_engine.prefill(ba, "full").logits, atol=1e-4, rtol=0)
+
+
+def test_a_run_folder_keeps_its_lead_in(tmp_path):
+    import json
+
+    from cacheblend_rag.errors import CacheBlendError
+    from cacheblend_rag.evaluation.records import check_run_settings
+
+    old = tmp_path / "from_before_lead_ins"  # its run file has no lead_in key: it ran without one
+    old.mkdir()
+    (old / "run.json").write_text(json.dumps({"model": "default"}))
+    with pytest.raises(CacheBlendError, match="lead_in: 'none' there, 'default' now"):
+        check_run_settings(old, {"model": "default", "lead_in": "default"})
+    check_run_settings(old, {"model": "default", "lead_in": "none"})
+    assert json.loads((old / "run.json").read_text())["lead_in"] == "none"
+
+    new = tmp_path / "with_lead_in"
+    new.mkdir()
+    check_run_settings(new, {"model": "default", "lead_in": "default"})
+    with pytest.raises(CacheBlendError, match="lead_in: 'default' there, 'none' now"):
+        check_run_settings(new, {"model": "default", "lead_in": "none"})

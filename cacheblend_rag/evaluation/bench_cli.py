@@ -50,6 +50,13 @@ def _load_bench_engine(args: argparse.Namespace) -> CacheBlendEngine:
     return engine
 
 
+def _run_settings(args: argparse.Namespace, **extra: object) -> dict[str, object]:
+    """What a run's results depend on besides its methods and cases (--model, --dtype, --device, --lead-in): kept
+    with the results, so that a resumed run cannot mix setups (`check_run_settings`)."""
+    settings = {"model": args.model or "default", "dtype": args.dtype, "device": args.device}
+    return {**settings, "lead_in": args.lead_in, **extra}
+
+
 def cmd_bench_quality(args: argparse.Namespace) -> int:
     from . import load_dataset, parse_methods, run_quality, summarize, summary_markdown, write_report
 
@@ -64,14 +71,7 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
         for n in names
     ]
     engine = _load_bench_engine(args)
-    settings = {
-        "model": args.model or "default",
-        "dtype": args.dtype,
-        "device": args.device,
-        "samsum_shots": args.samsum_shots,
-    }
-    if args.lead_in != "none":  # runs from before lead-ins had none; a resumed run must keep its own
-        settings["lead_in"] = args.lead_in
+    settings = _run_settings(args, samsum_shots=args.samsum_shots)
     records = run_quality(engine, datasets, methods, args.out, max_new_tokens=args.max_new_tokens, settings=settings)
     files = write_report(args.out, records)
     print(summary_markdown(summarize(records)))
@@ -117,7 +117,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     methods = [m.name for m in parse_throughput_methods(args.methods)]
     datasets = [load_dataset(n, args.data_dir, args.limit) for n in names]
     engine = _load_bench_engine(args)
-    info = {"model": args.model or "default", "dtype": args.dtype, "device": args.device, "limit": args.limit}
+    info = _run_settings(args, limit=args.limit)
     result = run_throughput(engine, datasets, methods, args.out, settings, info=info)
     print(throughput_markdown(result))
     print(f"wrote {args.out}/results.json, summary.md and ttft_vs_rate.png", file=sys.stderr)
@@ -219,9 +219,7 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
         methods = fidelity_methods(rules, _parse_ratios(args.ratios), reuse=not args.no_reuse)
         datasets = [load_dataset(n, args.data_dir, args.limit) for n in names]
         engine = _load_bench_engine(args)
-        settings = {"model": args.model or "default", "dtype": args.dtype, "device": args.device}
-        if args.lead_in != "none":  # runs from before lead-ins had none; a resumed run must keep its own
-            settings["lead_in"] = args.lead_in
+        settings = _run_settings(args)
         records = run_fidelity(engine, datasets, methods, args.out, settings=settings)
     files = write_fidelity_report(args.out, records)
     print(fidelity_markdown(summarize_fidelity(records), records))

@@ -1,6 +1,6 @@
-"""What the per-case benchmark scripts (`benchmarks/answer_drift.py`, `probe_depth.py`, `selection_headroom.py`)
-share: their common options, the case list they take, their resumable records file, and the paired KL table
-they print."""
+"""What the per-case benchmark scripts (`benchmarks/answer_drift.py`, `probe_depth.py`, `selection_headroom.py`,
+`chunk_context.py`) share: their common options, the case list they take, their resumable records file, and the
+paired KL table they print."""
 
 from __future__ import annotations
 

@@ -57,11 +57,16 @@ def append_record(path: Path, record: Mapping[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+# Settings added after runs were first written, with the value every run from before had: a run file without the
+# key was made with that value, and adding to it with another is refused like any other change.
+SETTINGS_BEFORE_THEIR_KEY: dict[str, Any] = {"lead_in": "none"}
+
+
 def check_run_settings(out: Path, settings: Mapping[str, Any]) -> None:
     """Refuse to add to `out` when it holds results of another setup; remember this setup otherwise."""
     path = out / RUN_FILE
     if path.exists():
-        old = json.loads(path.read_text())
+        old = {**SETTINGS_BEFORE_THEIR_KEY, **json.loads(path.read_text())}
         differ = {k: (old.get(k), v) for k, v in settings.items() if k in old and old[k] != v}
         if differ:
             details = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in differ.items())
