@@ -70,7 +70,7 @@ def store_with_context(engine, prompt, before: Sequence[Sequence[int]]) -> None:
     """Prefill each chunk of `prompt` after its prefix and `before[j]`, and store only the chunk's KV under the
     key a request for `prompt` reads it from (`engine.prompt_keys`), replacing what was there."""
     prefix = tuple(prompt.prefix_ids)
-    keys = engine.prompt_keys(prompt)[1 if prefix else 0 :]  # the entries this engine reads (lead-in or not)
+    keys = engine.prompt_keys(prompt, with_prefix=False)  # the entries this engine reads (lead-in or not)
     for ids, ctx, key in zip(prompt.chunk_ids, before, keys, strict=True):
         context = prefix + tuple(ctx)
         kv = engine.chunks.prefill(engine.chunks.prefix_kv(context), context, ids)

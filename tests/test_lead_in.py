@@ -39,11 +39,27 @@ def test_the_first_chunk_reads_its_entry_after_the_prefix_and_the_others_after_t
         lead_engine.chunk_key(after_lead_in, c1),
         lead_engine.chunk_key(after_lead_in, c2),
     ]
+    assert lead_engine.prompt_keys(prompt, with_prefix=False) == lead_engine.prompt_keys(prompt)[1:]
     assert lead_engine.precompute(chunks, prefix=PREFIX) == (0, 3)
     assert lead_engine.precompute(chunks, prefix=PREFIX) == (3, 0)
     for ids in (c0, c1, c2):  # both entries of every chunk: any of them may come first in another prompt
         for context in (prompt.prefix_ids, after_lead_in):
             assert lead_engine.store.get(lead_engine.chunk_key(context, ids)) is not None
+
+
+def test_the_prefix_and_lead_in_kv_is_read_once_for_all_the_chunks_prefilled_after_it(lead_engine, monkeypatch):
+    chunks, prompt = chunks_and_prompt(lead_engine)
+    context_key = lead_engine.chunk_key((), (*prompt.prefix_ids, *encode(lead_engine.tokenizer, LEAD_IN)))
+    opened: list[str] = []
+    store_open = lead_engine.store.open
+    monkeypatch.setattr(lead_engine.store, "open", lambda key: opened.append(key) or store_open(key))
+    lead_engine.precompute(chunks, prefix=PREFIX)
+    lead_engine.precompute([random_words(s, 14) for s in (41, 42)], prefix=PREFIX)
+    assert opened.count(context_key) == 1  # made on the first miss, then kept for every later one
+    lead_engine.clear_store()
+    lead_engine.precompute(chunks, prefix=PREFIX)
+    assert opened.count(context_key) == 2  # a cleared store forgets it: the next miss reads (here: makes) it again
+    assert lead_engine.store.get(context_key) is not None
 
 
 def test_an_entry_after_the_lead_in_holds_what_the_model_computes_there(lead_engine):

@@ -243,7 +243,7 @@ def profile_engine(
 
     # Read speeds, from the KV of the chunks just profiled (the largest prompt's chunks suffice).
     prompt = engine.build_prompt(all_chunks[-max(1, token_counts[-1] // chunk_tokens) :], question)
-    keys = engine.prompt_keys(prompt)[1 if prompt.prefix_ids else 0 :]  # the chunks' entries
+    keys = engine.prompt_keys(prompt, with_prefix=False)  # the chunks' entries
     entries = [engine.store.get(k) for k in keys]
     entries = [e for e in entries if e is not None]
     if not entries:

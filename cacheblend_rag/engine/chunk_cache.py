@@ -42,6 +42,9 @@ class ChunkCache:
         self.fingerprint = fingerprint
         self.dtype = dtype
         self.lead_in_ids = tuple(lead_in_ids)  # () : no lead-in, one entry per chunk
+        # The KV of the last prefix + lead-in prefilled after, kept whole: every missed non-first chunk of a
+        # request or a precompute is prefilled after the same context, which is then read once, not per chunk.
+        self._context_kv: tuple[tuple[int, ...], ChunkReader] | None = None
 
     def key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
         """The store key of a chunk's KV when it follows `prefix_ids`."""
@@ -52,9 +55,12 @@ class ChunkCache:
         with no lead-in), else the prefix and the lead-in."""
         return tuple(prefix_ids) if first else (*prefix_ids, *self.lead_in_ids)
 
-    def prompt_keys(self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]]) -> list[str]:
-        """The store keys a prompt's KV is read from: the prefix's (if any), then each chunk's, in order."""
-        keys = [self.key((), prefix_ids)] if prefix_ids else []
+    def prompt_keys(
+        self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], *, with_prefix: bool = True
+    ) -> list[str]:
+        """The store keys a prompt's KV is read from: the prefix's (if any, and `with_prefix`), then each
+        chunk's, in order."""
+        keys = [self.key((), prefix_ids)] if prefix_ids and with_prefix else []
         return keys + [self.key(self.context(prefix_ids, j == 0), ids) for j, ids in enumerate(chunk_ids)]
 
     def layer_loader(self, parts: Sequence[ChunkReader], total: int) -> LayerLoader:
@@ -148,7 +154,7 @@ class ChunkCache:
             except CorruptEntryError as exc:
                 logger.warning("chunk %s from the %s tier is damaged (%s); recomputing it", key[:12], hit.tier, exc)
         if len(context) > len(prefix_ids):
-            prefix = self.prefix_kv(context)
+            prefix = self.context_kv(context)
         kv = self.prefill(prefix, context, ids)
         self.store.put(kv)
         return kv, None
@@ -158,6 +164,16 @@ class ChunkCache:
         if not prefix_ids:
             return None
         return self.get_or_prefill(None, (), prefix_ids, lazy=False)[0]
+
+    def context_kv(self, context: Sequence[int]) -> ChunkReader | None:
+        """`prefix_kv` of a prefix + lead-in, remembered for the next chunk prefilled after the same tokens."""
+        memo = self._context_kv
+        if memo is not None and memo[0] == tuple(context):
+            return memo[1]
+        kv = self.prefix_kv(context)
+        if kv is not None:
+            self._context_kv = (tuple(context), kv)
+        return kv
 
     def fill(
         self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], *, show_progress: bool = False
@@ -176,6 +192,7 @@ class ChunkCache:
 
     def clear(self, tiers: Sequence[str] | None = None) -> None:
         """Drop stored chunk KV: every tier, or only the named ones of a tier stack."""
+        self._context_kv = None
         if tiers is None:
             self.store.clear()
         elif isinstance(self.store, TieredStore):

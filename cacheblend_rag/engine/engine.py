@@ -178,11 +178,12 @@ class CacheBlendEngine:
         """The store key of a chunk's KV when it follows `prefix_ids` (model fingerprint, dtype and tokens)."""
         return self.chunks.key(prefix_ids, chunk_ids)
 
-    def prompt_keys(self, prompt: TokenizedPrompt) -> list[str]:
-        """The store keys this engine reads a prompt's KV from: the prefix's (if any), then each chunk's in order
-        (with a lead-in, every chunk but the first reads its entry cached after the lead-in). A request whose
-        chunk lacks that entry reads the chunk's other entry if it is stored; `precompute` stores both."""
-        return self.chunks.prompt_keys(prompt.prefix_ids, prompt.chunk_ids)
+    def prompt_keys(self, prompt: TokenizedPrompt, *, with_prefix: bool = True) -> list[str]:
+        """The store keys this engine reads a prompt's KV from: the prefix's (if any, and `with_prefix`), then
+        each chunk's in order (with a lead-in, every chunk but the first reads its entry cached after the
+        lead-in). A request whose chunk lacks that entry reads the chunk's other entry if it is stored;
+        `precompute` stores both."""
+        return self.chunks.prompt_keys(prompt.prefix_ids, prompt.chunk_ids, with_prefix=with_prefix)
 
     def precompute(
         self,
