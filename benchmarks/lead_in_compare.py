@@ -11,12 +11,16 @@ methods `METHOD+lead-in`, and prints per data set, over the cases both runs fini
 
     python benchmarks/lead_in_compare.py --alone benchmarks/results/fidelity \\
         --lead-in benchmarks/results/fidelity-lead-in --out benchmarks/results/fidelity-lead-in/compare.md
+
+`--lead-in` repeats, as `NAME=FOLDER`, to set lead-ins side by side: each one's methods are tagged `+NAME`,
+and each later one's default rule at r = 0.05 is also paired with the first one's.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from cacheblend_rag.evaluation.case_scripts import paired_kl_table
@@ -24,36 +28,64 @@ from cacheblend_rag.evaluation.fidelity import RESULTS_FILE
 from cacheblend_rag.evaluation.fidelity_report import paired_difference
 from cacheblend_rag.evaluation.records import load_records
 
-TAG = "+lead-in"
-TARGETS = (("attention@0.05" + TAG, "paper@0.15"), ("reuse" + TAG, "attention@0.15" + TAG))
+TAG = "+lead-in"  # the suffix of a run given without a name
 
 
-def merged(alone: list[dict], lead_in: list[dict]) -> list[dict]:
-    """Both runs' records on the cases the lead-in run measured (errors and full recompute's own rows left
-    out), the lead-in run's methods tagged."""
-    tagged = [{**r, "method": r["method"] + TAG} for r in lead_in if "error" not in r and r["method"] != "full"]
+def parse_run(spec: str) -> tuple[str, Path]:
+    """'[NAME=]FOLDER' -> (the suffix its methods get, the folder): '+NAME', or '+lead-in' without a name."""
+    name, sep, folder = spec.partition("=")
+    if not sep:
+        return TAG, Path(spec)
+    if not name.replace("-", "").isalnum():
+        raise SystemExit(f"--lead-in {spec!r}: a run's name is letters, digits and '-' (e.g. set-lead-in=FOLDER)")
+    return "+" + name, Path(folder)
+
+
+def tag_of(method: str, tags: Sequence[str]) -> str | None:
+    """The lead-in suffix `method` ends with (the longest, so '+set-lead-in' is not read as '+lead-in')."""
+    return next((t for t in sorted(tags, key=len, reverse=True) if method.endswith(t)), None)
+
+
+def merged(alone: list[dict], runs: Sequence[tuple[str, list[dict]]]) -> list[dict]:
+    """The runs' records on the cases some lead-in run measured (errors and full recompute's own rows left
+    out), each lead-in run's methods tagged with its suffix."""
+    tagged = [
+        {**r, "method": r["method"] + tag}
+        for tag, records in runs
+        for r in records
+        if "error" not in r and r["method"] != "full"
+    ]
     cases = {(r["dataset"], r["case_id"]) for r in tagged}
     ok = [r for r in alone if "error" not in r and r["method"] != "full" and (r["dataset"], r["case_id"]) in cases]
     return ok + tagged
 
 
-def report(records: list[dict]) -> str:
-    tagged = sorted({r["method"] for r in records if r["method"].endswith(TAG)})
-    plain = [m[: -len(TAG)] for m in tagged]
-    order = [m for pair in zip(plain, tagged, strict=True) for m in pair]
-    if "paper@0.15" not in order:
-        order.append("paper@0.15")
+def targets(tags: Sequence[str]) -> list[tuple[str, str]]:
+    """The pairs compared: per lead-in, the default rule at 0.05 against `paper` at 0.15 without a lead-in, and
+    reuse against the default rule at 0.15 with the same lead-in; then each later lead-in's default rule at
+    0.05 against the first one's."""
+    pairs = [p for t in tags for p in (("attention@0.05" + t, "paper@0.15"), ("reuse" + t, "attention@0.15" + t))]
+    return pairs + [("attention@0.05" + t, "attention@0.05" + tags[0]) for t in tags[1:]]
+
+
+def report(records: list[dict], tags: Sequence[str] = (TAG,)) -> str:
+    names = {r["method"] for r in records}
+    tagged = [(m, tag_of(m, tags)) for m in names]
+    plain = sorted({m[: -len(t)] for m, t in tagged if t} | {"paper@0.15"})  # the methods some lead-in run has
+    order = [m + t for m in plain for t in ("", *tags) if m + t in names]
+
+    def baseline(method: str) -> str | None:
+        tag = tag_of(method, tags)
+        return method[: -len(tag)] if tag else None
+
     text = paired_kl_table(
-        records,
-        lambda names: [m for m in order if m in names],
-        lambda m: m[: -len(TAG)] if m.endswith(TAG) else None,
-        diff_column="KL - without lead-in",
+        records, lambda found: [m for m in order if m in found], baseline, diff_column="KL - without lead-in"
     )
     lines = [text, "Targets, paired per case over the cases both runs finished:", ""]
     lines += ["| data set | A | B | cases | KL(A) - KL(B) [95% CI] | top-1(A) - top-1(B) [95% CI] |"]
     lines += ["|---|---|---|---|---|---|"]
     for ds in sorted({r["dataset"] for r in records}):
-        for a, b in TARGETS:
+        for a, b in targets(tags):
             kl, top = paired_difference(records, ds, a, b, "kl_mean"), paired_difference(records, ds, a, b, "top1")
             if kl is None or top is None:
                 continue
@@ -67,16 +99,24 @@ def report(records: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--alone", required=True, help="the `bench fidelity` folder run without a lead-in")
-    p.add_argument("--lead-in", required=True, help="the `bench fidelity --lead-in ...` folder")
+    p.add_argument(
+        "--lead-in",
+        required=True,
+        action="append",
+        metavar="[NAME=]FOLDER",
+        help="a `bench fidelity --lead-in ...` folder; repeat it to compare lead-ins (runs of one NAME, e.g. one "
+        "folder per data set, are read together; the first NAME is the one later ones are paired with)",
+    )
     p.add_argument("--out", help="also write the report to this file")
     args = p.parse_args(argv)
     alone = load_records(args.alone, filename=RESULTS_FILE)
-    lead_in = load_records(args.lead_in, filename=RESULTS_FILE)
-    if not alone or not lead_in:
-        empty = args.alone if not alone else args.lead_in
-        print(f"no records in {Path(empty) / RESULTS_FILE}; run `cacheblend-rag bench fidelity` there", file=sys.stderr)
-        return 2
-    text = report(merged(alone, lead_in))
+    runs = [(tag, load_records(folder, filename=RESULTS_FILE), folder) for tag, folder in map(parse_run, args.lead_in)]
+    for folder, records in [(Path(args.alone), alone)] + [(f, r) for _, r, f in runs]:
+        if not records:
+            print(f"no records in {folder / RESULTS_FILE}; run `cacheblend-rag bench fidelity` there", file=sys.stderr)
+            return 2
+    tags = list(dict.fromkeys(tag for tag, _, _ in runs))
+    text = report(merged(alone, [(tag, records) for tag, records, _ in runs]), tags)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

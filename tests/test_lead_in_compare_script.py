@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 
 def write(folder, recs):
     folder.mkdir()
@@ -46,3 +48,20 @@ def test_an_empty_run_says_what_to_do(load_script, tmp_path, capsys):
     (tmp_path / "lead").mkdir()
     assert compare.main(["--alone", str(tmp_path / "alone"), "--lead-in", str(tmp_path / "lead")]) == 2
     assert "run `cacheblend-rag bench fidelity` there" in capsys.readouterr().err
+
+
+def test_named_lead_in_runs_side_by_side(load_script, tmp_path, capsys):
+    compare = load_script("lead_in_compare")
+    alone = [rec(c, m, kl, 0.8) for c in ("a", "b") for m, kl in (("reuse", 0.4), ("paper@0.15", 0.2))]
+    write(tmp_path / "alone", alone)
+    write(tmp_path / "neutral", [rec(c, "attention@0.05", 0.3, 0.8) for c in ("a", "b")])
+    write(tmp_path / "set", [rec(c, "attention@0.05", kl, 0.9) for c, kl in (("a", 0.1), ("b", 0.2))])
+    args = ["--alone", str(tmp_path / "alone"), "--lead-in", str(tmp_path / "neutral")]
+    assert compare.main([*args, "--lead-in", f"set-lead-in={tmp_path / 'set'}"]) == 0
+    text = capsys.readouterr().out
+    assert "| attention@0.05+set-lead-in | 0.1500 [0.1000, 0.2000] | 0.900 [0.900, 0.900] | 0.100 | - |" in text
+    # each later lead-in against the first, paired per case
+    assert "| musique | attention@0.05+set-lead-in | attention@0.05+lead-in | 2 | -0.1500 [-0.2000, -0.1000] |" in text
+    assert "| musique | attention@0.05+set-lead-in | paper@0.15 | 2 | -0.0500 [-0.1000, +0.0000] |" in text
+    with pytest.raises(SystemExit, match="a run's name is letters"):
+        compare.main([*args, "--lead-in", f"a b={tmp_path / 'set'}"])
