@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from cacheblend_rag.evaluation.datasets import DATASETS, Case, load_dataset
+from cacheblend_rag.evaluation.datasets import DATASETS, Case, DatasetError, load_dataset
 
 
 def lead_in_text(case: Case, chars: int) -> str:
@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in args.datasets.split(","):
-        ds = load_dataset(name, args.data_dir, limit=args.case + 1)
+        try:
+            ds = load_dataset(name, args.data_dir, limit=args.case + 1)
+        except DatasetError as exc:  # an unknown name, a missing folder or file: say so, without a traceback
+            print(exc, file=sys.stderr)
+            return 2
         if len(ds.cases) <= args.case:
             print(f"{name} has {len(ds.cases)} cases; choose --case below that", file=sys.stderr)
             return 2

@@ -29,3 +29,11 @@ def test_writes_one_file_per_data_set_from_the_chosen_case(load_script, tmp_path
     assert random_words(2, 30).startswith(text.strip()) and 20 < len(text) <= 41
     assert lead.main([*args[:2], "--case", "3", *args[4:]]) == 2
     assert "musique has 3 cases; choose --case below that" in capsys.readouterr().err
+
+
+def test_an_unknown_data_set_or_folder_is_a_clear_error(load_script, tmp_path, capsys):
+    lead = load_script("set_lead_ins")
+    assert lead.main(["--datasets", "nosuch", "--out", str(tmp_path / "out"), "--data-dir", str(tmp_path)]) == 2
+    assert "unknown data set 'nosuch'" in capsys.readouterr().err
+    assert lead.main(["--datasets", "musique", "--out", str(tmp_path / "out"), "--data-dir", str(tmp_path / "no")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
