@@ -11,6 +11,7 @@ from conftest import reference_logits_with_cache
 
 from cacheblend_rag import DEFAULT_LEAD_IN, CacheBlendEngine, ConfigError, EngineConfig
 from cacheblend_rag.engine.prompt import encode
+from cacheblend_rag.store import MemoryStore
 from cacheblend_rag.testing import make_tiny_model, random_words
 
 LEAD_IN = random_words(7, 9)
@@ -60,6 +61,15 @@ def test_the_prefix_and_lead_in_kv_is_read_once_for_all_the_chunks_prefilled_aft
     lead_engine.precompute(chunks, prefix=PREFIX)
     assert opened.count(context_key) == 2  # a cleared store forgets it: the next miss reads (here: makes) it again
     assert lead_engine.store.get(context_key) is not None
+
+
+def test_a_new_store_gets_its_own_prefix_and_lead_in_entry(lead_engine):
+    chunks, prompt = chunks_and_prompt(lead_engine)
+    context_key = lead_engine.chunk_key((), (*prompt.prefix_ids, *encode(lead_engine.tokenizer, LEAD_IN)))
+    lead_engine.precompute(chunks, prefix=PREFIX)
+    lead_engine.store = MemoryStore(1 << 26)
+    lead_engine.precompute(chunks, prefix=PREFIX)
+    assert lead_engine.store.get(context_key) is not None  # not served from what the old store's miss made
 
 
 def test_an_entry_after_the_lead_in_holds_what_the_model_computes_there(lead_engine):

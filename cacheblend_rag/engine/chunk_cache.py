@@ -38,13 +38,25 @@ class ChunkCache:
         lead_in_ids: Sequence[int] = (),
     ) -> None:
         self.lm = lm
-        self.store = store
+        self._store = store
         self.fingerprint = fingerprint
         self.dtype = dtype
         self.lead_in_ids = tuple(lead_in_ids)  # () : no lead-in, one entry per chunk
         # The KV of the last prefix + lead-in prefilled after, kept whole: every missed non-first chunk of a
         # request or a precompute is prefilled after the same context, which is then read once, not per chunk.
         self._context_kv: tuple[tuple[int, ...], ChunkReader] | None = None
+
+    @property
+    def store(self) -> ChunkStore:
+        """The store the chunk KV is read from and written to."""
+        return self._store
+
+    @store.setter
+    def store(self, store: ChunkStore) -> None:
+        """Read and write another store; the remembered prefix + lead-in KV is dropped with the old one, so the
+        new store gets its own entry on the next miss."""
+        self._store = store
+        self._context_kv = None
 
     def key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
         """The store key of a chunk's KV when it follows `prefix_ids`."""
