@@ -7,12 +7,13 @@ Folders: `models/` (presets, loading, layer-wise adapter), `store/` (chunk KV an
 selection and the blended prefill), `engine/` (one request end to end), `retrieval/` (chunking, FAISS), `cli`.
 """
 
-from .config import DEFAULT_LEAD_IN, RULE_NAMES, BlendConfig, EngineConfig, PrefillMode, blend_rule
+from .config import RULE_NAMES, RULES, BlendConfig, EngineConfig, PrefillMode, blend_rule
 from .engine import (
     QA_SHORT_TEMPLATE,
     CacheBlendEngine,
     GenerationResult,
     PromptTemplate,
+    Request,
     RequestMetrics,
     TextStream,
     TokenizedPrompt,
@@ -29,8 +30,8 @@ from .store import ChunkKV, MemoryStore
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_LEAD_IN",
     "QA_SHORT_TEMPLATE",
+    "RULES",
     "RULE_NAMES",
     "BlendConfig",
     "CacheBlendEngine",
@@ -44,6 +45,7 @@ __all__ = [
     "PrefillMode",
     "PromptError",
     "PromptTemplate",
+    "Request",
     "RequestMetrics",
     "TextStream",
     "TokenizedPrompt",

@@ -88,7 +88,7 @@ def reference_logits_with_cache(engine: CacheBlendEngine, prompt, num_chunks: in
         out = engine.model(
             input_ids=tail[None],
             position_ids=torch.arange(cached, cached + tail.numel())[None],
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
         )
     return out.logits[0, -1].float()

@@ -55,8 +55,8 @@ def test_a_per_request_rule_is_checked_before_any_compute(engine):
         ask(engine, mode="full", blend=blend_rule("gradual"))
     with pytest.raises(ConfigError, match="blend must be a BlendConfig"):
         ask(engine, blend="gradual")
-    with pytest.raises(ConfigError, match="check layer|check_layers"):
-        ask(engine, blend=BlendConfig(selection="deviation", check_layers=(1, 99)))
+    with pytest.raises(ConfigError, match="no rule named|rule must be one of"):
+        ask(engine, blend=BlendConfig(rule="lmcache"))
 
 
 def test_stream_yields_the_same_text_as_generate(engine):
@@ -196,12 +196,9 @@ def test_empty_question_and_missing_suffix_are_errors(engine):
     "kwargs, match",
     [
         (dict(recompute_ratio=-0.1), r"recompute_ratio must be in \[0, 1\], got -0.1"),
-        (dict(check_layers=()), "at least one layer"),
-        (dict(check_layers=(0,)), "layer indices >= 1"),
-        (dict(check_layers=(3, 2)), "strictly increasing"),
-        (dict(deviation="attention"), "deviation must be one of"),
-        (dict(check_layers=(1, 2), check_ratios=(0.3,)), "one ratio per check layer"),
-        (dict(check_layers=(1, 2), check_ratios=(0.2, 0.3)), "must not increase"),
+        (dict(recompute_ratio=True), r"recompute_ratio must be in \[0, 1\], got True"),
+        (dict(recompute_ratio=float("nan")), r"recompute_ratio must be in \[0, 1\], got nan"),
+        (dict(rule="weighted-deviation"), "rule must be one of attention, paper, gradual, epic"),
     ],
 )
 def test_blend_config_validation(kwargs, match):
@@ -215,18 +212,18 @@ def test_engine_config_validation():
     with pytest.raises(ConfigError, match="device must be"):
         EngineConfig(device="tpu")
     assert EngineConfig(dtype="bf16").dtype == "bfloat16"
-    with pytest.raises(ConfigError, match="check_layers has layer 9"):
+    with pytest.raises(ConfigError, match="has layer 3, but the model has 2 layers"):
         CacheBlendEngine(
-            make_tiny_model("llama"),
+            make_tiny_model("llama", num_layers=2),
             make_tiny_tokenizer(),
-            config=EngineConfig(blend=BlendConfig(check_layers=(1, 9), selection="deviation")),
+            config=EngineConfig(blend=blend_rule("gradual")),
         )
 
 
 def test_gradual_schedule_falls_to_the_ratio():
-    cfg = BlendConfig(recompute_ratio=0.2, check_layers=(1, 2, 3), filter_slack=0.5)
-    assert cfg.schedule() == pytest.approx((0.3, 0.25, 0.2))
-    assert BlendConfig(recompute_ratio=0.2, check_layers=(1,)).schedule() == (0.2,)
+    assert blend_rule("gradual", 0.2).schedule() == pytest.approx((0.3, 0.25, 0.2))
+    assert blend_rule("paper", 0.2).schedule() == (0.2,)
+    assert blend_rule("attention", 0.2).schedule() == ()
     assert SamplingParams(stop="x").stop == ("x",)
 
 

@@ -29,11 +29,8 @@ BIG = 1024  # tokens: above diskcache's 32 KiB threshold, so the entry is a file
 
 
 def engine_on(pipelined: bool = True, **config) -> CacheBlendEngine:
-    # memory_budget_bytes=0: nothing stays in process memory, every chunk comes from the lower tiers. No lead-in:
-    # one entry per chunk, so that the counts below are those of the chunks (tests/test_lead_in.py covers it).
-    config = EngineConfig(
-        chunk_separator="", memory_budget_bytes=0, pipelined_loading=pipelined, lead_in=None, **config
-    )
+    # memory_budget_bytes=0: nothing stays in process memory, every chunk comes from the lower tiers.
+    config = EngineConfig(chunk_separator="", memory_budget_bytes=0, pipelined_loading=pipelined, **config)
     return CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
 
 

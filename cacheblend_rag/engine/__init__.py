@@ -2,11 +2,12 @@
 
 from ..models.fingerprint import model_fingerprint
 from .decoding import GenerationResult, TextStream
-from .engine import CacheBlendEngine, RequestOptions
+from .engine import CacheBlendEngine
 from .generation import SamplingParams
 from .metrics import RequestMetrics
 from .prefill import Prefill, RatioPolicy
 from .prompt import QA_SHORT_TEMPLATE, PromptTemplate, TokenizedPrompt, tokenize_parts
+from .request import Request
 
 __all__ = [
     "QA_SHORT_TEMPLATE",
@@ -16,7 +17,7 @@ __all__ = [
     "PromptTemplate",
     "RatioPolicy",
     "RequestMetrics",
-    "RequestOptions",
+    "Request",
     "SamplingParams",
     "TextStream",
     "TokenizedPrompt",

@@ -15,44 +15,25 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any
 
 import torch
 
 from ..config import BlendConfig, EngineConfig, PrefillMode, torch_dtype
-from ..errors import ConfigError, PromptError
+from ..errors import CacheBlendError, ConfigError, PromptError
 from ..models.adapter import LayerwiseModel
 from ..models.fingerprint import model_fingerprint
 from ..models.support import max_blend_length
-from ..store import ChunkStore, CorruptEntryError, build_store
+from ..store import ChunkStore, CorruptEntryError, TieredStore, build_store
 from .chunk_cache import ChunkCache
 from .decoding import GenerationResult, TextStream, decode
-from .generation import SamplingParams, check_encodable, check_ratio_arg, eos_token_ids
-from .planning import check_blend, check_token_scores
+from .generation import check_encodable, eos_token_ids
+from .planning import check_blend
 from .prefill import Prefill, Prefiller, RatioPolicy
-from .prompt import PromptTemplate, TokenizedPrompt, encode, tokenize_chunks, tokenize_parts, tokenize_prefix
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
+from .prompt import PromptTemplate, TokenizedPrompt, tokenize_chunks, tokenize_parts, tokenize_prefix
+from .request import Request, check_chunks, check_text
 
 logger = logging.getLogger(__name__)
-
-
-class RequestOptions(TypedDict, total=False):
-    """The keyword arguments of `generate` and `stream` (see `stream` for each)."""
-
-    mode: PrefillMode | str
-    recompute_ratio: float | None
-    blend: BlendConfig | None
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    stop: Sequence[str] | str | None
-    seed: int | None
-    template: PromptTemplate | None
-    prefix: str | None
-    suffix: str | None
 
 
 class CacheBlendEngine:
@@ -101,9 +82,7 @@ class CacheBlendEngine:
         self.eos_ids = eos_token_ids(self.model, tokenizer)
         limits = [self.lm.shape.max_positions, self.config.max_prompt_tokens, max_blend_length(self.model.config)]
         self.max_tokens = min(x for x in limits if x is not None)
-        lead_in = self.config.lead_in
-        lead_in_ids = encode(tokenizer, lead_in + self.config.chunk_separator) if lead_in is not None else ()
-        self.chunks = ChunkCache(self.lm, store, self.fingerprint, self.dtype, lead_in_ids)
+        self.chunks = ChunkCache(self.lm, store, self.fingerprint, self.dtype)
         self._prefiller = Prefiller(self.model, self.lm, self.chunks, pipelined=self.config.pipelined_loading)
         self._lock = threading.RLock()
 
@@ -180,9 +159,7 @@ class CacheBlendEngine:
 
     def prompt_keys(self, prompt: TokenizedPrompt, *, with_prefix: bool = True) -> list[str]:
         """The store keys this engine reads a prompt's KV from: the prefix's (if any, and `with_prefix`), then
-        each chunk's in order (with a lead-in, every chunk but the first reads its entry cached after the
-        lead-in). A request whose chunk lacks that entry reads the chunk's other entry if it is stored;
-        `precompute` stores both."""
+        each chunk's in order."""
         return self.chunks.prompt_keys(prompt.prefix_ids, prompt.chunk_ids, with_prefix=with_prefix)
 
     def precompute(
@@ -199,6 +176,9 @@ class CacheBlendEngine:
         The template's prefix does not depend on the question, so `question` is only needed by templates
         that place it before the chunks. Returns (already cached, newly computed).
         """
+        check_chunks(chunks)
+        check_text("question", question, optional=True)
+        check_text("prefix", prefix, optional=True)
         check_encodable(chunks, question=question, prefix=prefix)
         if prefix is None:
             prefix, _ = (template or self.template).render(self.tokenizer, question or "?")
@@ -224,40 +204,50 @@ class CacheBlendEngine:
         *,
         recompute_ratio: float | None = None,
         blend: BlendConfig | None = None,
-        token_scores: torch.Tensor | None = None,
     ) -> Prefill:
         """Build the prompt's KV cache in the given mode. Times exclude tokenization (see `generate`).
 
         `blend` replaces the engine's `BlendConfig` for this request (another rule); `recompute_ratio` changes
         only its ratio. The controller, if any, chooses the ratio only when neither is given.
-        `token_scores` ([N] floats, higher = recompute first) rank the chunk tokens in place of the question's
-        attention pass, for the rules that have one (selection "attention" or "attention|deviation"): your own
-        relevance signal, or an oracle in a study. Their cost is not counted; the probe's is not spent.
         """
-        mode = PrefillMode.parse(mode)
-        check_ratio_arg(recompute_ratio)
-        if mode is not PrefillMode.BLEND and recompute_ratio is not None:
-            raise ConfigError(f"recompute_ratio applies to mode 'blend' only, got mode {mode.value!r}")
-        pinned = recompute_ratio is not None or blend is not None
-        blend = blend or self.config.blend
-        if recompute_ratio is not None:
-            blend = blend.with_ratio(recompute_ratio)
-        check_blend(blend, self.lm.shape.num_layers, "blend.check_layers")
-        self.check_length(prompt)
-        if token_scores is not None:
-            token_scores = check_token_scores(token_scores, prompt, mode, blend)
+        request = Request(mode=mode, recompute_ratio=recompute_ratio, blend=blend)
+        self._check_request(prompt, request, "prefill")
+        return self._prefill(prompt, request)
+
+    def _check_request(self, prompt: TokenizedPrompt, request: Request, method: str) -> None:
+        """What a request needs of this engine: a rule this model has the layers for, a prompt that fits."""
+        try:
+            check_blend(request.blend or self.config.blend, self.lm.shape.num_layers, "blend")
+            self.check_length(prompt, request.sampling.max_new_tokens if method != "prefill" else 0)
+        except CacheBlendError as exc:
+            raise type(exc)(f"{method}(): {exc}") from None
+
+    def _prefill(self, prompt: TokenizedPrompt, request: Request) -> Prefill:
+        mode = request.mode
+        pinned = request.recompute_ratio is not None or request.blend is not None
+        blend = request.blend or self.config.blend
+        if request.recompute_ratio is not None:
+            blend = blend.with_ratio(request.recompute_ratio)
         policy = self.controller if mode is PrefillMode.BLEND and not pinned else None
         with self._lock:
             # A chunk read layer by layer can turn out damaged after the fusor has started; its tier has dropped
             # it by then, so trying again finds it in another tier or recomputes it. Each retry follows the
-            # removal of one entry, so this ends.
+            # removal of one entry from one tier, so a prompt's entries (prefix and chunks, in every tier) bound
+            # the retries; past that bound the request runs as a full prefill, which reads no stored KV.
             fresh: set[str] = set()  # chunks prefilled during this request: misses, even when found on a retry
-            for attempt in range(len(prompt.chunk_ids) + 2):
+            for attempt in range((len(prompt.chunk_ids) + 1) * self.store_tiers + 1):
                 try:
-                    return self._prefiller.run(prompt, mode, blend, fresh, policy, token_scores)
+                    return self._prefiller.run(prompt, mode, blend, fresh, policy)
                 except CorruptEntryError as exc:
                     logger.warning("prefill attempt %d read a damaged chunk (%s); trying again", attempt + 1, exc)
-            return self._prefiller.run(prompt, mode, blend, fresh, policy, token_scores)
+            logger.warning("the store kept returning damaged chunks; answering with a full prefill")
+            return self._prefiller.run(prompt, PrefillMode.FULL, blend, fresh, None)
+
+    @property
+    def store_tiers(self) -> int:
+        """How many tiers the store has (1 for a single tier)."""
+        store = self.chunks.store
+        return len(store.tiers) if isinstance(store, TieredStore) else 1
 
     def extend(self, prefill: Prefill, token_ids: Sequence[int]) -> torch.Tensor:
         """Feed tokens after a prefilled prompt in one forward (teacher forcing); -> logits [T, vocab] float32.
@@ -276,64 +266,64 @@ class CacheBlendEngine:
     # -- generation ---------------------------------------------------------------------------------------------
 
     def generate(
-        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Unpack[RequestOptions]
+        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Any
     ) -> GenerationResult:
         """Answer a question over chunks (or a prebuilt prompt) and return the text with the request's metrics.
 
         Takes the keyword arguments of `stream`, and collects its stream.
         """
-        return self.stream(chunks, question, **options).collect()
+        prompt, request = self._request("generate", chunks, question, options)
+        return self._stream(prompt, request).collect()
 
     def stream(
-        self,
-        chunks: Sequence[str] | TokenizedPrompt,
-        question: str | None = None,
-        *,
-        mode: PrefillMode | str = PrefillMode.BLEND,
-        recompute_ratio: float | None = None,
-        blend: BlendConfig | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] | str | None = (),
-        seed: int | None = None,
-        template: PromptTemplate | None = None,
-        prefix: str | None = None,
-        suffix: str | None = None,
+        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Any
     ) -> TextStream:
         """Yield the answer's text as it is produced; `.result` holds the `GenerationResult` at the end.
 
-        `mode`: "blend" (default), "full", "prefix" or "reuse"; `blend` replaces the engine's `BlendConfig` for
-        this request (e.g. `blend_rule("gradual", 0.15)`), `recompute_ratio` overrides the blend ratio;
-        sampling: greedy at temperature 0, else `top_p` / `top_k` / `seed`; `stop`: strings that end the answer
-        (None: none). A prompt is chunks + question (rendered by `template`), chunks + explicit `prefix` /
-        `suffix`, or a prebuilt `TokenizedPrompt`. Every argument is checked here, before any compute.
+        Keyword arguments (all optional; see `Request`):
+        - `mode`: "blend" (default), "full", "prefix" or "reuse"; `blend` replaces the engine's `BlendConfig` for
+          this request (e.g. `blend_rule("gradual", 0.15)`); `recompute_ratio` overrides the blend ratio;
+        - decoding: `max_new_tokens` (or `max_tokens`), greedy at `temperature` 0, else `top_p` / `top_k` /
+          `seed`; `stop`: strings that end the answer (None: none);
+        - the prompt: chunks + question (rendered by `template`), chunks + explicit `prefix` / `suffix`, or a
+          prebuilt `TokenizedPrompt` in place of the chunks.
+        Every argument is checked here, before any compute.
         """
-        t0 = time.perf_counter()
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, stop, seed)
-        check_ratio_arg(recompute_ratio)
+        prompt, request = self._request("stream", chunks, question, options)
+        return self._stream(prompt, request)
+
+    def _request(
+        self, method: str, chunks: Sequence[str] | TokenizedPrompt, question: str | None, options: dict[str, Any]
+    ) -> tuple[TokenizedPrompt, Request]:
+        """The checked request of one `generate` / `stream` call and its tokenized prompt."""
+        request = Request.from_options(method, options)
         if isinstance(chunks, TokenizedPrompt):
+            if question is not None or request.prefix is not None or request.suffix is not None:
+                raise PromptError(f"{method}(): a prebuilt prompt already has its question; pass no question, prefix "
+                                  "or suffix with it")  # fmt: skip
             prompt = chunks
         else:
-            check_encodable(chunks, question=question, prefix=prefix, suffix=suffix)
-            prompt = self.build_prompt(chunks, question, template=template, prefix=prefix, suffix=suffix)
-        self.check_length(prompt, params.max_new_tokens)
-        mode = PrefillMode.parse(mode)
-        if mode is not PrefillMode.BLEND and (recompute_ratio is not None or blend is not None):
-            raise ConfigError(f"recompute_ratio and blend apply to mode 'blend' only, got mode {mode.value!r}")
-        if blend is not None:
-            if not isinstance(blend, BlendConfig):
-                kind = type(blend).__name__
-                raise ConfigError(f"blend must be a BlendConfig (e.g. blend_rule('gradual')), got {kind}")
-            check_blend(blend, self.lm.shape.num_layers, "blend.check_layers")
+            try:
+                check_chunks(chunks)
+                check_text("question", question, optional=True)
+                check_encodable(chunks, question=question, prefix=request.prefix, suffix=request.suffix)
+                prompt = self.build_prompt(
+                    chunks, question, template=request.template, prefix=request.prefix, suffix=request.suffix
+                )
+            except CacheBlendError as exc:
+                raise type(exc)(f"{method}(): {exc}") from None
+        self._check_request(prompt, request, method)
+        return prompt, request
+
+    def _stream(self, prompt: TokenizedPrompt, request: Request) -> TextStream:
+        t0 = time.perf_counter()
 
         def prefill() -> Prefill:
-            return self.prefill(prompt, mode, recompute_ratio=recompute_ratio, blend=blend)
+            return self._prefill(prompt, request)
 
         def step(token: int, pos: int, cache: Any) -> torch.Tensor:
             # The lock is taken per forward, never across a yield: a consumer may pause, or resume elsewhere.
             with self._lock:
                 return self._prefiller.forward(torch.tensor([token]), pos, cache)
 
-        return TextStream(decode(prefill, step, self.tokenizer, self.eos_ids, params, self.device, t0))
+        return TextStream(decode(prefill, step, self.tokenizer, self.eos_ids, request.sampling, self.device, t0))

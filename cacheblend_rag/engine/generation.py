@@ -56,6 +56,9 @@ def check_encodable(chunks: Sequence[object] | object, **parts: object) -> None:
             ) from None
 
 
+MAX_SEED = 2**64 - 1  # torch generators take 64-bit seeds
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings, checked on creation (before any compute)."""
@@ -71,9 +74,14 @@ class SamplingParams:
         _check_int("max_new_tokens", self.max_new_tokens, 1)
         _check_real("temperature", self.temperature, lambda t: t >= 0, ">= 0 (0 is greedy)")
         _check_real("top_p", self.top_p, lambda p: 0 < p <= 1, "in (0, 1]")
+        # an int temperature (1) is a real number: transformers' warpers want a float
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
         _check_int("top_k", self.top_k, 0, " (0 turns it off)")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, " (or None)")
+            if self.seed > MAX_SEED:
+                raise ConfigError(f"seed must be at most 2**64 - 1 (a 64-bit generator seed), got {self.seed}")
         if self.stop is None:
             stops: tuple[object, ...] = ()
         elif isinstance(self.stop, str):

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 
-LayerLoader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+from ..fusion import LayerLoader
 
 
 class LayerPrefetcher:

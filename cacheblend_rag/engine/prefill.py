@@ -78,7 +78,7 @@ class Prefiller:
         out = self.model(
             input_ids=ids.to(device).unsqueeze(0),
             position_ids=torch.arange(start, start + ids.shape[0], device=device).unsqueeze(0),
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=0 if all_logits else 1,
         )
@@ -91,10 +91,9 @@ class Prefiller:
         blend: BlendConfig,
         fresh: set[str],
         policy: RatioPolicy | None,
-        token_scores: torch.Tensor | None = None,
     ) -> Prefill:
         """`fresh` collects the chunks prefilled during this request (misses, even when found on a retry);
-        `policy` chooses the blend ratio when given; `token_scores` replace the rule's attention pass."""
+        `policy` chooses the blend ratio when given."""
         n = prompt.num_tokens
         num_layers = self.lm.shape.num_layers
         m = RequestMetrics(mode=mode.value, prompt_tokens=n)
@@ -113,8 +112,7 @@ class Prefiller:
 
         # Which chunks this mode reads from the cache: prefix caching can reuse only the first one.
         n_chunks = 1 if mode is PrefillMode.PREFIX else len(prompt.chunk_ids)
-        # Prefix caching loads the first chunk as exact KV: it must read the entry cached right after the prefix.
-        parts, bytes_by_tier = self._gather(prompt, n_chunks, fresh, m, exact_first=mode is PrefillMode.PREFIX)
+        parts, bytes_by_tier = self._gather(prompt, n_chunks, fresh, m)
         t_found = time.perf_counter()
         m.load_s = t_found - t0 - m.precompute_s  # store lookups
 
@@ -126,7 +124,7 @@ class Prefiller:
                 m.controller = decision.to_dict()
             blend_cfg = blend
             m.recompute_ratio = blend.recompute_ratio
-        result, load_s, wait_s = self._fuse(prompt, parts, blend_cfg, token_scores)
+        result, load_s, wait_s = self._fuse(prompt, parts, blend_cfg)
         assert result.logits is not None
         cache = DynamicCache(config=self.model.config)
         for layer_idx, (k, v) in enumerate(zip(result.keys, result.values, strict=True)):
@@ -141,23 +139,16 @@ class Prefiller:
         return Prefill(cache, result.logits, n, m)
 
     def _gather(
-        self, prompt: TokenizedPrompt, n_chunks: int, fresh: set[str], m: RequestMetrics, *, exact_first: bool
+        self, prompt: TokenizedPrompt, n_chunks: int, fresh: set[str], m: RequestMetrics
     ) -> tuple[list[ChunkReader], dict[str, int]]:
-        """The prefix's and the first `n_chunks` chunks' KV, counting hits and misses. -> (parts, bytes by tier)
-
-        With a lead-in, a chunk whose entry for its place is not stored reads its other entry (a hit), unless it
-        is the first chunk and `exact_first`; only a chunk with neither entry is prefilled."""
+        """The prefix's and the first `n_chunks` chunks' KV, counting hits and misses. -> (parts, bytes by tier)"""
         prefix_kv = self.chunks.prefix_kv(prompt.prefix_ids)
         parts: list[ChunkReader] = [prefix_kv] if prefix_kv is not None else []
         bytes_by_tier: dict[str, int] = {}
         seen: set[str] = set()  # a chunk repeated in one prompt is prefilled once: one miss, then hits
-        for j, ids in enumerate(prompt.chunk_ids[:n_chunks]):
+        for ids in prompt.chunk_ids[:n_chunks]:
             t = time.perf_counter()
-            first = j == 0
-            fallback = not (first and exact_first)
-            kv, tier = self.chunks.get_or_prefill(
-                prefix_kv, prompt.prefix_ids, ids, lazy=self.pipelined, first=first, fallback=fallback
-            )
+            kv, tier = self.chunks.get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=self.pipelined)
             if tier is None:
                 fresh.add(kv.key)
             repeat = kv.key in seen
@@ -181,15 +172,13 @@ class Prefiller:
         prompt: TokenizedPrompt,
         parts: Sequence[ChunkReader],
         blend: BlendConfig | None,
-        token_scores: torch.Tensor | None = None,
     ) -> tuple[FusionResult, float, float]:
         """Run the fusor with the loaded `parts` (the prefix, then chunks in order) at the head of the prompt.
 
         With a blend config, chunk tokens are recomputed as its rule chooses (`planning.blend_plan`); without
         one, every loaded token is used as is (prefix caching when `parts` stop after the first chunk, full KV
-        reuse when they cover all). Rules with an attention pass first run a reuse pass that records how much the
-        question attends to each chunk token (on the first `probe_depth` of the layers), then run their plan over
-        that pass's KV; `token_scores` given by the caller take the place of that pass (no probe is run).
+        reuse when they cover all). The "attention" rule first runs a full-reuse pass that records how much the
+        question attends to each chunk token, then recomputes the top ones over that pass's KV.
         Returns the result, the time spent loading KV (reading, checking, assembling) and the part of it the
         fusor waited for (all of it without pipelining; with it, only what compute did not hide).
         """
@@ -199,15 +188,8 @@ class Prefiller:
             return self._run_fusor(reuse_plan(prompt, n_loaded), load)
         if not blend.uses_attention_pass:
             return self._run_fusor(blend_plan(prompt, blend), load)
-        if token_scores is not None:
-            return self._run_fusor(blend_plan(prompt, blend, token_scores), load)
         probe, load_s, wait_s = self._run_fusor(
-            reuse_plan(prompt),
-            load,
-            want_logits=False,
-            keep_raw_keys=True,
-            attention_from=question_mask(prompt),
-            compute_layers=blend.probe_layers(self.lm.shape.num_layers),
+            reuse_plan(prompt), load, want_logits=False, keep_raw_keys=True, attention_from=question_mask(prompt)
         )
         assert probe.raw_keys is not None and probe.attention is not None
         raw_keys, values = probe.raw_keys, probe.values

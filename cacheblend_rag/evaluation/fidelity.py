@@ -136,14 +136,11 @@ def measure(engine: Any, prompt: Any, reference: Reference, method: FidelityMeth
     return measure_blend(engine, prompt, reference, method.blend)
 
 
-def measure_blend(
-    engine: Any, prompt: Any, reference: Reference, blend: BlendConfig | None, token_scores: Any = None
-) -> dict[str, Any]:
-    """`measure` for any `BlendConfig` (None: full KV reuse), named rule or not (e.g. another `probe_depth`),
-    optionally ranking chunk tokens by given `token_scores` (see `CacheBlendEngine.prefill`)."""
+def measure_blend(engine: Any, prompt: Any, reference: Reference, blend: BlendConfig | None) -> dict[str, Any]:
+    """`measure` for any `BlendConfig` (None: full KV reuse)."""
     t0 = time.perf_counter()
     mode = "reuse" if blend is None else "blend"
-    pre = engine.prefill(prompt, mode, blend=blend, token_scores=token_scores)
+    pre = engine.prefill(prompt, mode, blend=blend)
     int(pre.logits.argmax())
     ttft = time.perf_counter() - t0
     m = pre.metrics

@@ -4,12 +4,10 @@ from .fusor import FusionPlan, FusionResult, LayerLoader, fuse
 from .selection import (
     anchor_counts,
     budget,
-    chunk_quotas,
     keep_counts,
     select_recompute_tokens,
     token_deviation,
     top_scored,
-    top_scored_per_group,
 )
 
 __all__ = [
@@ -17,12 +15,10 @@ __all__ = [
     "FusionResult",
     "LayerLoader",
     "anchor_counts",
-    "chunk_quotas",
     "budget",
     "fuse",
     "keep_counts",
     "select_recompute_tokens",
     "token_deviation",
     "top_scored",
-    "top_scored_per_group",
 ]

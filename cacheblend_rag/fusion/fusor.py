@@ -36,10 +36,7 @@ class FusionPlan:
     reused: torch.Tensor  # [N] bool, disjoint from exact
     check_layers: tuple[int, ...] = ()
     keep_counts: tuple[int, ...] = ()  # reused tokens kept after each check layer
-    deviation: str = "key"
-    # [N] bool or None: tokens (the question) whose attention on each check layer joins the deviation
-    query: torch.Tensor | None = None
-    combine: str = "sum"  # with `query`: "sum" of both scores over their means, or "product" (attention x |dev|)
+    deviation: str = "key"  # on check layers, rank by the deviation of "key" or "value"
 
     def __post_init__(self) -> None:
         n = self.input_ids.shape[0]
@@ -48,8 +45,8 @@ class FusionPlan:
                 raise CacheBlendError(f"plan.{name} must have shape ({n},), got {tuple(getattr(self, name).shape)}")
         if bool((self.exact & self.reused).any()):
             raise CacheBlendError("a token cannot be both exact and reused")
-        if self.combine not in ("sum", "product"):
-            raise CacheBlendError(f"plan.combine must be 'sum' or 'product', got {self.combine!r}")
+        if self.deviation not in ("key", "value"):
+            raise CacheBlendError(f"plan.deviation must be 'key' or 'value', got {self.deviation!r}")
         if len(self.check_layers) != len(self.keep_counts):
             raise CacheBlendError(
                 f"one keep count per check layer: {len(self.check_layers)} layers, {len(self.keep_counts)} counts"
@@ -103,36 +100,6 @@ def attend_blocks(
     return torch.cat(outs, dim=0)
 
 
-def _normalized(score: torch.Tensor) -> torch.Tensor:
-    """A score divided by its mean, so that two scores of different scales can be added."""
-    return score / (score.mean() + torch.finfo(torch.float32).tiny)
-
-
-def _check_layer_attention(
-    lm: LayerwiseModel,
-    layer_idx: int,
-    plan: FusionPlan,
-    active: torch.Tensor,
-    x: torch.Tensor,
-    fresh_k: torch.Tensor,
-    raw_k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> torch.Tensor:
-    """The attention the plan's query tokens pay to every token on a check layer, over this layer's fresh keys
-    (every active token is fresh up to here). -> [N] float32, mean over heads and query tokens."""
-    assert plan.query is not None
-    positions = plan.positions.to(raw_k.device)
-    rows = plan.query.to(raw_k.device)[active].nonzero().squeeze(1)  # [Q] indices into active
-    keys = raw_k.clone()
-    keys[:, active] = fresh_k
-    keys = rotate_keys(keys, cos, sin)  # [Hkv, N, D]
-    q_tokens = active[rows]
-    query = lm.project_q(layer_idx, x[rows], cos[q_tokens], sin[q_tokens])  # [H, Q, D]
-    mask = causal_mask(positions[q_tokens], positions)  # [Q, N]
-    return lm.attention_weights(layer_idx, query, keys, mask).mean(dim=(0, 1))
-
-
 @torch.inference_mode()
 def fuse(
     lm: LayerwiseModel,
@@ -143,15 +110,12 @@ def fuse(
     keep_raw_keys: bool = False,
     block_size: int = 512,
     attention_from: torch.Tensor | None = None,
-    compute_layers: int | None = None,
 ) -> FusionResult:
     """Run the blended prefill of one prompt. See the module docstring for the rule.
 
     `block_size`: queries are attended in groups of this many positions (see `attend_blocks`).
     `attention_from`: [N] bool, tokens (computed on every layer, e.g. the question) whose attention to every
     token is averaged over heads, these queries and all layers but the last into `FusionResult.attention`.
-    `compute_layers`: compute only the first this many layers; later layers pass their loaded KV through as is
-    (a shallow attention probe: it averages the attention of the layers it computes). Needs `want_logits=False`.
     """
     num_layers = lm.shape.num_layers
     if plan.check_layers and plan.check_layers[-1] >= num_layers:
@@ -159,9 +123,6 @@ def fuse(
             f"check layer {plan.check_layers[-1]} does not exist: "
             f"the model has {num_layers} layers (0..{num_layers - 1})"
         )
-    depth = num_layers if compute_layers is None else compute_layers
-    if not 1 <= depth <= num_layers or (depth < num_layers and want_logits):
-        raise CacheBlendError(f"compute_layers must be in [1, {num_layers}] and, below {num_layers}, without logits")
     device = lm.device
     positions = plan.positions.to(device)
     cos, sin = lm.rope(positions)  # [N, D]
@@ -183,14 +144,6 @@ def fuse(
 
     for layer_idx in range(num_layers):
         raw_k, v = load_layer(layer_idx)  # [Hkv, N, D] each
-        if layer_idx >= depth:  # past a shallow probe: the loaded KV as is
-            keys_out.append(rotate_keys(raw_k, cos, sin))
-            values_out.append(v)
-            if raw_out is not None:
-                raw_out.append(raw_k)
-            counts.append(0)
-            selected = active[:0]
-            continue
         x = lm.normed_input(layer_idx, hidden)  # [A, hidden]
         fresh_k, fresh_v = lm.project_kv(layer_idx, x)  # [Hkv, A, D]
 
@@ -199,19 +152,10 @@ def fuse(
             candidates = is_reused.nonzero().squeeze(1)  # [C] indices into active
             if candidates.numel() > 0:
                 cand_tokens = active[candidates]
-                dev = token_deviation(
-                    fresh_k[:, candidates],
-                    raw_k[:, cand_tokens],
-                    fresh_v[:, candidates],
-                    v[:, cand_tokens],
-                    plan.deviation,
-                )  # [C]
-                if plan.query is not None:
-                    attn = _check_layer_attention(lm, layer_idx, plan, active, x, fresh_k, raw_k, cos, sin)  # [N]
-                    if plan.combine == "sum":
-                        dev = _normalized(dev) + _normalized(attn[cand_tokens])
-                    else:  # the size of the KV error times the attention that reads it
-                        dev = dev.sqrt() * attn[cand_tokens]
+                if plan.deviation == "key":
+                    dev = token_deviation(fresh_k[:, candidates], raw_k[:, cand_tokens])  # [C]
+                else:
+                    dev = token_deviation(fresh_v[:, candidates], v[:, cand_tokens])  # [C]
                 keep = ~is_reused
                 keep[candidates[select_recompute_tokens(dev, checks[layer_idx])]] = True
                 active, hidden, x = active[keep], hidden[keep], x[keep]
@@ -227,8 +171,8 @@ def fuse(
         counts.append(int(active.numel()))
         selected = active
 
-        if layer_idx == depth - 1 and not want_logits:
-            continue  # nothing reads this layer's output
+        if layer_idx == num_layers - 1 and not want_logits:
+            continue  # nothing reads the last layer's output
         if layer_idx == num_layers - 1:
             # Only the last token's output is needed from the last layer; its K/V are already stored above.
             active, hidden, x = active[-1:], hidden[-1:], x[-1:]
