@@ -18,12 +18,14 @@ that does not depend on the framework lives here, so both packages behave the sa
 - **Per-call arguments** are `CALL_ARGUMENTS`, the engine's names (`max_tokens` is accepted for
   `max_new_tokens`); `call_arguments` merges a model object's settings with a call's and refuses unknown ones.
 - **The model's name** is `resolve_model_name(requested, engine)`, and `load_engine` shares one engine per
-  (model, device, dtype) across every model object of a process, whichever framework built it.
+  (model, `ENGINE_SETTINGS`: device, dtype, store tiers and budgets) across every model object of a process,
+  whichever framework built it; store settings beside an engine passed in are refused (`check_no_store_settings`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,17 +33,21 @@ from typing import Any
 
 from .config import EngineConfig, PrefillMode
 from .engine import CacheBlendEngine
-from .errors import PromptError
+from .errors import ConfigError, PromptError
 
 __all__ = [
     "ALIASES",
     "CALL_ARGUMENTS",
     "CONTEXT_PLACEHOLDER",
+    "ENGINE_SETTINGS",
     "ROLES",
+    "STORE_SETTINGS",
     "ChatTurn",
     "QuestionBeforeContextWarning",
     "call_arguments",
     "check_context_prompt",
+    "check_no_store_settings",
+    "engine_config",
     "has_chat_template",
     "load_engine",
     "non_text_error",
@@ -201,26 +207,72 @@ def call_arguments(
 # -- the engine and its name -----------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=4)
-def load_engine(name_or_path: str | None = None, *, device: str = "cpu", dtype: str = "float32") -> CacheBlendEngine:
+# What a framework model object may set of the engine it loads (EngineConfig's names); None: EngineConfig's default.
+ENGINE_SETTINGS = (
+    "device",
+    "dtype",
+    "memory_budget_bytes",
+    "disk_dir",
+    "disk_budget_bytes",
+    "redis_url",
+    "redis_budget_bytes",
+)
+# Those that describe the chunk store: an engine passed in has its own, so they cannot apply to it.
+STORE_SETTINGS = ("memory_budget_bytes", "disk_dir", "disk_budget_bytes", "redis_url", "redis_budget_bytes")
+
+
+def engine_config(**settings: Any) -> EngineConfig:
+    """The EngineConfig of a loaded engine from a model object's settings (`ENGINE_SETTINGS`; None: the default).
+
+    A disk folder is made absolute, so two spellings of one folder name one engine. Bad values raise ConfigError.
+    """
+    unknown = set(settings) - set(ENGINE_SETTINGS)
+    if unknown:
+        raise TypeError(f"unknown engine settings {sorted(unknown)}; the accepted ones are {list(ENGINE_SETTINGS)}")
+    given = {name: value for name, value in settings.items() if value is not None}
+    if "disk_dir" in given:
+        given["disk_dir"] = os.path.abspath(os.path.expanduser(os.fspath(given["disk_dir"])))
+    return EngineConfig(**given)
+
+
+def check_no_store_settings(**settings: Any) -> None:
+    """ConfigError when store settings come with an engine built by the caller: it has its own store."""
+    given = sorted(name for name in STORE_SETTINGS if settings.get(name) is not None)
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} set the store of an engine the model loads, but an engine was passed in, which "
+            "has its own; put them in that engine's EngineConfig, or drop engine= to let the model load one"
+        )
+
+
+def load_engine(name_or_path: str | None = None, **settings: Any) -> CacheBlendEngine:
     """The engine of a preset or local checkpoint, built once per process and shared by every model object.
 
     Building an engine loads the model (seconds) and owns the chunk KV store: sharing it lets every chain,
     LLM, chat model and synthesizer of a process reuse each other's chunk caches. The engine is thread-safe.
-    Pass an engine you built yourself to control its configuration (store tiers, blend settings).
+    `settings` are `ENGINE_SETTINGS` (device, dtype, store tiers and budgets): model objects share an engine only
+    when the model (None: `default_model()`, `$CACHEBLEND_RAG_MODEL` or the default preset) and every setting are
+    equal, so two objects with different stores never share one. Pass an engine you built yourself to control
+    the rest of its configuration (blend settings, lead-in, signing key).
     """
-    config = EngineConfig(device=device, dtype=dtype)
+    from .models import default_model
+
+    return _shared_engine(name_or_path or default_model(), engine_config(**settings))
+
+
+@functools.lru_cache(maxsize=8)
+def _shared_engine(name_or_path: str, config: EngineConfig) -> CacheBlendEngine:
     return CacheBlendEngine.from_pretrained(name_or_path, config=config, show_progress=False)
 
 
 def resolve_model_name(requested: str | None = None, engine: CacheBlendEngine | None = None) -> str:
     """The name metadata and traces report: the name the user gave (a preset or a path), else the engine's
-    checkpoint name or folder as `transformers` recorded it ("cacheblend" for a model built in code), else the
-    default preset (what `load_engine()` loads)."""
+    checkpoint name or folder as `transformers` recorded it ("cacheblend" for a model built in code), else
+    `default_model()` (what `load_engine()` loads)."""
     if requested:
         return requested
     if engine is not None:
         return str(engine.model.config.name_or_path or "cacheblend")
-    from .models import DEFAULT_PRESET
+    from .models import default_model
 
-    return DEFAULT_PRESET
+    return default_model()

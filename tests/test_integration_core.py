@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.errors import PromptError
+from cacheblend_rag.errors import ConfigError, PromptError
 from cacheblend_rag.integration import (
     CALL_ARGUMENTS,
     CONTEXT_PLACEHOLDER,
@@ -15,12 +15,15 @@ from cacheblend_rag.integration import (
     QuestionBeforeContextWarning,
     call_arguments,
     check_context_prompt,
+    check_no_store_settings,
+    engine_config,
+    load_engine,
     question_free_prefix,
     render_chat,
     resolve_model_name,
     split_at_context,
 )
-from cacheblend_rag.models import DEFAULT_PRESET
+from cacheblend_rag.models import DEFAULT_PRESET, default_model
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
 
 DEFAULTS = {
@@ -99,7 +102,8 @@ def test_call_arguments_merge_defaults_and_overrides_under_one_list():
         call_arguments(DEFAULTS, {"max_tokens": 3, "max_new_tokens": 4})
 
 
-def test_model_name_is_the_requested_name_else_the_checkpoint_else_the_default_preset(tmp_path):
+def test_model_name_is_the_requested_name_else_the_checkpoint_else_the_default_preset(tmp_path, monkeypatch):
+    monkeypatch.delenv("CACHEBLEND_RAG_MODEL", raising=False)
     make_tiny_model("llama").save_pretrained(tmp_path)
     make_tiny_tokenizer().save_pretrained(tmp_path)
     engine = CacheBlendEngine.from_pretrained(str(tmp_path), config=EngineConfig(), show_progress=False)
@@ -108,3 +112,39 @@ def test_model_name_is_the_requested_name_else_the_checkpoint_else_the_default_p
     in_code = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig())
     assert resolve_model_name(None, in_code) == "cacheblend"
     assert resolve_model_name(None, None) == DEFAULT_PRESET
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    make_tiny_model("llama").save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def test_model_objects_share_an_engine_only_when_model_and_store_settings_are_equal(tiny_checkpoint, tmp_path):
+    disk = tmp_path / "kv"
+    first = load_engine(tiny_checkpoint, disk_dir=str(disk), memory_budget_bytes=2**20)
+    assert load_engine(tiny_checkpoint, disk_dir=str(disk / ".." / "kv"), memory_budget_bytes=2**20) is first
+    assert first.config.disk_dir == str(disk) and first.config.memory_budget_bytes == 2**20
+    assert load_engine(tiny_checkpoint, disk_dir=str(tmp_path / "other"), memory_budget_bytes=2**20) is not first
+    assert load_engine(tiny_checkpoint, disk_dir=str(disk)) is not first  # another memory budget
+    assert load_engine(tiny_checkpoint) is load_engine(tiny_checkpoint, device="cpu", disk_dir=None)
+
+
+def test_engine_settings_are_checked_before_anything_loads():
+    with pytest.raises(ConfigError, match="redis_url must start with redis://"):
+        engine_config(redis_url="localhost:6379")
+    with pytest.raises(TypeError, match="unknown engine settings \\['lead_in'\\]"):
+        engine_config(lead_in="x")
+    check_no_store_settings(device="cpu", disk_dir=None)  # no store setting given: nothing to refuse
+    with pytest.raises(ConfigError, match="disk_dir, redis_url set the store.*engine was passed in"):
+        check_no_store_settings(disk_dir="/tmp/kv", redis_url="redis://h")
+
+
+def test_the_model_loaded_when_none_is_named_comes_from_the_environment(monkeypatch):
+    assert default_model({}) == DEFAULT_PRESET
+    assert default_model({"CACHEBLEND_RAG_MODEL": " "}) == DEFAULT_PRESET
+    assert default_model({"CACHEBLEND_RAG_MODEL": "smollm2-135m-instruct"}) == "smollm2-135m-instruct"
+    monkeypatch.setenv("CACHEBLEND_RAG_MODEL", "/models/mine")
+    assert resolve_model_name(None, None) == "/models/mine"

@@ -99,11 +99,11 @@ class CacheBlendEngine:
         show_progress: bool = True,
     ) -> CacheBlendEngine:
         """Load a preset (default: the default preset) or a local Llama/Mistral/Qwen2/Qwen3 checkpoint."""
-        from ..models import DEFAULT_PRESET, load_model
+        from ..models import default_model, load_model
 
         config = config or EngineConfig()
         model, tokenizer = load_model(
-            name_or_path or DEFAULT_PRESET,
+            name_or_path or default_model(),
             device=config.device,
             dtype=config.dtype,
             cache_dir=cache_dir,

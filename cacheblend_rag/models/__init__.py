@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .adapter import LayerwiseModel, causal_mask, rotate_keys
-from .presets import DEFAULT_PRESET, PRESETS, ModelPreset
+from .presets import DEFAULT_PRESET, PRESETS, ModelPreset, default_model
 from .support import check_supported, max_blend_length, model_family
 
 
@@ -22,6 +22,7 @@ __all__ = [
     "LayerwiseModel",
     "ModelPreset",
     "causal_mask",
+    "default_model",
     "check_supported",
     "load_model",
     "max_blend_length",

@@ -27,7 +27,7 @@ from cacheblend_rag.models.gguf import (
     preset_cache_dir,
     remove_stale_temps,
 )
-from cacheblend_rag.models.presets import DEFAULT_PRESET, PRESETS, ModelPreset, find_preset
+from cacheblend_rag.models.presets import PRESETS, ModelPreset, default_model, find_preset
 from cacheblend_rag.models.support import check_supported
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ def _load_preset(
 
 
 def load_model(
-    name_or_path: str | os.PathLike[str] = DEFAULT_PRESET,
+    name_or_path: str | os.PathLike[str] | None = None,
     *,
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "float32",
@@ -168,7 +168,8 @@ def load_model(
 
     Args:
         name_or_path: a preset name or alias (see `PRESETS`), a local folder written by `save_pretrained`, a
-            `.gguf` file, or a hub id already present in the local Hugging Face cache.
+            `.gguf` file, or a hub id already present in the local Hugging Face cache; None: `default_model()`
+            (`$CACHEBLEND_RAG_MODEL`, else the default preset).
         device: "cpu", "cuda" or "cuda:N".
         dtype: "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16" or a torch.dtype.
         cache_dir: where presets keep their converted copy; defaults to `cache_home()`.
@@ -185,6 +186,7 @@ def load_model(
     # only helps when transformers has not been imported yet.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    name_or_path = default_model() if name_or_path is None else name_or_path
     source = os.fspath(name_or_path)
     path = Path(source).expanduser()
     with _progress_bars(show_progress):

@@ -6,12 +6,22 @@ packages, the digest the bytes must have). Finding and joining the files is `ggu
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["DEFAULT_PRESET", "PRESETS", "PRESET_ALIASES", "ModelPreset", "PackagedFile", "find_preset"]
+__all__ = [
+    "DEFAULT_PRESET",
+    "MODEL_ENV",
+    "PRESETS",
+    "PRESET_ALIASES",
+    "ModelPreset",
+    "PackagedFile",
+    "default_model",
+    "find_preset",
+]
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -113,6 +123,17 @@ _QWEN_15B = ModelPreset(
 )
 
 DEFAULT_PRESET: str = _QWEN_05B.name
+
+# Names the model loaded when a caller names none (a preset or a local path), instead of DEFAULT_PRESET.
+MODEL_ENV = "CACHEBLEND_RAG_MODEL"
+
+
+def default_model(environ: Mapping[str, str] | None = None) -> str:
+    """The model loaded when the caller names none: `$CACHEBLEND_RAG_MODEL` if set and not blank (a preset name
+    or a local path, read at each call), else `DEFAULT_PRESET`."""
+    value = (os.environ if environ is None else environ).get(MODEL_ENV, "").strip()
+    return value or DEFAULT_PRESET
+
 
 PRESETS: Mapping[str, ModelPreset] = MappingProxyType(
     {preset.name: preset for preset in (_QWEN_05B, _SMOLLM2_135M, _QWEN_15B)}

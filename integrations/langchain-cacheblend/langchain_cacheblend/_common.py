@@ -17,14 +17,17 @@ from cacheblend_rag import CacheBlendEngine, GenerationResult
 from cacheblend_rag.errors import PromptError
 from cacheblend_rag.integration import (
     CONTEXT_PLACEHOLDER,
+    ENGINE_SETTINGS,
     call_arguments,
+    check_no_store_settings,
+    engine_config,
     load_engine,
     resolve_model_name,
     split_at_context,
 )
 from langchain_core.language_models import LangSmithParams
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["CONTEXT_PLACEHOLDER", "CacheBlendParams", "load_engine", "split_prompt", "usage_from"]
 
@@ -72,8 +75,9 @@ class CacheBlendParams(BaseModel):
 
     model: str | None = Field(
         default=None,
-        description="Preset name or local checkpoint path (None: the default preset). Loaded on first use and "
-        "shared by every model object of the process with the same model, device and dtype.",
+        description="Preset name or local checkpoint path (None: $CACHEBLEND_RAG_MODEL, else the default preset). "
+        "Loaded on first use and shared by every model object of the process with the same model and engine "
+        "settings (device, dtype, store).",
     )
     engine: CacheBlendEngine | None = Field(
         default=None,
@@ -82,6 +86,15 @@ class CacheBlendParams(BaseModel):
     )
     device: str = Field(default="cpu", description="Torch device of a loaded engine: 'cpu' or 'cuda'.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="Of a loaded engine.")
+    # The chunk KV store of a loaded engine (EngineConfig's fields; None: EngineConfig's default). An engine passed
+    # as `engine=` has its own store, so these are refused beside it.
+    disk_dir: str | None = Field(default=None, description="Folder of a local disk tier; None: no disk tier.")
+    redis_url: str | None = Field(
+        default=None, description="redis:// URL of a Redis tier shared by workers; None: no Redis tier."
+    )
+    memory_budget_bytes: int | None = Field(default=None, ge=0, description="In-process tier size (None: 2 GiB).")
+    disk_budget_bytes: int | None = Field(default=None, ge=0, description="Disk tier size (None: 20 GiB).")
+    redis_budget_bytes: int | None = Field(default=None, ge=0, description="Redis tier size (None: 8 GiB).")
     mode: Literal["blend", "full", "prefix", "reuse"] = Field(
         default="blend", description="How a prompt with chunks is prefilled; 'full' is the reference."
     )
@@ -105,6 +118,18 @@ class CacheBlendParams(BaseModel):
         "deterministically (bad input, out of memory), so calls are never retried.",
     )
 
+    @model_validator(mode="after")
+    def _check_engine_settings(self) -> CacheBlendParams:
+        """Bad store settings fail here, where the model is built, not at its first call."""
+        if self.engine is not None:
+            check_no_store_settings(**self._engine_settings())
+        else:
+            engine_config(**self._engine_settings())
+        return self
+
+    def _engine_settings(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ENGINE_SETTINGS}
+
     @property
     def model_name(self) -> str:
         """The name reported in metadata and traces: `model`, else the engine's checkpoint name."""
@@ -113,10 +138,10 @@ class CacheBlendParams(BaseModel):
     def get_engine(self, model: str | None = None) -> CacheBlendEngine:
         """The engine for a call: the given one, or the shared one of `model` (a per-call override) or `self.model`."""
         if model is not None and model != self.model_name:
-            return load_engine(model, device=self.device, dtype=self.dtype)
+            return load_engine(model, **self._engine_settings())
         if self.engine is not None:
             return self.engine
-        return load_engine(self.model, device=self.device, dtype=self.dtype)
+        return load_engine(self.model, **self._engine_settings())
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of `text` by the model's own tokenizer (LangChain's default is GPT-2's)."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from cacheblend_rag.errors import PromptError
+from cacheblend_rag.errors import ConfigError, PromptError
 from cacheblend_rag.integration import load_engine
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
 from llama_index.core.base.llms.base import BaseLLM
 from llama_index.core.base.llms.types import ImageBlock, TextBlock
 from llama_index.core.llms import ChatMessage, MessageRole
@@ -137,3 +138,30 @@ def test_without_an_engine_the_process_wide_engine_of_the_model_is_used() -> Non
     llm = CacheBlendLLM(model_name=TEST_MODEL, max_new_tokens=2)
     assert llm.engine is load_engine(TEST_MODEL)  # the engine LangChain's models of this name share too
     assert llm.metadata.model_name == TEST_MODEL
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny")
+    make_tiny_model("llama").save_pretrained(folder)
+    make_tiny_tokenizer(chat_template=True).save_pretrained(folder)
+    return str(folder)
+
+
+def test_store_settings_reach_the_loaded_engine_and_only_equal_ones_share_it(checkpoint, tmp_path) -> None:
+    llm = CacheBlendLLM(model_name=checkpoint, disk_dir=str(tmp_path / "a"), memory_budget_bytes=2**20)
+    assert (llm.engine.config.disk_dir, llm.engine.config.memory_budget_bytes) == (str(tmp_path / "a"), 2**20)
+    same = CacheBlendLLM(model_name=checkpoint, disk_dir=str(tmp_path / "a"), memory_budget_bytes=2**20)
+    assert same.engine is llm.engine
+    assert CacheBlendLLM(model_name=checkpoint, disk_dir=str(tmp_path / "b")).engine is not llm.engine
+    assert CacheBlendLLM(model_name=checkpoint, redis_budget_bytes=2**29).engine is not llm.engine
+    with pytest.raises(ConfigError, match="redis_url must start with redis://"):
+        CacheBlendLLM(model_name=checkpoint, redis_url="localhost:6379")
+
+
+def test_engine_settings_beside_an_engine_passed_in_are_refused() -> None:
+    engine = tiny_llm().engine
+    with pytest.raises(ConfigError, match="disk_dir set the store of an engine the model loads"):
+        CacheBlendLLM(engine=engine, disk_dir="/tmp/kv")
+    with pytest.raises(ConfigError, match="device and dtype are settings of an engine the LLM loads"):
+        CacheBlendLLM(engine=engine, dtype="bfloat16")

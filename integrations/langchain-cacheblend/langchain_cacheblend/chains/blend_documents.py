@@ -24,7 +24,7 @@ from langchain_core.documents import Document
 from langchain_core.output_parsers import BaseOutputParser, StrOutputParser
 from langchain_core.prompt_values import PromptValue
 from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_document
-from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
+from langchain_core.runnables import Runnable, RunnableLambda
 from pydantic import ConfigDict, Field, model_validator
 
 from .._common import CacheBlendParams
@@ -141,22 +141,29 @@ def create_blend_documents_chain(
     _check_prompt(prompt, document_variable_name)
     parser = output_parser or StrOutputParser()
     call_kwargs = {k: v for k, v in {"mode": mode, "recompute_ratio": recompute_ratio}.items() if v is not None}
+    doc_prompt = document_prompt or DEFAULT_DOCUMENT_PROMPT
 
-    def answer(inputs: dict[str, Any], config: RunnableConfig) -> Any:
+    def with_placeholder(inputs: dict[str, Any]) -> dict[str, Any]:
+        values = {k: v for k, v in inputs.items() if k in prompt.input_variables and k != document_variable_name}
+        return {**values, document_variable_name: CONTEXT_PLACEHOLDER}
+
+    # dict -> the prompt rendered with the documents' placeholder (what the model splits the prompt at)
+    placeholder_prompt = RunnableLambda(with_placeholder, name="documents_placeholder") | prompt
+
+    def bind_documents(inputs: dict[str, Any]) -> Runnable[dict[str, Any], Any]:
+        """The request for these documents: the prompt, then the model bound to the documents as its chunks.
+
+        Returned as a runnable, LangChain runs it with the same input and call: `invoke` invokes the model,
+        `stream` / `astream` / `astream_events` stream it token by token, as `create_stuff_documents_chain` does.
+        """
         if document_variable_name not in inputs:
             raise KeyError(
                 f"the chain's input needs the documents under {document_variable_name!r}, got keys {sorted(inputs)}"
             )
-        value, chunks = render_documents_prompt(
-            prompt,
-            inputs[document_variable_name],
-            inputs,
-            document_prompt=document_prompt,
-            document_variable_name=document_variable_name,
-        )
-        return model.invoke(value, config, chunks=chunks, **call_kwargs)
+        chunks = [format_document(doc, doc_prompt) for doc in inputs[document_variable_name]]
+        return placeholder_prompt | model.bind(chunks=chunks, **call_kwargs)
 
-    return (RunnableLambda(answer).with_config(run_name="blend_documents") | parser).with_config(
+    return (RunnableLambda(bind_documents, name="blend_documents") | parser).with_config(
         run_name="blend_documents_chain"
     )
 

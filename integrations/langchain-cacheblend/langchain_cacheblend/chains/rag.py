@@ -3,13 +3,17 @@
 Strategies:
 - "blend":      `create_blend_documents_chain`: one call, each document its own cached chunk (CacheBlend).
 - "stuff":      LangChain's `create_stuff_documents_chain`: one call, the documents joined and prefilled whole.
-- "map_reduce": langchain-classic's `MapReduceDocumentsChain` (`load_qa_chain(chain_type="map_reduce")`): one
-                call per document, then one over the extracts.
+- "map_reduce": what langchain-classic's `load_qa_chain(chain_type="map_reduce")` does, with its prompts: one
+                call per document (a batch), then one over the extracts joined by blank lines. Written as LCEL
+                so the final answer streams; the classic chain's collapse step (only reached when the extracts
+                pass 3000 tokens) is not repeated: such extracts are refused by the model's length limit.
 - "map_rerank": langchain-classic's `MapRerankDocumentsChain`: one call per document that answers and scores
                 itself; the best-scored answer wins. Its stock parser raises when a reply lacks "Score: N",
                 which small local models often omit, so a lenient `RegexParser` scores such replies 0 instead.
 Every chain takes {"input": question} and returns {"input", "context" (the retrieved documents), "answer"},
-the shape of `create_retrieval_chain`.
+the shape of `create_retrieval_chain`. "blend", "stuff" and "map_reduce" stream their answer token by token
+(`stream`, `astream`, `astream_events`); "map_rerank" knows its answer only once every document is scored, so it
+streams it whole (its calls' tokens still show as chat model stream events in `astream_events`).
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ from typing import Any, Literal
 
 from langchain_classic.chains import create_retrieval_chain
 from langchain_classic.chains.combine_documents import create_stuff_documents_chain
-from langchain_classic.chains.combine_documents.base import BaseCombineDocumentsChain
 from langchain_classic.output_parsers.regex import RegexParser
+from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import BasePromptTemplate, ChatPromptTemplate, PromptTemplate
 from langchain_core.retrievers import BaseRetriever
-from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda, RunnableParallel
 
 from ..chat_models import ChatCacheBlend
 from ..llms import CacheBlendLLM
@@ -62,37 +66,54 @@ class LenientScoreParser(RegexParser):
         return {"answer": answer, "score": score if answer else "0"}
 
 
-def _classic_chain(
+def _map_reduce_chain(
     llm: ChatCacheBlend | CacheBlendLLM,
-    strategy: str,
     map_prompt: BasePromptTemplate | None,
     combine_prompt: BasePromptTemplate | None,
-    rerank_prompt: BasePromptTemplate | None,
-) -> BaseCombineDocumentsChain:
+) -> Runnable[dict[str, Any], str]:
+    """{"context": documents, "input": question} -> the answer over the documents' extracts (streams)."""
+    from langchain_classic.chains.question_answering import map_reduce_prompt
+
+    question_prompt = map_prompt or map_reduce_prompt.QUESTION_PROMPT_SELECTOR.get_prompt(llm)
+    extract = question_prompt | llm | StrOutputParser()
+
+    def summaries(inputs: dict[str, Any], config: RunnableConfig) -> str:
+        requests = [{"context": doc.page_content, "question": inputs["input"]} for doc in inputs["context"]]
+        return "\n\n".join(extract.batch(requests, config))
+
+    reduce_prompt = combine_prompt or map_reduce_prompt.COMBINE_PROMPT_SELECTOR.get_prompt(llm)
+    combine_inputs = RunnableParallel(
+        summaries=RunnableLambda(summaries, name="map"), question=RunnableLambda(lambda inputs: inputs["input"])
+    )
+    return (combine_inputs | reduce_prompt | llm | StrOutputParser()).with_config(run_name="map_reduce_chain")
+
+
+def _map_rerank_chain(llm: ChatCacheBlend | CacheBlendLLM, rerank_prompt: BasePromptTemplate | None) -> Runnable:
+    """{"context": documents, "input": question} -> the best-scored document's answer."""
     from langchain_classic.chains import LLMChain
     from langchain_classic.chains.combine_documents.map_rerank import MapRerankDocumentsChain
-    from langchain_classic.chains.question_answering import load_qa_chain
     from langchain_classic.chains.question_answering.map_rerank_prompt import PROMPT as MAP_RERANK_PROMPT
 
-    if strategy == "map_reduce":
-        kwargs: dict[str, Any] = {}
-        if map_prompt is not None:
-            kwargs["question_prompt"] = map_prompt
-        if combine_prompt is not None:
-            kwargs["combine_prompt"] = combine_prompt
-        return load_qa_chain(llm, chain_type="map_reduce", **kwargs)
     template = rerank_prompt or MAP_RERANK_PROMPT
     prompt = PromptTemplate(
         template=template.template if isinstance(template, PromptTemplate) else str(template),
         input_variables=["context", "question"],
         output_parser=LenientScoreParser(),
     )
-    return MapRerankDocumentsChain(
-        llm_chain=LLMChain(llm=llm, prompt=prompt),
-        document_variable_name="context",
-        rank_key="score",
-        answer_key="answer",
-    )
+    with warnings.catch_warnings():  # the classic chains are deprecated upstream; this one is what is compared
+        warnings.simplefilter("ignore", DeprecationWarning)
+        chain = MapRerankDocumentsChain(
+            llm_chain=LLMChain(llm=llm, prompt=prompt),
+            document_variable_name="context",
+            rank_key="score",
+            answer_key="answer",
+        )
+
+    def combine(inputs: dict[str, Any], config: RunnableConfig) -> str:
+        out = chain.invoke({"input_documents": inputs["context"], "question": inputs["input"]}, config)
+        return out[chain.output_key]
+
+    return RunnableLambda(combine).with_config(run_name="map_rerank_chain")
 
 
 def build_rag_chain(
@@ -118,13 +139,6 @@ def build_rag_chain(
         return create_retrieval_chain(retriever, create_blend_documents_chain(llm, qa_prompt))
     if strategy == "stuff":
         return create_retrieval_chain(retriever, create_stuff_documents_chain(llm, qa_prompt))
-
-    with warnings.catch_warnings():  # the classic chains are deprecated upstream; they are what is compared
-        warnings.simplefilter("ignore", DeprecationWarning)
-        chain = _classic_chain(llm, strategy, map_prompt, combine_prompt, rerank_prompt)
-
-    def combine(inputs: dict[str, Any], config: RunnableConfig) -> str:
-        out = chain.invoke({"input_documents": inputs["context"], "question": inputs["input"]}, config)
-        return out[chain.output_key]
-
-    return create_retrieval_chain(retriever, RunnableLambda(combine).with_config(run_name=f"{strategy}_chain"))
+    if strategy == "map_reduce":
+        return create_retrieval_chain(retriever, _map_reduce_chain(llm, map_prompt, combine_prompt))
+    return create_retrieval_chain(retriever, _map_rerank_chain(llm, rerank_prompt))

@@ -15,9 +15,12 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, GenerationResult, PrefillMode
+from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.integration import (
+    ENGINE_SETTINGS,
     ChatTurn,
     call_arguments,
+    check_no_store_settings,
     has_chat_template,
     load_engine,
     non_text_error,
@@ -85,8 +88,10 @@ class CacheBlendLLM(CustomLLM):
         llm = CacheBlendLLM(engine=engine, max_new_tokens=128)
         print(llm.complete("Name three rivers in France."))
 
-    Without `engine`, the engine of `model_name` (default: the default preset) is loaded on construction and
-    shared by every model object of the process, LangChain's included (`cacheblend_rag.integration.load_engine`).
+    Without `engine`, the engine of `model_name` (default: `$CACHEBLEND_RAG_MODEL`, else the default preset) is
+    loaded on construction with the engine fields below (device, dtype, store tiers and budgets) and shared by
+    every model object of the process with the same model and settings, LangChain's included
+    (`cacheblend_rag.integration.load_engine`).
     """
 
     model_name: str = Field(
@@ -113,11 +118,30 @@ class CacheBlendLLM(CustomLLM):
         ),
     )
 
+    # The engine loaded without `engine=` (EngineConfig's fields; None: EngineConfig's default). An engine passed
+    # in has its own device and store, so these are refused beside it.
+    device: str | None = Field(default=None, description="Torch device of a loaded engine (None: 'cpu').")
+    dtype: str | None = Field(default=None, description="dtype of a loaded engine (None: 'float32').")
+    disk_dir: str | None = Field(default=None, description="Folder of a local disk tier; None: no disk tier.")
+    redis_url: str | None = Field(
+        default=None, description="redis:// URL of a Redis tier shared by workers; None: no Redis tier."
+    )
+    memory_budget_bytes: int | None = Field(default=None, ge=0, description="In-process tier size (None: 2 GiB).")
+    disk_budget_bytes: int | None = Field(default=None, ge=0, description="Disk tier size (None: 20 GiB).")
+    redis_budget_bytes: int | None = Field(default=None, ge=0, description="Redis tier size (None: 8 GiB).")
+
     _engine: CacheBlendEngine = PrivateAttr()
 
     def __init__(self, engine: CacheBlendEngine | None = None, **kwargs: Any) -> None:
+        settings = {name: kwargs.get(name) for name in ENGINE_SETTINGS}
         if engine is None:
-            engine = load_engine(kwargs.get("model_name") or None)
+            engine = load_engine(kwargs.get("model_name") or None, **settings)
+        elif any(value is not None for value in settings.values()):
+            check_no_store_settings(**settings)
+            raise ConfigError(
+                "device and dtype are settings of an engine the LLM loads, but an engine was passed in, which has "
+                "its own; build that engine with them, or drop engine= to let the LLM load one"
+            )
         if not isinstance(engine, CacheBlendEngine):
             raise TypeError(f"engine must be a cacheblend_rag.CacheBlendEngine, got {type(engine).__name__}")
         has_template = has_chat_template(engine.tokenizer)
