@@ -1,5 +1,5 @@
 """The quality gate: on a real packaged model (SmolLM2-135M-Instruct, fp32), the default blend must follow full
-recompute closely, measured by teacher forcing along full recompute's own answer (DESIGN.md §6).
+recompute closely, measured by teacher forcing along full recompute's own answer (the fidelity benchmark).
 
 Deterministic, not a timing. A change that breaks token selection (a wrong ranking, a budget spent on the wrong
 tokens, a mask or position error in the fused prefill) raises the KL and fails here. The bounds were set from
