@@ -17,7 +17,7 @@ only the chunk's KV) and stored under the key the request looks up. Contexts:
   (one for the first place, whose KV alone is exact, and one for the others).
 Every context is measured with full KV reuse and the `paper` and `attention` rules at r = 0.05, teacher-forced
 along full recompute's answer (as `cacheblend-rag bench fidelity` does); `paper` at r = 0.15 on `alone` KV is the
-row the issue's r = 0.05 target compares with.
+row the fidelity benchmark's r = 0.05 target compares with.
 
     python benchmarks/chunk_context.py --datasets multi_news,musique --cases 0-4 \\
         --out benchmarks/results/chunk_context
@@ -43,7 +43,7 @@ CONTEXTS = ("alone", "predecessor", "all-before", "unrelated", "lead-in")
 UNRELATED_TOKENS = 256
 UNRELATED_OFFSET = 25  # case i borrows its unrelated context from case i + 25 (mod the set's size)
 METHODS = ("reuse", "paper@0.05", "attention@0.05")  # on every context
-BASELINE = "paper@0.15"  # on `alone` only: the target for r = 0.05
+BASELINE = "paper@0.15"  # on `alone` only: the fidelity target for r = 0.05
 
 
 def row_names() -> list[str]:

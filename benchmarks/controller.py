@@ -1,4 +1,4 @@
-"""The loading controller per tier: the ratio it picks and the TTFT it gets, against a fixed r = 0.15 (issue 3).
+"""The loading controller per tier: the ratio it picks and the TTFT it gets, against a fixed r = 0.15 (paper §5.1).
 
 For each tier (memory, local disk, Redis, and emulated slow links: a disk or network read at a fixed byte
 rate), chunk KV is served from that tier alone with pipelined loading, and two engines answer the same

@@ -6,7 +6,7 @@ answer (full recompute) is the same in both. This script reads both runs' record
 methods `METHOD+lead-in`, and prints per data set, over the cases both runs finished:
 - every method's mean KL and top-1 agreement [95% CI], and its paired KL difference to the same method
   without the lead-in;
-- the issue's targets with the lead-in: the default rule at r = 0.05 against `paper` at 0.15 without one
+- the fidelity targets with the lead-in: the default rule at r = 0.05 against `paper` at 0.15 without one
   (KL and top-1 agreement, paired), and full KV reuse against the default rule at 0.15.
 
     python benchmarks/lead_in_compare.py --alone benchmarks/results/fidelity \\

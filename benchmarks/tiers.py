@@ -1,5 +1,5 @@
 """TTFT of blend with chunk KV served from memory, from local disk and from Redis, with and without layer-wise
-pipelined loading, side by side (issue 3).
+pipelined loading, side by side (paper §6).
 
 Each store holds only its own tier (no memory tier in front of disk or Redis), so every request really reads
 its chunks from that tier. Requests are interleaved across the six setups and the medians compared.

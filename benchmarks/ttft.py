@@ -1,4 +1,4 @@
-"""Time to first token of each prefill mode, side by side in one run (DESIGN.md §6, issue 2).
+"""Time to first token of each prefill mode, side by side in one run (the TTFT table of docs/benchmarks.md).
 
 A request is a shared prefix, K chunks of about T tokens each, and a question; the chunks' KV is precomputed
 (warm, in-memory store) before timing, as in the paper's steady state. TTFT is measured from the call with the

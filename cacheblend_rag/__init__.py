@@ -1,10 +1,13 @@
 """cacheblend-rag: CacheBlend (EuroSys'25) for RAG, in-process on Hugging Face transformers.
 
 Each retrieved chunk's KV cache is computed once and stored; a request loads the cached KV of all its chunks
-at their real positions and recomputes only the tokens whose KV deviates most. Start with `CacheBlendEngine`.
+at their real positions and recomputes only a share of the chunk tokens (by default the 15% the question
+attends to most). Start with `CacheBlendEngine`.
 
 Folders: `models/` (presets, loading, layer-wise adapter), `store/` (chunk KV and its stores), `fusion/` (token
-selection and the blended prefill), `engine/` (one request end to end), `retrieval/` (chunking, FAISS), `cli`.
+selection and the blended prefill), `engine/` (one request end to end), `controller/` (the loading controller),
+`retrieval/` (chunking, FAISS), `evaluation/` (data sets, scoring and the methods the benchmarks compare),
+`cli` (the command line), `integration` (what the LangChain and LlamaIndex packages share).
 """
 
 from .config import RULE_NAMES, RULES, BlendConfig, EngineConfig, PrefillMode, blend_rule

@@ -1,6 +1,6 @@
 """Fault injection into the store tiers, as someone with write access to a cache folder or a Redis would do it.
 
-One reproducer per defect of issue 15 (disk-tier path safety, malformed entries, start-up errors, counters,
+One reproducer per defect a fault-injection review found (disk-tier path safety, bad entries, start-up errors, counters,
 forged entries). Every bad entry must be a counted miss with an unchanged answer, never an exception, a hang, a
 huge read or a file touched outside the tier's folder.
 """

@@ -1,5 +1,5 @@
 """Fault injection at the edges a user or an attacker controls: request arguments, the model fingerprint, index
-folders and the command line's --kv-dir. One reproducer per defect of issue 15."""
+folders and the command line's --kv-dir. One reproducer per defect the fault-injection review found."""
 
 from __future__ import annotations
 

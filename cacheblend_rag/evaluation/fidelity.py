@@ -1,4 +1,4 @@
-"""Fidelity to full recompute, measured by teacher forcing (DESIGN.md §6).
+"""Fidelity to full recompute, measured by teacher forcing (the fidelity benchmark of docs/benchmarks.md).
 
 For each case, full recompute writes the reference answer greedily (the data set's answer budget). Every
 method then prefills the same prompt and is fed the reference tokens; at each step its next-token
