@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import EngineConfig, PrefillMode
-from .engine import CacheBlendEngine
+from .engine import CacheBlendEngine, Request
+from .engine.request import ALIASES as REQUEST_ALIASES
 from .errors import ConfigError, PromptError
 
 __all__ = [
@@ -164,8 +165,8 @@ def render_chat(tokenizer: Any, turns: Sequence[ChatTurn]) -> str:
 
 # The engine's names of what a call may set; a model object holds a default for each.
 CALL_ARGUMENTS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "mode", "recompute_ratio")
-# Other names of the same settings that the frameworks' users write.
-ALIASES = {"max_tokens": "max_new_tokens"}
+# Other names of the same settings that the frameworks' users write: the engine's own (`Request`).
+ALIASES = REQUEST_ALIASES
 
 
 def call_arguments(
@@ -176,7 +177,8 @@ def call_arguments(
     `defaults` holds the model object's setting for every name in `CALL_ARGUMENTS`; `overrides` holds the call's
     keyword arguments (engine names or `ALIASES`); names in `framework` are the framework's own (e.g. LangChain's
     `chunks`) and are left to the caller. An unknown name raises TypeError listing the accepted ones. `stop`
-    None means no stop strings; `recompute_ratio` applies to blend mode only.
+    None means no stop strings; `recompute_ratio` applies to blend mode only. The values are checked as the
+    engine checks a request (`cacheblend_rag.Request`), before any compute.
     """
     missing = set(CALL_ARGUMENTS) - set(defaults)
     if missing:
@@ -201,6 +203,7 @@ def call_arguments(
     args["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if PrefillMode.parse(args["mode"]) is not PrefillMode.BLEND:
         args["recompute_ratio"] = None
+    Request.from_options("a call", args)  # one check, one message per mistake, as the engine's
     return args
 
 
