@@ -117,9 +117,12 @@ class CacheBlendEngine:
         template: PromptTemplate | None = None,
         controller: RatioPolicy | None = None,
         cache_dir: str | None = None,
+        revision: str | None = None,
+        local_files_only: bool = False,
         show_progress: bool = True,
     ) -> CacheBlendEngine:
-        """Load a preset (default: the default preset) or a local Llama/Mistral/Qwen2/Qwen3 checkpoint."""
+        """Load a preset (default: the default preset), a local folder or a Hugging Face hub id of a
+        Llama/Mistral/Qwen2/Qwen3 model (see `load_model` for `cache_dir`, `revision`, `local_files_only`)."""
         from ..models import DEFAULT_PRESET, load_model
 
         config = config or EngineConfig()
@@ -128,6 +131,8 @@ class CacheBlendEngine:
             device=config.device,
             dtype=config.dtype,
             cache_dir=cache_dir,
+            revision=revision,
+            local_files_only=local_files_only,
             show_progress=show_progress,
         )
         return cls(model, tokenizer, config=config, store=store, template=template, controller=controller)
