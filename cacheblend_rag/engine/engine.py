@@ -165,7 +165,7 @@ class CacheBlendEngine:
                 raise PromptError("give either a question (the template renders it) or prefix/suffix, not both")
             if not question.strip():
                 raise PromptError("the question is empty")
-            prefix, suffix = (template or self.template).render(self.tokenizer, question)
+            prefix, suffix = (template or self.template).render_parts(self.tokenizer, question)
         elif suffix is None:
             raise PromptError("give a question, or a suffix (the text after the chunks)")
         return tokenize_parts(self.tokenizer, prefix or "", chunks, suffix, separator=self.config.chunk_separator)
@@ -206,7 +206,7 @@ class CacheBlendEngine:
         """
         check_encodable(chunks, question=question, prefix=prefix)
         if prefix is None:
-            prefix, _ = (template or self.template).render(self.tokenizer, question or "?")
+            prefix, _ = (template or self.template).render_parts(self.tokenizer, question or "?")
         prefix_ids = tokenize_prefix(self.tokenizer, prefix)
         chunk_ids = tokenize_chunks(self.tokenizer, chunks, self.config.chunk_separator)
         with self._lock:
