@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("questions", nargs="+", help="one or more questions")
     _add_document_arguments(ask, required=False)
     ask.add_argument("--index", help="folder to save the index to, or to load it from if it exists")
-    ask.add_argument("--model", help="preset name or local checkpoint (default: the default preset)")
+    ask.add_argument("--model", help="preset name, local checkpoint or hub id (default: the default preset)")
     ask.add_argument("--mode", default="blend", choices=["full", "prefix", "reuse", "blend"])
     ask.add_argument("--ratio", type=float, help="recompute ratio for blend (default 0.15)")
     ask.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question")
@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     prof = sub.add_parser("profile", help="measure blend compute and tier read speeds for the loading controller")
     prof.add_argument("--out", required=True, help="where to write the profile (JSON)")
-    prof.add_argument("--model", help="preset name or local checkpoint (default: the default preset)")
+    prof.add_argument("--model", help="preset name, local checkpoint or hub id (default: the default preset)")
     prof.add_argument("--device", default="cpu")
     prof.add_argument("--dtype", default="float32")
     prof.add_argument("--kv-dir", help="the disk tier's folder, to time the disk that will serve")
@@ -272,7 +272,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -14,7 +14,10 @@ that does not depend on the framework lives here, so both packages behave the sa
   its chunks' KV anew. Precomputing chunks for such a prompt raises, since the KV it would store is read by no
   request. Turn the warning into an error with `warnings.simplefilter("error", QuestionBeforeContextWarning)`.
 - **Chat messages** are rendered by `render_chat` with the tokenizer's own chat template, as plain
-  "Role: text" lines when it has none; roles are system, user and assistant, content is text only.
+  "Role: text" lines when it has none; roles are system, user and assistant, content is text only. The result is
+  a `PromptText`: the template's control tokens stay control tokens, while a control-token string inside a message
+  stays text, so neither a message nor a document stuffed into one can forge a turn. Documents passed as chunks
+  are tokenized the same way by the engine.
 - **Per-call arguments** are `CALL_ARGUMENTS`, the engine's names (`max_tokens` is accepted for
   `max_new_tokens`); `call_arguments` merges a model object's settings with a call's and refuses unknown ones.
 - **The model's name** is `resolve_model_name(requested, engine)`, and `load_engine` shares one engine per
@@ -33,6 +36,7 @@ from typing import Any
 
 from .config import EngineConfig, PrefillMode
 from .engine import CacheBlendEngine, Request
+from .engine.prompt_text import PromptText, render_chat_text
 from .engine.request import ALIASES as REQUEST_ALIASES
 from .errors import ConfigError, PromptError
 
@@ -69,16 +73,16 @@ class QuestionBeforeContextWarning(UserWarning):
     """The text before the documents depends on the question: requests run, but no chunk KV is reused."""
 
 
-def split_at_context(text: str) -> tuple[str, str]:
+def split_at_context(text: str | PromptText) -> tuple[str | PromptText, str | PromptText]:
     """(prefix, suffix) of a prompt rendered with `CONTEXT_PLACEHOLDER` where the documents go."""
-    count = text.count(CONTEXT_PLACEHOLDER)
-    if count != 1:
+    parts = text.split(CONTEXT_PLACEHOLDER)
+    if len(parts) != 2:
         raise PromptError(
-            f"the rendered prompt must hold the documents' placeholder exactly once, found it {count} times; "
-            "the prompt template needs its context variable ({context} or {context_str}) once"
+            f"the rendered prompt must hold the documents' placeholder exactly once, found it {len(parts) - 1} "
+            "times; the prompt template needs its context variable ({context} or {context_str}) once, and no "
+            f"message or question may contain the reserved placeholder {CONTEXT_PLACEHOLDER!r}"
         )
-    prefix, suffix = text.split(CONTEXT_PLACEHOLDER)
-    return prefix, suffix
+    return parts[0], parts[1]
 
 
 def _prefixes(render: Callable[[str], str]) -> tuple[str, str]:
@@ -147,18 +151,21 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(tokenizer.chat_template)
 
 
-def render_chat(tokenizer: Any, turns: Sequence[ChatTurn]) -> str:
-    """The prompt text of a conversation, ending where the assistant's answer starts.
+def render_chat(tokenizer: Any, turns: Sequence[ChatTurn]) -> PromptText:
+    """The prompt text of a conversation, ending where the assistant's answer starts (`.text` is the string).
 
     With a chat template this is the text the model was trained on; without one the turns become
-    "Role: text" lines followed by "Assistant:".
+    "Role: text" lines followed by "Assistant:". Each message's content is marked as content: a control-token
+    string in it stays text when the engine tokenizes the prompt.
     """
     if not turns:
         raise PromptError("no messages to answer; pass at least one message")
     if has_chat_template(tokenizer):
-        messages = [{"role": t.role, "content": t.content} for t in turns]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "\n".join(f"{t.role.capitalize()}: {t.content}" for t in turns) + "\nAssistant:"
+        return render_chat_text(tokenizer, [{"role": t.role, "content": t.content} for t in turns])
+    text = PromptText()
+    for t in turns:
+        text = text + f"{t.role.capitalize()}: " + PromptText.content(t.content) + "\n"
+    return text + "Assistant:"
 
 
 # -- per-call arguments ----------------------------------------------------------------------------------------

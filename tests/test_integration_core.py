@@ -77,8 +77,8 @@ def test_chat_uses_the_tokenizers_template_or_plain_role_lines():
         tokenize=False,
         add_generation_prompt=True,
     )
-    assert render_chat(templated, turns) == expected
-    assert render_chat(make_tiny_tokenizer(), turns) == "System: w1\nUser: w2\nAssistant:"
+    assert render_chat(templated, turns).text == expected
+    assert render_chat(make_tiny_tokenizer(), turns).text == "System: w1\nUser: w2\nAssistant:"
     with pytest.raises(PromptError, match="at least one message"):
         render_chat(templated, [])
 

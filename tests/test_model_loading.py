@@ -91,10 +91,11 @@ def test_preset_rejects_malformed_digest() -> None:
 
 
 def test_unknown_name_error_lists_presets(tmp_path: Path) -> None:
+    # Not a preset or a path, so a hub id; with downloads off it must already be cached, and is not.
     with pytest.raises(ModelNotFoundError) as info:
-        load_model("no-such-model-anywhere", cache_dir=tmp_path)
+        load_model("no-such-model-anywhere", cache_dir=tmp_path, local_files_only=True)
     message = str(info.value)
-    assert "nothing is downloaded" in message
+    assert "is not cached" in message
     for name in PRESETS:
         assert name in message
 

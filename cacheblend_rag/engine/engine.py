@@ -96,9 +96,12 @@ class CacheBlendEngine:
         template: PromptTemplate | None = None,
         controller: RatioPolicy | None = None,
         cache_dir: str | None = None,
+        revision: str | None = None,
+        local_files_only: bool = False,
         show_progress: bool = True,
     ) -> CacheBlendEngine:
-        """Load a preset (default: the default preset) or a local Llama/Mistral/Qwen2/Qwen3 checkpoint."""
+        """Load a preset (default: the default preset), a local folder or a Hugging Face hub id of a
+        Llama/Mistral/Qwen2/Qwen3 model (see `load_model` for `cache_dir`, `revision`, `local_files_only`)."""
         from ..models import default_model, load_model
 
         config = config or EngineConfig()
@@ -107,6 +110,8 @@ class CacheBlendEngine:
             device=config.device,
             dtype=config.dtype,
             cache_dir=cache_dir,
+            revision=revision,
+            local_files_only=local_files_only,
             show_progress=show_progress,
         )
         return cls(model, tokenizer, config=config, store=store, template=template, controller=controller)
@@ -139,7 +144,7 @@ class CacheBlendEngine:
                 raise PromptError("give either a question (the template renders it) or prefix/suffix, not both")
             if not question.strip():
                 raise PromptError("the question is empty")
-            prefix, suffix = (template or self.template).render(self.tokenizer, question)
+            prefix, suffix = (template or self.template).render_parts(self.tokenizer, question)
         elif suffix is None:
             raise PromptError("give a question, or a suffix (the text after the chunks)")
         return tokenize_parts(self.tokenizer, prefix or "", chunks, suffix, separator=self.config.chunk_separator)
@@ -181,7 +186,7 @@ class CacheBlendEngine:
         check_text("prefix", prefix, optional=True)
         check_encodable(chunks, question=question, prefix=prefix)
         if prefix is None:
-            prefix, _ = (template or self.template).render(self.tokenizer, question or "?")
+            prefix, _ = (template or self.template).render_parts(self.tokenizer, question or "?")
         prefix_ids = tokenize_prefix(self.tokenizer, prefix)
         chunk_ids = tokenize_chunks(self.tokenizer, chunks, self.config.chunk_separator)
         with self._lock:

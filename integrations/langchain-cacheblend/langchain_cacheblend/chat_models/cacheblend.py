@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from cacheblend_rag.engine.prompt_text import PromptText
 from cacheblend_rag.errors import PromptError
 from cacheblend_rag.integration import ChatTurn, non_text_error, render_chat
 from langchain_core.callbacks import CallbackManagerForLLMRun
@@ -62,7 +63,7 @@ def _turn_of(message: BaseMessage) -> ChatTurn:
     return ChatTurn(role, _text_of(message))
 
 
-def render_messages(tokenizer: Any, messages: Sequence[BaseMessage]) -> str:
+def render_messages(tokenizer: Any, messages: Sequence[BaseMessage]) -> PromptText:
     """The prompt text of a conversation, ending with the start of the assistant's turn
     (`cacheblend_rag.integration.render_chat`: the tokenizer's chat template, or "Role: text" lines)."""
     return render_chat(tokenizer, [_turn_of(m) for m in messages])

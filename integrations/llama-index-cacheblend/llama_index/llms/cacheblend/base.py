@@ -69,7 +69,8 @@ class ChatTemplate:
         self.system_prompt = system_prompt
 
     def __call__(self, messages: Sequence[ChatMessage]) -> str:
-        return render_chat(self.tokenizer, [_turn_of(m) for m in messages])
+        # The framework's formatting functions return strings; the content marks stay with `render_chat`.
+        return render_chat(self.tokenizer, [_turn_of(m) for m in messages]).text
 
     def user_turn(self, prompt: str) -> str:
         """A bare completion prompt as one user message (after the system prompt, if any)."""
