@@ -350,7 +350,7 @@ def test_corrupt_or_mismatched_index_says_to_rebuild(
     damage(tmp_path)
     with pytest.raises(IndexFormatError, match=match) as info:
         ChunkIndex.load(tmp_path, None if "other/model" in match else embedder)
-    assert "rebuild the index" in str(info.value)
+    assert "rebuild it from the documents" in str(info.value) and "delete" not in str(info.value)
     assert isinstance(info.value, CacheBlendError)
 
 
