@@ -20,10 +20,10 @@ from pathlib import Path, PurePosixPath
 from cacheblend_rag.errors import ConfigError
 
 DEFAULT_SUFFIXES: tuple[str, ...] = (".txt", ".md", ".rst")
-# One document at most this large by default. Splitting runs at about 1 MB/s with a Hugging Face fast
-# tokenizer on one CPU core (see docs/configuration.md), so 20 MB is about half a minute of chunking; embedding
-# the ~10k chunks it makes takes several minutes more on a CPU.
-DEFAULT_MAX_DOCUMENT_BYTES = 20 * 2**20
+# One document at most this large by default. Splitting ran at 0.06-0.13 MB/s with the default preset's
+# tokenizer on one shared CPU core (measured on MuSiQue passages, 512-token chunks; see docs/configuration.md),
+# so 8 MB is one to two minutes of chunking, and embedding its ~4000 chunks a few minutes more on a CPU.
+DEFAULT_MAX_DOCUMENT_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class DocumentFiles:
     root: Path  # the folder (or single file) asked for
     files: tuple[tuple[Path, str], ...]  # (path on disk, source name relative to root), sorted by source name
     skipped_links: int  # links leading out of the folder that were not followed
+    suffixes: tuple[str, ...] = ()  # the suffixes that chose them (lower case)
+    globs: tuple[str, ...] = ()  # the glob patterns that chose them
+    follow_links: bool = False  # whether links leading out of the folder were followed
 
     def digest(self) -> str:
         """SHA-256 over every chosen file's name, size and modification time: changes when any file does."""
@@ -139,7 +142,7 @@ def find_document_files(
         message = f"document path {str(root)!r} does not exist; pass a folder of text files or one file"
         raise ConfigError(message) from None
     if stat.S_ISREG(mode):
-        return DocumentFiles(root, ((root, root.name),), 0)
+        return DocumentFiles(root, ((root, root.name),), 0, wanted, globs, follow_links)
     if not stat.S_ISDIR(mode):
         raise ConfigError(f"document path {str(root)!r} is not a regular file or a folder; pass a folder of text files")
 
@@ -181,7 +184,7 @@ def find_document_files(
             f"no files matching {what} found under {str(root)!r}; add some, or pass suffixes=... / globs=... "
             "(--suffix / --glob on the command line) to match the files you have"
         )
-    return DocumentFiles(root, tuple(files), skipped)
+    return DocumentFiles(root, tuple(files), skipped, wanted, globs, follow_links)
 
 
 def check_document_sizes(files: DocumentFiles, max_bytes: int) -> None:
