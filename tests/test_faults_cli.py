@@ -151,7 +151,9 @@ def test_glob_reads_extensionless_files(tmp_path, capsys, tiny_model_dir):
 
 
 def test_links_leading_out_of_the_docs_folder_are_skipped_unless_asked(tmp_path, capsys, tiny_model_dir):
-    outside = docs_folder(tmp_path / "outside", **{"secret.txt": random_words(5, 12), "sub/deep.txt": random_words(6, 9)})
+    outside = docs_folder(
+        tmp_path / "outside", **{"secret.txt": random_words(5, 12), "sub/deep.txt": random_words(6, 9)}
+    )
     docs = docs_folder(tmp_path / "docs", **{"a.txt": random_words(1, 12), "inner/b.txt": random_words(2, 9)})
     (docs / "link.txt").symlink_to(outside / "secret.txt")
     (docs / "dir-link").symlink_to(outside / "sub")

@@ -193,7 +193,7 @@ def check_document_sizes(files: DocumentFiles, max_bytes: int) -> None:
         size = path.stat().st_size
         if size > max_bytes:
             raise ConfigError(
-                f"{str(path)!r} is {size / 2**20:.1f} MB, above the {max_bytes / 2**20:g} MB limit for one "
-                "document (splitting and embedding it would take a long time); raise the limit with "
-                "max_document_bytes=... (--max-doc-mb on the command line) or split the file"
+                f"{str(path)!r} is {size} bytes ({size / 2**20:.1f} MB), above the limit of {max_bytes} bytes "
+                f"({max_bytes / 2**20:g} MB) for one document (splitting and embedding it would take long); "
+                "raise it with max_document_bytes=... (--max-doc-mb on the command line) or split the file"
             )
