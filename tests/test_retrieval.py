@@ -335,6 +335,7 @@ def test_saved_metadata_is_json_not_pickle(index: ChunkIndex, tmp_path: Path) ->
     ("damage", "match"),
     [
         (lambda d: (d / "chunks.json").write_text("{not json", encoding="utf-8"), "not valid JSON"),
+        (lambda d: (d / "chunks.json").write_text("[" * 200_000, encoding="utf-8"), "nests too deeply"),
         (lambda d: (d / "chunks.json").unlink(), "chunks.json is missing"),
         (lambda d: (d / "index.faiss").unlink(), "index.faiss is missing"),
         (lambda d: (d / "index.faiss").write_bytes(b"garbage"), "checksum"),
@@ -350,7 +351,7 @@ def test_corrupt_or_mismatched_index_says_to_rebuild(
     damage(tmp_path)
     with pytest.raises(IndexFormatError, match=match) as info:
         ChunkIndex.load(tmp_path, None if "other/model" in match else embedder)
-    assert "rebuild the index" in str(info.value)
+    assert "rebuild it from the documents" in str(info.value) and "delete" not in str(info.value)
     assert isinstance(info.value, CacheBlendError)
 
 
@@ -397,3 +398,71 @@ def test_unnamed_embedder_is_saved_as_custom_and_reloads_with_itself(embedder, c
     assert ChunkIndex.load(tmp_path, wrapped).model_name == "custom"
     with pytest.raises(IndexFormatError, match="'custom' but is being loaded with"):
         ChunkIndex.load(tmp_path, embedder)  # the packaged model knows its name, so it refuses
+
+
+# ---------------------------------------------------------------- which files are read, and the index's record
+
+
+def test_globs_choose_files_without_a_suffix_and_suffixes_add_to_them(tmp_path: Path) -> None:
+    for name in ("copyright", "pkg/copyright", "pkg/deep/copyright", "notes.txt", "pkg/COPYRIGHT.bak"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f"text of {name}")
+    sources = [d.source for d in load_documents(tmp_path, globs=["**/copyright"])]
+    assert sources == ["copyright", "pkg/copyright", "pkg/deep/copyright"]  # .txt only when asked for
+    assert [d.source for d in load_documents(tmp_path, globs=["pkg/*"])] == ["pkg/COPYRIGHT.bak", "pkg/copyright"]
+    both = [d.source for d in load_documents(tmp_path, globs=["*/copyright"], suffixes=[".txt"])]
+    assert both == ["notes.txt", "pkg/copyright"]
+    with pytest.raises(ConfigError, match="globs="):
+        load_documents(tmp_path, suffixes=["copyright"])
+    with pytest.raises(ConfigError, match="relative to the documents folder"):
+        load_documents(tmp_path, globs=["../*"])
+
+
+def test_links_out_of_the_folder_are_skipped_unless_followed(tmp_path: Path, caplog) -> None:
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret.txt").write_text("outside text")
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "a.txt").write_text("inside text")
+    (docs / "out.txt").symlink_to(tmp_path / "outside" / "secret.txt")
+    (docs / "out-dir").symlink_to(tmp_path / "outside")
+    (docs / "sub" / "loop").symlink_to(docs)  # a folder link back inside: not walked twice, never forever
+    with caplog.at_level(logging.WARNING):
+        assert [d.source for d in load_documents(docs)] == ["a.txt"]
+    assert "skipped 2 link(s)" in caplog.text
+    followed = [d.source for d in load_documents(docs, follow_links=True)]
+    assert followed == ["a.txt", "out-dir/secret.txt", "out.txt"]
+
+
+def test_a_document_above_the_size_limit_is_refused_before_it_is_read(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "big.txt").write_text("word " * 1000)
+    monkeypatch.setattr(Path, "read_text", lambda *a, **k: pytest.fail("a file was read before its size was checked"))
+    with pytest.raises(ConfigError, match=r"big.txt.* above the limit of 1000 bytes .*max_document_bytes"):
+        load_documents(tmp_path, max_document_bytes=1000)
+
+
+def test_the_index_records_its_source_and_loads_it_back(index: ChunkIndex, embedder, tmp_path: Path) -> None:
+    from cacheblend_rag.retrieval import IndexSource, find_document_files
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("some text")
+    files = find_document_files(tmp_path / "docs")
+    record = IndexSource(
+        str(tmp_path / "docs"), files.suffixes, files.globs, False, "utf-8", 64, "m", "e", files.digest()
+    )
+    ChunkIndex(index.chunks, index._index, embedder, index.model_name, record).save(tmp_path / "index")
+    assert ChunkIndex.load(tmp_path / "index", embedder).source == record
+    (tmp_path / "docs" / "a.txt").write_text("other, longer text")
+    assert find_document_files(tmp_path / "docs").digest() != record.files_sha256
+    index.save(tmp_path / "plain")
+    assert ChunkIndex.load(tmp_path / "plain", embedder).source is None  # built without a record
+
+
+def test_chunking_shows_progress_over_characters(capsys) -> None:
+    documents = [Document(_sample_text(), "a.txt"), Document("Short one. Two.", "b.txt")]
+    quiet = split_documents(documents, WordTokenizer(), chunk_tokens=24)
+    assert capsys.readouterr().err == ""
+    assert split_documents(documents, WordTokenizer(), chunk_tokens=24, show_progress=True) == quiet
+    err = capsys.readouterr().err
+    total = sum(len(d.text) for d in documents)
+    assert "Chunking" in err and "100%" in err and f"{total / 1000:.2f}k/{total / 1000:.2f}k" in err

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import statistics
 import tempfile
 import time
@@ -138,17 +139,20 @@ class LoadingProfile:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> LoadingProfile:
+        """Read a profile written by `save`. ConfigError, naming the path, for anything that is not one: a
+        missing path, a folder, a FIFO or device (never read: it could block or never end), a file above
+        MAX_PROFILE_BYTES, binary or malformed content."""
         path = Path(path)
+        text = _read_small_text_file(path, "a loading profile", MAX_PROFILE_BYTES)
+        redo = f"write it with `cacheblend-rag profile --out {path}`"
         try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(
-                f"no loading profile at {path}; write one with `cacheblend-rag profile --out {path}`"
-            ) from None
+            data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not a loading profile (invalid JSON: {exc}); write it again") from exc
+            raise ConfigError(f"{path} is not a loading profile (invalid JSON: {exc}); {redo}") from exc
+        except RecursionError:
+            raise ConfigError(f"{path} is not a loading profile (JSON nested too deeply); {redo}") from None
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-            raise ConfigError(f"{path} is not a {PROFILE_FORMAT} file; write it with `cacheblend-rag profile`")
+            raise ConfigError(f"{path} is not a {PROFILE_FORMAT} file; {redo}")
         try:
             return cls(
                 model=str(data["model"]),
@@ -158,8 +162,46 @@ class LoadingProfile:
                 compute=tuple(ComputePoint(**p) for p in data["compute"]),
                 tiers={name: TierSpeed(**t) for name, t in data.get("tiers", {}).items()},
             )
-        except (KeyError, TypeError) as exc:
-            raise ConfigError(f"{path} is missing fields of a loading profile ({exc}); write it again") from exc
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"{path} is missing fields of a loading profile ({exc}); {redo}") from exc
+
+
+# A profile holds a few compute points and tier speeds: a few KB. Anything far larger is not one.
+MAX_PROFILE_BYTES = 1 << 20
+
+
+def _read_small_text_file(path: Path, what: str, max_bytes: int) -> str:
+    """The UTF-8 text of the regular file `path`, refused before reading when it is anything else or too large."""
+    redo = f"write it with `cacheblend-rag profile --out {path}`"
+    try:
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer. fstat then tells what it is.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ConfigError(f"no {what} at {path}; {redo}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot open {what} {path} ({exc.strerror}); {redo}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+            raise ConfigError(f"{path} is {kind}, not {what}; pass the JSON file `cacheblend-rag profile --out` wrote")
+        if info.st_size > max_bytes:
+            raise ConfigError(
+                f"{path} is {info.st_size} bytes, above the {max_bytes} bytes limit for {what}; it is not one, {redo}"
+            )
+        parts, size = [], 0
+        while size <= max_bytes and (part := os.read(fd, max_bytes + 1 - size)):
+            parts.append(part)
+            size += len(part)
+        data = b"".join(parts)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:  # grew while being read
+        raise ConfigError(f"{path} is above the {max_bytes} bytes limit for {what}; {redo}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not {what} (binary, not UTF-8 text); {redo}") from None
 
 
 # -- measuring ---------------------------------------------------------------------------------------------

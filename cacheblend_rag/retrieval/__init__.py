@@ -5,7 +5,7 @@ deterministic (same files and settings, byte-identical chunks).
 """
 
 from cacheblend_rag.retrieval.chunking import MIN_CHUNK_TOKENS, Chunk, Tokenizer, split_documents
-from cacheblend_rag.retrieval.documents import DEFAULT_SUFFIXES, Document, load_documents
+from cacheblend_rag.retrieval.documents import Document, load_documents, read_documents
 from cacheblend_rag.retrieval.embeddings import (
     EMBEDDING_DIM,
     EMBEDDING_MODEL_NAME,
@@ -21,8 +21,17 @@ from cacheblend_rag.retrieval.index import (
     RetrievedChunk,
     build_index_from_folder,
 )
+from cacheblend_rag.retrieval.sources import (
+    DEFAULT_MAX_DOCUMENT_BYTES,
+    DEFAULT_SUFFIXES,
+    DocumentFiles,
+    IndexSource,
+    check_document_sizes,
+    find_document_files,
+)
 
 __all__ = [
+    "DEFAULT_MAX_DOCUMENT_BYTES",
     "DEFAULT_SUFFIXES",
     "EMBEDDING_DIM",
     "EMBEDDING_MODEL_NAME",
@@ -31,14 +40,19 @@ __all__ = [
     "Chunk",
     "ChunkIndex",
     "Document",
+    "DocumentFiles",
     "Embedder",
     "IndexFormatError",
+    "IndexSource",
     "RetrievedChunk",
     "Tokenizer",
     "build_index_from_folder",
+    "check_document_sizes",
     "embedder_name",
     "embedding_dimension",
+    "find_document_files",
     "load_documents",
     "load_embedder",
+    "read_documents",
     "split_documents",
 ]

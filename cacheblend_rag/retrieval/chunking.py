@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -111,16 +111,21 @@ class _Splitter:
         # counts of pieces could overshoot the budget.
         return len(self.tokenizer.encode(self.text[start:end], add_special_tokens=False))
 
-    def chunks(self) -> list[tuple[_Span, int]]:
-        """(span, token count) of each chunk of the document, in order."""
+    def chunks(self, advance: Callable[[int], object]) -> list[tuple[_Span, int]]:
+        """(span, token count) of each chunk of the document, in order; `advance(n)` after each n characters."""
         whole = _trim(self.text, 0, len(self.text))
         if whole is None:
             return []
         pieces: list[_Span] = []
         paragraphs = _cut(self.text, whole, (m.start() for m in _PARAGRAPH_BREAK.finditer(self.text, *whole)))
+        done = 0
         for paragraph in paragraphs:
             pieces.extend(self._fit(paragraph))
-        return self._pack(pieces)
+            advance(paragraph.end - done)
+            done = paragraph.end
+        packed = self._pack(pieces)
+        advance(len(self.text) - done)
+        return packed
 
     def _fit(self, paragraph: _Span) -> list[_Span]:
         """Pieces of a paragraph that each fit the budget on their own."""
@@ -215,6 +220,7 @@ def split_documents(
     *,
     chunk_tokens: int = 512,
     overlap_tokens: int = 0,
+    show_progress: bool = False,
 ) -> list[Chunk]:
     """Split documents into chunks of at most `chunk_tokens` tokens of `tokenizer`.
 
@@ -223,29 +229,45 @@ def split_documents(
     that many tokens of whole trailing pieces of a chunk at the start of the next one.
 
     Chunks come out in document order, then position order; documents with no text give no chunks.
+    `show_progress` shows a progress bar over the documents' characters on stderr.
     """
+    from tqdm.auto import tqdm
+
     _validate(chunk_tokens, overlap_tokens, tokenizer)
     if isinstance(documents, (str, Document)):
         raise ConfigError(
             f"documents must be a list of Document, got a single {type(documents).__name__}; "
             "wrap it in a list, or use load_documents(path) to read files"
         )
-
-    chunks: list[Chunk] = []
+    documents = list(documents)
     for document in documents:
         if not isinstance(document, Document):
             raise ConfigError(
                 f"documents must hold Document values, got {type(document).__name__}; "
                 "build them with Document(text=..., source=...) or load_documents(path)"
             )
-        splitter = _Splitter(document.text, tokenizer, chunk_tokens, overlap_tokens)
-        index = 0
-        for span, token_count in splitter.chunks():
-            if token_count == 0:
-                # Text the tokenizer maps to nothing cannot be a KV block; the engine would reject it.
-                logger.debug("dropping a chunk of %s that encodes to no tokens", document.source)
-                continue
-            text = document.text[span.start : span.end]
-            chunks.append(Chunk(text, document.source, index, token_count, document.metadata))
-            index += 1
+
+    chunks: list[Chunk] = []
+    total = sum(len(d.text) for d in documents)
+    with tqdm(total=total, desc="Chunking", unit="char", unit_scale=True, disable=not show_progress) as bar:
+        for document in documents:
+            bar.set_postfix_str(document.source[-40:], refresh=False)
+            chunks.extend(_split_one(document, tokenizer, chunk_tokens, overlap_tokens, bar.update))
+    return chunks
+
+
+def _split_one(
+    document: Document, tokenizer: Tokenizer, chunk_tokens: int, overlap_tokens: int, advance: Callable[[int], object]
+) -> list[Chunk]:
+    chunks: list[Chunk] = []
+    splitter = _Splitter(document.text, tokenizer, chunk_tokens, overlap_tokens)
+    index = 0
+    for span, token_count in splitter.chunks(advance):
+        if token_count == 0:
+            # Text the tokenizer maps to nothing cannot be a KV block; the engine would reject it.
+            logger.debug("dropping a chunk of %s that encodes to no tokens", document.source)
+            continue
+        text = document.text[span.start : span.end]
+        chunks.append(Chunk(text, document.source, index, token_count, document.metadata))
+        index += 1
     return chunks

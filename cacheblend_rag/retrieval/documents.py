@@ -1,7 +1,8 @@
 """Reading a folder (or one file) of plain-text documents for the retriever.
 
-Scope: turn files on disk into `Document` values in a deterministic order. Splitting them into chunks is
-`chunking.py`'s job; embedding and search live in `embeddings.py` and `index.py`.
+Scope: turn files on disk into `Document` values in a deterministic order. Which files are read is
+`sources.py`'s job; splitting them into chunks is `chunking.py`'s; embedding and search live in `embeddings.py`
+and `index.py`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.retrieval.sources import (
+    DEFAULT_MAX_DOCUMENT_BYTES,
+    DocumentFiles,
+    check_document_sizes,
+    find_document_files,
+)
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_SUFFIXES: tuple[str, ...] = (".txt", ".md", ".rst")
 
 
 @dataclass(frozen=True)
@@ -28,24 +33,6 @@ class Document:
     metadata: Mapping[str, object] = field(default_factory=dict, hash=False)
 
 
-def _normalize_suffixes(suffixes: Iterable[str]) -> tuple[str, ...]:
-    # A bare string would otherwise be iterated character by character.
-    if isinstance(suffixes, str):
-        suffixes = (suffixes,)
-    normalized = tuple(s.lower() for s in suffixes)
-    if not normalized:
-        raise ConfigError("suffixes must name at least one file suffix, got an empty list; e.g. ('.txt',)")
-    for suffix in normalized:
-        if not suffix.startswith(".") or len(suffix) < 2:
-            raise ConfigError(f"each suffix must start with a dot, e.g. '.txt', got {suffix!r}")
-    return normalized
-
-
-def _is_hidden(relative: Path) -> bool:
-    # Skips .git/, .venv/, editor backups and the like, which are never meant as documents.
-    return any(part.startswith(".") for part in relative.parts)
-
-
 def _read_text(path: Path, encoding: str) -> str:
     # read_text uses universal newlines, so "\r\n" files chunk exactly like "\n" ones.
     text = path.read_text(encoding=encoding)
@@ -56,47 +43,41 @@ def _read_text(path: Path, encoding: str) -> str:
 def load_documents(
     path: str | Path,
     *,
-    suffixes: Iterable[str] = DEFAULT_SUFFIXES,
+    suffixes: Iterable[str] | None = None,
+    globs: Iterable[str] = (),
     encoding: str = "utf-8",
+    follow_links: bool = False,
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
 ) -> list[Document]:
     """Read every text file under `path` (recursively, in sorted order) or the single file `path`.
 
-    Hidden files and folders (a name starting with ".") are skipped, as are empty or whitespace-only files
-    and files that cannot be decoded with `encoding` (each undecodable one is logged, and their number is
-    logged once at the end). A single file named explicitly is read whatever its suffix.
-
-    Raises ConfigError when the path does not exist, holds no file with one of `suffixes`, or every such
-    file was empty or undecodable.
+    Which files: those ending in one of `suffixes` (default .txt/.md/.rst when no glob is given) or matching one
+    of `globs` (relative to `path`, '**' for any folders: `globs=["**/copyright"]`); links leading out of the
+    folder only with `follow_links` (see `find_document_files`). A single file named explicitly is read whatever
+    its name. Raises ConfigError when nothing matches, a file is above `max_document_bytes`, or every file was
+    empty or undecodable (see `read_documents`).
     """
-    wanted = _normalize_suffixes(suffixes)
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise ConfigError(
-            f"document path {str(root)!r} does not exist; pass a folder of {'/'.join(wanted)} files "
-            "or a single text file"
+    files = find_document_files(path, suffixes=suffixes, globs=globs, follow_links=follow_links)
+    if files.skipped_links:
+        logger.warning(
+            "skipped %d link(s) under %s leading out of the folder; pass follow_links=True to read them",
+            files.skipped_links,
+            files.root,
         )
+    check_document_sizes(files, max_document_bytes)
+    return read_documents(files, encoding=encoding)
 
-    if root.is_file():
-        candidates = [(root, root.name)]
-    else:
-        candidates = []
-        for file in root.rglob("*"):
-            relative = file.relative_to(root)
-            if file.is_file() and file.suffix.lower() in wanted and not _is_hidden(relative):
-                candidates.append((file, relative.as_posix()))
-        # Sorting by the relative path (not by rglob's file-system order) makes the chunk order, and with
-        # it the index, the same on every machine.
-        candidates.sort(key=lambda item: item[1])
-        if not candidates:
-            raise ConfigError(
-                f"no files ending in {', '.join(wanted)} found under {str(root)!r}; add some, or pass "
-                "suffixes=... (--suffix on the command line) to match the files you have"
-            )
 
+def read_documents(files: DocumentFiles, *, encoding: str = "utf-8") -> list[Document]:
+    """Read the chosen files. Empty or whitespace-only files are skipped, as are files that cannot be decoded
+    with `encoding` (each undecodable one is logged, and their number is logged once at the end).
+
+    Raises ConfigError when every file was empty or undecodable.
+    """
     documents: list[Document] = []
     undecodable = 0
     empty = 0
-    for file, source in candidates:
+    for file, source in files.files:
         try:
             text = _read_text(file, encoding)
         except UnicodeDecodeError as exc:
@@ -118,10 +99,10 @@ def load_documents(
         documents.append(Document(text=text, source=source, metadata={"path": str(file.resolve())}))
 
     if undecodable:
-        logger.warning("skipped %d file(s) under %s that are not valid %s text", undecodable, root, encoding)
+        logger.warning("skipped %d file(s) under %s that are not valid %s text", undecodable, files.root, encoding)
     if not documents:
         raise ConfigError(
-            f"no readable text in {str(root)!r} (suffixes {', '.join(wanted)}): {len(candidates)} file(s) "
+            f"no readable text in {str(files.root)!r}: {len(files.files)} file(s) "
             f"found, {empty} empty, {undecodable} not valid {encoding}; add non-empty text files or pass "
             "their encoding=..., e.g. 'latin-1' (--encoding on the command line)"
         )

@@ -15,7 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from cacheblend_rag.errors import ConfigError, ModelNotFoundError
+from cacheblend_rag.retrieval.faiss_file import import_faiss
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -92,3 +95,26 @@ def _load_embedder(device: str) -> SentenceTransformer:
     # Loaded from a folder, the model does not know its hub name; record it so saved indexes carry it.
     model.model_card_data.base_model = EMBEDDING_MODEL_NAME
     return model
+
+
+def embed_texts(embedder: Embedder, texts: Sequence[str], *, batch_size: int, show_progress: bool) -> np.ndarray:
+    """Unit-length float32 vectors for `texts`, one row each."""
+    from tqdm.auto import tqdm
+
+    faiss = import_faiss()
+    batches = []
+    starts = range(0, len(texts), batch_size)
+    for start in tqdm(starts, desc="Embedding chunks", unit="batch", disable=not show_progress):
+        batch = list(texts[start : start + batch_size])
+        vectors = embedder.encode(
+            batch,
+            batch_size=len(batch),
+            convert_to_numpy=True,
+            normalize_embeddings=True,
+            show_progress_bar=False,
+        )
+        batches.append(np.asarray(vectors, dtype=np.float32).reshape(len(batch), -1))
+    vectors = np.ascontiguousarray(np.concatenate(batches, axis=0))  # (N, dim)
+    # Normalize here too: a stand-in embedder may ignore normalize_embeddings, and cosine needs unit rows.
+    faiss.normalize_L2(vectors)
+    return vectors

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import Any
 
 # fourcc, d, ntotal, two unused int64, is_trained, metric type, number of floats that follow (faiss >= 1.7).
 _FLAT_HEADER = struct.Struct("<4siqqqBiQ")
@@ -41,3 +42,11 @@ def flat_index_problem(path: str | Path, *, dim: int | None = None, count: int |
     if count is not None and ntotal != count:
         return f"it holds {ntotal} vectors, expected {count}"
     return None
+
+
+def import_faiss() -> Any:
+    try:
+        import faiss
+    except ImportError as exc:
+        raise ImportError("the retriever needs FAISS; install it with `pip install 'faiss-cpu>=1.8'`") from exc
+    return faiss

@@ -2,9 +2,9 @@
 
 Scope: chunks in, ranked chunks out. Vectors are L2-normalized and stored in a `faiss.IndexFlatIP`, so the
 inner product FAISS returns is the cosine similarity. On disk an index is a folder of two files:
-`index.faiss` (written by `faiss.write_index`) and `chunks.json` (the chunks, the format version, the
-embedding model's name and dimension, and a checksum of `index.faiss`). No pickle anywhere, so loading an
-index from an untrusted folder cannot run code.
+`index.faiss` (FAISS's own serialization) and `chunks.json` (the chunks, the format version, the embedding
+model's name and dimension, a checksum of `index.faiss`, and optionally the `IndexSource` it was built
+from). No pickle anywhere, so loading an index from an untrusted folder cannot run code.
 """
 
 from __future__ import annotations
@@ -16,21 +16,23 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from cacheblend_rag.errors import CacheBlendError, ConfigError, PromptError
 from cacheblend_rag.retrieval.chunking import Chunk, Tokenizer, split_documents
-from cacheblend_rag.retrieval.documents import DEFAULT_SUFFIXES, load_documents
+from cacheblend_rag.retrieval.documents import load_documents
 from cacheblend_rag.retrieval.embeddings import (
     EMBEDDING_MODEL_NAME,
     Embedder,
+    embed_texts,
     embedder_name,
     embedding_dimension,
     load_embedder,
 )
-from cacheblend_rag.retrieval.faiss_file import flat_index_problem
+from cacheblend_rag.retrieval.faiss_file import flat_index_problem, import_faiss
+from cacheblend_rag.retrieval.sources import DEFAULT_MAX_DOCUMENT_BYTES, IndexSource
 
 if TYPE_CHECKING:
     import faiss
@@ -56,37 +58,6 @@ class RetrievedChunk:
     score: float  # cosine similarity to the query, in [-1, 1]; higher is closer
 
 
-def _import_faiss() -> Any:
-    try:
-        import faiss
-    except ImportError as exc:
-        raise ImportError("the retriever needs FAISS; install it with `pip install 'faiss-cpu>=1.8'`") from exc
-    return faiss
-
-
-def _embed(embedder: Embedder, texts: Sequence[str], *, batch_size: int, show_progress: bool) -> np.ndarray:
-    """Unit-length float32 vectors for `texts`, one row each."""
-    from tqdm.auto import tqdm
-
-    faiss = _import_faiss()
-    batches = []
-    starts = range(0, len(texts), batch_size)
-    for start in tqdm(starts, desc="Embedding chunks", unit="batch", disable=not show_progress):
-        batch = list(texts[start : start + batch_size])
-        vectors = embedder.encode(
-            batch,
-            batch_size=len(batch),
-            convert_to_numpy=True,
-            normalize_embeddings=True,
-            show_progress_bar=False,
-        )
-        batches.append(np.asarray(vectors, dtype=np.float32).reshape(len(batch), -1))
-    vectors = np.ascontiguousarray(np.concatenate(batches, axis=0))  # (N, dim)
-    # Normalize here too: a stand-in embedder may ignore normalize_embeddings, and cosine needs unit rows.
-    faiss.normalize_L2(vectors)
-    return vectors
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as file:
@@ -96,7 +67,24 @@ def _sha256(path: Path) -> str:
 
 
 def _rebuild_hint(folder: Path) -> str:
-    return f"rebuild the index (ChunkIndex.build(...).save({str(folder)!r}), or delete the folder and rerun)"
+    return (
+        f"rebuild it from the documents (`cacheblend-rag index --docs DIR --out {str(folder)!r}`, or "
+        f"ChunkIndex.build(chunks).save({str(folder)!r}) in Python)"
+    )
+
+
+def index_folder_state(folder: str | Path) -> Literal["new", "index", "file", "other"]:
+    """What is at `folder`: nothing or an empty folder ("new"), a saved index, a file, or a folder of other
+    things ("other": someone's files, never to be written over)."""
+    folder = Path(folder)
+    if not os.path.lexists(folder):
+        return "new"
+    if not folder.is_dir():
+        return "file"
+    names = set(os.listdir(folder))
+    if not names:
+        return "new"
+    return "index" if CHUNKS_FILE in names or INDEX_FILE in names else "other"
 
 
 def _model_name(embedder: Embedder | None, model_name: str | None) -> str | None:
@@ -122,7 +110,14 @@ def _chunk_from_json(item: Any) -> Chunk:
 class ChunkIndex:
     """Chunks plus their embeddings in a FAISS inner-product index; build with `build` or `load`."""
 
-    def __init__(self, chunks: Sequence[Chunk], index: faiss.Index, embedder: Embedder, model_name: str) -> None:
+    def __init__(
+        self,
+        chunks: Sequence[Chunk],
+        index: faiss.Index,
+        embedder: Embedder,
+        model_name: str,
+        source: IndexSource | None = None,
+    ) -> None:
         if index.ntotal != len(chunks):
             raise ConfigError(
                 f"the FAISS index holds {index.ntotal} vectors but {len(chunks)} chunks were given; "
@@ -132,6 +127,7 @@ class ChunkIndex:
         self._index = index
         self.embedder = embedder
         self.model_name = model_name  # the embedding model's name, recorded when saved
+        self.source = source  # the documents and settings it was built from, when known; recorded when saved
 
     @classmethod
     def build(
@@ -142,8 +138,9 @@ class ChunkIndex:
         batch_size: int = 32,
         show_progress: bool = True,
         model_name: str | None = None,
+        source: IndexSource | None = None,
     ) -> ChunkIndex:
-        """Embed `chunks` and index them.
+        """Embed `chunks` and index them; `source` records what they were split from.
 
         `embedder` defaults to the packaged all-MiniLM-L6-v2 on CPU. `model_name` is the name saved with
         the index so a later load can check it; by default it is the name the embedder reports (a
@@ -158,11 +155,11 @@ class ChunkIndex:
         if embedder is None:
             embedder = load_embedder()
 
-        faiss = _import_faiss()
-        vectors = _embed(embedder, [c.text for c in chunks], batch_size=batch_size, show_progress=show_progress)
+        faiss = import_faiss()
+        vectors = embed_texts(embedder, [c.text for c in chunks], batch_size=batch_size, show_progress=show_progress)
         index = faiss.IndexFlatIP(vectors.shape[1])
         index.add(vectors)
-        return cls(chunks, index, embedder, model_name)
+        return cls(chunks, index, embedder, model_name, source)
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -182,7 +179,7 @@ class ChunkIndex:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"k must be a positive integer, got {k!r}; use e.g. 6")
         k = min(k, len(self._chunks))
-        query_vector = _embed(self.embedder, [query], batch_size=1, show_progress=False)  # (1, dim)
+        query_vector = embed_texts(self.embedder, [query], batch_size=1, show_progress=False)  # (1, dim)
         scores, ids = self._index.search(query_vector, k)  # (1, k) each
         return [
             RetrievedChunk(self._chunks[i], float(score))
@@ -192,20 +189,21 @@ class ChunkIndex:
 
     def save(self, folder: str | Path) -> Path:
         """Write the index to `folder` (created if needed) and return its path."""
-        faiss = _import_faiss()
+        faiss = import_faiss()
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         index_path, chunks_path = folder / INDEX_FILE, folder / CHUNKS_FILE
 
         # Write to temporary names and rename, so an interrupted save never leaves a half-written pair
-        # that would look valid.
+        # that would look valid. FAISS gets bytes, not a path: it cannot open a path that is not valid UTF-8.
         tmp_index = index_path.with_name(INDEX_FILE + ".tmp")
-        faiss.write_index(self._index, str(tmp_index))
+        tmp_index.write_bytes(faiss.serialize_index(self._index).tobytes())
         payload = {
             "format_version": FORMAT_VERSION,
             "embedding_model": self.model_name,
             "embedding_dim": self.dimension,
             "index_sha256": _sha256(tmp_index),
+            "source": self.source.to_json() if self.source is not None else None,
             "chunks": [
                 {
                     "text": c.text,
@@ -226,7 +224,9 @@ class ChunkIndex:
                 "convert the offending values to strings"
             ) from exc
         tmp_chunks = chunks_path.with_name(CHUNKS_FILE + ".tmp")
-        tmp_chunks.write_text(encoded, encoding="utf-8")
+        # A file name that is not valid UTF-8 reaches Python as lone surrogates; written as JSON escapes
+        # (\udcff in the file) they read back as the same name.
+        tmp_chunks.write_bytes(encoded.encode("utf-8", "backslashreplace"))
         os.replace(tmp_index, index_path)
         os.replace(tmp_chunks, chunks_path)
         return folder
@@ -240,7 +240,7 @@ class ChunkIndex:
         side knows its name ("custom") only the vector dimension is checked.
         Raises IndexFormatError, saying to rebuild, on any missing, corrupt or mismatched file.
         """
-        faiss = _import_faiss()
+        faiss = import_faiss()
         folder = Path(folder)
         index_path, chunks_path = folder / INDEX_FILE, folder / CHUNKS_FILE
         hint = _rebuild_hint(folder)
@@ -252,6 +252,9 @@ class ChunkIndex:
             payload = json.loads(chunks_path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise IndexFormatError(f"{str(chunks_path)!r} is not valid JSON ({exc}); {hint}") from exc
+        except RecursionError:
+            message = f"{str(chunks_path)!r} nests too deeply to be an index description; {hint}"
+            raise IndexFormatError(message) from None
         if not isinstance(payload, dict):
             raise IndexFormatError(f"{str(chunks_path)!r} does not hold an index description; {hint}")
         version = payload.get("format_version")
@@ -286,7 +289,7 @@ class ChunkIndex:
         if problem is not None:  # checked before FAISS allocates what the file claims
             raise IndexFormatError(f"{str(index_path)!r} cannot be loaded: {problem}; {hint}")
         try:
-            index = faiss.read_index(str(index_path))
+            index = faiss.deserialize_index(np.frombuffer(index_path.read_bytes(), dtype=np.uint8))
         except RuntimeError as exc:
             raise IndexFormatError(f"FAISS cannot read {str(index_path)!r} ({exc}); {hint}") from exc
         if index.d != stored_dim or index.ntotal != len(chunks):
@@ -304,7 +307,7 @@ class ChunkIndex:
                 f"{actual_dim}-dimensional ones; {hint} with this embedder, or load it with the one it was "
                 "built with"
             )
-        return cls(chunks, index, embedder, stored_name)
+        return cls(chunks, index, embedder, stored_name, IndexSource.from_json(payload.get("source")))
 
 
 def build_index_from_folder(
@@ -313,14 +316,27 @@ def build_index_from_folder(
     *,
     chunk_tokens: int = 512,
     overlap_tokens: int = 0,
-    suffixes: Iterable[str] = DEFAULT_SUFFIXES,
+    suffixes: Iterable[str] | None = None,
+    globs: Iterable[str] = (),
     encoding: str = "utf-8",
+    follow_links: bool = False,
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
     embedder: Embedder | None = None,
     batch_size: int = 32,
     show_progress: bool = True,
 ) -> ChunkIndex:
-    """Load the text files under `path`, split them with the LLM's `tokenizer`, and index the chunks."""
-    documents = load_documents(path, suffixes=suffixes, encoding=encoding)
-    chunks = split_documents(documents, tokenizer, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
+    """Load the text files under `path` (chosen as `load_documents` does), split them with the LLM's
+    `tokenizer`, and index the chunks."""
+    documents = load_documents(
+        path,
+        suffixes=suffixes,
+        globs=globs,
+        encoding=encoding,
+        follow_links=follow_links,
+        max_document_bytes=max_document_bytes,
+    )
+    chunks = split_documents(
+        documents, tokenizer, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens, show_progress=show_progress
+    )
     logger.info("indexing %d chunks from %d documents under %s", len(chunks), len(documents), path)
     return ChunkIndex.build(chunks, embedder, batch_size=batch_size, show_progress=show_progress)

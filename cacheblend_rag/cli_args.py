@@ -1,0 +1,98 @@
+"""The command line's arguments: the parser of `cacheblend-rag` and the checks made before anything loads.
+
+Every option has help text, and `--help` shows each default (None and off flags excepted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from .errors import CacheBlendError
+from .retrieval.sources import DEFAULT_MAX_DOCUMENT_BYTES
+
+MODES = ("full", "prefix", "reuse", "blend")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows `(default: X)` where there is a default to show: not for None or for an off switch."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def check_numbers(*checks: tuple[str, float | None, float]) -> None:
+    """(flag, value, lowest allowed) of numeric flags, checked before anything loads; None is not given."""
+    for flag, value, low in checks:
+        if value is None:
+            continue
+        if not math.isfinite(value):
+            raise CacheBlendError(f"{flag} must be a finite number >= {low}, got {value}")
+        if value < low:
+            raise CacheBlendError(f"{flag} must be >= {low}, got {value}")
+
+
+def _add_document_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    """--docs and how its files are chosen and read (`ask` and `index`)."""
+    parser.add_argument("--docs", required=required, help="folder (or one file) of text documents to answer from")
+    parser.add_argument("--encoding", default="utf-8", help="text encoding of the files, e.g. latin-1")
+    parser.add_argument("--suffix", action="append", metavar=".EXT", help="read the files ending in .EXT instead "
+                        "of .txt/.md/.rst; repeat for several")  # fmt: skip
+    parser.add_argument("--glob", action="append", metavar="PATTERN", help="read the files whose path inside "
+                        "--docs matches PATTERN ('**' for any folders, e.g. '**/copyright' for files without a "
+                        "suffix); repeat for several. With --glob, .txt/.md/.rst are read only if --suffix names "
+                        "them")  # fmt: skip
+    parser.add_argument("--follow-links", action="store_true", help="also read symbolic links (to files or "
+                        "folders) that lead out of --docs; they are skipped by default")  # fmt: skip
+    parser.add_argument("--max-doc-mb", type=float, default=DEFAULT_MAX_DOCUMENT_BYTES / 2**20,
+                        help="refuse a document above this many MB (splitting runs at about 0.1 MB/s)")  # fmt: skip
+    parser.add_argument("--chunk-tokens", type=int, default=512, help="chunk size, in tokens of the model")
+
+
+def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="preset name, local checkpoint or Hugging Face hub id (default: the default preset)")
+    parser.add_argument("--device", default="cpu", help="torch device to run the model on, e.g. cuda")
+    parser.add_argument("--dtype", default="float32", help="model precision: float32, bfloat16 or float16")
+    parser.add_argument("--kv-dir", help="keep chunk KV on disk in this folder, so later runs reuse it")
+    parser.add_argument("--redis-url", help="share chunk KV through this Redis, e.g. redis://127.0.0.1:6379/0")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cacheblend-rag", description="CacheBlend RAG on Hugging Face models")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    ask = sub.add_parser("ask", help="answer questions over a folder of text files", formatter_class=_HelpFormatter)
+    ask.add_argument("questions", nargs="+", help="one or more questions")
+    _add_document_arguments(ask, required=False)
+    ask.add_argument("--index", help="folder for the chunk index: loaded when it holds one built from the same "
+                     "--docs and settings, else (re)built there; must be new, empty or an index")  # fmt: skip
+    _add_runtime_arguments(ask)
+    ask.add_argument("--mode", default="blend", choices=MODES, help="how the prompt's KV is built")
+    ask.add_argument("--ratio", type=float, help="recompute ratio for blend (default: the engine's, 0.15)")
+    ask.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question")
+    ask.add_argument("--max-new-tokens", type=int, default=128, help="longest answer, in tokens")
+    ask.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    ask.add_argument("--precompute-all", action="store_true", help="compute every chunk's KV up front (timed) "
+                     "instead of in the request that first retrieves it")  # fmt: skip
+    ask.add_argument("--show-sources", action="store_true", help="print the retrieved chunks' sources")
+    ask.add_argument("--profile", help="a loading profile (`cacheblend-rag profile`): r is chosen per request")
+    ask.add_argument("--min-ratio", type=float, default=0.15, help="with --profile: the quality floor r_min")
+
+    prof = sub.add_parser("profile", help="measure blend compute and tier read speeds for the loading controller",
+                          formatter_class=_HelpFormatter)  # fmt: skip
+    prof.add_argument("--out", required=True, help="where to write the profile (JSON)")
+    _add_runtime_arguments(prof)
+    prof.add_argument("--token-counts", type=int, nargs="+", default=[1024, 2048, 4096], help="prompt lengths timed")
+    prof.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.15, 0.5], help="recompute ratios timed")
+    prof.add_argument("--chunk-tokens", type=int, default=512, help="chunk size of the timed prompts")
+    prof.add_argument("--repeats", type=int, default=2, help="timings per point (their median is kept)")
+
+    idx = sub.add_parser("index", help="build and save a chunk index of a folder", formatter_class=_HelpFormatter)
+    _add_document_arguments(idx, required=True)
+    idx.add_argument("--out", required=True, help="folder to save the index to: new, empty or an index")
+    idx.add_argument("--model", help="whose tokenizer measures chunk sizes (default: the default preset)")
+
+    sub.add_parser("models", help="list the packaged model presets")
+    return p
