@@ -7,7 +7,7 @@ Folders: `models/` (presets, loading, layer-wise adapter), `store/` (chunk KV an
 selection and the blended prefill), `engine/` (one request end to end), `retrieval/` (chunking, FAISS), `cli`.
 """
 
-from .config import RULE_NAMES, RULES, BlendConfig, EngineConfig, PrefillMode, blend_rule
+from .config import RULE_NAMES, RULES, BlendConfig, EngineConfig, Guard, PrefillMode, blend_rule
 from .engine import (
     QA_SHORT_TEMPLATE,
     CacheBlendEngine,
@@ -40,6 +40,7 @@ __all__ = [
     "ConfigError",
     "EngineConfig",
     "GenerationResult",
+    "Guard",
     "MemoryStore",
     "ModelNotFoundError",
     "PrefillMode",
