@@ -10,7 +10,7 @@ selection and the blended prefill), `engine/` (one request end to end), `control
 `cli` (the command line), `integration` (what the LangChain and LlamaIndex packages share).
 """
 
-from .config import RULE_NAMES, RULES, BlendConfig, EngineConfig, PrefillMode, blend_rule
+from .config import RULE_NAMES, RULES, BlendConfig, EngineConfig, Guard, PrefillMode, blend_rule
 from .engine import (
     QA_SHORT_TEMPLATE,
     CacheBlendEngine,
@@ -43,6 +43,7 @@ __all__ = [
     "ConfigError",
     "EngineConfig",
     "GenerationResult",
+    "Guard",
     "MemoryStore",
     "ModelNotFoundError",
     "PrefillMode",

@@ -58,6 +58,9 @@ _CHECKS: dict[str, tuple[tuple[int, ...], str, tuple[float, ...]]] = {
 }
 
 
+MISS_POLICIES = ("auto", "blend", "full")
+
+
 def _check_count(name: str, value: object, low: int, what: str) -> None:
     """An integer setting (a bool, a float, NaN or a string such as '1GB' is refused) of at least `low`."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -133,6 +136,35 @@ def blend_rule(name: str, recompute_ratio: float = 0.15) -> BlendConfig:
     return BlendConfig(recompute_ratio=recompute_ratio, rule=name)
 
 
+@dataclass(frozen=True)
+class Guard:
+    """When a blend escalates, and to what. A request is risky when blend and full KV reuse disagree on the first
+    token, or when KL(blend || reuse) of the first token is above `max_kl`; it is then blended again at each ratio
+    of `ratios` in turn, until the new blend agrees with the previous one (same first token, KL at most
+    `max_kl`). The last ratio 1.0 (the default ladder's end) is exact: a full prefill's KV and logits."""
+
+    max_kl: float = 0.5  # nats: first-token KL(blend || reuse) above which a request escalates
+    ratios: tuple[float, ...] = (0.5, 1.0)  # the escalation ladder, increasing
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_kl, bool) or not isinstance(self.max_kl, (int, float)) or not self.max_kl >= 0:
+            raise ConfigError(f"guard max_kl must be a number >= 0 (nats), got {self.max_kl!r}")
+        ratios = tuple(self.ratios)
+        if not ratios or any(isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1 for r in ratios):
+            raise ConfigError(f"guard ratios must be one or more numbers in (0, 1], got {self.ratios!r}")
+        if list(ratios) != sorted(set(ratios)):
+            raise ConfigError(f"guard ratios must increase, got {ratios}")
+        object.__setattr__(self, "ratios", tuple(float(r) for r in ratios))
+
+    def is_risky(self, signals: dict[str, Any]) -> bool:
+        """Whether a blend with these signals escalates."""
+        return not signals["agree_reuse"] or signals["kl_reuse"] > self.max_kl
+
+    def ladder(self, ratio: float) -> tuple[float, ...]:
+        """The ratios above `ratio` this guard escalates through."""
+        return tuple(r for r in self.ratios if r > ratio)
+
+
 _DTYPES = {
     "float32": "float32",
     "fp32": "float32",
@@ -173,6 +205,13 @@ class EngineConfig:
     chunk_separator: str = "\n\n"  # appended to each chunk's text before tokenizing (part of its cache key)
     max_prompt_tokens: int | None = None  # None: the model's context length
     pipelined_loading: bool = True  # fetch layer l+1's chunk KV (disk, Redis) while layer l is being fused
+    # A request with chunks not stored yet: "blend" prefills each missing chunk, stores it and blends; "full" answers
+    # with a full prefill and stores the missing chunks after the answer; "auto" does the latter only when the
+    # missing chunks would cost more to prefill than the whole prompt (docs/benchmarks.md, "Cold requests").
+    miss_policy: str = "auto"
+    # The fidelity guard of the "attention" rule (engine.guard.Guard): escalates a request whose blend looks risky
+    # to a larger recompute budget. None: off.
+    guard: Guard | None = None
     blend: BlendConfig = field(default_factory=BlendConfig)
     # Signs disk/Redis entries and refuses unsigned or forged ones (give every worker the same key); None: off
     store_hmac_key: bytes | str | None = field(default=None, repr=False)
@@ -198,6 +237,15 @@ class EngineConfig:
             _check_count("max_prompt_tokens", self.max_prompt_tokens, 1, "a number of tokens, or None")
         if not isinstance(self.chunk_separator, str):
             raise ConfigError(f"chunk_separator must be a string, got {type(self.chunk_separator).__name__}")
+        if self.guard is not None and not isinstance(self.guard, Guard):
+            raise ConfigError(f"guard must be a Guard or None, got {type(self.guard).__name__}")
+        if self.guard is not None and not self.blend.uses_attention_pass:
+            raise ConfigError(
+                f"the guard reads the 'attention' rule's first pass, but blend.rule is {self.blend.rule!r}; use "
+                "blend_rule('attention', r) or guard=None"
+            )
+        if self.miss_policy not in MISS_POLICIES:
+            raise ConfigError(f"miss_policy must be one of {', '.join(MISS_POLICIES)}, got {self.miss_policy!r}")
         if not isinstance(self.pipelined_loading, bool):
             raise ConfigError(f"pipelined_loading must be True or False, got {self.pipelined_loading!r}")
         if not isinstance(self.blend, BlendConfig):

@@ -141,6 +141,15 @@ class ChunkCache:
         """The stored entry of chunk `ids` after `prefix_ids`, or None (a miss; nothing is computed)."""
         return self.lookup(self.key(prefix_ids, ids), len(ids))
 
+    def missing(self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        """The distinct chunks (in prompt order) that have no stored entry after `prefix_ids`. Reads no KV."""
+        out: list[tuple[int, ...]] = []
+        for ids in chunk_ids:
+            ids = tuple(ids)
+            if ids not in out and self.key(prefix_ids, ids) not in self.store:
+                out.append(ids)
+        return out
+
     def prefill_and_store(self, prefix: ChunkReader | None, prefix_ids: Sequence[int], ids: Sequence[int]) -> ChunkKV:
         """Prefill chunk `ids` after the prefix (whose KV is `prefix`) and put its KV in the store."""
         kv = self.prefill(prefix, prefix_ids, ids)

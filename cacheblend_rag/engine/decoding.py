@@ -75,10 +75,12 @@ def decode(
     params: SamplingParams,
     device: torch.device,
     t0: float,
+    after: Callable[[RequestMetrics], None] | None = None,
 ) -> Generator[str | GenerationResult, None, None]:
     """Prefill (called on the first `next`), then pick tokens until end of turn, a stop string or the budget.
 
-    `t0` is when the request arrived: the time to first token counts from it.
+    `t0` is when the request arrived: the time to first token counts from it. `after` runs after the last text,
+    before the result (`after`: work that must not delay the answer, e.g. storing chunks a cold request skipped).
     """
     pre = prefill()
     m = pre.metrics
@@ -109,4 +111,6 @@ def decode(
     yield text.flush()
     m.decode_s = time.perf_counter() - t_decode
     m.generated_tokens = len(generated)
+    if after is not None:
+        after(m)
     yield GenerationResult(text.text, generated, finish, replace(m))

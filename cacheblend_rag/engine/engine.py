@@ -28,6 +28,7 @@ from ..store import ChunkStore, CorruptEntryError, TieredStore, build_store
 from .chunk_cache import ChunkCache
 from .decoding import GenerationResult, TextStream, decode
 from .generation import check_encodable, eos_token_ids
+from .metrics import RequestMetrics
 from .planning import check_blend
 from .prefill import Prefill, Prefiller, RatioPolicy
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_chunks, tokenize_parts, tokenize_prefix
@@ -83,7 +84,14 @@ class CacheBlendEngine:
         limits = [self.lm.shape.max_positions, self.config.max_prompt_tokens, max_blend_length(self.model.config)]
         self.max_tokens = min(x for x in limits if x is not None)
         self.chunks = ChunkCache(self.lm, store, self.fingerprint, self.dtype)
-        self._prefiller = Prefiller(self.model, self.lm, self.chunks, pipelined=self.config.pipelined_loading)
+        self._prefiller = Prefiller(
+            self.model,
+            self.lm,
+            self.chunks,
+            pipelined=self.config.pipelined_loading,
+            miss_policy=self.config.miss_policy,
+            guard=self.config.guard,
+        )
         self._lock = threading.RLock()
 
     @classmethod
@@ -217,7 +225,18 @@ class CacheBlendEngine:
         """
         request = Request(mode=mode, recompute_ratio=recompute_ratio, blend=blend)
         self._check_request(prompt, request, "prefill")
-        return self._prefill(prompt, request)
+        pre = self._prefill(prompt, request)
+        self._store_deferred(prompt, pre.deferred, pre.metrics)
+        return pre
+
+    def _store_deferred(self, prompt: TokenizedPrompt, chunks: Sequence[Sequence[int]], m: RequestMetrics) -> None:
+        """Store the chunks a cold request answered without (the miss policy), so the next request finds them."""
+        if not chunks:
+            return
+        t = time.perf_counter()
+        with self._lock:
+            self.chunks.fill(prompt.prefix_ids, chunks)
+        m.deferred_fill_s = time.perf_counter() - t
 
     def _check_request(self, prompt: TokenizedPrompt, request: Request, method: str) -> None:
         """What a request needs of this engine: a rule this model has the layers for, a prompt that fits."""
@@ -322,13 +341,20 @@ class CacheBlendEngine:
 
     def _stream(self, prompt: TokenizedPrompt, request: Request) -> TextStream:
         t0 = time.perf_counter()
+        deferred: list[Sequence[int]] = []
 
         def prefill() -> Prefill:
-            return self._prefill(prompt, request)
+            pre = self._prefill(prompt, request)
+            deferred.extend(pre.deferred)
+            return pre
+
+        def after(m: RequestMetrics) -> None:  # after the answer's last token
+            self._store_deferred(prompt, deferred, m)
 
         def step(token: int, pos: int, cache: Any) -> torch.Tensor:
             # The lock is taken per forward, never across a yield: a consumer may pause, or resume elsewhere.
             with self._lock:
                 return self._prefiller.forward(torch.tensor([token]), pos, cache)
 
-        return TextStream(decode(prefill, step, self.tokenizer, self.eos_ids, request.sampling, self.device, t0))
+        events = decode(prefill, step, self.tokenizer, self.eos_ids, request.sampling, self.device, t0, after)
+        return TextStream(events)

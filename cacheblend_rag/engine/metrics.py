@@ -11,7 +11,8 @@ class RequestMetrics:
     mode: str
     recompute_ratio: float | None = None  # blend only
     prompt_tokens: int = 0
-    reused_tokens: int = 0  # chunk tokens whose cached KV was loaded into this prompt
+    reused_tokens: int = 0  # chunk tokens whose KV came from the store (chunks stored before this request)
+    cold_tokens: int = 0  # chunk tokens of the chunks that were not stored (prefilled in this request, or later)
     recomputed_tokens: int = 0  # tokens recomputed on the last layer (the question included)
     compute_share: float = 0.0  # token-layers recomputed / token-layers of a full prefill
     chunks_hit: int = 0
@@ -21,7 +22,13 @@ class RequestMetrics:
     load_s: float = 0.0  # store lookups, reading, checking and assembling loaded KV (overlapped when pipelined)
     wait_s: float = 0.0  # time the fusor sat waiting for loaded KV: the part of load_s compute did not hide
     pipelined: bool = False  # layer-wise loading ran on a thread beside the fusor
-    precompute_s: float = 0.0  # prefilling chunks that missed
+    precompute_s: float = 0.0  # prefilling chunks that missed, within this request (part of ttft_s)
+    deferred_fill_s: float = 0.0  # storing missed chunks after the answer (the miss policy's full prefill)
+    fallback: str | None = None  # why the request ran otherwise than asked (e.g. a full prefill for a cold one)
+    # the "attention" rule's risk signals of the first blend (engine.guard.first_token_signals), and the ratios a
+    # guard escalated through (1.0: every chunk token recomputed, a full prefill's result)
+    risk: dict[str, Any] | None = None
+    escalations: list[float] = field(default_factory=list)
     compute_s: float = 0.0  # the prefill itself, waits excluded
     ttft_s: float = 0.0  # call -> first token, everything included
     decode_s: float = 0.0
@@ -42,14 +49,28 @@ class RequestMetrics:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["recompute_share"] = self.recompute_share
+        d["warm_ttft_s"] = self.warm_ttft_s
         return d
+
+    @property
+    def warm_ttft_s(self) -> float:
+        """The time to first token less the prefill of chunks that were not stored: what the same request takes
+        once its chunks are stored (a full prefill chosen by the miss policy is not counted off)."""
+        return max(0.0, self.ttft_s - self.precompute_s)
 
     def summary(self) -> str:
         ratio = f" r={self.recompute_ratio:.2f}" if self.recompute_ratio is not None else ""
         if self.controller is not None:
             ratio += f" ({self.controller['source']})"
+        cold = ""
+        if self.precompute_s > 0:
+            cold = f" (of which {self.precompute_s * 1000:.0f}ms prefilling {self.chunks_missed} missed chunks)"
+        if self.fallback is not None:
+            cold += f" [{self.fallback}]"
+        if self.escalations:
+            cold += f" [guard: escalated to r={self.escalations[-1]:g}]"
         return (
-            f"mode={self.mode}{ratio} ttft={self.ttft_s * 1000:.0f}ms prompt={self.prompt_tokens} tok "
+            f"mode={self.mode}{ratio} ttft={self.ttft_s * 1000:.0f}ms{cold} prompt={self.prompt_tokens} tok "
             f"recomputed={self.recomputed_tokens} ({self.recompute_share:.0%}, compute {self.compute_share:.0%}) "
             f"chunks hit/miss={self.chunks_hit}/{self.chunks_missed}{self._tiers()} "
             f"loaded={self.bytes_loaded / 2**20:.1f}MiB "

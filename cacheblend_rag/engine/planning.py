@@ -9,6 +9,8 @@ tokens can be checked without a model. The three token kinds are the fusor's (se
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..config import BlendConfig
@@ -24,6 +26,27 @@ def check_blend(blend: BlendConfig, num_layers: int, name: str = "blend") -> Non
             f"{name} has layer {blend.check_layers[-1]}, but the model has {num_layers} layers "
             f"(0..{num_layers - 1}); use a rule without check layers, e.g. blend_rule('attention')"
         )
+
+
+def cold_cost_share(
+    prompt: TokenizedPrompt, missing: Sequence[Sequence[int]], blend: BlendConfig | None, num_layers: int
+) -> float:
+    """The compute of a request whose `missing` chunks are prefilled first, over that of a full prefill, in
+    token-layers: each missing chunk prefilled on its own, then the cached prefill (`blend`, or full KV reuse when
+    None) as the rule computes it. Above 1, the full prefill is cheaper (the miss policy "auto" runs it then)."""
+    n = prompt.num_tokens
+    chunk_tokens = sum(len(ids) for ids in prompt.chunk_ids)
+    question = len(prompt.suffix_ids)
+    cost = sum(len(ids) for ids in missing) * num_layers  # the missing chunks, prefilled on their own
+    if blend is None:
+        cost += question * num_layers
+    else:
+        cost += (budget(chunk_tokens, blend.recompute_ratio) + question) * num_layers
+        if blend.uses_attention_pass:
+            cost += question * num_layers  # the full-reuse pass that reads the question's attention
+        if blend.uses_check_layers:
+            cost += chunk_tokens * (blend.check_layers[0] + 1)  # every chunk token, up to the first check layer
+    return cost / (n * num_layers)
 
 
 def prefix_and_chunk_masks(prompt: TokenizedPrompt) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,14 +20,15 @@ from typing import Any, Protocol
 import torch
 from transformers import DynamicCache
 
-from ..config import BlendConfig, PrefillMode
+from ..config import BlendConfig, Guard, PrefillMode
 from ..fusion import FusionPlan, FusionResult, LayerLoader, fuse
 from ..models.adapter import LayerwiseModel
 from ..store import ChunkReader
 from .chunk_cache import ChunkCache
+from .guard import agrees, first_token_signals
 from .metrics import RequestMetrics
 from .pipeline import LayerPrefetcher
-from .planning import blend_plan, question_mask, reuse_plan
+from .planning import blend_plan, cold_cost_share, prefix_and_chunk_masks, question_mask, reuse_plan
 from .prompt import TokenizedPrompt
 
 
@@ -57,16 +58,29 @@ class Prefill:
     logits: torch.Tensor  # [vocab] float32, of the prompt's last token
     num_tokens: int
     metrics: RequestMetrics
+    # chunks (token ids) that were not stored and were answered by a full prefill: store them after the answer
+    deferred: tuple[tuple[int, ...], ...] = ()
 
 
 class Prefiller:
     """Runs one prefill: reads the chunks through the chunk cache, plans, fuses, and fills the metrics."""
 
-    def __init__(self, model: torch.nn.Module, lm: LayerwiseModel, chunks: ChunkCache, *, pipelined: bool) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        lm: LayerwiseModel,
+        chunks: ChunkCache,
+        *,
+        pipelined: bool,
+        miss_policy: str,
+        guard: Guard | None = None,
+    ) -> None:
         self.model = model
         self.lm = lm
         self.chunks = chunks
         self.pipelined = pipelined
+        self.miss_policy = miss_policy  # see EngineConfig.miss_policy
+        self.guard = guard  # see EngineConfig.guard
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int, cache: DynamicCache, *, all_logits: bool = False) -> torch.Tensor:
@@ -101,14 +115,11 @@ class Prefiller:
 
         if mode is PrefillMode.FULL or not prompt.chunk_ids:
             # Without chunks there is nothing to reuse or blend: every mode is a full prefill.
-            m.mode = PrefillMode.FULL.value
-            cache = DynamicCache(config=self.model.config)
-            logits = self.forward(prompt.input_ids(), 0, cache)
-            m.compute_s = time.perf_counter() - t0
-            m.recomputed_tokens = n
-            m.recomputed_per_layer = [n] * num_layers
-            m.compute_share = 1.0
-            return Prefill(cache, logits, n, m)
+            return self._full(prompt, m, t0)
+        if mode is not PrefillMode.PREFIX and self.miss_policy != "blend":
+            cold = self._answer_cold_in_full(prompt, mode, blend, m, t0)
+            if cold is not None:
+                return cold
 
         # Which chunks this mode reads from the cache: prefix caching can reuse only the first one.
         n_chunks = 1 if mode is PrefillMode.PREFIX else len(prompt.chunk_ids)
@@ -124,7 +135,7 @@ class Prefiller:
                 m.controller = decision.to_dict()
             blend_cfg = blend
             m.recompute_ratio = blend.recompute_ratio
-        result, load_s, wait_s = self._fuse(prompt, parts, blend_cfg)
+        result, load_s, wait_s = self._fuse(prompt, parts, blend_cfg, m)
         assert result.logits is not None
         cache = DynamicCache(config=self.model.config)
         for layer_idx, (k, v) in enumerate(zip(result.keys, result.values, strict=True)):
@@ -137,6 +148,38 @@ class Prefiller:
         m.compute_s = time.perf_counter() - t_found - wait_s
         m.compute_share = sum(m.recomputed_per_layer) / (n * num_layers)
         return Prefill(cache, result.logits, n, m)
+
+    def _full(self, prompt: TokenizedPrompt, m: RequestMetrics, t0: float) -> Prefill:
+        """The model's own prefill of the whole prompt: exact, and reads nothing from the store."""
+        n, num_layers = prompt.num_tokens, self.lm.shape.num_layers
+        m.mode = PrefillMode.FULL.value
+        cache = DynamicCache(config=self.model.config)
+        logits = self.forward(prompt.input_ids(), 0, cache)
+        m.compute_s = time.perf_counter() - t0
+        m.recomputed_tokens = n
+        m.recomputed_per_layer = [n] * num_layers
+        m.compute_share = 1.0
+        return Prefill(cache, logits, n, m)
+
+    def _answer_cold_in_full(
+        self, prompt: TokenizedPrompt, mode: PrefillMode, blend: BlendConfig, m: RequestMetrics, t0: float
+    ) -> Prefill | None:
+        """A full prefill when prefilling the request's missing chunks first would cost more than it (the miss
+        policy); the missing chunks are then stored after the answer (`Prefill.deferred`). None: go on cached."""
+        missing = self.chunks.missing(prompt.prefix_ids, prompt.chunk_ids)
+        if not missing:
+            return None
+        share = cold_cost_share(prompt, missing, blend if mode is PrefillMode.BLEND else None, self.lm.shape.num_layers)
+        if self.miss_policy == "auto" and share < 1.0:
+            return None
+        pre = self._full(prompt, m, t0)
+        gone = set(missing)
+        m.chunks_missed = sum(tuple(ids) in gone for ids in prompt.chunk_ids)
+        m.chunks_hit = len(prompt.chunk_ids) - m.chunks_missed
+        m.cold_tokens = sum(len(ids) for ids in missing)
+        m.fallback = f"full prefill: {len(missing)} of {len(prompt.chunk_ids)} chunks not stored yet"
+        pre.deferred = tuple(missing)
+        return pre
 
     def _gather(
         self, prompt: TokenizedPrompt, n_chunks: int, fresh: set[str], m: RequestMetrics
@@ -157,14 +200,15 @@ class Prefiller:
                 m.chunks_hit += 1
                 m.hits_by_tier[tier] = m.hits_by_tier.get(tier, 0) + 1
                 m.bytes_loaded += kv.nbytes
+                m.reused_tokens += len(ids)
                 bytes_by_tier[tier] = bytes_by_tier.get(tier, 0) + kv.nbytes
             else:
                 m.chunks_missed += 1
+                m.cold_tokens += len(ids)
                 m.precompute_s += time.perf_counter() - t
             parts.append(kv)
         if prefix_kv is not None:
             m.bytes_loaded += prefix_kv.nbytes
-        m.reused_tokens = sum(len(ids) for ids in prompt.chunk_ids[:n_chunks])
         return parts, bytes_by_tier
 
     def _fuse(
@@ -172,13 +216,15 @@ class Prefiller:
         prompt: TokenizedPrompt,
         parts: Sequence[ChunkReader],
         blend: BlendConfig | None,
+        m: RequestMetrics,
     ) -> tuple[FusionResult, float, float]:
         """Run the fusor with the loaded `parts` (the prefix, then chunks in order) at the head of the prompt.
 
         With a blend config, chunk tokens are recomputed as its rule chooses (`planning.blend_plan`); without
         one, every loaded token is used as is (prefix caching when `parts` stop after the first chunk, full KV
         reuse when they cover all). The "attention" rule first runs a full-reuse pass that records how much the
-        question attends to each chunk token, then recomputes the top ones over that pass's KV.
+        question attends to each chunk token, then recomputes the top ones over that pass's KV, records the
+        risk signals of the result (`guard.first_token_signals`) and, with a guard, escalates a risky one.
         Returns the result, the time spent loading KV (reading, checking, assembling) and the part of it the
         fusor waited for (all of it without pipelining; with it, only what compute did not hide).
         """
@@ -189,14 +235,36 @@ class Prefiller:
         if not blend.uses_attention_pass:
             return self._run_fusor(blend_plan(prompt, blend), load)
         probe, load_s, wait_s = self._run_fusor(
-            reuse_plan(prompt), load, want_logits=False, keep_raw_keys=True, attention_from=question_mask(prompt)
+            reuse_plan(prompt), load, want_logits=True, keep_raw_keys=True, attention_from=question_mask(prompt)
         )
-        assert probe.raw_keys is not None and probe.attention is not None
-        raw_keys, values = probe.raw_keys, probe.values
-        result, _, _ = self._run_fusor(blend_plan(prompt, blend, probe.attention), lambda i: (raw_keys[i], values[i]))
-        # The probe's question-only pass is part of this rule's compute.
-        per_layer = zip(result.recomputed_per_layer, probe.recomputed_per_layer, strict=True)
-        result.recomputed_per_layer = [a + b for a, b in per_layer]
+        assert probe.raw_keys is not None and probe.attention is not None and probe.logits is not None
+        raw_keys, values, scores = probe.raw_keys, probe.values, probe.attention
+        guard = self.guard
+        spent = list(probe.recomputed_per_layer)  # the probe's question-only pass is part of this rule's compute
+
+        def blend_at(cfg: BlendConfig) -> tuple[FusionResult, torch.Tensor]:
+            plan = blend_plan(prompt, cfg, scores)
+            # The fusor writes into what it loads: a guard that may blend again needs the probe's KV intact.
+            keep = guard is not None
+            out, _, _ = self._run_fusor(
+                plan, lambda i: (raw_keys[i].clone(), values[i].clone()) if keep else (raw_keys[i], values[i])
+            )
+            spent[:] = [a + b for a, b in zip(spent, out.recomputed_per_layer, strict=True)]
+            return out, ~plan.exact & prefix_and_chunk_masks(prompt)[1]
+
+        result, recomputed = blend_at(blend)
+        assert result.logits is not None
+        _, chunks = prefix_and_chunk_masks(prompt)
+        m.risk = first_token_signals(result.logits, probe.logits, scores.cpu(), chunks, recomputed)
+        if guard is not None and guard.is_risky(m.risk):
+            for ratio in guard.ladder(blend.recompute_ratio):
+                previous = result
+                result, _ = blend_at(blend.with_ratio(ratio))
+                m.escalations.append(ratio)
+                m.recompute_ratio = ratio
+                if agrees(result.logits, previous.logits, guard.max_kl):  # type: ignore[arg-type]
+                    break
+        result.recomputed_per_layer = spent
         return result, load_s, wait_s
 
     def _run_fusor(self, plan: FusionPlan, load: LayerLoader, **kwargs: Any) -> tuple[FusionResult, float, float]:
