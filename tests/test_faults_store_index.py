@@ -173,8 +173,12 @@ def test_an_entry_the_engine_drops_as_damaged_counts_as_a_miss_in_the_tier(tmp_p
     assert engine.store.hits_by_tier["disk"] == stack_hits and engine.store.stats.hits == stack_hits
 
 
-def test_a_hit_discarded_unread_is_taken_back_but_a_read_one_is_not(tmp_path):
-    disk = DiskStore(tmp_path / "kv", budget_bytes=10 * MB)
+@pytest.mark.parametrize("lower", ["disk", "redis"])
+def test_a_hit_discarded_unread_is_taken_back_but_a_read_one_is_not(tmp_path, request, lower):
+    if lower == "disk":
+        disk = DiskStore(tmp_path / "kv", budget_bytes=10 * MB)
+    else:
+        disk = request.getfixturevalue("redis_store")
     store = TieredStore([MemoryStore(0), disk], write_back=False)
     store.put(make_kv("chunk-a", tokens=BIG))
     store.put(make_kv("chunk-b", tokens=BIG))
@@ -185,4 +189,4 @@ def test_a_hit_discarded_unread_is_taken_back_but_a_read_one_is_not(tmp_path):
     read.kv.materialize()
     store.discard("chunk-b")  # used, then deleted
     assert (disk.stats.hits, disk.stats.misses, disk.stats.corrupt) == (1, 1, 1)
-    assert (store.stats.hits, store.stats.misses, store.hits_by_tier["disk"]) == (1, 1, 1)
+    assert (store.stats.hits, store.stats.misses, store.hits_by_tier[disk.name]) == (1, 1, 1)

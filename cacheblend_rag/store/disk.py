@@ -15,7 +15,6 @@ import os
 import sqlite3
 import threading
 import time
-import weakref
 
 from ..errors import ConfigError
 from .base import Hit
@@ -25,7 +24,7 @@ from .disk_folder import claim_folder, write_marker
 from .disk_index import cache_settings, check_index, guarded_cache, open_error
 from .lazy import LazyChunkKV
 from .serialize import CorruptEntryError, header_length, parse_layout, serialize_chunk
-from .stats import TierStats
+from .stats import TierStats, UnreadHits
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +107,7 @@ class DiskStore:
         self._lock = threading.Lock()
         self._cache = _open_cache(self.directory, budget_bytes, timeout_s)
         self._inline_limit: int = self._cache.disk.min_file_size  # values this long and longer are kept as files
-        # Hits `open` handed out that no layer has been read from yet, until their reader is dropped.
-        self._unread: weakref.WeakValueDictionary[str, LazyChunkKV] = weakref.WeakValueDictionary()
+        self._unread = UnreadHits()
         # Failures of the backend itself, as opposed to bad data in it.
         self._backend_errors: tuple[type[BaseException], ...] = (OSError, sqlite3.Error, diskcache.Timeout)
 
@@ -150,8 +148,7 @@ class DiskStore:
             return None
         self._count_hit(lazy.layout.total_bytes)
         lazy.when_corrupt(lambda exc: self._drop_corrupt(key, exc, was_hit=True))
-        with self._lock:
-            self._unread[key] = lazy
+        self._unread.handed_out(key, lazy)
         return Hit(lazy, self.name)
 
     def _read_header(self, key: str) -> LazyChunkKV | None:
@@ -228,13 +225,10 @@ class DiskStore:
 
     def discard(self, key: str) -> None:
         """Delete `key`'s entry. If it is a hit `open` handed out unread, that hit is counted as a corrupt miss."""
-        with self._lock:
-            refused = self._unread.pop(key, None)
-            if refused is not None and refused.bytes_read == 0:
-                self.stats.hits -= 1
-                self.stats.bytes_read -= refused.layout.total_bytes
-                self.stats.misses += 1
-                self.stats.corrupt += 1
+        refused = self._unread.refused(key)
+        if refused is not None:
+            with self._lock:
+                self.stats.refused_hit(refused.layout.total_bytes)
         self._delete(key)
 
     def _delete(self, key: str) -> None:
@@ -274,12 +268,12 @@ class DiskStore:
     def _drop_corrupt(self, key: str, exc: CorruptEntryError, *, was_hit: bool = False) -> None:
         """Count a corrupt entry as a miss (taking back the hit `open` counted for it) and delete its row."""
         logger.warning("disk tier %s: dropping a corrupt entry (%s); it will be recomputed", self.directory, exc)
+        self._unread.forget(key)
         with self._lock:
             self.stats.corrupt += 1
             self.stats.misses += 1
             if was_hit:
                 self.stats.hits -= 1
-                self._unread.pop(key, None)
         self._delete(key)
 
     def _count_error(self, op: str, key: str, exc: BaseException) -> None:
