@@ -12,10 +12,10 @@ processes and machines, so two models that differ anywhere must never share a fi
     status-change time (`st_ctime_ns`), so later loads only `stat` the files. The cache trusts that key: a file
     written in place gets a new ctime even when its size and mtime are set back (no user can set ctime), and a
     copy of the folder (cached digest included) has other inodes, so either is hashed again. What the key cannot
-    see is a change that keeps the inode and the ctime, which needs the clock or the filesystem rewritten. A sample
-    of every parameter tensor as it is in memory (up to 64 evenly spaced values,
-    all of it for tensors of up to 4096 values such as norms and biases) is hashed too, so editing the model
-    after loading it (merging a LoRA, adding noise, replacing a layer) changes the fingerprint as well.
+    see is a change that keeps the inode and the ctime, which needs the clock or the filesystem rewritten.
+    A sample of every parameter tensor as it is in memory (up to 64 evenly spaced values, all of it for tensors
+    of up to 4096 values such as norms and biases) is hashed too, so editing the model after loading it (merging
+    a LoRA, adding noise, replacing a layer) changes the fingerprint as well.
   - **parameter digest** otherwise (a model built in memory, a GGUF file, a hub id): the sha256 of every
     parameter tensor's bytes, names and shapes, computed when the engine is built (about 1 s per GB).
 

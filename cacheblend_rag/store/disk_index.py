@@ -137,8 +137,9 @@ def guarded_cache() -> type:
                 self._local.pid = os.getpid()
             con = getattr(self._local, "con", None)
             if con is None:
-                if os.path.islink(self._db_path):  # planted after open: SQLite would follow it out of the folder
-                    raise sqlite3.OperationalError(f"{self._db_path} is a symlink; the disk tier never makes one")
+                for path in (self._db_path, self._db_path + "-wal", self._db_path + "-shm"):
+                    if os.path.islink(path):  # planted after open: SQLite would follow it out of the folder
+                        raise sqlite3.OperationalError(f"{path} is a symlink; the disk tier never makes one")
                 con = sqlite3.connect(self._db_path, timeout=self._timeout, isolation_level=None)
                 con.set_progress_handler(self._over_time, _PROGRESS_STEPS)
                 self._local.con = con
