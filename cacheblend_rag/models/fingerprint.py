@@ -8,10 +8,14 @@ processes and machines, so two models that differ anywhere must never share a fi
   - **checkpoint content**: when the model was loaded from a local folder of weight files (`*.safetensors` or
     `*.bin`, as `from_pretrained` leaves in `model.name_or_path`; the presets load their converted copy this way),
     the sha256 of every byte of those files. It is computed once and cached beside them in
-    `.cacheblend-fingerprint.json`, keyed by each file's name, size and modification time, so later loads only
-    `stat` the files. A sample of every parameter tensor as it is in memory (up to 64 evenly spaced values,
-    all of it for tensors of up to 4096 values such as norms and biases) is hashed too, so editing the model
-    after loading it (merging a LoRA, adding noise, replacing a layer) changes the fingerprint as well.
+    `.cacheblend-fingerprint.json`, keyed by each file's name, device, inode, size, modification time and
+    status-change time (`st_ctime_ns`), so later loads only `stat` the files. The cache trusts that key: a file
+    written in place gets a new ctime even when its size and mtime are set back (no user can set ctime), and a
+    copy of the folder (cached digest included) has other inodes, so either is hashed again. What the key cannot
+    see is a change that keeps the inode and the ctime, which needs the clock or the filesystem rewritten.
+    A sample of every parameter tensor as it is in memory (up to 64 evenly spaced values, all of it for tensors
+    of up to 4096 values such as norms and biases) is hashed too, so editing the model after loading it (merging
+    a LoRA, adding noise, replacing a layer) changes the fingerprint as well.
   - **parameter digest** otherwise (a model built in memory, a GGUF file, a hub id): the sha256 of every
     parameter tensor's bytes, names and shapes, computed when the engine is built (about 1 s per GB).
 
@@ -63,9 +67,13 @@ def checkpoint_files(model: torch.nn.Module) -> list[Path]:
 
 
 def checkpoint_digest(files: Iterable[Path]) -> str:
-    """sha256 over the content of `files` (all in one folder), cached beside them by name, size and mtime."""
+    """sha256 over the content of `files` (all in one folder), cached beside them.
+
+    The cached digest is used only while every file has the same name, device, inode, size, mtime and ctime as
+    when it was hashed (see the module docstring for what that does and does not catch).
+    """
     files = sorted(files)
-    stats = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+    stats = {p.name: _file_identity(p) for p in files}
     sidecar = files[0].parent / _SIDECAR
     try:
         cached = json.loads(sidecar.read_text())
@@ -87,6 +95,12 @@ def checkpoint_digest(files: Iterable[Path]) -> str:
     except OSError as exc:  # a read-only folder: correct, only slower next time
         logger.info("could not cache the checkpoint digest beside %s (%s); it is recomputed on each load", p, exc)
     return digest
+
+
+def _file_identity(path: Path) -> list[int]:
+    """What the cached digest of `path` is keyed on: an in-place write changes ctime, a copy changes the inode."""
+    st = path.stat()
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -2,11 +2,14 @@
 
 Several processes on one machine may share a directory (diskcache coordinates them through SQLite). Values are
 the bytes of `serialize_chunk`; the directory never holds pickles, and a pickled value planted in it is refused
-rather than loaded.
+rather than loaded. What the tier distrusts, and where it is checked: the folder it is given (`disk_folder`: an
+empty or new folder, or a store), the index `cache.db` (`disk_index`: planted schema objects and settings, calls
+bounded in time) and the value files it names (`disk_files`: no symlink, FIFO or name outside the folder).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sqlite3
@@ -17,43 +20,50 @@ from ..errors import ConfigError
 from .base import Hit
 from .chunk_kv import ChunkKV
 from .disk_files import import_diskcache, safe_bytes_disk
+from .disk_folder import claim_folder, write_marker
+from .disk_index import cache_settings, check_index, guarded_cache, open_error
 from .lazy import LazyChunkKV
 from .serialize import CorruptEntryError, header_length, parse_layout, serialize_chunk
-from .stats import TierStats
+from .stats import TierStats, UnreadHits
 
 logger = logging.getLogger(__name__)
 
-# How long an operation waits on a SQLite lock held by another process before it counts as an error (a miss).
-_SQLITE_TIMEOUT_S = 5.0
+# How long one call may take, waiting on a SQLite lock held by another process included, before it is an error.
+_TIMEOUT_S = 5.0
+# `clear` deletes every entry, 100 rows a transaction: a large store legitimately takes longer than one call.
+_CLEAR_TIMEOUT_S = 120.0
 
 
-def _open_cache(directory: str, budget_bytes: int) -> object:
-    """diskcache's Cache over `directory`, or one ConfigError naming the folder and the fix."""
+def _expanded(directory: str | os.PathLike[str]) -> str:
+    """The folder diskcache opens: it expands `~` and environment variables, so the checks must see the same."""
+    return os.path.expandvars(os.path.expanduser(os.fspath(directory)))
+
+
+def _open_cache(directory: str, budget_bytes: int, timeout_s: float) -> object:
+    """diskcache's Cache over `directory`, or one ConfigError naming the folder, the reason and the fix."""
     diskcache = import_diskcache()
+    needs_marker = claim_folder(directory)
     try:
-        return diskcache.Cache(
-            directory,
-            timeout=_SQLITE_TIMEOUT_S,
-            disk=safe_bytes_disk(),
-            size_limit=budget_bytes,
-            eviction_policy="least-recently-used",
-            # diskcache evicts up to `cull_limit` least recently used entries whenever a set leaves the directory
-            # over budget; its default of ten can throw out the entry just written when the cache holds few.
-            cull_limit=1,
-        )
+        check_index(directory, timeout_s)
+        cache = guarded_cache()(directory, timeout_s=timeout_s, disk=safe_bytes_disk(), **cache_settings(budget_bytes))
     except (OSError, sqlite3.Error, diskcache.Timeout) as exc:
-        if os.path.exists(directory) and not os.path.isdir(directory):
-            fix = "it is a file; give a folder path"
-        elif isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
-            fix = "its cache.db is damaged; delete the folder (it holds only a cache) or give another one"
-        else:
-            fix = "make it writable by this user, or give another folder"
-        raise ConfigError(f"the disk tier folder {directory!r} cannot be used ({exc}): {fix}") from exc
+        raise open_error(directory, exc) from exc
+    if needs_marker:
+        try:
+            write_marker(directory)
+        except ConfigError:
+            cache.close()
+            raise
+    return cache
 
 
 def check_disk_dir(directory: str | os.PathLike[str]) -> None:
-    """Open and close the disk tier's folder once, so a bad folder is reported before a model loads."""
-    _open_cache(os.fspath(directory), 0).close()  # type: ignore[attr-defined]
+    """Open and close the disk tier's folder once, so a folder it refuses is reported before a model loads.
+
+    The same checks as `DiskStore`: a new or empty folder (made a store), or a store; anything else is a
+    ConfigError naming the folder, why, and what to do.
+    """
+    _open_cache(_expanded(directory), 0, _TIMEOUT_S).close()  # type: ignore[attr-defined]
 
 
 class DiskStore:
@@ -61,10 +71,15 @@ class DiskStore:
 
     `get` moves an entry to the most recently used end; `put` evicts the least recently used entries until the
     directory fits the budget again. A corrupt entry, or an index row this tier could not have written (a file
-    name outside the folder, a symlink, a FIFO, text, a pickle), is deleted, logged and counted as a miss; an I/O
-    or SQLite failure is logged and counted in `stats.errors`, and is also a miss (or a lost put), never an
-    exception. Reads are bounded by the size the entry's header declares. Safe to share between threads and
-    processes. An unusable folder (a file, not writable, a damaged index) is a ConfigError at construction.
+    name outside the folder, a symlink, a FIFO, text, a pickle, an inline value larger than it keeps inline), is
+    deleted, logged and counted as a miss; an I/O or SQLite failure, or a call still running after `timeout_s`
+    (a lock held by another process, a trigger planted in the index), is logged and counted in `stats.errors`,
+    and is also a miss (or a lost put), never an exception or a hang. Reads are bounded by the size the entry's
+    header declares. A hit handed out by `open` and then discarded before any of it was read (the engine refusing
+    its shape) is counted as a corrupt miss, not a hit. Safe to share between threads and processes.
+
+    The folder must be new, empty, or a store (see `disk_folder`); anything else, or an unusable folder (a file,
+    not writable, a damaged index), is a ConfigError at construction.
 
     With `hmac_key`, entries are signed when written and entries without a valid signature are refused (misses).
     """
@@ -76,24 +91,39 @@ class DiskStore:
         *,
         hmac_key: bytes | None = None,
         name: str = "disk",
+        timeout_s: float = _TIMEOUT_S,
     ) -> None:
         if budget_bytes < 0:
             raise ConfigError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be > 0 seconds, got {timeout_s}")
         diskcache = import_diskcache()
         self.name = name
-        self.directory = os.fspath(directory)
+        self.directory = _expanded(directory)
         self.budget_bytes = budget_bytes
         self.hmac_key = hmac_key
+        self.timeout_s = timeout_s
         self.stats = TierStats()
         self._lock = threading.Lock()
-        self._cache = _open_cache(self.directory, budget_bytes)
+        self._cache = _open_cache(self.directory, budget_bytes, timeout_s)
+        self._inline_limit: int = self._cache.disk.min_file_size  # values this long and longer are kept as files
+        self._unread = UnreadHits()
         # Failures of the backend itself, as opposed to bad data in it.
         self._backend_errors: tuple[type[BaseException], ...] = (OSError, sqlite3.Error, diskcache.Timeout)
 
+    def _bounded(self, seconds: float | None = None) -> contextlib.AbstractContextManager[None]:
+        """Interrupt this thread's SQLite statements once `seconds` (default `timeout_s`) have passed."""
+        return self._cache.bounded(self.timeout_s if seconds is None else seconds)
+
     @property
     def nbytes(self) -> int:
-        """Bytes the directory takes, as diskcache counts them for its size limit."""
-        return self._cache.volume()
+        """Bytes the directory takes, as diskcache counts them for its size limit (0 if the index fails)."""
+        try:
+            with self._bounded():
+                return self._cache.volume()
+        except self._backend_errors as exc:
+            self._count_error("volume", "*" * 12, exc)
+            return 0
 
     def get(self, key: str) -> ChunkKV | None:
         lazy = self._read_header(key)
@@ -118,13 +148,21 @@ class DiskStore:
             return None
         self._count_hit(lazy.layout.total_bytes)
         lazy.when_corrupt(lambda exc: self._drop_corrupt(key, exc, was_hit=True))
+        self._unread.handed_out(key, lazy)
         return Hit(lazy, self.name)
 
     def _read_header(self, key: str) -> LazyChunkKV | None:
         """The entry with only its header read and checked; None (counted) on a miss or a bad entry."""
         handle = None
         try:
-            handle = self._cache.get(key, read=True)
+            with self._bounded():
+                inline = self._cache.inline_length(key)
+                if inline is not None and inline >= self._inline_limit:  # checked before a byte of it is read
+                    raise CorruptEntryError(
+                        f"entry {key[:12]} keeps {inline} bytes inside the index, where this tier keeps only "
+                        f"values under {self._inline_limit} bytes"
+                    )
+                handle = None if inline is None else self._cache.get(key, read=True)
             if handle is None:
                 with self._lock:
                     self.stats.misses += 1
@@ -160,17 +198,18 @@ class DiskStore:
     def put(self, kv: ChunkKV) -> None:
         data = serialize_chunk(kv, hmac_key=self.hmac_key)
         try:
-            if len(data) > self.budget_bytes:
-                # Storing it would evict everything else and then itself; drop any older copy instead.
-                self._cache.delete(kv.key)
-                return
-            with self._lock:
-                before = len(self._cache) + int(kv.key not in self._cache)
-                self._cache.set(kv.key, data)
-                self._evict_to_budget()
-                self.stats.puts += 1
-                # Another process sharing the directory can skew this count; it is informative only.
-                self.stats.evictions += max(0, before - len(self._cache))
+            with self._bounded():
+                if len(data) > self.budget_bytes:
+                    # Storing it would evict everything else and then itself; drop any older copy instead.
+                    self._cache.delete(kv.key)
+                    return
+                with self._lock:
+                    before = len(self._cache) + int(kv.key not in self._cache)
+                    self._cache.set(kv.key, data)  # a failed set deletes the value file it wrote
+                    self._evict_to_budget()
+                    self.stats.puts += 1
+                    # Another process sharing the directory can skew this count; it is informative only.
+                    self.stats.evictions += max(0, before - len(self._cache))
         except self._backend_errors as exc:
             self._count_error("put", kv.key, exc)
 
@@ -185,14 +224,24 @@ class DiskStore:
                 self._cache._cull(time.time(), sql, cleanup, limit=1)
 
     def discard(self, key: str) -> None:
+        """Delete `key`'s entry. If it is a hit `open` handed out unread, that hit is counted as a corrupt miss."""
+        refused = self._unread.refused(key)
+        if refused is not None:
+            with self._lock:
+                self.stats.refused_hit(refused.layout.total_bytes)
+        self._delete(key)
+
+    def _delete(self, key: str) -> None:
         try:
-            self._cache.delete(key)
+            with self._bounded():
+                self._cache.delete(key)
         except self._backend_errors as exc:
-            self._count_error("discard", key, exc)
+            self._count_error("delete", key, exc)
 
     def clear(self) -> None:
         try:
-            self._cache.clear()
+            with self._bounded(max(self.timeout_s, _CLEAR_TIMEOUT_S)):
+                self._cache.clear()
         except self._backend_errors as exc:
             self._count_error("clear", "*" * 12, exc)
 
@@ -204,28 +253,28 @@ class DiskStore:
 
     def __contains__(self, key: object) -> bool:
         try:
-            return key in self._cache
+            with self._bounded():
+                return key in self._cache
         except self._backend_errors:
             return False
 
     def __len__(self) -> int:
         try:
-            return len(self._cache)
+            with self._bounded():
+                return len(self._cache)
         except self._backend_errors:
             return 0
 
     def _drop_corrupt(self, key: str, exc: CorruptEntryError, *, was_hit: bool = False) -> None:
         """Count a corrupt entry as a miss (taking back the hit `open` counted for it) and delete its row."""
         logger.warning("disk tier %s: dropping a corrupt entry (%s); it will be recomputed", self.directory, exc)
+        self._unread.forget(key)
         with self._lock:
             self.stats.corrupt += 1
             self.stats.misses += 1
             if was_hit:
                 self.stats.hits -= 1
-        try:
-            self._cache.delete(key)
-        except self._backend_errors as del_exc:
-            self._count_error("delete", key, del_exc)
+        self._delete(key)
 
     def _count_error(self, op: str, key: str, exc: BaseException) -> None:
         logger.warning("disk tier %s: %s of chunk %s failed: %s", self.directory, op, key[:12], exc)

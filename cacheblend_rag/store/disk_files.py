@@ -5,11 +5,14 @@ evicting the entry opens or deletes `directory/<that name>`. Whoever can write t
 the name is untrusted input: `SafeBytesDisk` opens or deletes a value file only when its name has exactly the form
 diskcache itself writes (`ab/cd/<28 hex digits>.val`), no component is a symlink, and the file is a regular file.
 Anything else is a `CorruptEntryError` (on a read) or left alone (on a delete): no file outside the folder is ever
-read or removed, and a FIFO or device never blocks a reader. Values are bytes only; nothing is ever unpickled.
+read or removed, and a FIFO or device never blocks a reader. Writes go the same way: each value folder level must
+be a real folder (a symlink planted in place of `35/` fails the write, it is never followed), and a write that
+fails (a full disk) deletes its partial file. Values are bytes only; nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -17,6 +20,7 @@ import os
 import re
 import sqlite3
 import stat
+import threading
 from typing import Any, BinaryIO
 
 from .serialize import CorruptEntryError
@@ -70,6 +74,52 @@ def open_value_file(directory: str, filename: object) -> BinaryIO:
     return os.fdopen(file_fd, "rb", buffering=0)
 
 
+def write_value_file(directory: str, filename: str, data: bytes) -> None:
+    """Write `data` to the new value file `filename` (a name diskcache drew), making its folders as needed.
+
+    A folder level that is a symlink or a file is an OSError, never followed. On any failure the partial file is
+    deleted before the error propagates.
+    """
+    parts = _checked_name(filename)
+    for attempt in range(10):  # another process may delete an emptied value folder between our steps
+        fd = os.open(directory, os.O_RDONLY | _DIRECTORY)
+        try:
+            for sub in parts[:-1]:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(sub, 0o755, dir_fd=fd)
+                try:
+                    nxt = os.open(sub, os.O_RDONLY | _DIRECTORY | _NOFOLLOW, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise OSError(exc.errno, f"value folder {sub!r} of {filename} is a symlink or a file") from exc
+                    raise
+                os.close(fd)
+                fd = nxt
+            try:
+                out = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644, dir_fd=fd)
+            except FileNotFoundError:
+                if attempt == 9:
+                    raise
+                continue
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(out, view) :]
+            except BaseException:
+                os.close(out)
+                with contextlib.suppress(OSError):
+                    os.unlink(parts[-1], dir_fd=fd)
+                raise
+            os.close(out)
+            return
+        finally:
+            os.close(fd)
+
+
+class _LastWritten(threading.local):
+    name: str | None = None  # the value file this thread's last `store` wrote
+
+
 @functools.cache
 def safe_bytes_disk() -> type:
     """A diskcache `Disk` that stores and returns only `bytes` and follows only value file names it wrote."""
@@ -77,10 +127,25 @@ def safe_bytes_disk() -> type:
     core = diskcache.core
 
     class SafeBytesDisk(diskcache.Disk):
+        def __init__(self, directory: str, **kwargs: Any) -> None:
+            super().__init__(directory, **kwargs)
+            self._written = _LastWritten()
+
         def store(self, value: Any, read: bool, key: Any = core.UNKNOWN) -> Any:
+            """-> (size, mode, filename, value) columns: small values inline, others in a new value file."""
             if type(value) is not bytes:
                 raise TypeError(f"the disk tier stores bytes only, got {type(value).__name__}")
-            return super().store(value, read, key=key)
+            if len(value) < self.min_file_size:
+                return 0, core.MODE_RAW, None, sqlite3.Binary(value)
+            filename, _ = self.filename(key, value)
+            write_value_file(self._directory, filename, value)
+            self._written.name = filename
+            return len(value), core.MODE_BINARY, filename, None
+
+        def take_written(self) -> str | None:
+            """The value file this thread's last `store` wrote (forgotten now), for removal if its row failed."""
+            name, self._written.name = self._written.name, None
+            return name
 
         def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> Any:
             """-> the value's bytes (kept inline in SQLite) or an open regular file (kept as a file).

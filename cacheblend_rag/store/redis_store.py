@@ -26,7 +26,7 @@ from .base import Hit
 from .chunk_kv import ChunkKV
 from .lazy import LazyChunkKV
 from .serialize import CorruptEntryError, deserialize_chunk, header_length, parse_layout, serialize_chunk
-from .stats import TierStats
+from .stats import TierStats, UnreadHits
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ class RedisStore:
         self.hmac_key = hmac_key
         self.backoff_s = backoff_s
         self.stats = TierStats()
+        self._unread = UnreadHits()
         # No retries: redis-py's default retries with back-off would turn one outage into seconds per call.
         # The client connects lazily, so a server that is down at start-up is just an outage on the first call.
         timeouts = {"socket_connect_timeout": connect_timeout_s, "socket_timeout": read_timeout_s}
@@ -266,6 +267,7 @@ class RedisStore:
             self.stats.bytes_read += total
         lazy = LazyChunkKV(layout, read_ranges)
         lazy.when_corrupt(lambda exc: self._drop_corrupt(key, exc, was_hit=True))
+        self._unread.handed_out(key, lazy)
         return Hit(lazy, self.name)
 
     def _drop_corrupt(self, key: str, exc: CorruptEntryError, *, was_hit: bool = False) -> None:
@@ -273,12 +275,13 @@ class RedisStore:
         logger.warning(
             "Redis tier at %s: dropping a corrupt or unreadable entry (%s); it will be recomputed", self.where, exc
         )
+        self._unread.forget(key)
         with self._lock:
             self.stats.corrupt += 1
             self.stats.misses += 1
             if was_hit:
                 self.stats.hits -= 1
-        self.discard(key)
+        self._delete(key)
 
     def put(self, kv: ChunkKV) -> None:
         if not self.available:
@@ -287,7 +290,7 @@ class RedisStore:
         budget = self.budget_bytes // self.shards
         if len(data) > budget:
             # Storing it would evict everything else and then itself; drop any older copy instead.
-            self.discard(kv.key)
+            self._delete(kv.key)
             return
         keys = self._keys(kv.key)
         args = [data, kv.key, budget, keys[0].removesuffix(kv.key)]
@@ -298,6 +301,14 @@ class RedisStore:
                 self.stats.evictions += int(evicted)
 
     def discard(self, key: str) -> None:
+        """Delete `key`'s entry. If it is a hit `open` handed out unread, that hit is counted as a corrupt miss."""
+        refused = self._unread.refused(key)
+        if refused is not None:
+            with self._lock:
+                self.stats.refused_hit(refused.layout.total_bytes)
+        self._delete(key)
+
+    def _delete(self, key: str) -> None:
         self._call("discard", lambda: self._scripts["discard"](keys=self._keys(key)[:4], args=[key]), None)
 
     def clear(self) -> None:

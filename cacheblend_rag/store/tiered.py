@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -66,6 +67,8 @@ class TieredStore:
             else None
         )
         self._pending: set[Future] = set()
+        # Hits of lower tiers handed out by `open` and not read whole yet: (tier name, weak reader) by key.
+        self._unread: dict[str, tuple[str, weakref.ref]] = {}
 
     def get(self, key: str) -> ChunkKV | None:
         hit = self._find(key, lazy=False)
@@ -86,29 +89,41 @@ class TieredStore:
                 kv = tier.get(key)
             if kv is None:
                 continue
-            # Promotion goes to faster tiers only: cheap, and the next lookup needs it. A chunk read by layer is
-            # promoted from the bytes already fetched, once its last layer is in.
-            if i > 0:
-                kv.when_whole(functools.partial(self._promote, self.tiers[:i]))
-            kv.when_corrupt(functools.partial(self._unhit, self.names[i]))
+            reader = weakref.ref(kv, functools.partial(self._forget, key))
             with self._lock:
                 self.stats.hits += 1
                 self.stats.bytes_read += kv.nbytes
                 self.hits_by_tier[self.names[i]] += 1
+                if lazy and i > 0:
+                    self._unread[key] = (self.names[i], reader)
+            # Promotion goes to faster tiers only: cheap, and the next lookup needs it. A chunk read by layer is
+            # promoted from the bytes already fetched, once its last layer is in.
+            if i > 0:
+                kv.when_whole(functools.partial(self._read_whole, key, reader, self.tiers[:i]))
+            kv.when_corrupt(functools.partial(self._unhit, key, self.names[i]))
             return Hit(kv, self.names[i])
         with self._lock:
             self.stats.misses += 1
         return None
 
-    def _unhit(self, name: str, exc: CorruptEntryError) -> None:
-        """A hit read by layer turned out corrupt: it was a miss after all (the tier has fixed its own counts)."""
+    def _unhit(self, key: str, name: str, exc: CorruptEntryError | None = None) -> None:
+        """A hit turned out corrupt, or was refused unread: it was a miss after all (the tier fixes its own counts)."""
         with self._lock:
             self.stats.hits -= 1
             self.stats.misses += 1
             self.hits_by_tier[name] -= 1
+            self._unread.pop(key, None)
 
-    @staticmethod
-    def _promote(tiers: Sequence[ChunkStore], kv: ChunkKV) -> None:
+    def _forget(self, key: str, reader: weakref.ref) -> None:
+        """`reader` was read whole, or dropped: forget it (unless a newer reader of the key took its place).
+
+        No lock: this also runs from the garbage collector, possibly inside a section that holds `_lock`.
+        """
+        if self._unread.get(key, ("", None))[1] is reader:
+            self._unread.pop(key, None)
+
+    def _read_whole(self, key: str, reader: weakref.ref, tiers: Sequence[ChunkStore], kv: ChunkKV) -> None:
+        self._forget(key, reader)
         for tier in tiers:
             tier.put(kv)
 
@@ -154,6 +169,12 @@ class TieredStore:
             tier.close()
 
     def discard(self, key: str) -> None:
+        """Delete `key` from every tier. A hit `open` handed out from a lower tier and discarded before it was
+        read whole (the engine refusing its shape or dtype) is counted as a miss, here and in that tier."""
+        with self._lock:
+            refused = self._unread.pop(key, None)
+        if refused is not None:
+            self._unhit(key, refused[0])
         for tier in self.tiers:
             tier.discard(key)
 
