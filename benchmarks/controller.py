@@ -1,4 +1,4 @@
-"""The loading controller per tier: the ratio it picks and the TTFT it gets, against a fixed r = 0.15 (issue 3).
+"""The loading controller per tier: the ratio it picks and the TTFT it gets, against a fixed r = 0.15.
 
 For each tier (memory, local disk, Redis, and emulated slow links: a disk or network read at a fixed byte
 rate), chunk KV is served from that tier alone with pipelined loading, and two engines answer the same
@@ -24,10 +24,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tiers import start_redis  # noqa: E402
-from ttft import chunk_texts  # noqa: E402
+from benchlib.cli import Transcript, add_out_argument  # noqa: E402
+from benchlib.redis_server import private_server  # noqa: E402
+from benchlib.timing import QUESTION, add_data_dir_argument, chunk_texts  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
 from cacheblend_rag.controller import LoadingController, LoadingProfile, profile_engine  # noqa: E402
@@ -74,19 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", default=None, help="a profile JSON from `cacheblend-rag profile` (else: measure)")
     p.add_argument("--slow-mbps", type=float, nargs="*", default=[200.0, 50.0], help="emulated slow tiers, MB/s")
-    default_data = Path(__file__).resolve().parents[2] / "shared" / "data"
-    p.add_argument("--data-dir", default=str(default_data) if default_data.exists() else None)
+    add_data_dir_argument(p)
+    add_out_argument(p, "controller", "folder for summary.txt, the table printed")
     args = p.parse_args(argv)
+    say = Transcript()
 
     server = None
     work = tempfile.mkdtemp(prefix="cacheblend-bench-controller-")
     try:
         base = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(dtype=args.dtype), show_progress=False)
         tiers: dict[str, object] = {"memory": MemoryStore(), "disk": DiskStore(os.path.join(work, "disk"))}
-        started = start_redis()
-        if started is not None:
-            server, url = started
-            tiers["redis"] = RedisStore(url, namespace=f"bench-{os.getpid()}")
+        server = private_server()
+        if server is not None:
+            tiers["redis"] = RedisStore(server.url, namespace=f"bench-{os.getpid()}")
         for mbps in args.slow_mbps:
             name = f"slow-{mbps:g}MB/s"
             tiers[name] = ThrottledDisk(os.path.join(work, name.replace("/", "")), mbps * 1e6, name)
@@ -94,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             profile = LoadingProfile.load(args.profile)
         else:
-            print("profiling recompute and tier reads ...", flush=True)
+            say("profiling recompute and tier reads ...")
             total = args.chunks * args.chunk_tokens
             counts = sorted({max(args.chunk_tokens, total // 2), total})
             profile = profile_engine(base, token_counts=counts, tiers=tiers, chunk_tokens=args.chunk_tokens)
@@ -106,18 +105,18 @@ def main(argv: list[str] | None = None) -> int:
         texts = chunk_texts(
             base.tokenizer, args.chunks, args.chunk_tokens, Path(args.data_dir) if args.data_dir else None
         )
-        question = "Which of these passages mentions a city, and what is its name?"
+        question = QUESTION
         prompt = base.build_prompt(texts, question)
         base.precompute(texts, question)
         keys = base.prompt_keys(prompt)
         controller = LoadingController(profile, min_ratio=args.min_ratio)
         nbytes = sum(base.store.get(k).nbytes for k in keys[1:])
 
-        print(
+        say(
             f"blend, {prompt.num_tokens} tokens, {args.chunks} chunks ({nbytes / 2**20:.0f} MiB of KV), {args.dtype}, "
             f"pipelined loading, medians of {args.repeats} interleaved runs; controller floor r_min={args.min_ratio}"
         )
-        print(f"{'tier':<16} {'read MB/s':>9} {'r picked':>8} {'TTFT ctrl':>10} {'TTFT r=0.15':>11} {'est. load':>9}")
+        say(f"{'tier':<16} {'read MB/s':>9} {'r picked':>8} {'TTFT ctrl':>10} {'TTFT r=0.15':>11} {'est. load':>9}")
         for name, tier in tiers.items():
             store = TieredStore([tier], [name])
             for key in keys:
@@ -135,21 +134,22 @@ def main(argv: list[str] | None = None) -> int:
                 runs["fixed"].append(f.metrics.ttft_s)
                 picked.append(a.metrics.recompute_ratio)
             est = controller.load_time({name: nbytes}, {name: args.chunks})
-            print(
+            say(
                 f"{name:<16} {profile.tiers[name].bytes_per_s / 1e6:9.0f} {statistics.median(picked):8.2f} "
                 f"{statistics.median(runs['auto']) * 1000:8.0f}ms {statistics.median(runs['fixed']) * 1000:9.0f}ms "
                 f"{est * 1000:7.0f}ms"
             )
         cheapest = controller.cheapest_tier(prompt.num_tokens, nbytes, args.chunks, ratio=0.15)
-        print(f"cheapest tier that adds no delay at r=0.15 (cost order {', '.join(controller.tier_costs)}): {cheapest}")
+        say(f"cheapest tier that adds no delay at r=0.15 (cost order {', '.join(controller.tier_costs)}): {cheapest}")
         budget = profile.recompute_time(prompt.num_tokens, 0.15)
         for name in tiers:
             est = controller.load_time({name: nbytes}, {name: args.chunks})
-            print(f"  {name:<16} load {est * 1000:6.0f} ms vs recompute at r=0.15 {budget * 1000:6.0f} ms")
+            say(f"  {name:<16} load {est * 1000:6.0f} ms vs recompute at r=0.15 {budget * 1000:6.0f} ms")
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if server is not None:
-            server.kill()
+            server.stop()
+    say.write(args.out)
     return 0
 
 

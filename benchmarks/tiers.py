@@ -1,5 +1,5 @@
 """TTFT of blend with chunk KV served from memory, from local disk and from Redis, with and without layer-wise
-pipelined loading, side by side (issue 3).
+pipelined loading, side by side.
 
 Each store holds only its own tier (no memory tier in front of disk or Redis), so every request really reads
 its chunks from that tier. Requests are interleaved across the six setups and the medians compared.
@@ -17,47 +17,19 @@ import argparse
 import dataclasses
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from ttft import chunk_texts  # noqa: E402
+from benchlib.cli import Transcript, add_out_argument  # noqa: E402
+from benchlib.redis_server import private_server  # noqa: E402
+from benchlib.timing import QUESTION, add_data_dir_argument, chunk_texts  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
 from cacheblend_rag.store import DiskStore, MemoryStore, RedisStore, TieredStore  # noqa: E402
-
-
-def start_redis() -> tuple[subprocess.Popen, str] | None:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        return None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            return proc, f"redis://127.0.0.1:{port}/0"
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,23 +41,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ratio", type=float, default=0.15)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--redis-url", default=None)
-    default_data = Path(__file__).resolve().parents[2] / "shared" / "data"
-    p.add_argument("--data-dir", default=str(default_data) if default_data.exists() else None)
+    add_data_dir_argument(p)
+    add_out_argument(p, "tiers", "folder for summary.txt, the table printed")
     args = p.parse_args(argv)
+    say = Transcript()
 
     server = None
     redis_url = args.redis_url
     if redis_url is None:
-        started = start_redis()
-        if started is not None:
-            server, redis_url = started
+        server = private_server()
+        if server is not None:
+            redis_url = server.url
     disk_dir = tempfile.mkdtemp(prefix="cacheblend-bench-disk-")
     try:
         base = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(dtype=args.dtype), show_progress=False)
         texts = chunk_texts(
             base.tokenizer, args.chunks, args.chunk_tokens, Path(args.data_dir) if args.data_dir else None
         )
-        question = "Which of these passages mentions a city, and what is its name?"
+        question = QUESTION
         prompt = base.build_prompt(texts, question)
         base.precompute(texts, question)
 
@@ -113,14 +86,14 @@ def main(argv: list[str] | None = None) -> int:
                 assert r.metrics.hits_by_tier == {name: args.chunks}, r.metrics.hits_by_tier
                 ttft[name, pipelined].append(r.metrics.ttft_s)
                 last[name, pipelined] = r.metrics
-        print(
+        say(
             f"blend r={args.ratio}, {prompt.num_tokens} tokens, {args.chunks} chunks, {args.dtype}, "
             f"medians of {args.repeats} interleaved runs"
         )
         med = {setup: statistics.median(v) for setup, v in ttft.items()}
         for (name, pipelined), m in last.items():
             label = f"{name}, {'pipelined' if pipelined else 'serial'}"
-            print(
+            say(
                 f"  {label:<20} TTFT {med[name, pipelined] * 1000:7.0f} ms  load {m.load_s * 1000:6.0f} ms  "
                 f"waited {m.wait_s * 1000:6.0f} ms  compute {m.compute_s * 1000:6.0f} ms  "
                 f"loaded {m.bytes_loaded / 2**20:.0f} MiB"
@@ -129,13 +102,14 @@ def main(argv: list[str] | None = None) -> int:
             for name in stores:
                 if name != "memory":
                     ratio = med[name, pipelined] / med["memory", pipelined]
-                    print(f"  ratio {name} / memory, {'pipelined' if pipelined else 'serial'}: {ratio:.3f}")
+                    say(f"  ratio {name} / memory, {'pipelined' if pipelined else 'serial'}: {ratio:.3f}")
         if redis_url is None:
-            print("  (redis: no redis-server found; install it to include this tier)")
+            say("  (redis: no redis-server found; install it to include this tier)")
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
         if server is not None:
-            server.kill()
+            server.stop()
+    say.write(args.out)
     return 0
 
 

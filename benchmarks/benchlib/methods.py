@@ -29,11 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from ..config import RULE_NAMES, blend_rule
-from ..engine.prompt import PromptTemplate
-from ..errors import ConfigError
-from .datasets import Case, TaskSpec
-from .scoring import first_line
+from cacheblend_rag.config import RULE_NAMES, blend_rule
+from cacheblend_rag.engine.prompt import PromptTemplate
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.evaluation.datasets import Case, TaskSpec
+from cacheblend_rag.evaluation.scoring import first_line
 
 __all__ = [
     "DEFAULT_METHODS",

@@ -1,7 +1,7 @@
 """The throughput benchmark of the paper's Fig. 14: Poisson arrivals at several request rates against one engine.
 
 Scope: serving the extended workload (`workload`) with each method and queueing it at each rate (`queueing`),
-for `cacheblend-rag bench throughput` and `benchmarks/throughput.py`; the typed results and their report
+for `benchmarks/throughput.py`; the typed results and their report
 (`results.json`, `summary.md`, a figure) are `throughput_report`'s, the settings `throughput_settings`'.
 
 Serving. Chunk KV lives in the engine's memory store, emptied before each method. A chunk that misses is
@@ -28,11 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from ..errors import ConfigError
-from .datasets import Dataset, DatasetError
-from .methods import PrefillMethod
-from .queueing import (
+from benchlib.methods import PrefillMethod
+from benchlib.queueing import (
     Served,
     Timing,
     max_rate_within_slo,
@@ -42,7 +39,7 @@ from .queueing import (
     replay_queue,
     run_live,
 )
-from .throughput_report import (
+from benchlib.throughput_report import (
     MethodRow,
     RateRow,
     RequestRecord,
@@ -52,10 +49,13 @@ from .throughput_report import (
     save_result,
     write_throughput_report,
 )
-from .throughput_settings import DEFAULT_RATES, DEFAULT_THROUGHPUT_METHODS, ThroughputSettings, parse_throughput_methods
-from .workload import Workload, WorkloadRequest, build_workload
+from benchlib.throughput_settings import ThroughputSettings, parse_throughput_methods
+from benchlib.workload import Workload, WorkloadRequest, build_workload
 
-__all__ = ["DEFAULT_RATES", "DEFAULT_THROUGHPUT_METHODS", "run_throughput", "serve_request"]
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.evaluation.datasets import Dataset, DatasetError
+
+__all__ = ["run_throughput", "serve_request"]
 
 
 def serve_request(
@@ -85,19 +85,11 @@ def serve_request(
 
 
 def _check_prompts_fit(engine: Any, workload: Workload, max_new_tokens: int) -> None:
-    """Refuse before any timing if a request would not fit the model (one check per question)."""
-    limit = engine.max_tokens
-    done: set[str] = set()
-    for r in workload.requests:
-        if r.case_id in done:
-            continue
-        done.add(r.case_id)
+    """PromptError before any timing if a question's request would not fit the model (one check per question)."""
+    first_asking = {r.case_id: r for r in reversed(workload.requests)}
+    for r in first_asking.values():
         prompt = engine.build_prompt(workload.texts(r), r.question, template=workload.spec.template)
-        if prompt.num_tokens + max_new_tokens > limit:
-            raise ConfigError(
-                f"request for {r.case_id} has {prompt.num_tokens} prompt tokens + {max_new_tokens} new tokens, "
-                f"beyond the model's limit of {limit}; lower --top-k or --chunk-tokens"
-            )
+        engine.check_length(prompt, max_new_tokens)
 
 
 def run_throughput(
@@ -189,7 +181,7 @@ def _serve_method(
     """One method's queue at every rate: one replayed pass, or one live pass per rate; each from an empty store."""
     from tqdm.auto import tqdm
 
-    from ..store import MemoryStore
+    from cacheblend_rag.store import MemoryStore
 
     n = len(workload.requests)
 

@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import CacheBlendError
+from cacheblend_rag.errors import CacheBlendError
 
 RUN_FILE = "run.json"
+MODEL_UNKNOWN = "model not recorded"  # what a figure names when run.json has no model
 
 
 def load_records(
@@ -57,19 +58,20 @@ def append_record(path: Path, record: Mapping[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-# Settings added after runs were first written, with the value every run from before had: a run file without the
-# key was made with that value, and adding to it with another is refused like any other change.
-SETTINGS_BEFORE_THEIR_KEY: dict[str, Any] = {"lead_in": "none"}
+def run_settings(out: str | os.PathLike[str]) -> dict[str, Any]:
+    """The setup remembered in `out`'s run.json (empty when there is none)."""
+    path = Path(out) / RUN_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def check_run_settings(out: Path, settings: Mapping[str, Any]) -> None:
     """Refuse to add to `out` when it holds results of another setup; remember this setup otherwise."""
     path = out / RUN_FILE
-    if path.exists():
-        old = {**SETTINGS_BEFORE_THEIR_KEY, **json.loads(path.read_text())}
+    old = run_settings(out)
+    if old:
         differ = {k: (old.get(k), v) for k, v in settings.items() if k in old and old[k] != v}
         if differ:
             details = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in differ.items())
             raise CacheBlendError(f"{out} holds results of another setup ({details}); use another --out")
-    merged = {**(json.loads(path.read_text()) if path.exists() else {}), **settings}
+    merged = {**old, **settings}
     path.write_text(json.dumps(merged, indent=2) + "\n")

@@ -15,10 +15,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..errors import CacheBlendError
-from .queueing import QueueStats, Served, Timing
-from .report import fmt, markdown_table, pyplot, write_json
-from .throughput_settings import ThroughputSettings
+from benchlib.queueing import QueueStats, Served, Timing
+from benchlib.records import MODEL_UNKNOWN
+from benchlib.report import fmt, markdown_table, pyplot, write_json
+from benchlib.throughput_settings import ThroughputSettings
+
+from cacheblend_rag.errors import CacheBlendError
 
 __all__ = [
     "FIGURE",
@@ -276,7 +278,8 @@ def plot_throughput(result: ThroughputResult, path: str | os.PathLike[str]) -> P
             ax.set_ylabel(ylabel)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle("TTFT under Poisson arrivals (one server, FIFO)")
+    model = result.info.get("model", MODEL_UNKNOWN)
+    fig.suptitle(f"TTFT under Poisson arrivals (one server, FIFO): {model}")
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=120)
@@ -295,7 +298,7 @@ def write_throughput_report(out_dir: str | os.PathLike[str], result: ThroughputR
     path = out / RESULTS_JSON
     if result is None:
         if not path.exists():
-            raise CacheBlendError(f"no results at {path}; run `cacheblend-rag bench throughput` first")
+            raise CacheBlendError(f"no results at {path}; run `python benchmarks/throughput.py` first")
         result = ThroughputResult.from_dict(json.loads(path.read_text()))
     else:
         save_result(out, result)

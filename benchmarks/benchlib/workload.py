@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
-from .datasets import Dataset, DatasetError, TaskSpec
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.evaluation.datasets import Dataset, DatasetError, TaskSpec
 
 __all__ = ["Workload", "WorkloadRequest", "build_workload"]
 
@@ -84,7 +84,7 @@ def build_workload(
     sentence boundaries into chunks of at most `chunk_tokens` tokens of `tokenizer` (the LLM's). A chunk text
     that occurs in two contexts is one chunk. `embedder` defaults to the packaged all-MiniLM-L6-v2.
     """
-    from ..retrieval import Chunk, ChunkIndex, Document, load_embedder, split_documents
+    from cacheblend_rag.retrieval import Chunk, ChunkIndex, Document, load_embedder, split_documents
 
     if not dataset.cases:
         raise DatasetError(f"data set {dataset.spec.name!r} has no cases; check the data file and --limit")

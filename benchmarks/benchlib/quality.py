@@ -21,13 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CacheBlendError
-from .datasets import Dataset
-from .methods import Method, answer_text
-from .records import append_record, check_run_settings
-from .records import load_records as _load
-from .report import bootstrap_ci, cases_text, comparable_cases, fmt, markdown_table, plot_panels, write_json
-from .scoring import METRIC_NAMES, score_answer
+from benchlib.methods import Method, answer_text
+from benchlib.records import MODEL_UNKNOWN, append_record, check_run_settings, run_settings
+from benchlib.records import load_records as _load
+from benchlib.report import cases_text, ci_text, comparable_cases, fmt, markdown_table, plot_panels, write_json
+
+from cacheblend_rag.errors import CacheBlendError
+from cacheblend_rag.evaluation.datasets import Dataset
+from cacheblend_rag.evaluation.fidelity import bootstrap_ci
+from cacheblend_rag.evaluation.scoring import METRIC_NAMES, score_answer
 
 __all__ = [
     "RESULTS_FILE",
@@ -216,7 +218,7 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> list[SummaryRow]:
 def _ci(r: SummaryRow) -> str:
     if r.method == "full" or math.isnan(r.delta_ci95):
         return "-"
-    return f"[{r.delta_vs_full - r.delta_ci95:+.3f}, {r.delta_vs_full + r.delta_ci95:+.3f}]"
+    return ci_text((r.delta_vs_full - r.delta_ci95, r.delta_vs_full + r.delta_ci95), "+.3f")
 
 
 def summary_markdown(rows: Sequence[SummaryRow]) -> str:
@@ -254,7 +256,7 @@ def summary_markdown(rows: Sequence[SummaryRow]) -> str:
 # -- figures ---------------------------------------------------------------------------------------------------
 
 
-def plot_quality_vs_ttft(records: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
+def plot_quality_vs_ttft(records: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], *, model: str) -> Path:
     """Fig. 12 style: per data set, each method's mean quality (95% bootstrap interval) against its median TTFT.
 
     Only methods measured on the same cases are compared: per data set, the methods that ran at least half as
@@ -268,7 +270,7 @@ def plot_quality_vs_ttft(records: Sequence[Mapping[str, Any]], path: str | os.Pa
         titles[dataset] = f"{dataset}: {cases_text(len(cases), 'common ')}{dropped}"
     return plot_panels(
         rows, path, x="ttft_s", y="score", label="label", style="method", xlabel="median TTFT (s)",
-        ylabel={r["dataset"]: f"mean {r['metric']} (95% CI)" for r in rows}, title="Quality vs TTFT",
+        ylabel={r["dataset"]: f"mean {r['metric']} (95% CI)" for r in rows}, title=f"Quality vs TTFT: {model}",
         panel_titles=titles, yerr=("lo", "hi"),
     )  # fmt: skip
 
@@ -283,7 +285,9 @@ def common_cases(records: Iterable[Mapping[str, Any]], methods: Iterable[str]) -
     return {case for case, done in ran.items() if wanted <= done}
 
 
-def plot_quality_vs_ratio(records: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path | None:
+def plot_quality_vs_ratio(
+    records: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], *, model: str
+) -> Path | None:
     """Fig. 16 style: blend's quality against its recompute ratio, full recompute and full reuse as lines.
 
     Per data set, only the cases on which full, reuse (if run) and every blend ratio of that data set ran are
@@ -306,7 +310,7 @@ def plot_quality_vs_ratio(records: Sequence[Mapping[str, Any]], path: str | os.P
         return None
     return plot_panels(
         data, path, x="ratio", y="score", series="series", hlines={"full": "full recompute", "reuse": "full KV reuse"},
-        xlabel="recompute ratio r", ylabel=ylabels, title="Quality vs recompute ratio",
+        xlabel="recompute ratio r", ylabel=ylabels, title=f"Quality vs recompute ratio: {model}",
         panel_titles=titles,
     )  # fmt: skip
 
@@ -322,14 +326,15 @@ def write_report(
     if records is None:
         records = load_records(out)
     if not records:
-        raise CacheBlendError(f"no results in {out / RESULTS_FILE}; run `cacheblend-rag bench quality` first")
+        raise CacheBlendError(f"no results in {out / RESULTS_FILE}; run `python benchmarks/quality.py` first")
     rows = summarize(records)
+    model = run_settings(out).get("model", MODEL_UNKNOWN)
     files = {"summary_md": out / SUMMARY_MD, "summary_json": out / SUMMARY_JSON}
     files["summary_md"].write_text("# Quality benchmark\n\n" + summary_markdown(rows))
     write_json(files["summary_json"], [r.to_dict() for r in rows], indent=2)
     if any(r.n for r in rows):
-        files["quality_vs_ttft"] = plot_quality_vs_ttft(records, out / FIG_QUALITY_TTFT)
-        ratio_fig = plot_quality_vs_ratio(records, out / FIG_QUALITY_RATIO)
+        files["quality_vs_ttft"] = plot_quality_vs_ttft(records, out / FIG_QUALITY_TTFT, model=model)
+        ratio_fig = plot_quality_vs_ratio(records, out / FIG_QUALITY_RATIO, model=model)
         if ratio_fig is not None:
             files["quality_vs_ratio"] = ratio_fig
         else:  # fewer than two ratios ran: a figure left by an earlier report would no longer match the results

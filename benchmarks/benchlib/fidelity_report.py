@@ -16,8 +16,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CacheBlendError
-from .report import bootstrap_ci, cases_text, comparable_cases, pyplot
+from benchlib.records import MODEL_UNKNOWN, run_settings
+from benchlib.report import cases_text, ci_text, comparable_cases, pyplot
+
+from cacheblend_rag.config import BlendConfig
+from cacheblend_rag.errors import CacheBlendError
+from cacheblend_rag.evaluation.fidelity import bootstrap_ci, fidelity_over_cases
 
 SUMMARY_MD = "summary.md"
 
@@ -92,25 +96,8 @@ def left_out(records: Iterable[Mapping[str, Any]], dataset: str) -> list[str]:
 
 def _row(dataset: str, group: int, method: str, recs: Sequence[Mapping[str, Any]]) -> FidelityRow:
     mine = sorted((r for r in recs if r["method"] == method), key=lambda r: r["case_id"])
-    kl = [r["kl_mean"] for r in mine]
-    top1 = [r["top1"] for r in mine]
-    return FidelityRow(
-        dataset=dataset,
-        group=group,
-        method=method,
-        rule=mine[0]["rule"],
-        ratio=mine[0]["ratio"],
-        n=len(mine),
-        kl_mean=statistics.fmean(kl),
-        kl_ci=bootstrap_ci(kl),
-        kl_max=statistics.fmean(r["kl_max"] for r in mine),
-        top1=statistics.fmean(top1),
-        top1_ci=bootstrap_ci(top1),
-        first_token=statistics.fmean(r["first_token"] for r in mine),
-        logprob=statistics.fmean(r["logprob"] for r in mine),
-        compute_share=statistics.fmean(r["compute_share"] for r in mine),
-        ttft_s=statistics.median(r["ttft_s"] for r in mine),
-    )
+    stats = fidelity_over_cases(mine)
+    return FidelityRow(dataset, group, method, mine[0]["rule"], mine[0]["ratio"], **asdict(stats))
 
 
 def summarize_fidelity(records: Sequence[Mapping[str, Any]]) -> list[FidelityRow]:
@@ -139,10 +126,6 @@ def paired_difference(
     return len(diffs), statistics.fmean(diffs), bootstrap_ci(diffs)
 
 
-def _ci(ci: tuple[float, float], spec: str) -> str:
-    return f"[{ci[0]:{spec}}, {ci[1]:{spec}}]"
-
-
 def fidelity_markdown(rows: Sequence[FidelityRow], records: Sequence[Mapping[str, Any]]) -> str:
     """Per data set, a table per `case_groups` group (KL, top-1, first token, compute share, TTFT), then the
     methods run on too few cases to be shown."""
@@ -167,8 +150,8 @@ def fidelity_markdown(rows: Sequence[FidelityRow], records: Sequence[Mapping[str
             ]
             for r in mine:
                 lines.append(
-                    f"| {r.method} | {r.kl_mean:.4f} {_ci(r.kl_ci, '.4f')} | {r.kl_max:.3f} | "
-                    f"{r.top1:.3f} {_ci(r.top1_ci, '.3f')} | {r.first_token:.2f} | {r.logprob:.2f} | "
+                    f"| {r.method} | {r.kl_mean:.4f} {ci_text(r.kl_ci, '.4f')} | {r.kl_max:.3f} | "
+                    f"{r.top1:.3f} {ci_text(r.top1_ci, '.3f')} | {r.first_token:.2f} | {r.logprob:.2f} | "
                     f"{r.compute_share:.3f} | {r.ttft_s:.2f} |"
                 )
             lines.append("")
@@ -181,9 +164,7 @@ def fidelity_markdown(rows: Sequence[FidelityRow], records: Sequence[Mapping[str
 def targets_markdown(rows: Sequence[FidelityRow], records: Sequence[Mapping[str, Any]]) -> str:
     """The judged comparisons, paired per case: the default rule at r = 0.05 against the paper's rule at 0.15,
     and full KV reuse against blend at 0.15 (both rules). Lower KL and higher top-1 are better."""
-    from ..config import BlendConfig, rule_name
-
-    default = rule_name(BlendConfig()) or "default"
+    default = BlendConfig().rule
     pairs = [(f"{default}@0.05", "paper@0.15"), ("reuse", "paper@0.15"), ("reuse", f"{default}@0.15")]
     lines = [
         f"### Targets (default rule: {default})",
@@ -210,8 +191,8 @@ def targets_markdown(rows: Sequence[FidelityRow], records: Sequence[Mapping[str,
             else:  # A must be at least as faithful as B on both measures
                 verdict = "A at least as faithful" if kl[1] <= 0 and top[1] >= 0 else "A less faithful"
             lines.append(
-                f"| {ds} | {a} | {b} | {kl[0]} | {kl[1]:+.4f} {_ci(kl[2], '+.4f')} | "
-                f"{top[1]:+.3f} {_ci(top[2], '+.3f')} | {verdict} |"
+                f"| {ds} | {a} | {b} | {kl[0]} | {kl[1]:+.4f} {ci_text(kl[2], '+.4f')} | "
+                f"{top[1]:+.3f} {ci_text(top[2], '+.3f')} | {verdict} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -238,7 +219,9 @@ def sweep_group(rows: Sequence[FidelityRow], dataset: str) -> int | None:
     return best
 
 
-def plot_pareto(rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLike[str], *, group: int = 0) -> Path:
+def plot_pareto(
+    rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLike[str], *, model: str, group: int = 0
+) -> Path:
     """Mean KL (log scale) and top-1 agreement against compute share: one line per rule, 95% intervals.
     Only the rows of one table (`group`), so every point is over the same cases."""
     plt = pyplot()
@@ -274,7 +257,8 @@ def plot_pareto(rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLi
         ax.set_xlabel("compute share (recomputed token-layers / all)")
         ax.grid(alpha=0.3)
     ax_top.legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Fidelity to full recompute vs compute: {dataset}, {cases_text(mine[0].n, 'common ')} (95% CIs)")
+    cases = cases_text(mine[0].n, "common ")
+    fig.suptitle(f"Fidelity to full recompute vs compute: {model}, {dataset}, {cases} (95% CIs)")
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)
@@ -284,19 +268,21 @@ def plot_pareto(rows: Sequence[FidelityRow], dataset: str, path: str | os.PathLi
 
 def write_fidelity_report(out_dir: str | os.PathLike[str], records: Sequence[Mapping[str, Any]]) -> dict[str, Path]:
     """`summary.md` (+ .json) and one `fidelity_<dataset>.png` per data set, in `out_dir`; plus
-    `fidelity_<dataset>_ratios.png` where a table of fewer cases sweeps more ratios (`sweep_group`)."""
+    `fidelity_<dataset>_ratios.png` where a table of fewer cases sweeps more ratios (`sweep_group`). The figures
+    name the model of `out_dir`'s run.json."""
     import json
 
     rows = summarize_fidelity(records)
     if not rows:
-        raise CacheBlendError(f"no fidelity results in {out_dir}; run `cacheblend-rag bench fidelity` first")
+        raise CacheBlendError(f"no fidelity results in {out_dir}; run `python benchmarks/fidelity.py` first")
     out = Path(out_dir)
+    model = run_settings(out).get("model", MODEL_UNKNOWN)
     files = {"summary": out / SUMMARY_MD, "json": out / "summary.json"}
     files["summary"].write_text(fidelity_markdown(rows, records) + "\n" + targets_markdown(rows, records))
     files["json"].write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
     for ds in sorted({r.dataset for r in rows}):
-        files[ds] = plot_pareto(rows, ds, out / f"fidelity_{ds}.png")
+        files[ds] = plot_pareto(rows, ds, out / f"fidelity_{ds}.png", model=model)
         sweep = sweep_group(rows, ds)
         if sweep is not None:
-            files[f"{ds}_ratios"] = plot_pareto(rows, ds, out / f"fidelity_{ds}_ratios.png", group=sweep)
+            files[f"{ds}_ratios"] = plot_pareto(rows, ds, out / f"fidelity_{ds}_ratios.png", model=model, group=sweep)
     return files

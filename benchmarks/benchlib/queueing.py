@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
+from cacheblend_rag.errors import ConfigError
 
 __all__ = [
     "LiveRun",

@@ -10,9 +10,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ..errors import ConfigError
-from ..retrieval.chunking import MIN_CHUNK_TOKENS
-from .methods import PrefillMethod, parse_methods
+from benchlib.methods import PrefillMethod, parse_methods
+
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.retrieval.chunking import MIN_CHUNK_TOKENS
 
 __all__ = [
     "DEFAULT_RATES",

@@ -1,7 +1,7 @@
 """What the benchmark reports share: number formatting, markdown tables, JSON files and matplotlib figures.
 
-Used by `quality` (`bench quality` / `bench report`) and `throughput_report` (`bench throughput`): each turns its
-typed results (dataclasses) into rows of this module's tables and panels, so both read and format alike.
+Used by `quality`, `fidelity_report` and `throughput_report`: each turns its typed results (dataclasses) into rows
+of this module's tables and panels, so all read and format alike.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fmt", "jsonable", "markdown_table", "plot_panels", "pyplot", "write_json"]
+__all__ = ["cases_text", "ci_text", "comparable_cases", "fmt", "jsonable", "markdown_table", "plot_panels", "pyplot",
+           "write_json"]  # fmt: skip
 
 
 def fmt(x: float | None, spec: str) -> str:
@@ -25,6 +26,11 @@ def fmt(x: float | None, spec: str) -> str:
     if isinstance(x, float) and math.isinf(x):
         return "any"
     return format(x, spec)
+
+
+def ci_text(ci: tuple[float, float], spec: str) -> str:
+    """An interval for a table: "[lo, hi]", each bound formatted with `spec`."""
+    return f"[{ci[0]:{spec}}, {ci[1]:{spec}}]"
 
 
 def markdown_table(header: Sequence[str], align: str, rows: Sequence[Sequence[str]]) -> list[str]:
@@ -81,25 +87,6 @@ def comparable_cases(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[se
         cases = set.intersection(*(methods[m] for m in kept))
         out[ds] = (cases, kept, [m for m in methods if m not in kept])
     return out
-
-
-BOOTSTRAP_SAMPLES = 2000
-
-
-def bootstrap_ci(values: Sequence[float], *, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean (resampling cases); nan for no values."""
-    import numpy as np
-
-    x = np.asarray(values, dtype=float)
-    if x.size == 0:
-        return (float("nan"), float("nan"))
-    if x.size == 1:
-        return (float(x[0]), float(x[0]))
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, x.size, size=(BOOTSTRAP_SAMPLES, x.size))].mean(axis=1)
-    tail = (1.0 - level) / 2 * 100
-    lo, hi = np.percentile(means, [tail, 100 - tail])
-    return float(lo), float(hi)
 
 
 def pyplot() -> Any:
