@@ -3,7 +3,8 @@
 Builds the paper's "extended" sets (the contexts of the first --limit cases split into --chunk-tokens chunks, each
 question asked --repeats times with its top-k chunks in a new random order; repeated, not paraphrased as the paper
 did with GPT-4), serves them with each method from an empty store, and queues them at each rate on one FIFO
-server (`benchlib/throughput.py` has the details). Writes OUT/results.json, summary.md and ttft_vs_rate.png.
+server (`benchlib/throughput.py` has the details). Writes OUT/results.json, summary.md and ttft_vs_rate.png;
+`--report-only` rebuilds the last two from results.json.
 
     python benchmarks/throughput.py --limit 20 --ttft-slo 10            # default model, musique + wikimqa
     python benchmarks/throughput.py --model smollm2-135m-instruct --limit 2 --repeats 2 --rates 0.5,1 \\
@@ -24,12 +25,13 @@ from benchlib.cli import (  # noqa: E402
     add_out_argument,
     dataset_names,
     load_engine,
+    report_written,
     require_eval_deps,
     run_guarded,
     run_settings_of,
 )
 from benchlib.throughput import run_throughput  # noqa: E402
-from benchlib.throughput_report import throughput_markdown  # noqa: E402
+from benchlib.throughput_report import throughput_markdown, write_throughput_report  # noqa: E402
 from benchlib.throughput_settings import (  # noqa: E402
     DEFAULT_RATES,
     DEFAULT_THROUGHPUT_METHODS,
@@ -46,6 +48,9 @@ from cacheblend_rag.evaluation.datasets import SPECS  # noqa: E402
 def run(args: argparse.Namespace) -> int:
     # Names, numbers, files and packages are checked before the model loads.
     require_eval_deps()
+    if args.report_only:
+        report_written(write_throughput_report(args.out))
+        return 0
     names = dataset_names(args.datasets, args.limit)
     if args.store_mb is not None and args.store_mb <= 0:
         raise CacheBlendError(f"--store-mb must be > 0, got {args.store_mb}")
@@ -85,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-mb", type=float, help="memory store budget per method (default: the engine's)")
     p.add_argument("--seed", type=int, default=0, help="chunk orders, request order and arrival gaps")
     add_out_argument(p, "throughput", "output folder")
+    p.add_argument("--report-only", action="store_true", help="only rebuild summary.md and the figure from OUT")
     add_engine_arguments(p, "musique/ and wikimqa/")
     return run_guarded(run, p.parse_args(argv))
 
