@@ -1,3 +1,5 @@
+# A study, kept for reading. It runs at the git tag lab-2026-11-25, where it is
+# benchmarks/answer_drift.py: see research/README.md.
 """Where along the answer does each rule lose fidelity? Teacher-forced KL(full || method) per quarter of full
 recompute's answer, on the long-answer data sets (summaries).
 

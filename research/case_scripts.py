@@ -1,3 +1,5 @@
+# A study, kept for reading. It runs at the git tag lab-2026-11-25, where it is
+# cacheblend_rag/evaluation/case_scripts.py: see research/README.md.
 """What the per-case benchmark scripts (`benchmarks/answer_drift.py`, `probe_depth.py`, `selection_headroom.py`,
 `chunk_context.py`) share: their common options, the case list they take, their resumable records file, and the
 paired KL table they print."""

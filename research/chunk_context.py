@@ -1,3 +1,5 @@
+# A study, kept for reading. It runs at the git tag lab-2026-11-25, where it is
+# benchmarks/chunk_context.py: see research/README.md.
 """Would better cached KV close the gap that no choice of tokens closes? Chunks precomputed after other text.
 
 The library prefills every chunk on its own, right after the prompt's prefix, so a chunk's cached KV never saw

@@ -1,3 +1,5 @@
+# A study, kept for reading. It runs at the git tag lab-2026-11-25, where it is
+# benchmarks/lead_in_compare.py: see research/README.md.
 """Chunk KV cached after a lead-in against chunk KV cached alone: two `bench fidelity` runs, paired per case.
 
 `cacheblend-rag bench fidelity --lead-in default` measures every method with each chunk but a prompt's first

@@ -1,3 +1,5 @@
+# A study, kept for reading. It runs at the git tag lab-2026-11-25, where it is
+# benchmarks/probe_depth.py: see research/README.md.
 """How deep must the attention probe go? Fidelity to full recompute of the attention rules at several
 `BlendConfig.probe_depth` values, beside `paper` at r = 0.15 and `gradual` at r = 0.05, on the same cases.
 

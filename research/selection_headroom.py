@@ -1,3 +1,5 @@
+# A study, kept for reading. It runs at the git tag lab-2026-11-25, where it is
+# benchmarks/selection_headroom.py: see research/README.md.
 """How much can any choice of tokens give at r = 0.05? Selection rules against oracles that know the answer.
 
 Every blend rule guesses, before the prefill, which chunk tokens to recompute. This script ranks them instead

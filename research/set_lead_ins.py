@@ -1,3 +1,5 @@
+# A study, kept for reading. It runs at the git tag lab-2026-11-25, where it is
+# benchmarks/set_lead_ins.py: see research/README.md.
 """Write a lead-in file per data set from one of its cases outside the measured ones, for `--lead-in FILE`.
 
 `EngineConfig.lead_in` caches every chunk but a prompt's first after a fixed text. `DEFAULT_LEAD_IN` is neutral
