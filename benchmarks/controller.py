@@ -14,23 +14,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchlib.cli import Transcript, add_out_argument  # noqa: E402
+from benchlib.cli import Transcript, add_out_argument, model_name  # noqa: E402
 from benchlib.redis_server import private_server  # noqa: E402
-from benchlib.timing import QUESTION, add_data_dir_argument, chunk_texts  # noqa: E402
+from benchlib.timing import add_tier_arguments, fill_tier, warm_request  # noqa: E402
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
+from cacheblend_rag import CacheBlendEngine  # noqa: E402
 from cacheblend_rag.controller import LoadingController, LoadingProfile, profile_engine  # noqa: E402
-from cacheblend_rag.store import ChunkKV, DiskStore, Hit, MemoryStore, RedisStore, TieredStore  # noqa: E402
+from cacheblend_rag.store import ChunkKV, ChunkStore, DiskStore, Hit, MemoryStore, RedisStore  # noqa: E402
 
 
 class ThrottledDisk(DiskStore):
@@ -65,25 +63,16 @@ class ThrottledDisk(DiskStore):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--chunks", type=int, default=6)
-    p.add_argument("--chunk-tokens", type=int, default=512)
+    add_tier_arguments(p)
     p.add_argument("--min-ratio", type=float, default=0.15)
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", default=None, help="a profile JSON from `cacheblend-rag profile` (else: measure)")
     p.add_argument("--slow-mbps", type=float, nargs="*", default=[200.0, 50.0], help="emulated slow tiers, MB/s")
-    add_data_dir_argument(p)
     add_out_argument(p, "controller", "folder for summary.txt, the table printed")
     args = p.parse_args(argv)
     say = Transcript()
-
-    server = None
-    work = tempfile.mkdtemp(prefix="cacheblend-bench-controller-")
-    try:
-        base = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(dtype=args.dtype), show_progress=False)
-        tiers: dict[str, object] = {"memory": MemoryStore(), "disk": DiskStore(os.path.join(work, "disk"))}
-        server = private_server()
+    with tempfile.TemporaryDirectory(prefix="cacheblend-bench-controller-") as work, private_server() as server:
+        base, prompt = warm_request(args)
+        tiers: dict[str, ChunkStore] = {"memory": MemoryStore(), "disk": DiskStore(os.path.join(work, "disk"))}
         if server is not None:
             tiers["redis"] = RedisStore(server.url, namespace=f"bench-{os.getpid()}")
         for mbps in args.slow_mbps:
@@ -102,26 +91,18 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             raise SystemExit(f"the profile has no read speed for tiers {missing}; profile them or drop them")
 
-        texts = chunk_texts(
-            base.tokenizer, args.chunks, args.chunk_tokens, Path(args.data_dir) if args.data_dir else None
-        )
-        question = QUESTION
-        prompt = base.build_prompt(texts, question)
-        base.precompute(texts, question)
         keys = base.prompt_keys(prompt)
         controller = LoadingController(profile, min_ratio=args.min_ratio)
         nbytes = sum(base.store.get(k).nbytes for k in keys[1:])
 
         say(
-            f"blend, {prompt.num_tokens} tokens, {args.chunks} chunks ({nbytes / 2**20:.0f} MiB of KV), {args.dtype}, "
-            f"pipelined loading, medians of {args.repeats} interleaved runs; controller floor r_min={args.min_ratio}"
+            f"{model_name(args.model)}: blend, {prompt.num_tokens} tokens, {args.chunks} chunks "
+            f"({nbytes / 2**20:.0f} MiB of KV), {args.dtype}, pipelined loading, medians of {args.repeats} "
+            f"interleaved runs; controller floor r_min={args.min_ratio}"
         )
         say(f"{'tier':<16} {'read MB/s':>9} {'r picked':>8} {'TTFT ctrl':>10} {'TTFT r=0.15':>11} {'est. load':>9}")
         for name, tier in tiers.items():
-            store = TieredStore([tier], [name])
-            for key in keys:
-                store.put(base.store.get(key))
-            store.flush()
+            store = fill_tier(base, prompt, tier, name)
             auto = CacheBlendEngine(base.model, base.tokenizer, config=base.config, store=store, controller=controller)
             fixed = CacheBlendEngine(base.model, base.tokenizer, config=base.config, store=store)
             runs: dict[str, list[float]] = {"auto": [], "fixed": []}
@@ -145,10 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         for name in tiers:
             est = controller.load_time({name: nbytes}, {name: args.chunks})
             say(f"  {name:<16} load {est * 1000:6.0f} ms vs recompute at r=0.15 {budget * 1000:6.0f} ms")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if server is not None:
-            server.stop()
     say.write(args.out)
     return 0
 

@@ -28,7 +28,7 @@ from benchlib.cli import (  # noqa: E402
     run_settings_of,
 )
 from benchlib.methods import DEFAULT_METHODS, parse_methods  # noqa: E402
-from benchlib.quality import run_quality, summarize, summary_markdown, write_report  # noqa: E402
+from benchlib.quality import run_quality, write_and_show  # noqa: E402
 
 from cacheblend_rag.errors import CacheBlendError  # noqa: E402
 from cacheblend_rag.evaluation import load_dataset  # noqa: E402
@@ -48,9 +48,7 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     settings = run_settings_of(args, samsum_shots=args.samsum_shots)
     records = run_quality(engine, datasets, methods, args.out, max_new_tokens=args.max_new_tokens, settings=settings)
-    files = write_report(args.out, records)
-    print(summary_markdown(summarize(records)))
-    report_written(files)
+    report_written(write_and_show(args.out, records))
     return 0
 
 

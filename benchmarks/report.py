@@ -7,15 +7,13 @@ import argparse
 import sys
 
 from benchlib.cli import add_out_argument, report_written, require_eval_deps, run_guarded
-from benchlib.quality import load_records, summarize, summary_markdown, write_report
+from benchlib.quality import load_records, write_and_show
 
 
 def run(args: argparse.Namespace) -> int:
     require_eval_deps()
     records = load_records(args.out)
-    files = write_report(args.out, records)
-    print(summary_markdown(summarize(records)))
-    report_written(files)
+    report_written(write_and_show(args.out, records))
     return 0
 
 

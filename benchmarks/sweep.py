@@ -41,7 +41,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from benchlib import timing  # noqa: E402
 from benchlib.cli import add_out_argument  # noqa: E402
-from benchlib.report import pyplot  # noqa: E402
+from benchlib.report import pyplot, save_figure  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine  # noqa: E402
 from cacheblend_rag.errors import PromptError  # noqa: E402
@@ -135,10 +135,7 @@ def plot(report: dict[str, Any], sweeps: list[Sweep], names: list[str], path: Pa
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{report['model']} {report['dtype']} on {report['device']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run(args) -> dict[str, Any]:

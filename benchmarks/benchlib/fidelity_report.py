@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib.records import MODEL_UNKNOWN, run_settings
-from benchlib.report import cases_text, ci_text, comparable_cases, pyplot
+from benchlib.report import cases_text, ci_text, comparable_cases, pyplot, save_figure
 
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.errors import CacheBlendError
@@ -259,11 +259,7 @@ def plot_pareto(
     ax_top.legend(fontsize=8, loc="lower right")
     cases = cases_text(mine[0].n, "common ")
     fig.suptitle(f"Fidelity to full recompute vs compute: {model}, {dataset}, {cases} (95% CIs)")
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path, dpi=110)
 
 
 def write_fidelity_report(out_dir: str | os.PathLike[str], records: Sequence[Mapping[str, Any]]) -> dict[str, Path]:

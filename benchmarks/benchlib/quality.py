@@ -340,3 +340,10 @@ def write_report(
         else:  # fewer than two ratios ran: a figure left by an earlier report would no longer match the results
             (out / FIG_QUALITY_RATIO).unlink(missing_ok=True)
     return files
+
+
+def write_and_show(out_dir: str | os.PathLike[str], records: Sequence[Mapping[str, Any]]) -> dict[str, Path]:
+    """`write_report`, and its tables printed: what `benchmarks/quality.py` and `report.py` end with."""
+    files = write_report(out_dir, records)
+    print(summary_markdown(summarize(records)))
+    return files

@@ -175,10 +175,17 @@ def started_cluster(directory: str) -> Iterator[RedisClusterServers]:
         servers.stop()
 
 
-def private_server() -> RedisServer | None:
-    """A started server for a benchmark's Redis tier, or None (the reason on stderr) where none can start."""
+@contextmanager
+def private_server() -> Iterator[RedisServer | None]:
+    """A started server for a benchmark's Redis tier during the block, or None (the reason on stderr) where none
+    can start."""
     try:
-        return RedisServer().start()
+        server = RedisServer().start()
     except (RedisUnavailable, RedisStartError) as e:
         print(f"no private Redis tier: {e}", file=sys.stderr)
-        return None
+        yield None
+        return
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["cases_text", "ci_text", "comparable_cases", "fmt", "jsonable", "markdown_table", "plot_panels", "pyplot",
-           "write_json"]  # fmt: skip
+           "save_figure", "write_json"]  # fmt: skip
 
 
 def fmt(x: float | None, spec: str) -> str:
@@ -101,6 +101,15 @@ def pyplot() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int = 120, **savefig: Any) -> Path:
+    """Lay `fig` out, write it to `path` and close it (pyplot keeps every open figure otherwise)."""
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=dpi, **savefig)
+    pyplot().close(fig)
+    return out
+
+
 def plot_panels(
     rows: Sequence[Mapping[str, Any]],
     path: str | os.PathLike[str],
@@ -177,8 +186,4 @@ def plot_panels(
                 ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return out
+    return save_figure(fig, path, bbox_inches="tight")

@@ -17,7 +17,7 @@ from typing import Any
 
 from benchlib.queueing import QueueStats, Served, Timing
 from benchlib.records import MODEL_UNKNOWN
-from benchlib.report import fmt, markdown_table, pyplot, write_json
+from benchlib.report import fmt, markdown_table, pyplot, save_figure, write_json
 from benchlib.throughput_settings import ThroughputSettings
 
 from cacheblend_rag.errors import CacheBlendError
@@ -280,11 +280,7 @@ def plot_throughput(result: ThroughputResult, path: str | os.PathLike[str]) -> P
             ax.legend(fontsize=8)
     model = result.info.get("model", MODEL_UNKNOWN)
     fig.suptitle(f"TTFT under Poisson arrivals (one server, FIFO): {model}")
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
 
 
 def save_result(out_dir: str | os.PathLike[str], result: ThroughputResult) -> Path:

@@ -14,6 +14,7 @@ from benchlib.cli import model_name
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, TokenizedPrompt
 from cacheblend_rag.config import blend_rule
+from cacheblend_rag.store import ChunkStore, TieredStore
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"  # ../shared/data beside the checkout
 
@@ -146,3 +147,34 @@ def measure(engine: CacheBlendEngine, prompt, runs, repeats: int) -> dict[str, l
             pre.metrics.ttft_s = time.perf_counter() - t0
             out[name].append(pre.metrics)
     return out
+
+
+def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the store-tier benchmarks (`tiers.py`, `controller.py`): the model and the timed request."""
+    parser.add_argument("--model", default=None, help="preset name or local checkpoint (default: the default preset)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--chunks", type=int, default=6)
+    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    add_data_dir_argument(parser)
+
+
+def warm_request(args: argparse.Namespace) -> tuple[CacheBlendEngine, TokenizedPrompt]:
+    """The engine of --model/--dtype and the timed request (--chunks of --chunk-tokens), its KV precomputed into
+    the engine's memory store: the source every tier is filled from (`fill_tier`)."""
+    engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(dtype=args.dtype), show_progress=False)
+    texts = chunk_texts(
+        engine.tokenizer, args.chunks, args.chunk_tokens, Path(args.data_dir) if args.data_dir else None
+    )
+    engine.precompute(texts, QUESTION)
+    return engine, engine.build_prompt(texts, QUESTION)
+
+
+def fill_tier(source: CacheBlendEngine, prompt: TokenizedPrompt, tier: ChunkStore, name: str) -> TieredStore:
+    """A store of `tier` alone (no memory tier in front), holding the prompt's KV copied from `source`'s store, so
+    that every request reads its chunks from that tier."""
+    store = TieredStore([tier], [name])
+    for key in source.prompt_keys(prompt):
+        store.put(source.store.get(key))
+    store.flush()
+    return store
