@@ -102,7 +102,7 @@ def main() -> None:
         lines.append(f"| {name} | {med:.2f} | {full / med:.2f} |")
     lines += [
         "",
-        "compute model (cold_cost_share, token-layers of the cold blend over a full prefill; above 1 'auto' runs full):",
+        "compute model (cold_cost_share: token-layers of a cold blend over a full prefill; above 1, auto runs full):",
     ]
     for name, values in predicted.items():
         lines.append(f"- {name}: {statistics.median(values):.2f}")

@@ -14,24 +14,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib.cli import Transcript, add_out_argument, model_name  # noqa: E402
+from benchlib.redis_server import private_server  # noqa: E402
+from benchlib.timing import add_tier_arguments, fill_tier, warm_request  # noqa: E402
 
-from tiers import start_redis  # noqa: E402
-from ttft import chunk_texts  # noqa: E402
-
-from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
+from cacheblend_rag import CacheBlendEngine  # noqa: E402
 from cacheblend_rag.controller import LoadingController, LoadingProfile, profile_engine  # noqa: E402
-from cacheblend_rag.store import ChunkKV, DiskStore, Hit, MemoryStore, RedisStore, TieredStore  # noqa: E402
+from cacheblend_rag.store import ChunkKV, ChunkStore, DiskStore, Hit, MemoryStore, RedisStore  # noqa: E402
 
 
 class ThrottledDisk(DiskStore):
@@ -66,27 +63,18 @@ class ThrottledDisk(DiskStore):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--chunks", type=int, default=6)
-    p.add_argument("--chunk-tokens", type=int, default=512)
+    add_tier_arguments(p)
     p.add_argument("--min-ratio", type=float, default=0.15)
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", default=None, help="a profile JSON from `cacheblend-rag profile` (else: measure)")
     p.add_argument("--slow-mbps", type=float, nargs="*", default=[200.0, 50.0], help="emulated slow tiers, MB/s")
-    default_data = Path(__file__).resolve().parents[2] / "shared" / "data"
-    p.add_argument("--data-dir", default=str(default_data) if default_data.exists() else None)
+    add_out_argument(p, "controller", "folder for summary.txt, the table printed")
     args = p.parse_args(argv)
-
-    server = None
-    work = tempfile.mkdtemp(prefix="cacheblend-bench-controller-")
-    try:
-        base = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(dtype=args.dtype), show_progress=False)
-        tiers: dict[str, object] = {"memory": MemoryStore(), "disk": DiskStore(os.path.join(work, "disk"))}
-        started = start_redis()
-        if started is not None:
-            server, url = started
-            tiers["redis"] = RedisStore(url, namespace=f"bench-{os.getpid()}")
+    say = Transcript()
+    with tempfile.TemporaryDirectory(prefix="cacheblend-bench-controller-") as work, private_server() as server:
+        base, prompt = warm_request(args)
+        tiers: dict[str, ChunkStore] = {"memory": MemoryStore(), "disk": DiskStore(os.path.join(work, "disk"))}
+        if server is not None:
+            tiers["redis"] = RedisStore(server.url, namespace=f"bench-{os.getpid()}")
         for mbps in args.slow_mbps:
             name = f"slow-{mbps:g}MB/s"
             tiers[name] = ThrottledDisk(os.path.join(work, name.replace("/", "")), mbps * 1e6, name)
@@ -94,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             profile = LoadingProfile.load(args.profile)
         else:
-            print("profiling recompute and tier reads ...", flush=True)
+            say("profiling recompute and tier reads ...")
             total = args.chunks * args.chunk_tokens
             counts = sorted({max(args.chunk_tokens, total // 2), total})
             profile = profile_engine(base, token_counts=counts, tiers=tiers, chunk_tokens=args.chunk_tokens)
@@ -103,26 +91,18 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             raise SystemExit(f"the profile has no read speed for tiers {missing}; profile them or drop them")
 
-        texts = chunk_texts(
-            base.tokenizer, args.chunks, args.chunk_tokens, Path(args.data_dir) if args.data_dir else None
-        )
-        question = "Which of these passages mentions a city, and what is its name?"
-        prompt = base.build_prompt(texts, question)
-        base.precompute(texts, question)
         keys = base.prompt_keys(prompt)
         controller = LoadingController(profile, min_ratio=args.min_ratio)
         nbytes = sum(base.store.get(k).nbytes for k in keys[1:])
 
-        print(
-            f"blend, {prompt.num_tokens} tokens, {args.chunks} chunks ({nbytes / 2**20:.0f} MiB of KV), {args.dtype}, "
-            f"pipelined loading, medians of {args.repeats} interleaved runs; controller floor r_min={args.min_ratio}"
+        say(
+            f"{model_name(args.model)}: blend, {prompt.num_tokens} tokens, {args.chunks} chunks "
+            f"({nbytes / 2**20:.0f} MiB of KV), {args.dtype}, pipelined loading, medians of {args.repeats} "
+            f"interleaved runs; controller floor r_min={args.min_ratio}"
         )
-        print(f"{'tier':<16} {'read MB/s':>9} {'r picked':>8} {'TTFT ctrl':>10} {'TTFT r=0.15':>11} {'est. load':>9}")
+        say(f"{'tier':<16} {'read MB/s':>9} {'r picked':>8} {'TTFT ctrl':>10} {'TTFT r=0.15':>11} {'est. load':>9}")
         for name, tier in tiers.items():
-            store = TieredStore([tier], [name])
-            for key in keys:
-                store.put(base.store.get(key))
-            store.flush()
+            store = fill_tier(base, prompt, tier, name)
             auto = CacheBlendEngine(base.model, base.tokenizer, config=base.config, store=store, controller=controller)
             fixed = CacheBlendEngine(base.model, base.tokenizer, config=base.config, store=store)
             runs: dict[str, list[float]] = {"auto": [], "fixed": []}
@@ -135,21 +115,18 @@ def main(argv: list[str] | None = None) -> int:
                 runs["fixed"].append(f.metrics.ttft_s)
                 picked.append(a.metrics.recompute_ratio)
             est = controller.load_time({name: nbytes}, {name: args.chunks})
-            print(
+            say(
                 f"{name:<16} {profile.tiers[name].bytes_per_s / 1e6:9.0f} {statistics.median(picked):8.2f} "
                 f"{statistics.median(runs['auto']) * 1000:8.0f}ms {statistics.median(runs['fixed']) * 1000:9.0f}ms "
                 f"{est * 1000:7.0f}ms"
             )
         cheapest = controller.cheapest_tier(prompt.num_tokens, nbytes, args.chunks, ratio=0.15)
-        print(f"cheapest tier that adds no delay at r=0.15 (cost order {', '.join(controller.tier_costs)}): {cheapest}")
+        say(f"cheapest tier that adds no delay at r=0.15 (cost order {', '.join(controller.tier_costs)}): {cheapest}")
         budget = profile.recompute_time(prompt.num_tokens, 0.15)
         for name in tiers:
             est = controller.load_time({name: nbytes}, {name: args.chunks})
-            print(f"  {name:<16} load {est * 1000:6.0f} ms vs recompute at r=0.15 {budget * 1000:6.0f} ms")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if server is not None:
-            server.kill()
+            say(f"  {name:<16} load {est * 1000:6.0f} ms vs recompute at r=0.15 {budget * 1000:6.0f} ms")
+    say.write(args.out)
     return 0
 
 

@@ -1,16 +1,17 @@
 """TTFT as the number of chunks and the chunk length grow: the paper's Fig. 15a and 15b, on this engine.
 
-Scope: two sweeps over the shape of a RAG request, timed with the helpers of benchmarks/ttft.py (imported, so
-that both scripts build requests, warm the cache and time the modes the same way):
+Scope: two sweeps over the shape of a RAG request, timed with `benchlib.timing` (as `ttft.py` is, so that both
+scripts build requests, warm the cache and time the modes the same way):
 
 - chunk count: 3, 6, 9, 12 chunks of 512 tokens (`--counts`, `--chunk-tokens`);
 - chunk length: 6 chunks of 128, 256, 512, 1024 tokens (`--lengths`, `--chunks`).
 
 Each point times full recompute, prefix caching, full KV reuse and blend at each of `--ratios` (default 0.15)
 with every chunk's KV already in the in-memory store, the modes interleaved, and keeps the median over
-`--repeats`. A table per sweep gives the TTFT of each mode and the speed-up full / blend; `--out DIR` also gets
-sweep.json and sweep.png (TTFT vs chunk count and TTFT vs chunk length, one line per mode). A point whose prompt
-does not fit the model's context is skipped with a message naming it, and listed under "skipped" in the JSON.
+`--repeats`. A table per sweep gives the TTFT of each mode and the speed-up full / blend; `--out DIR` (default
+benchmarks/results/sweep) gets sweep.json and sweep.png (TTFT vs chunk count and TTFT vs chunk length, one line
+per mode, titled with the model's real name). A point whose prompt does not fit the model's context is skipped
+with a message naming it, and listed under "skipped" in the JSON.
 
 How this differs from the paper's Fig. 15:
 - the paper plots the least compute time that keeps F1 within 0.015 of full recompute (the ratio tuned per
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,10 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-import ttft  # noqa: E402  (sibling script: build_engine, make_prompt, warm_up, timed_runs, measure)
+from benchlib import timing  # noqa: E402
+from benchlib.cli import add_out_argument  # noqa: E402
+from benchlib.report import pyplot, save_figure  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine  # noqa: E402
 from cacheblend_rag.errors import PromptError  # noqa: E402
@@ -82,9 +86,9 @@ def measure_point(engine: CacheBlendEngine, args, chunks: int, tokens: int, data
     Raises PromptError when the prompt is longer than the model's context."""
     if chunks * tokens > engine.max_tokens:  # no need to tokenize text that cannot fit
         raise PromptError(f"{chunks * tokens} chunk tokens alone exceed the model's limit of {engine.max_tokens}")
-    prompt = ttft.make_prompt(engine, args, chunks, tokens, data_dir)
-    ttft.warm_up(engine, prompt)  # the engine checks the prompt's length here, before any compute
-    measured = ttft.measure(engine, prompt, ttft.timed_runs(args.ratios), args.repeats)
+    prompt = timing.make_prompt(engine, args, chunks, tokens, data_dir)
+    timing.warm_up(engine, prompt)  # the engine checks the prompt's length here, before any compute
+    measured = timing.measure(engine, prompt, timing.timed_runs(args.ratios), args.repeats)
     medians = {name: statistics.median(m.ttft_s for m in ms) for name, ms in measured.items()}
     # A chunk missing from the store during a timed run means the memory budget was too small to keep it warm.
     missed = sum(m.chunks_missed for name, ms in measured.items() if name != "full" for m in ms)
@@ -117,12 +121,7 @@ def format_table(sweep: Sweep, points: list[dict[str, Any]], names: list[str], r
 
 def plot(report: dict[str, Any], sweeps: list[Sweep], names: list[str], path: Path) -> Path:
     """Two panels (one per sweep), TTFT in ms against the varied quantity, one line per mode."""
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise SystemExit("sweep.png needs matplotlib: pip install 'cacheblend-rag[eval]'") from e
-    matplotlib.use("Agg")  # files only, never a window
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(sweeps), figsize=(5 * len(sweeps), 4), squeeze=False)
     for ax, sweep in zip(axes[0], sweeps, strict=True):
@@ -136,25 +135,20 @@ def plot(report: dict[str, Any], sweeps: list[Sweep], names: list[str], path: Pa
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{report['model']} {report['dtype']} on {report['device']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run(args) -> dict[str, Any]:
-    from cacheblend_rag.models import DEFAULT_PRESET
-
     data_dir = Path(args.data_dir) if args.data_dir else None
     t = time.perf_counter()
-    engine = ttft.build_engine(args, args.dtype, memory_budget_bytes=int(args.memory_gb * 1024**3))
-    model = f"random-{args.model_shape}" if args.random_weights else (args.model or DEFAULT_PRESET)
+    engine = timing.build_engine(args, args.dtype, memory_budget_bytes=int(args.memory_gb * 1024**3))
+    model = timing.model_label(args)
     print(
         f"== {model} {args.dtype} on {args.device} (loaded in {time.perf_counter() - t:.1f}s, "
         f"{torch.get_num_threads()} CPU threads, context {engine.max_tokens} tokens)",
         flush=True,
     )
-    names = [name for name, _ in ttft.timed_runs(args.ratios)]
+    names = [name for name, _ in timing.timed_runs(args.ratios)]
     sweeps = sweeps_of(args)
     report: dict[str, Any] = {
         "model": model,
@@ -223,12 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, default=6, help="number of chunks while the length varies")
     p.add_argument("--ratios", type=_ratio_list, nargs="+", default=[[0.15]], help="blend recompute ratios")
     p.add_argument("--repeats", type=int, default=3)
-    default_data = Path(__file__).resolve().parents[2] / "shared" / "data"
-    p.add_argument("--data-dir", default=str(default_data) if default_data.exists() else None)
+    timing.add_data_dir_argument(p)
     p.add_argument("--random-weights", action="store_true", help="random weights of --model-shape (GPU timing)")
-    p.add_argument("--model-shape", default="7b", choices=sorted(ttft.RANDOM_SHAPES))
+    p.add_argument("--model-shape", default="7b", choices=sorted(timing.RANDOM_SHAPES))
     p.add_argument("--memory-gb", type=float, default=8.0, help="in-memory chunk KV budget; must hold one point")
-    p.add_argument("--out", help="write sweep.json and sweep.png to this folder")
+    add_out_argument(p, "sweep", "folder for sweep.json and sweep.png")
     args = p.parse_args(argv)
     # Each list option may be given as "3,6,9" or "3 6 9" (or both): flatten, keeping order.
     for name in ("counts", "lengths", "ratios"):
@@ -236,12 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or args.chunks < 1 or args.chunk_tokens < 1:
         p.error("--repeats, --chunks and --chunk-tokens must be >= 1")
     report = run(args)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "sweep.json").write_text(json.dumps(report, indent=2) + "\n")
-        plot(report, sweeps_of(args), report["modes"], out / "sweep.png")
-        print(f"\nwrote {out / 'sweep.json'} and {out / 'sweep.png'}")
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, sweeps_of(args), report["modes"], out / "sweep.png")
+    print(f"\nwrote {out / 'sweep.json'} and {out / 'sweep.png'}")
     return 0
 
 

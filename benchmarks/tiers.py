@@ -14,91 +14,41 @@ The disk tier reads through the OS page cache once warm, as a local SSD with fre
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib.cli import Transcript, add_out_argument, model_name  # noqa: E402
+from benchlib.redis_server import private_server  # noqa: E402
+from benchlib.timing import add_tier_arguments, fill_tier, warm_request  # noqa: E402
 
-from ttft import chunk_texts  # noqa: E402
-
-from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
-from cacheblend_rag.store import DiskStore, MemoryStore, RedisStore, TieredStore  # noqa: E402
-
-
-def start_redis() -> tuple[subprocess.Popen, str] | None:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        return None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            return proc, f"redis://127.0.0.1:{port}/0"
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    return None
+from cacheblend_rag import CacheBlendEngine  # noqa: E402
+from cacheblend_rag.store import ChunkStore, DiskStore, MemoryStore, RedisStore  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--chunks", type=int, default=6)
-    p.add_argument("--chunk-tokens", type=int, default=512)
+    add_tier_arguments(p)
     p.add_argument("--ratio", type=float, default=0.15)
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--redis-url", default=None)
-    default_data = Path(__file__).resolve().parents[2] / "shared" / "data"
-    p.add_argument("--data-dir", default=str(default_data) if default_data.exists() else None)
+    add_out_argument(p, "tiers", "folder for summary.txt, the table printed")
     args = p.parse_args(argv)
-
-    server = None
-    redis_url = args.redis_url
-    if redis_url is None:
-        started = start_redis()
-        if started is not None:
-            server, redis_url = started
-    disk_dir = tempfile.mkdtemp(prefix="cacheblend-bench-disk-")
-    try:
-        base = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(dtype=args.dtype), show_progress=False)
-        texts = chunk_texts(
-            base.tokenizer, args.chunks, args.chunk_tokens, Path(args.data_dir) if args.data_dir else None
-        )
-        question = "Which of these passages mentions a city, and what is its name?"
-        prompt = base.build_prompt(texts, question)
-        base.precompute(texts, question)
-
-        stores = {"memory": TieredStore([MemoryStore()], ["memory"])}
-        stores["disk"] = TieredStore([DiskStore(disk_dir)], ["disk"])
+    say = Transcript()
+    private = contextlib.nullcontext(None) if args.redis_url else private_server()
+    with tempfile.TemporaryDirectory(prefix="cacheblend-bench-disk-") as disk_dir, private as server:
+        redis_url = args.redis_url or (server.url if server is not None else None)
+        base, prompt = warm_request(args)
+        tiers: dict[str, ChunkStore] = {"memory": MemoryStore(), "disk": DiskStore(disk_dir)}
         if redis_url is not None:
-            stores["redis"] = TieredStore([RedisStore(redis_url, namespace=f"bench-{os.getpid()}")], ["redis"])
-        keys = base.prompt_keys(prompt)
+            tiers["redis"] = RedisStore(redis_url, namespace=f"bench-{os.getpid()}")
         engines: dict[tuple[str, bool], CacheBlendEngine] = {}
-        for name, store in stores.items():
-            for key in keys:  # the same chunk KV, copied into each tier
-                store.put(base.store.get(key))
-            store.flush()
+        for name, tier in tiers.items():
+            store = fill_tier(base, prompt, tier, name)  # the same chunk KV in each tier
             for pipelined in (False, True):
                 config = dataclasses.replace(base.config, pipelined_loading=pipelined)
                 engine = CacheBlendEngine(base.model, base.tokenizer, config=config, store=store)
@@ -113,29 +63,26 @@ def main(argv: list[str] | None = None) -> int:
                 assert r.metrics.hits_by_tier == {name: args.chunks}, r.metrics.hits_by_tier
                 ttft[name, pipelined].append(r.metrics.ttft_s)
                 last[name, pipelined] = r.metrics
-        print(
-            f"blend r={args.ratio}, {prompt.num_tokens} tokens, {args.chunks} chunks, {args.dtype}, "
-            f"medians of {args.repeats} interleaved runs"
+    say(
+        f"{model_name(args.model)}: blend r={args.ratio}, {prompt.num_tokens} tokens, {args.chunks} chunks, "
+        f"{args.dtype}, medians of {args.repeats} interleaved runs"
+    )
+    med = {setup: statistics.median(v) for setup, v in ttft.items()}
+    for (name, pipelined), m in last.items():
+        label = f"{name}, {'pipelined' if pipelined else 'serial'}"
+        say(
+            f"  {label:<20} TTFT {med[name, pipelined] * 1000:7.0f} ms  load {m.load_s * 1000:6.0f} ms  "
+            f"waited {m.wait_s * 1000:6.0f} ms  compute {m.compute_s * 1000:6.0f} ms  "
+            f"loaded {m.bytes_loaded / 2**20:.0f} MiB"
         )
-        med = {setup: statistics.median(v) for setup, v in ttft.items()}
-        for (name, pipelined), m in last.items():
-            label = f"{name}, {'pipelined' if pipelined else 'serial'}"
-            print(
-                f"  {label:<20} TTFT {med[name, pipelined] * 1000:7.0f} ms  load {m.load_s * 1000:6.0f} ms  "
-                f"waited {m.wait_s * 1000:6.0f} ms  compute {m.compute_s * 1000:6.0f} ms  "
-                f"loaded {m.bytes_loaded / 2**20:.0f} MiB"
-            )
-        for pipelined in (False, True):
-            for name in stores:
-                if name != "memory":
-                    ratio = med[name, pipelined] / med["memory", pipelined]
-                    print(f"  ratio {name} / memory, {'pipelined' if pipelined else 'serial'}: {ratio:.3f}")
-        if redis_url is None:
-            print("  (redis: no redis-server found; install it to include this tier)")
-    finally:
-        shutil.rmtree(disk_dir, ignore_errors=True)
-        if server is not None:
-            server.kill()
+    for pipelined in (False, True):
+        for name in tiers:
+            if name != "memory":
+                ratio = med[name, pipelined] / med["memory", pipelined]
+                say(f"  ratio {name} / memory, {'pipelined' if pipelined else 'serial'}: {ratio:.3f}")
+    if redis_url is None:
+        say("  (redis: no redis-server found; install it to include this tier)")
+    say.write(args.out)
     return 0
 
 

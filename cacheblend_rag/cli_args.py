@@ -52,7 +52,7 @@ def _add_document_arguments(parser: argparse.ArgumentParser, *, required: bool) 
 
 
 def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="preset name, local checkpoint or Hugging Face hub id (default: the default preset)")
+    parser.add_argument("--model", help="preset, local checkpoint or hub id (default: the default preset)")
     parser.add_argument("--device", default="cpu", help="torch device to run the model on, e.g. cuda")
     parser.add_argument("--dtype", default="float32", help="model precision: float32, bfloat16 or float16")
     parser.add_argument("--kv-dir", help="keep chunk KV on disk in this folder, so later runs reuse it")

@@ -1,4 +1,5 @@
-"""Evaluation: scoring, the data set loaders on the real files, the methods and the resumable runner."""
+"""Evaluation: scoring and the data set loaders on the real files (`cacheblend_rag.evaluation`), then the quality
+benchmark's methods and resumable runner (`benchmarks/benchlib`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from benchlib import quality
+from benchlib.methods import MapReduce, MapRerank, parse_method, parse_methods, parse_rerank_output
+from benchlib.quality import RESULTS_FILE, load_records, run_quality, summarize, summary_markdown, write_report
 
 from cacheblend_rag import blend_rule
 from cacheblend_rag.errors import ConfigError
@@ -15,26 +19,14 @@ from cacheblend_rag.evaluation import (
     Case,
     Dataset,
     DatasetError,
-    MapReduce,
-    MapRerank,
     TaskSpec,
-    best_f1,
-    best_rouge_l,
+    best_score,
     load_dataset,
-    load_records,
     normalize_answer,
-    parse_methods,
-    run_quality,
     score_answer,
-    summarize,
-    summary_markdown,
-    token_f1,
-    write_report,
 )
 from cacheblend_rag.evaluation.datasets import QA_SPEC_TEMPLATE, load_samsum, split_passages
-from cacheblend_rag.evaluation.methods import parse_method, parse_rerank_output
-from cacheblend_rag.evaluation.quality import RESULTS_FILE
-from cacheblend_rag.evaluation.scoring import parse_short_answer
+from cacheblend_rag.evaluation.scoring import parse_short_answer, token_f1
 from cacheblend_rag.testing import random_words
 
 DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -64,11 +56,13 @@ def test_token_f1_counts_overlapping_words():
 def test_f1_is_the_best_over_every_alias_of_every_gold():
     # 2WikiMQA answers are lists of aliases per gold answer; the loader flattens them
     golds = [alias for gold in [["United States", "USA"], ["Croatia"]] for alias in gold]
-    assert best_f1("USA", golds) == 1.0
-    assert best_f1("croatia.", golds) == 1.0
-    assert best_f1("France", golds) == 0.0
+    assert best_score("USA", golds, "f1") == 1.0
+    assert best_score("croatia.", golds, "f1") == 1.0
+    assert best_score("France", golds, "f1") == 0.0
     with pytest.raises(TypeError, match="single string"):
-        best_f1("USA", "USA")
+        best_score("USA", "USA", "f1")
+    with pytest.raises(ValueError, match="metric must be one of f1, rouge_l, got 'bleu'"):
+        best_score("USA", golds, "bleu")
 
 
 def test_qa_scoring_keeps_the_first_line_and_reduces_yes_no():
@@ -79,11 +73,11 @@ def test_qa_scoring_keeps_the_first_line_and_reduces_yes_no():
 
 def test_rouge_l_sanity():
     gold = "Hannah needs Betty's number but Amanda doesn't have it."
-    assert best_rouge_l(gold, [gold]) == pytest.approx(1.0)
-    assert best_rouge_l("completely unrelated words here", [gold]) == 0.0
-    partial = best_rouge_l("Hannah needs the number of Betty.", [gold])
+    assert best_score(gold, [gold], "rouge_l") == pytest.approx(1.0)
+    assert best_score("completely unrelated words here", [gold], "rouge_l") == 0.0
+    partial = best_score("Hannah needs the number of Betty.", [gold], "rouge_l")
     assert 0.2 < partial < 0.9
-    assert best_rouge_l("Amanda lacks it", ["zzz", gold]) == best_rouge_l("Amanda lacks it", [gold])
+    assert best_score("Amanda lacks it", ["zzz", gold], "rouge_l") == best_score("Amanda lacks it", [gold], "rouge_l")
 
 
 # -- loaders ---------------------------------------------------------------------------------------------------
@@ -361,8 +355,6 @@ def test_agreement_with_full_scores_each_answer_against_fulls_answer():
 
 
 def test_ratio_figure_uses_only_cases_where_every_ratio_ran(tmp_path, monkeypatch):
-    from cacheblend_rag.evaluation import quality
-
     def rec(method, case, score):
         return {"dataset": "d", "method": method, "case_id": case, "metric": "F1", "score": score, "ttft_s": 1.0}
 
@@ -374,11 +366,11 @@ def test_ratio_figure_uses_only_cases_where_every_ratio_ran(tmp_path, monkeypatc
 
     seen = {}
     monkeypatch.setattr(quality, "plot_panels", lambda data, path, **kw: seen.update(data=data, **kw) or path)
-    quality.plot_quality_vs_ratio(records, tmp_path / "ratio.png")
+    quality.plot_quality_vs_ratio(records, tmp_path / "ratio.png", model="tiny")
     assert seen["panel_titles"] == {"d": "d (2 cases with every ratio)"}
     assert seen["ylabel"] == {"d": "mean F1"}  # each panel names its own metric
     assert {r["method"]: r["n"] for r in seen["data"]} == {"full": 2, "reuse": 2, "blend@0.15": 2, "blend@0.05": 2}
-    assert quality.plot_quality_vs_ratio([rec("full", "a", 1.0)], tmp_path / "none.png") is None
+    assert quality.plot_quality_vs_ratio([rec("full", "a", 1.0)], tmp_path / "none.png", model="tiny") is None
     one_ratio = [r for r in records if r["method"] != "blend@0.05"]
-    assert quality.plot_quality_vs_ratio(one_ratio, tmp_path / "one.png") is None  # one point is no curve
+    assert quality.plot_quality_vs_ratio(one_ratio, tmp_path / "one.png", model="tiny") is None  # one point is no curve
     assert not (tmp_path / "one.png").exists()

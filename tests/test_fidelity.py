@@ -1,5 +1,5 @@
-"""The fidelity benchmark: teacher-forced comparison with full recompute, its resumable runner, its report and
-its command line, on tiny random models and hand-made records."""
+"""Fidelity to full recompute: the teacher-forced measure (`cacheblend_rag.evaluation.fidelity`), then the fidelity
+benchmark's resumable runner, report and command line (`benchmarks/`), on tiny random models and hand-made records."""
 
 from __future__ import annotations
 
@@ -8,24 +8,7 @@ import math
 
 import pytest
 import torch
-
-from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig
-from cacheblend_rag.cli import main
-from cacheblend_rag.config import rule_name
-from cacheblend_rag.engine.prompt import PromptTemplate
-from cacheblend_rag.errors import CacheBlendError, ConfigError
-from cacheblend_rag.evaluation import Case, Dataset, TaskSpec
-from cacheblend_rag.evaluation.fidelity import (
-    RESULTS_FILE,
-    FidelityMethod,
-    Reference,
-    compare,
-    fidelity_methods,
-    measure,
-    reference_answer,
-    run_fidelity,
-)
-from cacheblend_rag.evaluation.fidelity_report import (
+from benchlib.fidelity_report import (
     case_groups,
     common_cases,
     fidelity_markdown,
@@ -35,8 +18,22 @@ from cacheblend_rag.evaluation.fidelity_report import (
     sweep_group,
     write_fidelity_report,
 )
-from cacheblend_rag.evaluation.records import load_records
-from cacheblend_rag.evaluation.report import bootstrap_ci
+from benchlib.fidelity_run import RESULTS_FILE, FidelityMethod, fidelity_methods, run_fidelity
+from benchlib.records import load_records
+from fidelity import main
+
+from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, blend_rule
+from cacheblend_rag.engine.prompt import PromptTemplate
+from cacheblend_rag.errors import CacheBlendError, ConfigError
+from cacheblend_rag.evaluation import Case, Dataset, TaskSpec
+from cacheblend_rag.evaluation.fidelity import (
+    Reference,
+    bootstrap_ci,
+    compare,
+    fidelity_over_cases,
+    measure,
+    reference_answer,
+)
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -84,11 +81,21 @@ def test_blend_at_ratio_one_is_perfectly_faithful_and_reuse_is_not(engine):
     ref = reference_answer(engine, prompt, 6)
     assert len(ref.token_ids) == 6 and ref.logprobs.shape[0] == 6
     # Teacher forcing in one forward matches full's own step-by-step decoding.
-    exact = measure(engine, prompt, ref, FidelityMethod("paper", 1.0))
+    exact = measure(engine, prompt, ref, blend_rule("paper", 1.0))
     assert exact["kl_max"] < 1e-5 and exact["top1"] == 1.0 and exact["first_token"] == 1.0
     assert exact["compute_share"] > 0.9
-    reuse = measure(engine, prompt, ref, FidelityMethod("reuse"))
+    reuse = measure(engine, prompt, ref, None)
     assert reuse["kl_mean"] > 1e-4 and reuse["compute_share"] < 0.2
+
+
+def test_fidelity_over_cases_averages_each_figure_and_brackets_kl_and_top1():
+    cases = [_rec("paper@0.15", f"c{i}", kl, top1) for i, (kl, top1) in enumerate([(0.1, 0.9), (0.3, 0.7), (0.2, 0.8)])]
+    stats = fidelity_over_cases(cases)
+    assert stats.n == 3 and stats.kl_mean == pytest.approx(0.2) and stats.top1 == pytest.approx(0.8)
+    assert stats.kl_max == pytest.approx(0.4) and stats.logprob == pytest.approx(-0.2) and stats.first_token == 1.0
+    assert stats.kl_ci[0] < 0.2 < stats.kl_ci[1] and stats.top1_ci[0] < 0.8 < stats.top1_ci[1]
+    with pytest.raises(ValueError, match="no case"):
+        fidelity_over_cases([])
 
 
 def test_methods_name_rule_and_ratio_and_refuse_mismatches():
@@ -131,7 +138,7 @@ def _rec(method: str, case: str, kl: float, top1: float, dataset: str = "musique
             "first_token": 1.0, "logprob": -kl, "compute_share": 0.1, "ttft_s": 1.0}  # fmt: skip
 
 
-DEFAULT = rule_name(BlendConfig())  # the targets compare the default rule with the paper's
+DEFAULT = BlendConfig().rule  # the targets compare the default rule with the paper's
 
 
 def synthetic_records() -> list[dict]:
@@ -141,7 +148,7 @@ def synthetic_records() -> list[dict]:
         recs += [_rec("full", c, 0.0, 1.0), _rec("reuse", c, 0.5 + 0.01 * i, 0.6), _rec("paper@0.15", c, 0.1, 0.8)]
         recs += [_rec(f"{DEFAULT}@0.05", c, 0.08, 0.85), _rec(f"{DEFAULT}@0.15", c, 0.05, 0.9)]
     recs += [_rec("epic@0.05", "c0", 0.3, 0.7)]  # measured on one case only: left out
-    recs += [_rec("hybrid@0.05", f"c{i}", 0.2, 0.7) for i in range(5)]  # on 5 of 8: the table shrinks to 5
+    recs += [_rec("gradual@0.05", f"c{i}", 0.2, 0.7) for i in range(5)]  # on 5 of 8: the table shrinks to 5
     return recs
 
 
@@ -154,9 +161,9 @@ def test_bootstrap_interval_brackets_the_mean_and_collapses_for_constants():
 def test_report_compares_methods_only_on_common_cases():
     recs = synthetic_records()
     cases, kept, left = common_cases(recs)["musique"]
-    assert len(cases) == 5 and left == ["epic@0.05"] and "hybrid@0.05" in kept
+    assert len(cases) == 5 and left == ["epic@0.05"] and "gradual@0.05" in kept
     rows = summarize_fidelity(recs)
-    assert [r.method for r in rows] == ["full", "reuse", *sorted([f"{DEFAULT}@0.05", f"{DEFAULT}@0.15", "hybrid@0.05",
+    assert [r.method for r in rows] == ["full", "reuse", *sorted([f"{DEFAULT}@0.05", f"{DEFAULT}@0.15", "gradual@0.05",
                                                                    "paper@0.15"])]  # fmt: skip
     reuse = rows[1]
     assert reuse.n == 5 and reuse.kl_ci[0] <= reuse.kl_mean <= reuse.kl_ci[1]
@@ -166,19 +173,19 @@ def test_report_compares_methods_only_on_common_cases():
 
 
 def test_rules_run_on_fewer_cases_get_their_own_table_beside_the_reference_rows():
-    recs = synthetic_records() + [_rec("lmcache@0.05", f"c{i}", 0.15, 0.8) for i in (1, 2, 3)]
+    recs = synthetic_records() + [_rec("paper@0.05", f"c{i}", 0.15, 0.8) for i in (1, 2, 3)]
     groups = case_groups(recs)["musique"]
-    assert len(groups) == 2 and groups[0][0] == {f"c{i}" for i in range(5)} and "lmcache@0.05" not in groups[0][1]
+    assert len(groups) == 2 and groups[0][0] == {f"c{i}" for i in range(5)} and "paper@0.05" not in groups[0][1]
     cases, methods = groups[1]
-    # hybrid finished c0..c4, so it covers c1..c3 and is repeated; epic (c0 only) stays out
-    assert cases == {"c1", "c2", "c3"} and methods[-1] == "lmcache@0.05" and "hybrid@0.05" in methods
+    # gradual finished c0..c4, so it covers c1..c3 and is repeated; epic (c0 only) stays out
+    assert cases == {"c1", "c2", "c3"} and methods[-1] == "paper@0.05" and "gradual@0.05" in methods
     assert "epic@0.05" not in methods and left_out(recs, "musique") == ["epic@0.05"]
     rows = [r for r in summarize_fidelity(recs) if r.group == 1]
     assert [r.method for r in rows][:2] == ["full", "reuse"] and {r.n for r in rows} == {3}
     reuse = rows[1]
     assert reuse.kl_mean == pytest.approx(0.52)  # the mean over c1..c3 only, not over the first table's cases
     text = fidelity_markdown(summarize_fidelity(recs), recs)
-    assert "#### musique: rules run on fewer cases (3 cases)" in text and "| lmcache@0.05 | 0.1500" in text
+    assert "#### musique: rules run on fewer cases (3 cases)" in text and "| paper@0.05 | 0.1500" in text
 
 
 def test_report_writes_summary_targets_and_a_figure_per_data_set(tmp_path):
@@ -227,13 +234,14 @@ def test_a_ratio_sweep_on_fewer_cases_gets_a_figure_of_its_own(tmp_path):
 def test_bench_fidelity_checks_its_arguments_before_loading_a_model(tmp_path, capsys, args, match):
     import re
 
-    assert main(["bench", "fidelity", "--out", str(tmp_path), *args]) == 2
+    assert main(["--out", str(tmp_path), *args]) == 2
     assert re.search(match, capsys.readouterr().err)
 
 
 def test_bench_fidelity_report_only_rebuilds_from_the_records(tmp_path, capsys):
     (tmp_path / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in synthetic_records()))
-    assert main(["bench", "fidelity", "--report-only", "--out", str(tmp_path)]) == 0
+    (tmp_path / "run.json").write_text(json.dumps({"model": "tiny-qwen2"}))
+    assert main(["--report-only", "--out", str(tmp_path)]) == 0
     assert "| reuse |" in capsys.readouterr().out and (tmp_path / "fidelity_musique.png").exists()
 
 

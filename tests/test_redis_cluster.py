@@ -7,10 +7,12 @@ and several workers must share one namespace and its budget.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 import uuid
+from pathlib import Path
 
 import pytest
 from redis_helpers import started_cluster
@@ -93,8 +95,6 @@ def test_two_workers_share_chunks_through_the_cluster(cluster, store):
     store.put(make_kv("from-parent", seed=7))
     script = textwrap.dedent(
         f"""
-        import sys
-        sys.path.insert(0, "tests")
         from test_store_tiers import make_kv, same
         from cacheblend_rag.store.redis_store import RedisStore
         store = RedisStore({cluster.url!r}, namespace={store.namespace!r})
@@ -102,7 +102,9 @@ def test_two_workers_share_chunks_through_the_cluster(cluster, store):
         store.put(make_kv("from-child", seed=8))
         """
     )
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    tests = str(Path(__file__).resolve().parent)  # the child imports this folder's helpers, as pytest does
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120, env=env)
     assert same(store.get("from-child"), make_kv("from-child", seed=8))
 
 

@@ -16,28 +16,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from benchlib.queueing import Served, max_rate_within_slo, poisson_arrivals, queue_stats, replay_queue, run_live
+from benchlib.throughput import run_throughput
+from benchlib.throughput_report import ThroughputResult, write_throughput_report
+from benchlib.throughput_settings import ThroughputSettings, parse_rates, parse_throughput_methods
+from benchlib.workload import build_workload
+from throughput import main
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.cli import main
-from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.evaluation import (
-    Dataset,
-    DatasetError,
-    Served,
-    ThroughputResult,
-    ThroughputSettings,
-    build_workload,
-    load_dataset,
-    max_rate_within_slo,
-    parse_rates,
-    parse_throughput_methods,
-    poisson_arrivals,
-    queue_stats,
-    replay_queue,
-    run_live,
-    run_throughput,
-    write_throughput_report,
-)
+from cacheblend_rag.errors import ConfigError, PromptError
+from cacheblend_rag.evaluation import Dataset, DatasetError, load_dataset
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 # Tiny models: one torch thread (see conftest.one_thread).
@@ -278,7 +266,7 @@ def test_cli_bench_throughput_runs(tmp_path, capsys, monkeypatch):
     make_tiny_tokenizer().save_pretrained(model_dir)
     monkeypatch.setattr("cacheblend_rag.retrieval.load_embedder", lambda: BagOfWordsEmbedder())
     data = write_qa_data(tmp_path / "data", cases=2)
-    argv = ["bench", "throughput", "--model", str(model_dir), "--data-dir", str(data), "--datasets", "musique",
+    argv = ["--model", str(model_dir), "--data-dir", str(data), "--datasets", "musique",
             "--methods", "full,blend@0.15", "--limit", "2", "--repeats", "2", "--rates", "1,4", "--top-k", "2",
             "--chunk-tokens", "16", "--max-new-tokens", "2", "--warmup", "1", "--ttft-slo", "30",
             "--out", str(tmp_path / "out")]  # fmt: skip
@@ -301,9 +289,18 @@ def test_cli_bench_throughput_runs(tmp_path, capsys, monkeypatch):
     ],
 )
 def test_cli_checks_its_arguments_before_loading_a_model(args, message, tmp_path, capsys):
-    assert main(["bench", "throughput", "--out", str(tmp_path / "out"), "--model", "no-such-model", *args]) == 2
+    assert main(["--out", str(tmp_path / "out"), "--model", "no-such-model", *args]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_request_beyond_the_models_context_is_refused_before_any_timing(tmp_path, engine):
+    ds = load_dataset("musique", write_qa_data(tmp_path / "data"), limit=2)
+    settings = ThroughputSettings(rates=(1.0,), chunk_tokens=16, top_k=2, repeats=2, max_new_tokens=600)
+    with pytest.raises(PromptError, match="600 new tokens exceeds the model's limit of 512"):
+        run_throughput(engine, [ds], "full", tmp_path / "out", settings, embedder=BagOfWordsEmbedder(),
+                       show_progress=False)  # fmt: skip
+    assert not (tmp_path / "out" / "results.json").exists()
 
 
 def test_an_empty_data_file_is_a_clear_error(tmp_path, engine):

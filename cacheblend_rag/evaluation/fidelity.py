@@ -1,4 +1,4 @@
-"""Fidelity to full recompute, measured by teacher forcing (the fidelity benchmark of docs/benchmarks.md).
+"""Fidelity to full recompute, measured by teacher forcing.
 
 For each case, full recompute writes the reference answer greedily (the data set's answer budget). Every
 method then prefills the same prompt and is fed the reference tokens; at each step its next-token
@@ -9,59 +9,39 @@ distribution is compared with full recompute's:
 This is deterministic, needs no gold answer, and separates methods with a few dozen cases, where F1 on a small
 model moves by ~0.13 whenever one answer flips.
 
-Records go to `OUT/fidelity.jsonl`, one per (data set, case, method), so a run resumes where it stopped.
-`fidelity_report` turns them into tables and figures.
+`measure` gives these figures for one case and one way to prefill it; `fidelity_over_cases` averages them over
+cases, with bootstrap 95% intervals (`bootstrap_ci`) on KL and top-1 agreement. The fidelity benchmark
+(`benchmarks/fidelity.py`) runs them over data sets, rules and ratios.
 """
 
 from __future__ import annotations
 
-import os
+import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..config import BlendConfig, blend_rule
-from ..errors import CacheBlendError, ConfigError
-from .datasets import Case, Dataset, TaskSpec
-from .records import append_record, check_run_settings, load_records
+from ..config import BlendConfig
+from .datasets import Case, TaskSpec
 
-RESULTS_FILE = "fidelity.jsonl"
-DEFAULT_RATIOS = (0.02, 0.05, 0.10, 0.15, 0.30)
+if TYPE_CHECKING:
+    from ..engine import CacheBlendEngine, TokenizedPrompt
 
-
-@dataclass(frozen=True)
-class FidelityMethod:
-    """One way to prefill a case: full KV reuse, or blend with a named rule at a ratio."""
-
-    rule: str  # "reuse", or a blend rule name (`config.RULE_NAMES`)
-    ratio: float | None = None  # blend only
-
-    def __post_init__(self) -> None:
-        if (self.rule == "reuse") != (self.ratio is None):
-            raise ConfigError(f"a ratio goes with blend rules only, got rule {self.rule!r}, ratio {self.ratio}")
-        if self.ratio is not None:
-            blend_rule(self.rule, self.ratio)  # validates name and ratio
-
-    @property
-    def name(self) -> str:
-        return self.rule if self.ratio is None else f"{self.rule}@{self.ratio:.2f}"
-
-    @property
-    def blend(self) -> BlendConfig | None:
-        return None if self.ratio is None else blend_rule(self.rule, self.ratio)
-
-
-def fidelity_methods(rules: Sequence[str], ratios: Sequence[float], *, reuse: bool = True) -> list[FidelityMethod]:
-    """Every rule at every ratio (and full KV reuse first, unless `reuse=False`)."""
-    if not rules and not reuse:
-        raise ConfigError("name at least one rule, or keep full KV reuse")
-    methods = [FidelityMethod("reuse")] if reuse else []
-    methods += [FidelityMethod(rule, float(r)) for rule in rules for r in ratios]
-    return methods
+__all__ = [
+    "FidelityStats",
+    "Reference",
+    "bootstrap_ci",
+    "compare",
+    "fidelity_over_cases",
+    "measure",
+    "prepare_case",
+    "reference_answer",
+    "teacher_forced_logits",
+    "token_kl",
+]
 
 
 @dataclass
@@ -75,7 +55,7 @@ class Reference:
     prompt_tokens: int
 
 
-def reference_answer(engine: Any, prompt: Any, max_new_tokens: int) -> Reference:
+def reference_answer(engine: CacheBlendEngine, prompt: TokenizedPrompt, max_new_tokens: int) -> Reference:
     """Full prefill, then greedy decoding of up to `max_new_tokens` tokens, keeping full's distributions."""
     t0 = time.perf_counter()
     pre = engine.prefill(prompt, "full")
@@ -92,7 +72,7 @@ def reference_answer(engine: Any, prompt: Any, max_new_tokens: int) -> Reference
     return Reference(tokens, logprobs, text, ttft, prompt.num_tokens)
 
 
-def prepare_case(engine: Any, spec: TaskSpec, case: Case) -> tuple[Any, Reference]:
+def prepare_case(engine: CacheBlendEngine, spec: TaskSpec, case: Case) -> tuple[TokenizedPrompt, Reference]:
     """A case's prompt (the data set's template), its chunks warmed in the store (untimed), and full recompute's
     reference answer: what every method of a case is measured against."""
     prompt = engine.build_prompt(list(case.chunks), case.question, template=spec.template)
@@ -123,7 +103,7 @@ def compare(reference: Reference, logits: torch.Tensor) -> dict[str, float]:
     }
 
 
-def teacher_forced_logits(engine: Any, prefill: Any, reference: Reference) -> torch.Tensor:
+def teacher_forced_logits(engine: CacheBlendEngine, prefill: Any, reference: Reference) -> torch.Tensor:
     """[T, vocab]: the prefill's last logits, then one forward over the reference's first T-1 tokens."""
     rows = [prefill.logits[None]]
     if len(reference.token_ids) > 1:
@@ -131,13 +111,11 @@ def teacher_forced_logits(engine: Any, prefill: Any, reference: Reference) -> to
     return torch.cat(rows)
 
 
-def measure(engine: Any, prompt: Any, reference: Reference, method: FidelityMethod) -> dict[str, Any]:
-    """One method's fidelity figures on one prompt, with its TTFT (prefill and first token, warm store)."""
-    return measure_blend(engine, prompt, reference, method.blend)
-
-
-def measure_blend(engine: Any, prompt: Any, reference: Reference, blend: BlendConfig | None) -> dict[str, Any]:
-    """`measure` for any `BlendConfig` (None: full KV reuse)."""
+def measure(
+    engine: CacheBlendEngine, prompt: TokenizedPrompt, reference: Reference, blend: BlendConfig | None
+) -> dict[str, Any]:
+    """One way to prefill `prompt` (`blend`, or full KV reuse for None) against full recompute's `reference`:
+    the figures of `compare`, with its TTFT (prefill and first token, warm store) and how much it recomputed."""
     t0 = time.perf_counter()
     mode = "reuse" if blend is None else "blend"
     pre = engine.prefill(prompt, mode, blend=blend)
@@ -151,75 +129,62 @@ def measure_blend(engine: Any, prompt: Any, reference: Reference, blend: BlendCo
         recomputed_share=m.recomputed_tokens / max(m.prompt_tokens, 1),
         recomputed_tokens=m.recomputed_tokens,
         reused_tokens=m.reused_tokens,
+        risk=m.risk,  # the blend's risk signals (the "attention" rule), for the guard's study
+        escalations=list(m.escalations),
     )
     return record
 
 
-def _interleave(datasets: Sequence[Dataset]) -> Iterator[tuple[TaskSpec, Case]]:
-    """Case 1 of every data set, then case 2 of every data set...: a stopped run covers all sets evenly."""
-    longest = max((len(ds.cases) for ds in datasets), default=0)
-    for i in range(longest):
-        for ds in datasets:
-            if i < len(ds.cases):
-                yield ds.spec, ds.cases[i]
+BOOTSTRAP_SAMPLES = 2000
 
 
-def run_fidelity(
-    engine: Any,
-    datasets: Sequence[Dataset],
-    methods: Sequence[FidelityMethod],
-    out_dir: str | os.PathLike[str],
-    *,
-    settings: dict[str, Any] | None = None,
-    show_progress: bool = True,
-) -> list[dict[str, Any]]:
-    """Measure every (case, method) not yet in `OUT/fidelity.jsonl`; return all records.
+def bootstrap_ci(values: Sequence[float], *, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean (resampling cases); nan for no values."""
+    import numpy as np
 
-    Per case: warm the chunk store (untimed), compute full recompute's reference once, then each method.
-    A case whose prompt the engine refuses (e.g. beyond the context) is recorded with its error and skipped.
-    """
-    from tqdm.auto import tqdm
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    check_run_settings(out, settings or {})
-    records = load_records(out, repair=True, filename=RESULTS_FILE)
-    done = {(r["dataset"], r["case_id"], r["method"]) for r in records}
-    names = ["full", *(m.name for m in methods)]
-    work = [(s, c) for s, c in _interleave(datasets) if any((s.name, c.id, n) not in done for n in names)]
-    bar = tqdm(work, desc="fidelity", unit="case", disable=not show_progress)
-    for spec, case in bar:
-        bar.set_postfix_str(f"{spec.name} {case.id}", refresh=True)
-        base = {"dataset": spec.name, "case_id": case.id, "task": case.task}
-        try:
-            prompt, ref = prepare_case(engine, spec, case)
-        except CacheBlendError as e:
-            rec = {**base, "method": "full", "error": f"{type(e).__name__}: {e}"}
-            append_record(out / RESULTS_FILE, rec)
-            records.append(rec)
-            continue
-        todo: list[tuple[str, dict[str, Any]]] = []
-        if (spec.name, case.id, "full") not in done:
-            todo.append(("full", _full_record(ref)))
-        for method in methods:
-            if (spec.name, case.id, method.name) not in done:
-                rec = measure(engine, prompt, ref, method)
-                rec.update(rule=method.rule, ratio=method.ratio)
-                todo.append((method.name, rec))
-        for name, rec in todo:
-            rec = {**base, "method": name, "answer_tokens": len(ref.token_ids), "prompt_tokens": ref.prompt_tokens,
-                   **rec}  # fmt: skip
-            append_record(out / RESULTS_FILE, rec)
-            records.append(rec)
-            done.add((spec.name, case.id, name))
-    return records
+    x = np.asarray(values, dtype=float)
+    if x.size == 0:
+        return (float("nan"), float("nan"))
+    if x.size == 1:
+        return (float(x[0]), float(x[0]))
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(BOOTSTRAP_SAMPLES, x.size))].mean(axis=1)
+    tail = (1.0 - level) / 2 * 100
+    lo, hi = np.percentile(means, [tail, 100 - tail])
+    return float(lo), float(hi)
 
 
-def _full_record(ref: Reference) -> dict[str, Any]:
-    """Full recompute against its own reference: the zero point of every figure."""
-    logprob = float(ref.logprobs.gather(1, torch.tensor(ref.token_ids)[:, None]).sum())
-    return {
-        "rule": "full", "ratio": None, "kl_mean": 0.0, "kl_max": 0.0, "top1": 1.0, "first_token": 1.0,
-        "logprob": logprob, "ttft_s": ref.ttft_s, "compute_share": 1.0, "recomputed_share": 1.0,
-        "reference": ref.text,
-    }  # fmt: skip
+@dataclass(frozen=True)
+class FidelityStats:
+    """`measure`'s figures over several cases: means, with 95% bootstrap intervals on KL and top-1 agreement."""
+
+    n: int  # cases
+    kl_mean: float  # mean over cases of each case's mean KL(full || method), nats
+    kl_ci: tuple[float, float]
+    kl_max: float  # mean over cases of each case's largest KL
+    top1: float
+    top1_ci: tuple[float, float]
+    first_token: float  # share of cases whose first token matches full recompute's
+    logprob: float
+    compute_share: float
+    ttft_s: float  # median
+
+
+def fidelity_over_cases(records: Sequence[Mapping[str, Any]]) -> FidelityStats:
+    """The figures of `measure` (one record per case, in a fixed order: the intervals are seeded) over cases."""
+    if not records:
+        raise ValueError("no case to average over")
+    kl = [r["kl_mean"] for r in records]
+    top1 = [r["top1"] for r in records]
+    return FidelityStats(
+        n=len(records),
+        kl_mean=statistics.fmean(kl),
+        kl_ci=bootstrap_ci(kl),
+        kl_max=statistics.fmean(r["kl_max"] for r in records),
+        top1=statistics.fmean(top1),
+        top1_ci=bootstrap_ci(top1),
+        first_token=statistics.fmean(r["first_token"] for r in records),
+        logprob=statistics.fmean(r["logprob"] for r in records),
+        compute_share=statistics.fmean(r["compute_share"] for r in records),
+        ttft_s=statistics.median(r["ttft_s"] for r in records),
+    )

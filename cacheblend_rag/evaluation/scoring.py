@@ -11,13 +11,14 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
 __all__ = [
-    "best_f1",
-    "best_rouge_l",
+    "METRICS",
+    "METRIC_NAMES",
+    "best_score",
     "first_line",
     "normalize_answer",
     "parse_short_answer",
@@ -49,15 +50,6 @@ def token_f1(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def best_f1(prediction: str, golds: Sequence[str]) -> float:
-    """Max F1 over alternative golds (2WikiMQA's aliases arrive already flattened)."""
-    if isinstance(golds, str):
-        raise TypeError("golds must be a list of answers, got a single string; wrap it: [gold]")
-    if not golds:
-        raise ValueError("no gold answer to score against")
-    return max(token_f1(prediction, g) for g in golds)
-
-
 @lru_cache(maxsize=1)
 def _rouge_scorer() -> Any:
     try:
@@ -71,12 +63,19 @@ def rouge_l(prediction: str, gold: str) -> float:
     return float(_rouge_scorer().score(gold, prediction)["rougeL"].fmeasure)
 
 
-def best_rouge_l(prediction: str, golds: Sequence[str]) -> float:
+METRICS: dict[str, Callable[[str, str], float]] = {"f1": token_f1, "rouge_l": rouge_l}
+
+
+def best_score(prediction: str, golds: Sequence[str], metric: str) -> float:
+    """The best `metric` ("f1" or "rouge_l") of `prediction` over alternative golds (2WikiMQA's aliases arrive
+    already flattened)."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
     if isinstance(golds, str):
         raise TypeError("golds must be a list of answers, got a single string; wrap it: [gold]")
     if not golds:
         raise ValueError("no gold answer to score against")
-    return max(rouge_l(prediction, g) for g in golds)
+    return max(METRICS[metric](prediction, g) for g in golds)
 
 
 def first_line(text: str) -> str:
@@ -101,10 +100,10 @@ def parse_short_answer(text: str) -> str:
 def score_answer(task: str, prediction: str, golds: Sequence[str]) -> float:
     """F1 for 'qa' (on the parsed short answer), Rouge-L F for 'summary'."""
     if task == "qa":
-        return best_f1(parse_short_answer(prediction), golds)
+        return best_score(parse_short_answer(prediction), golds, "f1")
     if task == "summary":
-        return best_rouge_l(prediction, golds)
+        return best_score(prediction, golds, "rouge_l")
     raise ValueError(f"task must be 'qa' or 'summary', got {task!r}")
 
 
-METRIC_NAMES = {"qa": "F1", "summary": "Rouge-L"}
+METRIC_NAMES = {"qa": "F1", "summary": "Rouge-L"}  # the name of each task's metric in reports

@@ -1,0 +1,74 @@
+"""Teacher-forced fidelity to full recompute (KL, top-1 agreement) of each selection rule at each ratio.
+
+Per case, full recompute writes the reference answer greedily; every method then prefills the same prompt and is
+fed that answer, and its next-token distributions are compared with full's (`cacheblend_rag.evaluation.fidelity`).
+Appends one record per (case, method) to OUT/fidelity.jsonl (rerun to resume), then writes OUT/summary.md,
+summary.json and one Pareto figure per data set; `--report-only` rebuilds those from the records.
+
+    python benchmarks/fidelity.py --limit 50 --data-dir ../shared/data           # every rule, every ratio
+    python benchmarks/fidelity.py --rules attention,paper --ratios 0.05,0.15 --limit 8 --out /tmp/fidelity
+    python benchmarks/fidelity.py --report-only --out benchmarks/results/fidelity
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from benchlib.cli import (  # noqa: E402
+    add_engine_arguments,
+    add_out_argument,
+    dataset_names,
+    load_engine,
+    parse_ratios,
+    report_written,
+    require_eval_deps,
+    run_guarded,
+    run_settings_of,
+)
+from benchlib.fidelity_report import fidelity_markdown, summarize_fidelity, write_fidelity_report  # noqa: E402
+from benchlib.fidelity_run import DEFAULT_RATIOS, RESULTS_FILE, fidelity_methods, run_fidelity  # noqa: E402
+from benchlib.records import load_records  # noqa: E402
+
+from cacheblend_rag.config import RULE_NAMES  # noqa: E402
+from cacheblend_rag.evaluation import load_dataset  # noqa: E402
+
+
+def run(args: argparse.Namespace) -> int:
+    # Names, numbers, files and packages are checked before the model loads.
+    require_eval_deps()
+    if args.report_only:
+        records = load_records(args.out, filename=RESULTS_FILE)
+    else:
+        names = dataset_names(args.datasets, args.limit)
+        rules = [r.strip() for r in args.rules.split(",") if r.strip()]
+        methods = fidelity_methods(rules, parse_ratios(args.ratios), reuse=not args.no_reuse)
+        datasets = [load_dataset(n, args.data_dir, args.limit) for n in names]
+        engine = load_engine(args)
+        records = run_fidelity(engine, datasets, methods, args.out, settings=run_settings_of(args))
+    files = write_fidelity_report(args.out, records)
+    print(fidelity_markdown(summarize_fidelity(records), records))
+    report_written(files)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--datasets", default="musique,wikimqa,multi_news,samsum", help="comma-separated")
+    p.add_argument("--rules", default=",".join(RULE_NAMES), help=f"comma-separated: {', '.join(RULE_NAMES)}")
+    p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS), help="recompute ratios, "
+                   "comma-separated")  # fmt: skip
+    p.add_argument("--no-reuse", action="store_true", help="leave full KV reuse out")
+    p.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
+    add_out_argument(p, "fidelity", "output folder")
+    p.add_argument("--report-only", action="store_true", help="only rebuild summary.md and figures from OUT")
+    add_engine_arguments(p, "musique/, wikimqa/, multi_news/, samsum/", dtype_help="float32 (default): "
+                         "deviations and fidelity are measured in full precision")  # fmt: skip
+    return run_guarded(run, p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
