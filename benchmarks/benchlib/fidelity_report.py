@@ -18,7 +18,6 @@ from typing import Any
 
 from benchlib.records import MODEL_UNKNOWN, run_settings
 from benchlib.report import cases_text, ci_text, comparable_cases, pyplot, save_figure
-
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.errors import CacheBlendError
 from cacheblend_rag.evaluation.fidelity import bootstrap_ci, fidelity_over_cases

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from benchlib.records import append_record, check_run_settings, load_records
 
+from benchlib.records import append_record, check_run_settings, load_records
 from cacheblend_rag.config import BlendConfig, blend_rule
 from cacheblend_rag.errors import CacheBlendError, ConfigError
 from cacheblend_rag.evaluation.datasets import Case, Dataset, TaskSpec

@@ -25,7 +25,6 @@ from benchlib.methods import Method, answer_text
 from benchlib.records import MODEL_UNKNOWN, append_record, check_run_settings, run_settings
 from benchlib.records import load_records as _load
 from benchlib.report import cases_text, ci_text, comparable_cases, fmt, markdown_table, plot_panels, write_json
-
 from cacheblend_rag.errors import CacheBlendError
 from cacheblend_rag.evaluation.datasets import Dataset
 from cacheblend_rag.evaluation.fidelity import bootstrap_ci

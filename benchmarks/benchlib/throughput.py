@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from benchlib.methods import PrefillMethod
 from benchlib.queueing import (
     Served,
@@ -51,7 +52,6 @@ from benchlib.throughput_report import (
 )
 from benchlib.throughput_settings import ThroughputSettings, parse_throughput_methods
 from benchlib.workload import Workload, WorkloadRequest, build_workload
-
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.evaluation.datasets import Dataset, DatasetError
 

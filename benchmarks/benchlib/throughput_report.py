@@ -19,7 +19,6 @@ from benchlib.queueing import QueueStats, Served, Timing
 from benchlib.records import MODEL_UNKNOWN
 from benchlib.report import fmt, markdown_table, pyplot, save_figure, write_json
 from benchlib.throughput_settings import ThroughputSettings
-
 from cacheblend_rag.errors import CacheBlendError
 
 __all__ = [

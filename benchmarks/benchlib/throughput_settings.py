@@ -11,7 +11,6 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from benchlib.methods import PrefillMethod, parse_methods
-
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.retrieval.chunking import MIN_CHUNK_TOKENS
 

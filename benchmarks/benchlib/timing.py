@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import torch
-from benchlib.cli import model_name
 
+from benchlib.cli import model_name
 from cacheblend_rag import CacheBlendEngine, EngineConfig, TokenizedPrompt
 from cacheblend_rag.config import blend_rule
 from cacheblend_rag.store import ChunkStore, TieredStore
