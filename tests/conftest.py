@@ -60,7 +60,9 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 @pytest.fixture
 def tiny_engine(family, tiny_tokenizer) -> CacheBlendEngine:
-    return CacheBlendEngine(make_tiny_model(family), tiny_tokenizer, config=EngineConfig(chunk_separator=""))
+    return CacheBlendEngine(
+        make_tiny_model(family), tiny_tokenizer, config=EngineConfig(miss_policy="blend", chunk_separator="")
+    )
 
 
 def reference_logits_with_cache(engine: CacheBlendEngine, prompt, num_chunks: int) -> torch.Tensor:

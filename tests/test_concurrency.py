@@ -14,7 +14,9 @@ def test_eight_threads_give_the_same_outputs_as_serial_runs(tmp_path):
     engine = CacheBlendEngine(
         make_tiny_model("qwen2"),
         make_tiny_tokenizer(),
-        config=EngineConfig(chunk_separator="", disk_dir=str(tmp_path / "kv"), memory_budget_bytes=200_000),
+        config=EngineConfig(
+            miss_policy="blend", chunk_separator="", disk_dir=str(tmp_path / "kv"), memory_budget_bytes=200_000
+        ),
     )
     pool = [random_words(200 + i, 12) for i in range(10)]  # chunks shared across requests, as a retriever would return
 

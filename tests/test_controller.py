@@ -104,7 +104,7 @@ def ask(engine, **kw):
 
 def test_engine_uses_the_controllers_ratio_unless_one_is_pinned(tmp_path):
     # A disk so slow (per the profile) that the controller recomputes everything it can while loading.
-    config = EngineConfig(chunk_separator="", memory_budget_bytes=0, disk_dir=str(tmp_path))
+    config = EngineConfig(miss_policy="blend", chunk_separator="", memory_budget_bytes=0, disk_dir=str(tmp_path))
     model = make_tiny_model("llama")
     with pytest.raises(ConfigError, match="measured for model m in float32"):
         CacheBlendEngine(model, make_tiny_tokenizer(), config=config, controller=LoadingController(make_profile()))
@@ -123,7 +123,7 @@ def test_engine_uses_the_controllers_ratio_unless_one_is_pinned(tmp_path):
 
 
 def test_profile_engine_measures_compute_and_tiers_on_a_tiny_model():
-    engine = CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig())
+    engine = CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend"))
     profile = profile_engine(
         engine, token_counts=(64, 128), ratios=(0.0, 1.0), chunk_tokens=32, repeats=1, show_progress=False
     )

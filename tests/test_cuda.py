@@ -17,7 +17,9 @@ pytestmark = [
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_cuda_blend_ends_match_full_and_reuse(family):
     engine = CacheBlendEngine(
-        make_tiny_model(family), make_tiny_tokenizer(), config=EngineConfig(device="cuda", chunk_separator="")
+        make_tiny_model(family),
+        make_tiny_tokenizer(),
+        config=EngineConfig(miss_policy="blend", device="cuda", chunk_separator=""),
     )
     prompt = engine.build_prompt(
         [random_words(s, 30) for s in (1, 2, 3)], prefix=random_words(4, 5), suffix=random_words(5, 6)
@@ -33,7 +35,7 @@ def test_cuda_bf16_generation_runs():
     engine = CacheBlendEngine(
         make_tiny_model("qwen2"),
         make_tiny_tokenizer(),
-        config=EngineConfig(device="cuda", dtype="bfloat16", chunk_separator=""),
+        config=EngineConfig(miss_policy="blend", device="cuda", dtype="bfloat16", chunk_separator=""),
     )
     out = engine.generate(
         [random_words(7, 20), random_words(8, 20)],

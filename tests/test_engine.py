@@ -22,7 +22,9 @@ from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_
 
 @pytest.fixture(scope="module")
 def engine() -> CacheBlendEngine:
-    return CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    return CacheBlendEngine(
+        make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
+    )
 
 
 def ask(engine, chunks=None, **kw):
@@ -108,7 +110,9 @@ def test_sampling_is_reproducible_with_a_seed(engine):
 
 
 def test_second_request_hits_the_chunk_cache():
-    eng = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    eng = CacheBlendEngine(
+        make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
+    )
     first = ask(eng, [random_words(41, 15), random_words(42, 15)], max_new_tokens=1)
     assert (first.metrics.chunks_hit, first.metrics.chunks_missed) == (0, 2)
     second = ask(eng, [random_words(42, 15), random_words(43, 15)], max_new_tokens=1)  # one chunk shared, one new
@@ -119,8 +123,12 @@ def test_second_request_hits_the_chunk_cache():
 
 def test_cold_chunks_give_the_same_answer_as_warm_ones():
     chunks = [random_words(51, 15), random_words(52, 15), random_words(53, 15)]
-    cold = CacheBlendEngine(make_tiny_model("qwen3"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
-    warm = CacheBlendEngine(make_tiny_model("qwen3"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    cold = CacheBlendEngine(
+        make_tiny_model("qwen3"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
+    )
+    warm = CacheBlendEngine(
+        make_tiny_model("qwen3"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
+    )
     warm.precompute(chunks, prefix=random_words(1, 4))
     a, b = ask(cold, chunks, max_new_tokens=6), ask(warm, chunks, max_new_tokens=6)
     assert a.metrics.chunks_missed == 3 and b.metrics.chunks_hit == 3
@@ -128,7 +136,9 @@ def test_cold_chunks_give_the_same_answer_as_warm_ones():
 
 
 def test_memory_store_evicts_least_recently_used():
-    eng = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    eng = CacheBlendEngine(
+        make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
+    )
     chunk = random_words(61, 10)
     ask(eng, [chunk], max_new_tokens=1)
     prompt = eng.build_prompt([chunk], prefix=random_words(1, 4), suffix=random_words(2, 5))
@@ -208,15 +218,15 @@ def test_blend_config_validation(kwargs, match):
 
 def test_engine_config_validation():
     with pytest.raises(ConfigError, match="dtype must be one of"):
-        EngineConfig(dtype="int8")
+        EngineConfig(miss_policy="blend", dtype="int8")
     with pytest.raises(ConfigError, match="device must be"):
-        EngineConfig(device="tpu")
-    assert EngineConfig(dtype="bf16").dtype == "bfloat16"
+        EngineConfig(miss_policy="blend", device="tpu")
+    assert EngineConfig(miss_policy="blend", dtype="bf16").dtype == "bfloat16"
     with pytest.raises(ConfigError, match="has layer 3, but the model has 2 layers"):
         CacheBlendEngine(
             make_tiny_model("llama", num_layers=2),
             make_tiny_tokenizer(),
-            config=EngineConfig(blend=blend_rule("gradual")),
+            config=EngineConfig(miss_policy="blend", blend=blend_rule("gradual")),
         )
 
 
@@ -230,7 +240,9 @@ def test_gradual_schedule_falls_to_the_ratio():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_blend_stays_close_to_full(dtype):
     eng = CacheBlendEngine(
-        make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(dtype=dtype, chunk_separator="")
+        make_tiny_model("qwen2"),
+        make_tiny_tokenizer(),
+        config=EngineConfig(miss_policy="blend", dtype=dtype, chunk_separator=""),
     )
     prompt = eng.build_prompt(
         [random_words(81, 20), random_words(82, 20)], prefix=random_words(1, 4), suffix=random_words(2, 5)
@@ -245,7 +257,9 @@ def test_low_precision_blend_stays_close_to_full(dtype):
 def test_a_damaged_store_entry_is_recomputed_not_used(caplog):
     from cacheblend_rag import ChunkKV
 
-    eng = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    eng = CacheBlendEngine(
+        make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
+    )
     chunks = [random_words(91, 12), random_words(92, 12)]
     good = ask(eng, chunks, max_new_tokens=4)
     prompt = eng.build_prompt(chunks, prefix=random_words(1, 4), suffix=random_words(2, 5))
@@ -261,7 +275,7 @@ def test_a_damaged_store_entry_is_recomputed_not_used(caplog):
 
 
 def test_chunks_come_back_from_the_disk_tier_in_a_new_engine(tmp_path):
-    config = EngineConfig(chunk_separator="", disk_dir=str(tmp_path / "kv"))
+    config = EngineConfig(miss_policy="blend", chunk_separator="", disk_dir=str(tmp_path / "kv"))
     chunks = [random_words(101, 12), random_words(102, 12)]
     first = CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
     a = ask(first, chunks, max_new_tokens=4)
@@ -278,7 +292,7 @@ def test_chunks_come_back_from_the_disk_tier_in_a_new_engine(tmp_path):
 
 def test_engine_config_checks_the_redis_url():
     with pytest.raises(ConfigError, match="redis_url must start with"):
-        EngineConfig(redis_url="localhost:6379")
+        EngineConfig(miss_policy="blend", redis_url="localhost:6379")
 
 
 def test_a_closed_stream_stops_generating(engine):

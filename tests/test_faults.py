@@ -30,7 +30,9 @@ BIG = 1024  # tokens: above diskcache's 32 KiB threshold, so the entry is a file
 
 def engine_on(pipelined: bool = True, **config) -> CacheBlendEngine:
     # memory_budget_bytes=0: nothing stays in process memory, every chunk comes from the lower tiers.
-    config = EngineConfig(chunk_separator="", memory_budget_bytes=0, pipelined_loading=pipelined, **config)
+    config = EngineConfig(
+        miss_policy="blend", chunk_separator="", memory_budget_bytes=0, pipelined_loading=pipelined, **config
+    )
     return CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
 
 
@@ -217,7 +219,11 @@ def test_a_garbled_cache_db_is_one_clear_error_at_start_up(tmp_path):
     with pytest.raises(ConfigError, match=r"disk tier folder .*kv.* cache.db is damaged; delete the folder"):
         DiskStore(folder)
     with pytest.raises(ConfigError, match="cache.db is damaged"):
-        CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(disk_dir=str(folder)))
+        CacheBlendEngine(
+            make_tiny_model("qwen2"),
+            make_tiny_tokenizer(),
+            config=EngineConfig(miss_policy="blend", disk_dir=str(folder)),
+        )
 
 
 def test_a_file_given_as_the_disk_folder_is_one_clear_error(tmp_path):
@@ -245,7 +251,9 @@ def test_a_read_only_disk_folder_is_one_clear_error(tmp_path, filled):
 
 
 def test_a_chunk_repeated_in_one_cold_request_is_one_miss():
-    engine = CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    engine = CacheBlendEngine(
+        make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
+    )
     chunk = random_words(503, 30)
     m = ask(engine, [chunk] * 6).metrics
     assert (m.chunks_missed, m.chunks_hit) == (1, 5)
@@ -330,4 +338,4 @@ def test_an_engine_with_an_hmac_key_answers_right_over_a_forged_disk_tier(tmp_pa
 
 def test_a_short_hmac_key_is_refused():
     with pytest.raises(ConfigError, match="at least 16 bytes"):
-        EngineConfig(store_hmac_key="short")
+        EngineConfig(miss_policy="blend", store_hmac_key="short")

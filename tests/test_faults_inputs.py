@@ -23,7 +23,9 @@ CHUNKS = [random_words(601, 30), random_words(602, 30)]
 
 @pytest.fixture(scope="module")
 def engine() -> CacheBlendEngine:
-    return CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    return CacheBlendEngine(
+        make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
+    )
 
 
 def ask(engine, chunks=CHUNKS, **kwargs):
@@ -56,7 +58,9 @@ def test_stop_none_means_no_stop_strings(engine):
     ],
 )
 def test_bad_sampling_arguments_fail_before_any_compute(kwargs, message):
-    engine = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    engine = CacheBlendEngine(
+        make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
+    )
     with pytest.raises(ConfigError, match=message):
         engine.stream(CHUNKS, prefix=random_words(1, 4), suffix=random_words(2, 5), **kwargs)
     assert len(engine.store) == 0  # nothing was prefilled

@@ -44,7 +44,7 @@ PLAIN = PromptTemplate(system=None, instruction="", question_template="{question
 @pytest.fixture
 def engine() -> CacheBlendEngine:
     model = make_tiny_model("qwen2", mute_eos=True)  # never stops early: answers of the full budget
-    return CacheBlendEngine(model, make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    return CacheBlendEngine(model, make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator=""))
 
 
 def tiny_dataset(n: int = 2, name: str = "tinyqa") -> Dataset:

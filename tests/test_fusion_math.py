@@ -141,7 +141,9 @@ def test_planted_outlier_in_loaded_kv_is_recomputed(family):
     # Corrupt one reused token's cached key on the first check layer: its deviation explodes, so the fusor
     # must pick it even at the smallest ratio that recomputes anything.
     model = make_tiny_model(family)
-    engine = CacheBlendEngine(model, make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    engine = CacheBlendEngine(
+        model, make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
+    )
     prompt = three_chunk_prompt(engine)
     engine.prefill(prompt, "reuse")  # fills the store
     n = prompt.num_tokens

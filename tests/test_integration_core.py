@@ -106,10 +106,14 @@ def test_model_name_is_the_requested_name_else_the_checkpoint_else_the_default_p
     monkeypatch.delenv("CACHEBLEND_RAG_MODEL", raising=False)
     make_tiny_model("llama").save_pretrained(tmp_path)
     make_tiny_tokenizer().save_pretrained(tmp_path)
-    engine = CacheBlendEngine.from_pretrained(str(tmp_path), config=EngineConfig(), show_progress=False)
+    engine = CacheBlendEngine.from_pretrained(
+        str(tmp_path), config=EngineConfig(miss_policy="blend"), show_progress=False
+    )
     assert resolve_model_name("my-model", engine) == "my-model"
     assert resolve_model_name(None, engine) == str(tmp_path)
-    in_code = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig())
+    in_code = CacheBlendEngine(
+        make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend")
+    )
     assert resolve_model_name(None, in_code) == "cacheblend"
     assert resolve_model_name(None, None) == DEFAULT_PRESET
 

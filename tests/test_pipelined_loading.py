@@ -158,7 +158,9 @@ CHUNKS = [random_words(401, 40), random_words(402, 30), random_words(403, 50)]
 
 def engine_on(pipelined: bool, **tiers) -> CacheBlendEngine:
     # memory_budget_bytes=0: nothing stays in process memory, every chunk comes from the lower tier
-    config = EngineConfig(chunk_separator="", memory_budget_bytes=0, pipelined_loading=pipelined, **tiers)
+    config = EngineConfig(
+        miss_policy="blend", chunk_separator="", memory_budget_bytes=0, pipelined_loading=pipelined, **tiers
+    )
     return CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=config)
 
 

@@ -25,7 +25,7 @@ def engine() -> CacheBlendEngine:
     if not (folder / "tokenizer.json").is_file():
         pytest.skip(f"needs the default preset's converted copy in {folder} (load it once)")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return CacheBlendEngine(make_tiny_model("qwen2", num_layers=2), tokenizer, config=EngineConfig())
+    return CacheBlendEngine(make_tiny_model("qwen2", num_layers=2), tokenizer, config=EngineConfig(miss_policy="blend"))
 
 
 def _control_tokens(engine: CacheBlendEngine, ids: list[int]) -> list[str]:

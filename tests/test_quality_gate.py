@@ -12,8 +12,8 @@ import statistics
 
 import pytest
 
-from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig
-from cacheblend_rag.evaluation.fidelity import FidelityMethod, Reference, measure, reference_answer
+from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, blend_rule
+from cacheblend_rag.evaluation.fidelity import Reference, measure, reference_answer
 
 pytestmark = pytest.mark.real_model
 
@@ -73,43 +73,43 @@ def references(engine) -> list[tuple[object, Reference]]:
     return out
 
 
-def mean_kl(engine, references, method: FidelityMethod) -> float:
-    return statistics.fmean(measure(engine, prompt, ref, method)["kl_mean"] for prompt, ref in references)
+def mean_kl(engine, references, blend: BlendConfig | None) -> float:
+    """Mean over the questions of KL(full || blend) per answer token; `blend` None: full KV reuse."""
+    return statistics.fmean(measure(engine, prompt, ref, blend)["kl_mean"] for prompt, ref in references)
 
 
-def default_method() -> FidelityMethod:
-    default = BlendConfig()
-    return FidelityMethod(default.rule, default.recompute_ratio)
+def default_method() -> BlendConfig:
+    return BlendConfig()
 
 
 def test_default_blend_stays_close_to_full_recompute_and_closer_than_reuse(engine, references):
     blend = mean_kl(engine, references, default_method())
-    reuse = mean_kl(engine, references, FidelityMethod("reuse"))
+    reuse = mean_kl(engine, references, None)
     assert blend < DEFAULT_KL_BOUND, f"default blend drifted from full recompute: mean KL {blend:.4f}"
     assert reuse > REUSE_OVER_DEFAULT * blend, f"blend ({blend:.4f}) is not clearly closer than reuse ({reuse:.4f})"
 
 
 def test_default_rule_with_more_budget_is_far_closer_than_reuse(engine, references):
-    blend = mean_kl(engine, references, FidelityMethod(default_method().rule, 0.5))
-    reuse = mean_kl(engine, references, FidelityMethod("reuse"))
+    blend = mean_kl(engine, references, default_method().with_ratio(0.5))
+    reuse = mean_kl(engine, references, None)
     assert blend < DEFAULT_HALF_KL_BOUND, f"default rule at r = 0.5: mean KL {blend:.4f}"
     assert reuse > REUSE_OVER_DEFAULT_HALF * blend, f"blend ({blend:.4f}) is not far closer than reuse ({reuse:.4f})"
 
 
 def test_the_deviation_rankings_find_the_tokens_that_matter(engine, references):
-    deviation = mean_kl(engine, references, FidelityMethod("paper", 0.5))
-    gradual = mean_kl(engine, references, FidelityMethod("gradual", 0.15))
+    deviation = mean_kl(engine, references, blend_rule("paper", 0.5))
+    gradual = mean_kl(engine, references, blend_rule("gradual", 0.15))
     assert deviation < DEVIATION_HALF_KL_BOUND, f"key-deviation ranking: mean KL {deviation:.4f}"
     assert gradual < GRADUAL_KL_BOUND, f"gradual filtering: mean KL {gradual:.4f}"
 
 
 def test_recomputing_everything_reproduces_full_recompute_on_the_real_model(engine, references):
     prompt, ref = references[0]
-    exact = measure(engine, prompt, ref, FidelityMethod(default_method().rule, 1.0))
+    exact = measure(engine, prompt, ref, default_method().with_ratio(1.0))
     assert exact["kl_max"] < 1e-4 and exact["top1"] == 1.0
 
 
 def test_more_recompute_follows_full_recompute_more_closely(engine, references):
     rule = default_method().rule
-    low, high = (mean_kl(engine, references, FidelityMethod(rule, r)) for r in (0.05, 0.5))
+    low, high = (mean_kl(engine, references, blend_rule(rule, r)) for r in (0.05, 0.5))
     assert high < low, (low, high)

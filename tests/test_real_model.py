@@ -23,7 +23,7 @@ QUESTION = "What is the capital of Zorbania?"
 @pytest.fixture(scope="module")
 def engine() -> CacheBlendEngine:
     return CacheBlendEngine.from_pretrained(
-        "smollm2-135m-instruct", config=EngineConfig(dtype="float32"), show_progress=False
+        "smollm2-135m-instruct", config=EngineConfig(miss_policy="blend", dtype="float32"), show_progress=False
     )
 
 

@@ -27,7 +27,7 @@ def eager_engine(family, tokenizer):
     """A tiny model with eager attention (transformers then returns its attention weights) and its engine."""
     model = make_tiny_model(family)
     model.set_attn_implementation("eager")
-    return model, CacheBlendEngine(model, tokenizer, config=EngineConfig(chunk_separator=""))
+    return model, CacheBlendEngine(model, tokenizer, config=EngineConfig(miss_policy="blend", chunk_separator=""))
 
 
 def toy_prompt(lengths=(10, 20, 30), prefix=4, suffix=3) -> TokenizedPrompt:

@@ -205,7 +205,9 @@ def test_live_queue_stops_the_arrivals_when_serving_fails():
 
 @pytest.fixture(scope="module")
 def engine() -> CacheBlendEngine:
-    return CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(chunk_separator=""))
+    return CacheBlendEngine(
+        make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
+    )
 
 
 def test_end_to_end_blend_reuses_chunks_that_prefix_caching_cannot(engine, tmp_path):

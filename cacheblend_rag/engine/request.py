@@ -16,6 +16,7 @@ from ..config import BlendConfig, PrefillMode
 from ..errors import CacheBlendError, ConfigError, PromptError
 from .generation import SamplingParams, check_ratio_arg
 from .prompt import PromptTemplate
+from .prompt_text import PromptText
 
 # The keyword arguments a request takes, with their defaults (the engine's names).
 REQUEST_DEFAULTS: dict[str, Any] = {
@@ -45,8 +46,8 @@ class Request:
     blend: BlendConfig | None = None  # blend only: another rule for this request
     sampling: SamplingParams = field(default_factory=SamplingParams)
     template: PromptTemplate | None = None  # renders a question (None: the engine's template)
-    prefix: str | None = None  # explicit text before the chunks (instead of a question)
-    suffix: str | None = None  # explicit text after the chunks
+    prefix: str | PromptText | None = None  # explicit text before the chunks (instead of a question)
+    suffix: str | PromptText | None = None  # explicit text after the chunks
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", PrefillMode.parse(self.mode))
@@ -59,7 +60,8 @@ class Request:
         if self.template is not None and not isinstance(self.template, PromptTemplate):
             raise ConfigError(f"template must be a PromptTemplate, got {type(self.template).__name__}")
         for name in ("prefix", "suffix"):
-            check_text(name, getattr(self, name), optional=True)
+            if not isinstance(getattr(self, name), PromptText):  # marked-up text from a chat template
+                check_text(name, getattr(self, name), optional=True)
 
     @classmethod
     def from_options(cls, method: str, options: Mapping[str, Any]) -> Request:

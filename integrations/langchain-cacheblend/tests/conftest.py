@@ -36,7 +36,7 @@ def pytest_pycollect_makeitem(collector, name, obj):
 def tiny_engine(chat_template: bool = True) -> CacheBlendEngine:
     """A fresh engine (its own empty chunk store) on the tiny model."""
     model = make_tiny_model("llama", num_layers=4, mute_eos=True)  # answers run to max_tokens or a stop
-    return CacheBlendEngine(model, make_tiny_tokenizer(chat_template), config=EngineConfig())
+    return CacheBlendEngine(model, make_tiny_tokenizer(chat_template), config=EngineConfig(miss_policy="blend"))
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ def tiny_llm() -> CacheBlendLLM:
     """A CacheBlendLLM on a fresh engine (its own empty store) over a tiny random model with a chat template:
     for tests of mechanics, where the answer's words do not matter. Texts are words "w0".."w95"."""
     model = make_tiny_model("llama", num_layers=4, mute_eos=True)
-    engine = CacheBlendEngine(model, make_tiny_tokenizer(chat_template=True), config=EngineConfig())
+    engine = CacheBlendEngine(model, make_tiny_tokenizer(chat_template=True), config=EngineConfig(miss_policy="blend"))
     return CacheBlendLLM(engine=engine, max_new_tokens=2)
 
 

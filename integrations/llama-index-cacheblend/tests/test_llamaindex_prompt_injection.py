@@ -29,7 +29,7 @@ def engine() -> CacheBlendEngine:
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     config = tiny_config("qwen2", num_layers=2)
     config.vocab_size = len(tokenizer)
-    return CacheBlendEngine(Qwen2ForCausalLM(config), tokenizer, config=EngineConfig())
+    return CacheBlendEngine(Qwen2ForCausalLM(config), tokenizer, config=EngineConfig(miss_policy="blend"))
 
 
 def _prompt_starts(engine: CacheBlendEngine, monkeypatch: pytest.MonkeyPatch, node_text: str) -> int:
