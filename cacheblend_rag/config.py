@@ -323,6 +323,20 @@ class EngineConfig:
             not isinstance(self.store_hmac_key, (bytes, str)) or len(self.store_hmac_key) < 16
         ):
             raise ConfigError("store_hmac_key must be None or a secret of at least 16 bytes (str or bytes)")
+        self._check_codecs()
+
+    # How chunk KV is stored (docs/configuration.md, "Stored KV: codecs and bytes per token"): one of "native"
+    # (the compute dtype, exact), "fp16", "bf16", "int8" (keys per channel, values per token), "int4" (the same
+    # in groups of 32). An entry written with another codec is a miss and is recomputed.
+    kv_codec: str = "native"  # the disk and Redis tiers
+    memory_codec: str = "native"  # the memory tier (encoded entries are decoded layer by layer when read)
+
+    def _check_codecs(self) -> None:
+        from .store.codec import CODECS
+
+        for name in ("kv_codec", "memory_codec"):
+            if getattr(self, name) not in CODECS:
+                raise ConfigError(f"{name} must be one of {sorted(CODECS)}, got {getattr(self, name)!r}")
 
 
 # The command lines' --lead-in default: the spelling of EngineConfig's own default.
