@@ -212,6 +212,11 @@ class EngineConfig:
     # The fidelity guard of the "attention" rule (engine.guard.Guard): escalates a request whose blend looks risky
     # to a larger recompute budget. None: off.
     guard: Guard | None = None
+    # How chunk KV is stored (docs/configuration.md, "Stored KV: codecs and bytes per token"): one of "native"
+    # (the compute dtype, exact), "fp16", "bf16", "int8" (keys per channel, values per token), "int4" (the same
+    # in groups of 32). An entry written with another codec is a miss and is recomputed.
+    kv_codec: str = "native"  # the disk and Redis tiers
+    memory_codec: str = "native"  # the memory tier (encoded entries are decoded layer by layer when read)
     blend: BlendConfig = field(default_factory=BlendConfig)
     # Signs disk/Redis entries and refuses unsigned or forged ones (give every worker the same key); None: off
     store_hmac_key: bytes | str | None = field(default=None, repr=False)
@@ -237,6 +242,8 @@ class EngineConfig:
             _check_count("max_prompt_tokens", self.max_prompt_tokens, 1, "a number of tokens, or None")
         if not isinstance(self.chunk_separator, str):
             raise ConfigError(f"chunk_separator must be a string, got {type(self.chunk_separator).__name__}")
+        if not isinstance(self.blend, BlendConfig):
+            raise ConfigError(f"blend must be a BlendConfig, got {type(self.blend).__name__}")
         if self.guard is not None and not isinstance(self.guard, Guard):
             raise ConfigError(f"guard must be a Guard or None, got {type(self.guard).__name__}")
         if self.guard is not None and not self.blend.uses_attention_pass:
@@ -248,9 +255,15 @@ class EngineConfig:
             raise ConfigError(f"miss_policy must be one of {', '.join(MISS_POLICIES)}, got {self.miss_policy!r}")
         if not isinstance(self.pipelined_loading, bool):
             raise ConfigError(f"pipelined_loading must be True or False, got {self.pipelined_loading!r}")
-        if not isinstance(self.blend, BlendConfig):
-            raise ConfigError(f"blend must be a BlendConfig, got {type(self.blend).__name__}")
         if self.store_hmac_key is not None and (
             not isinstance(self.store_hmac_key, (bytes, str)) or len(self.store_hmac_key) < 16
         ):
             raise ConfigError("store_hmac_key must be None or a secret of at least 16 bytes (str or bytes)")
+        self._check_codecs()
+
+    def _check_codecs(self) -> None:
+        from .store.codec import CODECS
+
+        for name in ("kv_codec", "memory_codec"):
+            if getattr(self, name) not in CODECS:
+                raise ConfigError(f"{name} must be one of {sorted(CODECS)}, got {getattr(self, name)!r}")

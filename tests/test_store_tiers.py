@@ -78,7 +78,7 @@ def _tamper(data: bytes, old: bytes, new: bytes) -> bytes:
         (lambda d: b"\xff" * len(d), "garbled|truncated|unreadable"),
         (lambda d: _tamper(d, b'"float32"', b'"float16"'), "valid 'keys'"),  # mislabelled dtype
         (lambda d: _tamper(d, b'"2,2,4,8"', b'"2,2,8,4"'), "valid 'keys'"),  # mislabelled shape
-        (lambda d: _tamper(d, b'"version":"2"', b'"version":"9"'), "format version"),
+        (lambda d: _tamper(d, b'"version":"3"', b'"version":"9"'), "format version"),
     ],
     ids=["header-cut", "body-cut", "tail-cut", "bit-flip", "garbage", "dtype", "shape", "version"],
 )

@@ -73,6 +73,8 @@ class CacheBlendEngine:
                 redis_url=self.config.redis_url,
                 redis_bytes=self.config.redis_budget_bytes,
                 hmac_key=self.config.store_hmac_key,
+                kv_codec=self.config.kv_codec,
+                memory_codec=self.config.memory_codec,
             )
         )
         self.template = template or PromptTemplate()

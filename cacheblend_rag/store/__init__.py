@@ -2,6 +2,7 @@
 
 from .base import ChunkReader, ChunkStore, Hit, StoreStats
 from .chunk_kv import ChunkKV, chunk_key
+from .codec import CODECS, KVCodec, PayloadSpec, get_codec
 from .disk import DiskStore, check_disk_dir
 from .lazy import LazyChunkKV
 from .memory import MemoryStore
@@ -11,14 +12,17 @@ from .stats import TierStats
 from .tiered import TieredStore, build_store
 
 __all__ = [
+    "CODECS",
     "ChunkKV",
     "ChunkReader",
     "ChunkStore",
     "CorruptEntryError",
     "DiskStore",
     "Hit",
+    "KVCodec",
     "LazyChunkKV",
     "MemoryStore",
+    "PayloadSpec",
     "RedisStore",
     "StoreStats",
     "TierStats",
@@ -27,5 +31,6 @@ __all__ = [
     "check_disk_dir",
     "chunk_key",
     "deserialize_chunk",
+    "get_codec",
     "serialize_chunk",
 ]

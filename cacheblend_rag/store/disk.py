@@ -19,6 +19,7 @@ import time
 from ..errors import ConfigError
 from .base import Hit
 from .chunk_kv import ChunkKV
+from .codec import NATIVE, KVCodec, get_codec
 from .disk_files import import_diskcache, safe_bytes_disk
 from .disk_folder import claim_folder, write_marker
 from .disk_index import cache_settings, check_index, guarded_cache, open_error
@@ -82,6 +83,7 @@ class DiskStore:
     not writable, a damaged index), is a ConfigError at construction.
 
     With `hmac_key`, entries are signed when written and entries without a valid signature are refused (misses).
+    Entries are encoded with `codec` (`codec.py`); one written with another codec is a miss.
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class DiskStore:
         budget_bytes: int = 20 * 1024**3,
         *,
         hmac_key: bytes | None = None,
+        codec: str | KVCodec = NATIVE,
         name: str = "disk",
         timeout_s: float = _TIMEOUT_S,
     ) -> None:
@@ -103,6 +106,7 @@ class DiskStore:
         self.budget_bytes = budget_bytes
         self.hmac_key = hmac_key
         self.timeout_s = timeout_s
+        self.codec = get_codec(codec, "disk codec")
         self.stats = TierStats()
         self._lock = threading.Lock()
         self._cache = _open_cache(self.directory, budget_bytes, timeout_s)
@@ -169,7 +173,7 @@ class DiskStore:
                 return None
             if type(handle) is bytes:  # a small value kept inside SQLite: already in memory
                 data = memoryview(handle)
-                layout = parse_layout(data, key, len(data), hmac_key=self.hmac_key)
+                layout = parse_layout(data, key, len(data), codec=self.codec, hmac_key=self.hmac_key)
                 reader, close = (lambda ranges: [data[a:b] for a, b in ranges]), None
             else:
                 fd = handle.fileno()
@@ -178,7 +182,7 @@ class DiskStore:
                     raise CorruptEntryError(f"entry {key[:12]} is {size} bytes, more than the tier's budget")
                 head = os.pread(fd, 8, 0)
                 head += os.pread(fd, header_length(head, key) - 8, 8)
-                layout = parse_layout(head, key, size, hmac_key=self.hmac_key)
+                layout = parse_layout(head, key, size, codec=self.codec, hmac_key=self.hmac_key)
                 reader, close = (lambda ranges: [os.pread(fd, b - a, a) for a, b in ranges]), handle.close
         except (CorruptEntryError, *self._backend_errors) as exc:
             if handle is not None and type(handle) is not bytes:
@@ -196,7 +200,7 @@ class DiskStore:
             self.stats.bytes_read += nbytes
 
     def put(self, kv: ChunkKV) -> None:
-        data = serialize_chunk(kv, hmac_key=self.hmac_key)
+        data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key)
         try:
             with self._bounded():
                 if len(data) > self.budget_bytes:

@@ -4,6 +4,9 @@
 loading pipeline then asks for layer 0, 1, ... while the fusor works on the layer before. Each layer is checked
 against its own sha256 before it is handed out, so damage found at layer 17 is still caught before layer 17 is
 used (the engine then drops the entry and redoes the request with the chunk recomputed).
+
+A layer is decoded (by the entry's codec) inside the same call that reads it, so on the loading pipeline's thread
+layer l+1 is fetched, checked and decoded while the fusor works on layer l; nothing decodes a whole entry up front.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class LazyChunkKV:
     store uses it to promote the chunk into faster tiers without a second read). Callbacks given to
     `when_corrupt` run when a layer fails its check (the owning tier drops the entry and counts it). Layers may be
     asked for in any order, each as often as wanted; a layer read twice is fetched once. Thread-safe.
+    `verify=False` skips the checksums (for bytes that never left the process); lengths are still checked.
     """
 
     def __init__(
@@ -36,11 +40,13 @@ class LazyChunkKV:
         read_ranges: RangeReader,
         *,
         close: Callable[[], None] | None = None,
+        verify: bool = True,
     ) -> None:
         self.layout = layout
         self.key = layout.key
         self._read_ranges = read_ranges
         self._close = close
+        self._verify = verify
         self._on_whole: list[Callable[[ChunkKV], None]] = []
         self._on_corrupt: list[Callable[[CorruptEntryError], None]] = []
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layout.num_layers
@@ -68,7 +74,8 @@ class LazyChunkKV:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.layout.layer_bytes * self.layout.num_layers
+        """Bytes of keys and values as stored (encoded by the entry's codec): what reading the chunk costs."""
+        return self.layout.layer_nbytes * self.layout.num_layers
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> raw keys, values of one layer, [Hkv, T, D] each, on the CPU. Raises CorruptEntryError."""
@@ -98,7 +105,8 @@ class LazyChunkKV:
                     if len(buffers) != len(ranges):
                         raise CorruptEntryError(f"entry {self.key[:12]}: {len(buffers)} reads for {len(ranges)} ranges")
                     decoded = [
-                        self.layout.decode_layer(i, buffers[2 * j], buffers[2 * j + 1]) for j, i in enumerate(missing)
+                        self.layout.decode_layer(i, buffers[2 * j], buffers[2 * j + 1], verify=self._verify)
+                        for j, i in enumerate(missing)
                     ]
                 except CorruptEntryError as exc:
                     self.close()
@@ -107,7 +115,7 @@ class LazyChunkKV:
                     raise
                 for i, kv in zip(missing, decoded, strict=True):
                     self._layers[i] = kv
-                self.bytes_read += 2 * self.layout.layer_bytes * len(missing)
+                self.bytes_read += self.layout.layer_nbytes * len(missing)
                 self._missing -= len(missing)
             complete = bool(missing) and self._missing == 0
             out = [self._layers[i] for i in wanted]

@@ -1,4 +1,4 @@
-"""In-process chunk store: an LRU dictionary bounded by bytes."""
+"""In-process chunk store: an LRU dictionary bounded by bytes, keeping each entry as is or encoded by a codec."""
 
 from __future__ import annotations
 
@@ -6,24 +6,44 @@ import threading
 from collections import OrderedDict
 
 from ..errors import ConfigError
-from .base import Hit, StoreStats
+from .base import ChunkReader, Hit, StoreStats
 from .chunk_kv import ChunkKV
+from .codec import NATIVE, KVCodec, get_codec
+from .lazy import LazyChunkKV
+from .serialize import EntryLayout, parse_layout, serialize_chunk
+
+
+class _Encoded:
+    """One chunk kept as the bytes `serialize_chunk` made with the tier's codec, and their parsed layout."""
+
+    def __init__(self, kv: ChunkKV, codec: KVCodec) -> None:
+        self.data = serialize_chunk(kv, codec=codec)
+        self.layout: EntryLayout = parse_layout(self.data, kv.key, len(self.data), codec=codec)
+        self.nbytes = len(self.data)
+
+    def reader(self) -> LazyChunkKV:
+        """Decodes layer by layer on demand, like a disk hit; bytes that never left the process are not re-hashed."""
+        view = memoryview(self.data)
+        return LazyChunkKV(self.layout, lambda ranges: [view[a:b] for a, b in ranges], verify=False)
 
 
 class MemoryStore:
     """Keeps chunk KV in process memory, evicting the least recently used entries beyond `budget_bytes`.
 
-    An entry larger than the whole budget is not kept (storing it would evict everything and then itself).
-    Safe to share between threads.
+    With the `native` codec (the default) entries are the `ChunkKV` tensors themselves. With another codec
+    (`codec.py`) they are kept encoded, so the budget holds more chunks, and a hit is decoded layer by layer as the
+    loading pipeline asks for it (`get` decodes all of it). An entry larger than the whole budget is not kept
+    (storing it would evict everything and then itself). Safe to share between threads.
     """
 
-    def __init__(self, budget_bytes: int = 2 * 1024**3, *, name: str = "memory") -> None:
+    def __init__(self, budget_bytes: int = 2 * 1024**3, *, codec: str | KVCodec = NATIVE, name: str = "memory") -> None:
         if budget_bytes < 0:
             raise ConfigError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.name = name
         self.budget_bytes = budget_bytes
+        self.codec = get_codec(codec, "memory codec")
         self.stats = StoreStats()
-        self._entries: OrderedDict[str, ChunkKV] = OrderedDict()
+        self._entries: OrderedDict[str, ChunkKV | _Encoded] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -32,30 +52,32 @@ class MemoryStore:
         return self._bytes
 
     def get(self, key: str) -> ChunkKV | None:
+        hit = self.open(key)
+        return None if hit is None else hit.kv.materialize()
+
+    def open(self, key: str) -> Hit | None:
+        """The entry: whole if kept as is, else read (decoded) layer by layer as it is asked for."""
         with self._lock:
-            kv = self._entries.get(key)
-            if kv is None:
+            entry = self._entries.get(key)
+            if entry is None:
                 self.stats.misses += 1
                 return None
             self._entries.move_to_end(key)
             self.stats.hits += 1
-            self.stats.bytes_read += kv.nbytes
-            return kv
-
-    def open(self, key: str) -> Hit | None:
-        """Like `get`: an entry in memory is already whole."""
-        kv = self.get(key)
-        return None if kv is None else Hit(kv, self.name)
+            self.stats.bytes_read += entry.nbytes
+        kv: ChunkReader = entry if isinstance(entry, ChunkKV) else entry.reader()
+        return Hit(kv, self.name)
 
     def put(self, kv: ChunkKV) -> None:
+        entry = kv if self.codec is NATIVE else _Encoded(kv, self.codec)  # encoded outside the lock
         with self._lock:
             old = self._entries.pop(kv.key, None)
             if old is not None:
                 self._bytes -= old.nbytes
-            if kv.nbytes > self.budget_bytes:
+            if entry.nbytes > self.budget_bytes:
                 return
-            self._entries[kv.key] = kv
-            self._bytes += kv.nbytes
+            self._entries[kv.key] = entry
+            self._bytes += entry.nbytes
             self.stats.puts += 1
             while self._bytes > self.budget_bytes:
                 _, evicted = self._entries.popitem(last=False)

@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from . import redis_scripts
 from .base import Hit
 from .chunk_kv import ChunkKV
+from .codec import NATIVE, KVCodec, get_codec
 from .lazy import LazyChunkKV
 from .serialize import CorruptEntryError, deserialize_chunk, header_length, parse_layout, serialize_chunk
 from .stats import TierStats, UnreadHits
@@ -65,7 +66,8 @@ class RedisStore:
     any of its nodes; it defaults to 16 shards there, 1 on a single server. Unreachable Redis: each call is a
     miss or a dropped put, the outage is logged once, and the server is not asked again for `backoff_s` seconds,
     so requests do not queue on timeouts. A corrupt entry (or, with `hmac_key`, an unsigned one) is deleted,
-    logged and counted as a miss. Safe to share between threads.
+    logged and counted as a miss. Entries are encoded with `codec` (`codec.py`); one written with another codec is
+    a miss. Safe to share between threads.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class RedisStore:
         cluster: bool | None = None,
         shards: int | None = None,
         hmac_key: bytes | None = None,
+        codec: str | KVCodec = NATIVE,
         name: str = "redis",
         backoff_s: float = 5.0,
         connect_timeout_s: float = 0.5,
@@ -103,6 +106,7 @@ class RedisStore:
         self.cluster = cluster
         self.shards = shards
         self.hmac_key = hmac_key
+        self.codec = get_codec(codec, "redis codec")
         self.backoff_s = backoff_s
         self.stats = TierStats()
         self._unread = UnreadHits()
@@ -216,7 +220,7 @@ class RedisStore:
                 self.stats.misses += 1
             return None
         try:
-            kv = deserialize_chunk(data, key, hmac_key=self.hmac_key)
+            kv = deserialize_chunk(data, key, codec=self.codec, hmac_key=self.hmac_key)
         except CorruptEntryError as exc:
             self._drop_corrupt(key, exc)
             return None
@@ -251,7 +255,7 @@ class RedisStore:
                         self.stats.misses += 1
                     return None  # the failure is logged and counted by _call
                 head += more
-            layout = parse_layout(head, key, total, hmac_key=self.hmac_key)
+            layout = parse_layout(head, key, total, codec=self.codec, hmac_key=self.hmac_key)
         except CorruptEntryError as exc:
             self._drop_corrupt(key, exc)
             return None
@@ -286,7 +290,7 @@ class RedisStore:
     def put(self, kv: ChunkKV) -> None:
         if not self.available:
             return  # skip serializing for a server we are not going to ask
-        data = serialize_chunk(kv, hmac_key=self.hmac_key)
+        data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key)
         budget = self.budget_bytes // self.shards
         if len(data) > budget:
             # Storing it would evict everything else and then itself; drop any older copy instead.

@@ -1,15 +1,19 @@
-"""Chunk KV to bytes and back, for the tiers that live outside the process (disk, Redis).
+"""Chunk KV to bytes and back, for the tiers that keep it encoded (disk, Redis, and memory with a codec).
 
-The bytes are a safetensors file (two tensors, `keys` and `values`, each [L, Hkv, T, D]) whose header metadata
-records a format version, the chunk key, the dtype, the shape and one sha256 per layer (of that layer's key bytes
-then value bytes). Because each tensor is contiguous by layer, layer l is two known byte ranges: a reader can
-fetch and check one layer at a time (`EntryLayout`, used by the pipelined loader) or the whole entry at once
-(`deserialize_chunk`). Either way a truncated, garbled, foreign or mislabelled entry raises `CorruptEntryError`
-instead of becoming a wrong answer. Nothing here unpickles: safetensors only ever builds plain tensors.
+The bytes are a safetensors file of two tensors, `keys` and `values`: each layer's K and V as its codec encoded
+them (`codec.py`), stacked by layer ([L, Hkv, T, D] in the compute dtype for the `native` codec, [L, bytes] of
+uint8 for the quantized ones). The header metadata records a format version, the chunk key, the codec, the
+compute dtype, the shape and one sha256 per layer (of that layer's encoded key bytes then value bytes). Because
+each tensor is contiguous by layer, layer l is two known byte ranges: a reader can fetch, check and decode one
+layer at a time (`EntryLayout`, used by the pipelined loader) or the whole entry at once (`deserialize_chunk`).
+Either way a truncated, garbled, foreign or mislabelled entry, or one written with another codec or by an older
+format, raises `CorruptEntryError` (the tier counts a miss) instead of becoming a wrong answer. Nothing here
+unpickles: safetensors only ever builds plain tensors.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -19,21 +23,23 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from ..errors import CacheBlendError
 from .chunk_kv import ChunkKV
+from .codec import NATIVE, KVCodec, PayloadSpec
 
 FORMAT_NAME = "cacheblend-rag/chunk-kv"
-FORMAT_VERSION = "2"  # 2: per-layer checksums (1 had one checksum over all data; such entries are recomputed)
+# 3: the codec in the header, checksums over the encoded bytes. Older entries are misses and get recomputed
+# (2 stored the compute dtype with per-layer checksums; 1 had one checksum over all data).
+FORMAT_VERSION = "3"
 
 # safetensors layout: an 8-byte little-endian header length, the JSON header, then the raw tensor data.
 _HEADER_LEN = struct.Struct("<Q")
 HEADER_LEN_BYTES = _HEADER_LEN.size
 # A header for two tensors and our metadata is a few KB (one 64-char digest per layer); far larger is garbage.
 _MAX_HEADER_BYTES = 256 * 1024
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8"}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,22 +77,27 @@ def _signature(meta: dict[str, str], hmac_key: bytes) -> str:
     return hmac.new(hmac_key, body, hashlib.sha256).hexdigest()
 
 
-def serialize_chunk(kv: ChunkKV, *, fingerprint: str | None = None, hmac_key: bytes | None = None) -> bytes:
-    """Encode a chunk's KV as safetensors bytes with a self-describing header and one checksum per layer.
+def serialize_chunk(
+    kv: ChunkKV, *, codec: KVCodec = NATIVE, fingerprint: str | None = None, hmac_key: bytes | None = None
+) -> bytes:
+    """Encode a chunk's KV layer by layer with `codec` as safetensors bytes, with a self-describing header and one
+    checksum per layer (of the encoded bytes).
 
     `fingerprint` (the model's) is recorded for inspection only: the key already hashes it. With `hmac_key` the
     header is signed, so a reader holding the key can tell entries written by someone without it.
     """
-    # keys/values: [L, Hkv, T, D]; safetensors needs CPU, contiguous memory (no-ops when already so).
-    keys = kv.keys.detach().to("cpu").contiguous()
-    values = kv.values.detach().to("cpu").contiguous()
+    # keys/values: [L, Hkv, T, D] -> payloads [L, *payload shape]; safetensors needs CPU, contiguous memory.
+    encoded = [codec.encode(*kv.layer(i)) for i in range(kv.num_layers)]
+    keys = torch.stack([k for k, _ in encoded]).detach().to("cpu").contiguous()
+    values = torch.stack([v for _, v in encoded]).detach().to("cpu").contiguous()
     digests = [layer_digest(_tensor_bytes(keys[i]), _tensor_bytes(values[i])) for i in range(keys.shape[0])]
     metadata = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "key": kv.key,
-        "dtype": _dtype_str(keys.dtype),
-        "shape": _shape_str(keys.shape),
+        "codec": codec.name,
+        "dtype": _dtype_str(kv.dtype),
+        "shape": _shape_str(kv.shape),
         "layer_sha256": ",".join(digests),
     }
     if fingerprint is not None:
@@ -108,14 +119,15 @@ def header_length(head: bytes | memoryview, key: str) -> int:
 
 @dataclass(frozen=True)
 class EntryLayout:
-    """Where each layer of a stored entry lies, and the checksum it must have. Offsets are from the entry start."""
+    """Where each layer of a stored entry lies, the checksum it must have and how to decode it. Offsets are from
+    the entry start."""
 
     key: str
-    dtype: torch.dtype
+    codec: KVCodec
+    dtype: torch.dtype  # the compute dtype the layers decode to
     shape: tuple[int, int, int, int]  # [L, Hkv, T, D]
     keys_start: int
     values_start: int
-    layer_bytes: int  # bytes of one layer of keys (the same for values)
     layer_sha256: tuple[str, ...]
     total_bytes: int  # the whole entry: header and data
 
@@ -123,40 +135,64 @@ class EntryLayout:
     def num_layers(self) -> int:
         return self.shape[0]
 
+    @functools.cached_property
+    def payload(self) -> PayloadSpec:
+        """The dtype and shapes of one layer's encoded keys and values."""
+        return self.codec.payload_spec(self.shape[1:], self.dtype)
+
+    @property
+    def layer_nbytes(self) -> int:
+        """Stored bytes of one layer: encoded keys and values together."""
+        return sum(self.payload.nbytes())
+
     def layer_ranges(self, layer_idx: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """[start, end) of layer `layer_idx`'s keys and of its values."""
+        """[start, end) of layer `layer_idx`'s encoded keys and of its encoded values."""
         if not 0 <= layer_idx < self.num_layers:
             raise IndexError(f"layer {layer_idx} out of range for an entry of {self.num_layers} layers")
-        k = self.keys_start + layer_idx * self.layer_bytes
-        v = self.values_start + layer_idx * self.layer_bytes
-        return (k, k + self.layer_bytes), (v, v + self.layer_bytes)
+        key_bytes, value_bytes = self.payload.nbytes()
+        k = self.keys_start + layer_idx * key_bytes
+        v = self.values_start + layer_idx * value_bytes
+        return (k, k + key_bytes), (v, v + value_bytes)
 
     def decode_layer(
-        self, layer_idx: int, key_bytes: bytes | memoryview, value_bytes: bytes | memoryview
+        self, layer_idx: int, key_bytes: bytes | memoryview, value_bytes: bytes | memoryview, *, verify: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Check one layer's bytes against its checksum and turn them into tensors: -> k, v [Hkv, T, D]."""
-        if len(key_bytes) != self.layer_bytes or len(value_bytes) != self.layer_bytes:
+        """Check one layer's bytes (length, and with `verify` its checksum) and decode them: -> k, v [Hkv, T, D]."""
+        spec = self.payload
+        want_k, want_v = spec.nbytes()
+        if len(key_bytes) != want_k or len(value_bytes) != want_v:
             raise CorruptEntryError(
                 f"entry {self.key[:12]}: layer {layer_idx} read {len(key_bytes)}+{len(value_bytes)} bytes, "
-                f"expected {self.layer_bytes} each: truncated, or evicted while being read"
+                f"expected {want_k}+{want_v}: truncated, or evicted while being read"
             )
-        if layer_digest(key_bytes, value_bytes) != self.layer_sha256[layer_idx]:
+        if verify and layer_digest(key_bytes, value_bytes) != self.layer_sha256[layer_idx]:
             raise CorruptEntryError(f"entry {self.key[:12]}: layer {layer_idx} fails its sha256 check")
-        return _from_bytes(key_bytes, self.dtype, self.shape[1:]), _from_bytes(value_bytes, self.dtype, self.shape[1:])
+        key_payload = _from_bytes(key_bytes, spec.dtype, spec.key_shape)
+        value_payload = _from_bytes(value_bytes, spec.dtype, spec.value_shape)
+        return self.codec.decode(key_payload, value_payload, self.shape[1:], self.dtype)
 
 
 def _from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    # A fresh, aligned tensor (a copy): the codec may view parts of it as wider dtypes.
     out = torch.empty(tuple(shape), dtype=dtype)
     out.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
     return out
 
 
-def parse_layout(head: bytes | memoryview, key: str, total_bytes: int, *, hmac_key: bytes | None = None) -> EntryLayout:
+def parse_layout(
+    head: bytes | memoryview,
+    key: str,
+    total_bytes: int,
+    *,
+    codec: KVCodec = NATIVE,
+    hmac_key: bytes | None = None,
+) -> EntryLayout:
     """Read the layout of an entry of `total_bytes` from its first bytes (at least `header_length` of them).
 
-    Checks everything the header alone can tell: format, version, key, dtype, shape, that both tensors'
-    offsets match that shape, that the entry is as long as the header says and, with `hmac_key`, the
-    header's signature. Any malformed header (bad JSON, nesting too deep, wrong types) is a CorruptEntryError.
+    Checks everything the header alone can tell: format, version, key, that the entry was written with `codec`
+    (the reader's), dtype, shape, that both tensors' offsets match what the codec makes of that shape, that the
+    entry is as long as the header says and, with `hmac_key`, the header's signature. Any malformed header (bad
+    JSON, nesting too deep, wrong types) is a CorruptEntryError.
     """
     n = header_length(head, key)
     if len(head) < n or total_bytes < n:
@@ -166,13 +202,15 @@ def parse_layout(head: bytes | memoryview, key: str, total_bytes: int, *, hmac_k
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested too deep
         raise CorruptEntryError(f"entry {key[:12]} has an unreadable header: {type(exc).__name__}") from exc
     try:
-        layout = _layout_from_header(header, key, n, total_bytes, hmac_key)
+        layout = _layout_from_header(header, key, n, total_bytes, codec, hmac_key)
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
         raise CorruptEntryError(f"entry {key[:12]} has a malformed header ({type(exc).__name__}: {exc})") from exc
     return layout
 
 
-def _layout_from_header(header: object, key: str, n: int, total_bytes: int, hmac_key: bytes | None) -> EntryLayout:
+def _layout_from_header(
+    header: object, key: str, n: int, total_bytes: int, codec: KVCodec, hmac_key: bytes | None
+) -> EntryLayout:
     if not isinstance(header, dict):
         raise CorruptEntryError(f"entry {key[:12]} has a header that is not a JSON object")
     meta = header.get("__metadata__")
@@ -189,6 +227,10 @@ def _layout_from_header(header: object, key: str, n: int, total_bytes: int, hmac
         signature = meta.get("hmac")
         if not isinstance(signature, str) or not hmac.compare_digest(signature, _signature(meta, hmac_key)):
             raise CorruptEntryError(f"entry {key[:12]} is not signed with this engine's HMAC key: refused")
+    if meta.get("codec") != codec.name:
+        raise CorruptEntryError(
+            f"entry {key[:12]} was written with codec {str(meta.get('codec'))[:20]!r}, this tier reads {codec.name!r}"
+        )
     dtype = _DTYPES.get(str(meta.get("dtype")))
     try:
         shape = tuple(int(s) for s in str(meta.get("shape")).split(","))
@@ -200,17 +242,21 @@ def _layout_from_header(header: object, key: str, n: int, total_bytes: int, hmac
             f"entry {key[:12]} has an inconsistent header: dtype {str(meta.get('dtype'))[:20]!r}, "
             f"shape {str(meta.get('shape'))[:40]!r}, {len(digests)} layer checksums"
         )
-    layer_bytes = shape[1] * shape[2] * shape[3] * torch.empty((), dtype=dtype).element_size()
+    if set(header) != {"__metadata__", "keys", "values"}:
+        raise CorruptEntryError(f"entry {key[:12]} must hold exactly 'keys' and 'values', got {sorted(header)[:8]}")
+    spec = codec.payload_spec(shape[1:], dtype)  # type: ignore[arg-type]
     starts, ends = {}, []
-    for name in ("keys", "values"):
+    for name, payload_shape, layer_bytes in zip(
+        ("keys", "values"), (spec.key_shape, spec.value_shape), spec.nbytes(), strict=True
+    ):
         info = header.get(name)
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
             or any(type(o) is not int or o < 0 for o in offsets)
-            or info.get("dtype") != _ST_DTYPES[_dtype_str(dtype)]
-            or info.get("shape") != list(shape)
+            or info.get("dtype") != _ST_DTYPES[spec.dtype]
+            or info.get("shape") != [shape[0], *payload_shape]
             or offsets[1] - offsets[0] != layer_bytes * shape[0]
         ):
             raise CorruptEntryError(f"entry {key[:12]} lacks a valid '{name}' tensor (header entry {str(info)[:200]})")
@@ -220,32 +266,25 @@ def _layout_from_header(header: object, key: str, n: int, total_bytes: int, hmac
         raise CorruptEntryError(
             f"entry {key[:12]} holds {total_bytes} bytes, its header describes {max(ends)}: truncated"
         )
-    return EntryLayout(key, dtype, shape, starts["keys"], starts["values"], layer_bytes, digests, total_bytes)  # type: ignore[arg-type]
+    return EntryLayout(key, codec, dtype, shape, starts["keys"], starts["values"], digests, total_bytes)  # type: ignore[arg-type]
 
 
-def deserialize_chunk(data: bytes, key: str, *, hmac_key: bytes | None = None) -> ChunkKV:
-    """Decode bytes written by `serialize_chunk`, checking that they are whole and belong to `key`.
+def deserialize_chunk(data: bytes, key: str, *, codec: KVCodec = NATIVE, hmac_key: bytes | None = None) -> ChunkKV:
+    """Decode bytes written by `serialize_chunk` with `codec`, checking that they are whole and belong to `key`.
 
     Raises `CorruptEntryError` naming what is wrong; never returns a partly valid entry.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CorruptEntryError(f"entry {key[:12]} holds a {type(data).__name__}, not bytes")
-    layout = parse_layout(data, key, len(data), hmac_key=hmac_key)
-    # Checksum each layer straight from the buffer (memoryview slices, no copy) before building tensors:
-    # safetensors checks offsets and lengths but not the bytes themselves.
+    layout = parse_layout(data, key, len(data), codec=codec, hmac_key=hmac_key)
+    # Each layer is checked against its sha256 straight from the buffer (memoryview slices, no copy), then decoded:
+    # the layout checked offsets and lengths, the checksums check the bytes themselves.
     view = memoryview(data)
+    layers = []
     for i in range(layout.num_layers):
         (k0, k1), (v0, v1) = layout.layer_ranges(i)
-        if layer_digest(view[k0:k1], view[v0:v1]) != layout.layer_sha256[i]:
-            raise CorruptEntryError(f"entry {key[:12]}: layer {i} fails its sha256 check: the data was altered")
+        layers.append(layout.decode_layer(i, view[k0:k1], view[v0:v1]))
     try:
-        tensors = _st_load(data)
-    except Exception as exc:  # safetensors raises its own error types (and ValueError) for malformed files
-        raise CorruptEntryError(f"entry {key[:12]} is not a readable safetensors file: {exc}") from exc
-    keys, values = tensors.get("keys"), tensors.get("values")
-    if keys is None or values is None or len(tensors) != 2:
-        raise CorruptEntryError(f"entry {key[:12]} must hold exactly 'keys' and 'values', got {sorted(tensors)}")
-    try:
-        return ChunkKV(key, keys, values)  # [L, Hkv, T, D] each
-    except CacheBlendError as exc:
+        return ChunkKV(key, torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers]))  # [L, Hkv, T, D]
+    except (CacheBlendError, RuntimeError) as exc:
         raise CorruptEntryError(f"entry {key[:12]} does not describe a chunk: {exc}") from exc

@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ..errors import ConfigError
 from .base import ChunkReader, ChunkStore, Hit, StoreStats
 from .chunk_kv import ChunkKV
+from .codec import NATIVE, KVCodec
 from .memory import MemoryStore
 from .serialize import CorruptEntryError
 
@@ -212,23 +213,26 @@ def build_store(
     redis_namespace: str = "cacheblend-rag",
     write_back: bool = True,
     hmac_key: bytes | str | None = None,
+    kv_codec: str | KVCodec = NATIVE,
+    memory_codec: str | KVCodec = NATIVE,
 ) -> TieredStore:
     """Memory, then disk if `disk_dir` is given, then Redis if `redis_url` is given (`?cluster=1` for a cluster).
 
     Always a `TieredStore`, even of memory alone, so that callers read `hits_by_tier` the same way everywhere.
     `hmac_key` signs what the disk and Redis tiers write and refuses what they read unsigned or forged.
+    `kv_codec` is how the disk and Redis tiers encode chunk KV, `memory_codec` how the memory tier keeps it.
     """
     key = hmac_key.encode() if isinstance(hmac_key, str) else hmac_key
-    tiers: list[ChunkStore] = [MemoryStore(memory_bytes)]
+    tiers: list[ChunkStore] = [MemoryStore(memory_bytes, codec=memory_codec)]
     names = ["memory"]
     if disk_dir is not None:
         from .disk import DiskStore
 
-        tiers.append(DiskStore(disk_dir, disk_bytes, hmac_key=key))
+        tiers.append(DiskStore(disk_dir, disk_bytes, hmac_key=key, codec=kv_codec))
         names.append("disk")
     if redis_url is not None:
         from .redis_store import RedisStore
 
-        tiers.append(RedisStore(redis_url, redis_bytes, redis_namespace, hmac_key=key))
+        tiers.append(RedisStore(redis_url, redis_bytes, redis_namespace, hmac_key=key, codec=kv_codec))
         names.append("redis")
     return TieredStore(tiers, names, write_back=write_back)

@@ -1,0 +1,191 @@
+"""Codecs in the stored format and the tiers: the header names the codec, checksums cover the encoded bytes, an
+entry of another codec or of the previous format is a counted miss, layers decode one at a time (on the loading
+thread, never a whole entry up front), and the engine's config picks a codec per tier."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import save as st_save
+from test_store_tiers import make_kv, same
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.store.codec import CODECS, KVCodec, PayloadSpec
+from cacheblend_rag.store.disk import DiskStore
+from cacheblend_rag.store.lazy import LazyChunkKV
+from cacheblend_rag.store.memory import MemoryStore
+from cacheblend_rag.store.serialize import CorruptEntryError, deserialize_chunk, parse_layout, serialize_chunk
+from cacheblend_rag.store.tiered import TieredStore
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
+
+HMAC_KEY = b"a secret of sixteen bytes or more"
+
+
+def header(data: bytes) -> dict:
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + n])
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4"])
+def test_an_encoded_entry_names_its_codec_and_round_trips_through_bytes(name):
+    kv = make_kv("chunk-a", tokens=40)
+    data = serialize_chunk(kv, codec=CODECS[name], hmac_key=HMAC_KEY)
+    assert header(data)["__metadata__"]["codec"] == name
+    out = deserialize_chunk(data, "chunk-a", codec=CODECS[name], hmac_key=HMAC_KEY)
+    assert out.dtype == kv.dtype and out.shape == kv.shape
+    assert (out.keys - kv.keys).abs().max() < 0.3 and (out.values - kv.values).abs().max() < 0.3
+    assert len(data) < len(serialize_chunk(kv))
+
+
+def test_layers_of_an_encoded_entry_are_known_byte_ranges_checked_on_their_encoded_bytes():
+    kv = make_kv("chunk-a", tokens=40)
+    data = bytearray(serialize_chunk(kv, codec=CODECS["int8"]))
+    layout = parse_layout(bytes(data), "chunk-a", len(data), codec=CODECS["int8"])
+    whole = deserialize_chunk(bytes(data), "chunk-a", codec=CODECS["int8"])
+    for i in range(kv.num_layers):
+        (k0, k1), (v0, v1) = layout.layer_ranges(i)
+        assert (k1 - k0, v1 - v0) == CODECS["int8"].payload_spec((2, 40, 8), torch.float32).nbytes()
+        k, v = layout.decode_layer(i, data[k0:k1], data[v0:v1])
+        assert torch.equal(k, whole.keys[i]) and torch.equal(v, whole.values[i])
+    (_, _), (v0, _) = layout.layer_ranges(1)
+    data[v0] ^= 0x01  # one bit of layer 1's value scales
+    (k0, k1), (v0, v1) = layout.layer_ranges(1)
+    with pytest.raises(CorruptEntryError, match="layer 1 fails its sha256"):
+        layout.decode_layer(1, data[k0:k1], data[v0:v1])
+
+
+def test_an_entry_of_another_codec_is_a_counted_miss_in_the_disk_tier(tmp_path):
+    DiskStore(tmp_path, 10 * 1024**2, codec="int8").put(make_kv("chunk-a"))
+    with pytest.raises(CorruptEntryError, match="written with codec 'int8', this tier reads 'native'"):
+        deserialize_chunk(serialize_chunk(make_kv("chunk-a"), codec=CODECS["int8"]), "chunk-a")
+    native = DiskStore(tmp_path, 10 * 1024**2)
+    assert native.get("chunk-a") is None  # dropped: a miss, counted as such
+    assert native.stats.misses == 1 and native.stats.corrupt == 1 and native.stats.hits == 0
+    assert native.open("chunk-a") is None and "chunk-a" not in native
+    native.put(make_kv("chunk-a"))  # the miss is recomputed and stored again, in this tier's codec
+    assert same(native.get("chunk-a"), make_kv("chunk-a"))
+
+
+def previous_format_entry(kv) -> bytes:
+    """An entry exactly as the format before codecs wrote it: version 2, no codec, compute-dtype tensors."""
+    keys, values = kv.keys.contiguous(), kv.values.contiguous()
+    digests = []
+    for i in range(kv.num_layers):
+        h = hashlib.sha256()
+        h.update(keys[i].numpy().tobytes())
+        h.update(values[i].numpy().tobytes())
+        digests.append(h.hexdigest())
+    meta = {
+        "format": "cacheblend-rag/chunk-kv",
+        "version": "2",
+        "key": kv.key,
+        "dtype": "float32",
+        "shape": ",".join(str(s) for s in kv.shape),
+        "layer_sha256": ",".join(digests),
+    }
+    return st_save({"keys": keys, "values": values}, metadata=meta)
+
+
+def test_an_entry_in_the_previous_format_is_a_counted_miss(tmp_path):
+    diskcache = pytest.importorskip("diskcache")
+    kv = make_kv("chunk-a", tokens=1024)  # a file in the disk tier, read by range
+    store = DiskStore(tmp_path, 10 * 1024**2)
+    diskcache.Cache(str(tmp_path)).set("chunk-a", previous_format_entry(kv))  # written by the previous version
+    assert store.open("chunk-a") is None
+    assert store.stats.misses == 1 and store.stats.corrupt == 1 and "chunk-a" not in store
+    with pytest.raises(CorruptEntryError, match="format version '2'"):
+        deserialize_chunk(previous_format_entry(kv), "chunk-a")
+
+
+class CountingCodec:
+    """int8 that counts the layers it decodes (the public codec interface, wrapped)."""
+
+    name = "int8"
+
+    def __init__(self) -> None:
+        self.decoded = 0
+
+    def payload_spec(self, shape, dtype) -> PayloadSpec:
+        return CODECS["int8"].payload_spec(shape, dtype)
+
+    def encode(self, k, v):
+        return CODECS["int8"].encode(k, v)
+
+    def decode(self, key_payload, value_payload, shape, dtype):
+        self.decoded += 1
+        return CODECS["int8"].decode(key_payload, value_payload, shape, dtype)
+
+
+@pytest.mark.parametrize("tier", ["disk", "memory"])
+def test_an_encoded_hit_decodes_each_layer_when_it_is_read_and_not_before(tmp_path, tier):
+    codec = CountingCodec()
+    assert isinstance(codec, KVCodec)
+    store = DiskStore(tmp_path, 10 * 1024**2, codec=codec) if tier == "disk" else MemoryStore(codec=codec)
+    kv = make_kv("chunk-a", tokens=1024)
+    store.put(kv)
+    hit = store.open("chunk-a")
+    assert hit is not None and isinstance(hit.kv, LazyChunkKV) and codec.decoded == 0
+    k, _ = hit.kv.layer(1)
+    assert codec.decoded == 1 and (k - kv.keys[1]).abs().max() < 0.05
+    hit.kv.materialize()
+    assert codec.decoded == kv.num_layers
+
+
+def test_an_encoded_memory_tier_holds_more_chunks_in_the_same_budget():
+    budget = 4 * make_kv("x", tokens=64).nbytes
+    native, int8 = MemoryStore(budget), MemoryStore(budget, codec="int8")
+    for i in range(12):
+        native.put(make_kv(f"chunk-{i}", tokens=64, seed=i))
+        int8.put(make_kv(f"chunk-{i}", tokens=64, seed=i))
+    # [2, 2, 64, 8] fp32: int8 codes are a quarter, the header and the scales of 8-dim rows take some back
+    assert len(native) == 4 and len(int8) >= 8 and int8.nbytes <= budget
+    got = int8.get("chunk-11")
+    assert got is not None and (got.values - make_kv("c", tokens=64, seed=11).values).abs().max() < 0.05
+
+
+def test_a_disk_hit_is_promoted_into_memory_in_the_memory_tiers_codec(tmp_path):
+    memory, disk = MemoryStore(10 * 1024**2), DiskStore(tmp_path, 10 * 1024**2, codec="int4")
+    store = TieredStore([memory, disk], write_back=False)
+    kv = make_kv("chunk-a", tokens=64)
+    disk.put(kv)
+    store.open("chunk-a").kv.materialize()
+    promoted, tier = store.open("chunk-a")
+    assert tier == "memory" and not isinstance(promoted, LazyChunkKV)  # kept decoded: memory's codec is native
+    assert (promoted.keys - kv.keys).abs().max() < 0.5
+
+
+# ---------------------------------------------------------------- the engine's settings
+
+CHUNKS = [random_words(501, 40), random_words(502, 30), random_words(503, 50)]
+
+
+def test_config_names_the_codec_field_value_and_choices():
+    with pytest.raises(ConfigError, match=r"kv_codec must be one of \['bf16', 'fp16', 'int4', 'int8', 'native'\]"):
+        EngineConfig(kv_codec="int3")
+    with pytest.raises(ConfigError, match="memory_codec must be one of .* got 'zstd'"):
+        EngineConfig(memory_codec="zstd")
+    assert EngineConfig().kv_codec == "native" and EngineConfig().memory_codec == "native"
+
+
+def test_the_engine_stores_disk_entries_in_its_kv_codec_and_blends_from_them(tmp_path):
+    def ask(engine):
+        return engine.generate(CHUNKS, prefix=random_words(1, 4), suffix=random_words(2, 5), max_new_tokens=4)
+
+    engines = {}
+    for name in ("native", "int8"):
+        config = EngineConfig(chunk_separator="", memory_budget_bytes=0, disk_dir=str(tmp_path / name), kv_codec=name)
+        engines[name] = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=config)
+        ask(engines[name])
+        engines[name].store.flush()
+    disk = {name: engine.store.tiers[1] for name, engine in engines.items()}
+    assert disk["int8"].codec is CODECS["int8"] and disk["int8"].nbytes < disk["native"].nbytes
+    native, int8 = ask(engines["native"]), ask(engines["int8"])
+    assert int8.metrics.hits_by_tier["disk"] == native.metrics.hits_by_tier["disk"] >= 3
+    prompt = engines["native"].build_prompt(CHUNKS, prefix=random_words(1, 4), suffix=random_words(2, 5))
+    a = engines["native"].prefill(prompt, "reuse").logits
+    b = engines["int8"].prefill(prompt, "reuse").logits
+    assert not torch.equal(a, b) and torch.allclose(a, b, atol=0.05 * a.abs().max().item())
