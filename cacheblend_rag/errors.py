@@ -24,3 +24,10 @@ class ModelNotFoundError(CacheBlendError):
 
 class PromptError(CacheBlendError, ValueError):
     """The request itself is invalid: no chunks, an empty chunk, a prompt longer than the context."""
+
+
+class CorruptEntryError(CacheBlendError):
+    """Stored bytes are not a valid chunk KV entry for the key they were found under.
+
+    Stores catch it, drop the entry and report a miss: the chunk is then recomputed.
+    """

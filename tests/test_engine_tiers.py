@@ -98,7 +98,10 @@ STACKS = [
 
 @pytest.fixture(scope="module")
 def reference_tokens():
-    return ask(CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), store=MemoryStore())).token_ids
+    config = EngineConfig(miss_policy="blend", chunk_separator="")
+    return ask(
+        CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config, store=MemoryStore())
+    ).token_ids
 
 
 @pytest.fixture(scope="module")

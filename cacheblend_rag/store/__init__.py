@@ -1,5 +1,6 @@
 """Chunk KV caches and the stores that keep them: memory, local disk, Redis, and a tiered stack of them."""
 
+from ..errors import CorruptEntryError
 from .base import ChunkReader, ChunkStore, Hit, StoreStats
 from .chunk_kv import ChunkKV, chunk_key
 from .codec import CODECS, KVCodec, PayloadSpec, get_codec
@@ -7,7 +8,7 @@ from .disk import DiskStore, check_disk_dir
 from .lazy import LazyChunkKV
 from .memory import MemoryStore
 from .redis_store import RedisStore
-from .serialize import CorruptEntryError, deserialize_chunk, serialize_chunk
+from .serialize import deserialize_chunk, serialize_chunk
 from .stats import TierStats
 from .tiered import TieredStore, build_store
 

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from ..errors import CorruptEntryError
+
 if TYPE_CHECKING:
     from .chunk_kv import ChunkKV
-    from .serialize import CorruptEntryError
 
 
 @dataclass

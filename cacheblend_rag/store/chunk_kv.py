@@ -10,14 +10,10 @@ import hashlib
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import CacheBlendError
-
-if TYPE_CHECKING:
-    from .serialize import CorruptEntryError
+from ..errors import CacheBlendError, CorruptEntryError
 
 
 def chunk_key(fingerprint: str, dtype: torch.dtype | str, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:

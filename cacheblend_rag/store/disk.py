@@ -16,7 +16,7 @@ import sqlite3
 import threading
 import time
 
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptEntryError
 from .base import Hit
 from .chunk_kv import ChunkKV
 from .codec import NATIVE, KVCodec, get_codec
@@ -24,7 +24,7 @@ from .disk_files import import_diskcache, safe_bytes_disk
 from .disk_folder import claim_folder, write_marker
 from .disk_index import cache_settings, check_index, guarded_cache, open_error
 from .lazy import LazyChunkKV
-from .serialize import CorruptEntryError, header_length, parse_layout, serialize_chunk
+from .serialize import header_length, parse_layout, serialize_chunk
 from .stats import TierStats, UnreadHits
 
 logger = logging.getLogger(__name__)

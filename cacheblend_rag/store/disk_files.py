@@ -23,7 +23,7 @@ import stat
 import threading
 from typing import Any, BinaryIO
 
-from .serialize import CorruptEntryError
+from ..errors import CorruptEntryError
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..errors import CorruptEntryError
 from .chunk_kv import ChunkKV
-from .serialize import CorruptEntryError, EntryLayout
+from .serialize import EntryLayout
 
 # Reads the given [start, end) byte ranges of the entry; returns one buffer per range (shorter if the entry
 # is gone or cut, which `decode_layer` reports as a truncated entry).

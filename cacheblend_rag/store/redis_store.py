@@ -20,13 +20,13 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptEntryError
 from . import redis_scripts
 from .base import Hit
 from .chunk_kv import ChunkKV
 from .codec import NATIVE, KVCodec, get_codec
 from .lazy import LazyChunkKV
-from .serialize import CorruptEntryError, deserialize_chunk, header_length, parse_layout, serialize_chunk
+from .serialize import deserialize_chunk, header_length, parse_layout, serialize_chunk
 from .stats import TierStats, UnreadHits
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import save as _st_save
 
-from ..errors import CacheBlendError
+from ..errors import CacheBlendError, CorruptEntryError
 from .chunk_kv import ChunkKV
 from .codec import NATIVE, KVCodec, PayloadSpec
 
@@ -42,13 +42,6 @@ _MAX_HEADER_BYTES = 256 * 1024
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8"}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class CorruptEntryError(CacheBlendError):
-    """Stored bytes are not a valid chunk KV entry for the key they were found under.
-
-    Stores catch it, drop the entry and report a miss: the chunk is then recomputed.
-    """
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -14,12 +14,11 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptEntryError
 from .base import ChunkReader, ChunkStore, Hit, StoreStats
 from .chunk_kv import ChunkKV
 from .codec import NATIVE, KVCodec
 from .memory import MemoryStore
-from .serialize import CorruptEntryError
 
 logger = logging.getLogger(__name__)
 
