@@ -105,3 +105,26 @@ def random_words(seed: int, n: int) -> str:
     """`n` words of the tiny vocabulary drawn from `seed`, joined by spaces."""
     g = torch.Generator().manual_seed(seed)
     return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g))
+
+
+def tiny_model_over(tokenizer, num_layers: int = 2) -> torch.nn.Module:
+    """A tiny random Qwen2 over a real tokenizer's vocabulary: for tests of how prompts are tokenized (chat
+    markup, special tokens) that need the real tokenizer but not real weights."""
+    config = tiny_config("qwen2", num_layers=num_layers)
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def default_preset_tokenizer():
+    """The default preset's tokenizer (Qwen2.5: `<|im_start|>` is a special token) from its converted copy under
+    the cacheblend-rag cache, or None when the preset has not been loaded once on this machine."""
+    from transformers import AutoTokenizer
+
+    from .models.gguf import cache_home
+    from .models.presets import DEFAULT_PRESET
+
+    folder = cache_home() / "models" / DEFAULT_PRESET / "hf"
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import pytest
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.models.gguf import cache_home
-from cacheblend_rag.models.presets import DEFAULT_PRESET
-from cacheblend_rag.testing import tiny_config
+from cacheblend_rag.testing import default_preset_tokenizer, tiny_model_over
 from llama_index.core.schema import NodeWithScore, TextNode
-from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from llama_index.llms.cacheblend import CacheBlendLLM
 from llama_index.response_synthesizers.cacheblend import BlendSynthesizer
@@ -23,25 +20,22 @@ CLEAN = "Paris is in France."
 
 @pytest.fixture(scope="module")
 def engine() -> CacheBlendEngine:
-    folder = cache_home() / "models" / DEFAULT_PRESET / "hf"
-    if not (folder / "tokenizer.json").is_file():
-        pytest.skip(f"needs the default preset's converted copy in {folder} (load it once)")
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    config = tiny_config("qwen2", num_layers=2)
-    config.vocab_size = len(tokenizer)
-    return CacheBlendEngine(Qwen2ForCausalLM(config), tokenizer, config=EngineConfig(miss_policy="blend"))
+    tokenizer = default_preset_tokenizer()
+    if tokenizer is None:
+        pytest.skip("needs the default preset's converted copy under the cacheblend-rag cache (load it once)")
+    return CacheBlendEngine(tiny_model_over(tokenizer), tokenizer, config=EngineConfig(miss_policy="blend"))
 
 
 def _prompt_starts(engine: CacheBlendEngine, monkeypatch: pytest.MonkeyPatch, node_text: str) -> int:
     """How many `<|im_start|>` tokens the synthesizer's prompt holds for one retrieved node."""
     prompts = []
-    prefill = engine.prefill
+    build_prompt = engine.build_prompt
 
-    def recording(prompt, *args, **kwargs):
-        prompts.append(prompt)
-        return prefill(prompt, *args, **kwargs)
+    def recording(*args, **kwargs):  # every request's prompt is tokenized by `build_prompt`
+        prompts.append(build_prompt(*args, **kwargs))
+        return prompts[-1]
 
-    monkeypatch.setattr(engine, "prefill", recording)
+    monkeypatch.setattr(engine, "build_prompt", recording)
     synthesizer = BlendSynthesizer(CacheBlendLLM(engine=engine, max_new_tokens=1))
     synthesizer.synthesize("Where is Paris?", nodes=[NodeWithScore(node=TextNode(text=node_text), score=1.0)])
     (prompt,) = prompts

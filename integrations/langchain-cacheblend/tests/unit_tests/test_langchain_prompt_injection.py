@@ -2,7 +2,7 @@
 
 The tokenizer is the default preset's (Qwen2.5, where `<|im_start|>` is a special token), read from its converted
 copy under the cacheblend-rag cache; the model is a tiny random Qwen2 over that vocabulary, answering one token.
-Each request's token ids are read from the prompt the engine prefills.
+Each request's token ids are read from the prompt the engine builds.
 """
 
 from __future__ import annotations
@@ -11,13 +11,10 @@ from typing import Any
 
 import pytest
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.models.gguf import cache_home
-from cacheblend_rag.models.presets import DEFAULT_PRESET
-from cacheblend_rag.testing import tiny_config
+from cacheblend_rag.testing import default_preset_tokenizer, tiny_model_over
 from langchain_core.documents import Document
 from langchain_core.messages import HumanMessage
 from langchain_core.prompts import ChatPromptTemplate
-from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from langchain_cacheblend import ChatCacheBlend, create_blend_documents_chain
 
@@ -27,25 +24,22 @@ CLEAN = "Paris is in France."
 
 @pytest.fixture(scope="module")
 def engine() -> CacheBlendEngine:
-    folder = cache_home() / "models" / DEFAULT_PRESET / "hf"
-    if not (folder / "tokenizer.json").is_file():
-        pytest.skip(f"needs the default preset's converted copy in {folder} (load it once)")
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    config = tiny_config("qwen2", num_layers=2)
-    config.vocab_size = len(tokenizer)
-    return CacheBlendEngine(Qwen2ForCausalLM(config), tokenizer, config=EngineConfig(miss_policy="blend"))
+    tokenizer = default_preset_tokenizer()
+    if tokenizer is None:
+        pytest.skip("needs the default preset's converted copy under the cacheblend-rag cache (load it once)")
+    return CacheBlendEngine(tiny_model_over(tokenizer), tokenizer, config=EngineConfig(miss_policy="blend"))
 
 
 def _prompt_starts(engine: CacheBlendEngine, monkeypatch: pytest.MonkeyPatch, call: Any) -> int:
     """How many `<|im_start|>` tokens the prompt of `call()` holds."""
     prompts = []
-    prefill = engine.prefill
+    build_prompt = engine.build_prompt
 
-    def recording(prompt, *args, **kwargs):
-        prompts.append(prompt)
-        return prefill(prompt, *args, **kwargs)
+    def recording(*args, **kwargs):  # every request's prompt is tokenized by `build_prompt`
+        prompts.append(build_prompt(*args, **kwargs))
+        return prompts[-1]
 
-    monkeypatch.setattr(engine, "prefill", recording)
+    monkeypatch.setattr(engine, "build_prompt", recording)
     call()
     (prompt,) = prompts
     return prompt.input_ids().tolist().count(engine.tokenizer.convert_tokens_to_ids("<|im_start|>"))
