@@ -2,7 +2,7 @@
 
 Reads fidelity records (`benchmarks/fidelity.py`, whose blend records carry the "attention" rule's risk signals,
 `cacheblend_rag.engine.guard.first_token_signals`) with `reuse`, the base blend (e.g. `attention@0.15`) and a
-larger one (e.g. `attention@0.5`) on the same cases. It prints, per data set and pooled:
+larger one (e.g. `attention@0.50`) on the same cases. It prints, per data set and pooled:
 - each signal's Spearman correlation with KL(full || blend), its ROC AUC for "blend's first token differs from
   full's" and for "blend is further from full than reuse" (higher signal = more risk);
 - the guard replayed offline: a case whose signal crosses a threshold takes the larger blend's record, the others
@@ -96,7 +96,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--records", type=Path, default=Path(__file__).parent / "results" / "guard" / "fidelity.jsonl")
     p.add_argument("--base", default="attention@0.15", help="the blend the guard starts from (default: %(default)s)")
-    p.add_argument("--high", default="attention@0.5", help="the blend it escalates to (default: %(default)s)")
+    p.add_argument("--high", default="attention@0.50", help="the blend it escalates to (default: %(default)s)")
     args = p.parse_args()
     by_set = load_cases(args.records, args.base, args.high)
     if not by_set:
