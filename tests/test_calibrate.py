@@ -169,3 +169,98 @@ def test_the_held_back_check_chooses_on_the_first_questions_and_measures_on_the_
     assert check.held_back.setting == check.choice.estimate.setting and check.met
     with pytest.raises(ConfigError, match="held-back check needs questions on both sides"):
         hand_profile().subset(0, 1).held_back_check()
+
+
+# -- the command line ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    """A tiny random-weight Llama and its word-level tokenizer, saved as a local checkpoint."""
+    folder = tmp_path / "tiny-model"
+    make_tiny_model("llama").save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def engines_built(monkeypatch):
+    """The keyword arguments (config, controller) of every engine the command line builds."""
+    built = []
+    original = CacheBlendEngine.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        built.append(kwargs)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(spy))
+    return built
+
+
+def test_calibrate_writes_a_profile_that_ask_applies_with_the_loading_profile_as_floor(
+    tmp_path, capsys, tiny_model_dir, engines_built
+):
+    from cacheblend_rag.cli import main
+    from cacheblend_rag.controller import ComputePoint, LoadingProfile, TierSpeed
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"d{i}.txt").write_text(random_words(10 + i, 40))
+    (tmp_path / "questions.txt").write_text("\n".join(random_words(20 + i, 5) for i in range(3)) + "\n\n")
+    out = tmp_path / "fidelity.json"
+    model = ["--model", str(tiny_model_dir), "--chunk-tokens", "16", "--top-k", "2"]
+    argv = ["calibrate", "--out", str(out), "--docs", str(docs), "--questions", str(tmp_path / "questions.txt")]
+    assert main([*argv, *model, "--max-new-tokens", "3", "--thresholds", "0", "0.1", "inf"]) == 0
+    printed = capsys.readouterr().out
+    profile = FidelityProfile.load(out)
+    assert len(profile.questions) == 3 and "over" in profile.source
+    for name in ("r=0.05", "full (r=1)", "guard max_kl=inf (r=0.15)", "chosen: ", "held back: ", "s per question"):
+        assert name in printed
+    choice = profile.choose(target_first_token=0.9)
+    assert f"chosen: {choice.estimate.setting.name}" in printed
+
+    # ask: the choice sets the engine's ratio and guard; with a loading profile it is the controller's floor
+    loading = LoadingProfile(
+        profile.model, "float32", "cpu", (ComputePoint(64, 0.01, 0.02),), {"memory": TierSpeed(1e9)}
+    )
+    loading.save(tmp_path / "loading.json")
+    ask = ["ask", "--docs", str(docs), *model, "--max-new-tokens", "2", "--fidelity-profile", str(out)]
+    ask += ["--target-first-token", "0.9", "--profile", str(tmp_path / "loading.json"), random_words(20, 5)]
+    assert main(ask) == 0
+    config, controller = engines_built[-1]["config"], engines_built[-1]["controller"]
+    assert config.blend.recompute_ratio == choice.blend.recompute_ratio and config.guard == choice.guard
+    assert controller.min_ratio == choice.min_ratio
+
+    # a hand-made profile for this model whose cheapest exact setting is a guard
+    hand_profile(model=profile.model).save(tmp_path / "hand.json")
+    ask[ask.index(str(out))] = str(tmp_path / "hand.json")
+    ask[ask.index("0.9")] = "1.0"
+    assert main(ask) == 0
+    assert engines_built[-1]["config"].guard == Guard(max_kl=0.1, ratios=LADDER)
+    assert engines_built[-1]["controller"].min_ratio == 0.15
+
+
+def test_ask_refuses_a_fidelity_profile_of_another_model_or_with_a_pinned_ratio(tmp_path, capsys, tiny_model_dir):
+    from cacheblend_rag.cli import main
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text(random_words(1, 30))
+    hand_profile().save(tmp_path / "hand.json")
+    ask = ["ask", "--docs", str(tmp_path / "docs"), "--model", str(tiny_model_dir), "--chunk-tokens", "16"]
+    ask += ["--max-new-tokens", "1", "--fidelity-profile", str(tmp_path / "hand.json"), random_words(2, 3)]
+    assert main(ask) == 2
+    assert "run `cacheblend-rag calibrate` for this model and dtype" in capsys.readouterr().err
+    assert main([*ask, "--ratio", "0.3"]) == 2
+    assert "--ratio pins r and --fidelity-profile chooses it" in capsys.readouterr().err
+
+
+def test_calibrate_needs_one_source_of_questions(tmp_path, capsys):
+    from cacheblend_rag.cli import main
+
+    assert main(["calibrate", "--out", str(tmp_path / "f.json"), "--model", "smollm2-135m-instruct"]) == 2
+    assert "give either --dataset NAME" in capsys.readouterr().err
+    assert main(["calibrate", "--out", str(tmp_path / "f.json"), "--docs", str(tmp_path)]) == 2
+    assert "--docs needs --questions FILE" in capsys.readouterr().err
+    assert main(["calibrate", "--out", str(tmp_path / "f.json"), "--dataset", "musique", "--ratios", "0", "1"]) == 2
+    assert "ratios must be one or more numbers in (0, 1]" in capsys.readouterr().err
