@@ -124,7 +124,7 @@ def test_the_profile_round_trips_through_json(measured, tmp_path):
     assert [e.first_token for e in loaded.table()] == [e.first_token for e in profile.table()]
 
 
-def test_a_profile_for_another_model_or_dtype_is_refused(measured, tmp_path):
+def test_a_profile_for_another_model_or_dtype_or_damaged_is_refused(measured, tmp_path):
     model, tokenizer, profile = measured
     engine = tiny_engine(model=model, tokenizer=tokenizer)
     profile.check_model(engine.fingerprint, "float32")
@@ -132,6 +132,11 @@ def test_a_profile_for_another_model_or_dtype_is_refused(measured, tmp_path):
         profile.check_model(tiny_engine(model=make_tiny_model("qwen2", seed=1)).fingerprint, "float32")
     with pytest.raises(ConfigError, match="in float32, this engine runs .* in bfloat16"):
         profile.check_model(engine.fingerprint, "bfloat16")
+    damaged = hand_profile().to_json()
+    damaged["questions"][1]["fixed"].pop()
+    (tmp_path / "damaged.json").write_text(json.dumps(damaged))
+    with pytest.raises(ConfigError, match="question 'q1' of the fidelity profile lacks records of"):
+        FidelityProfile.load(tmp_path / "damaged.json")
     (tmp_path / "bad.json").write_text('{"format": "cacheblend-rag/loading-profile/1"}')
     with pytest.raises(ConfigError, match="is not a cacheblend-rag/fidelity-profile/1 file"):
         FidelityProfile.load(tmp_path / "bad.json")

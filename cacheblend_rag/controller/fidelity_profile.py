@@ -62,6 +62,10 @@ class FidelityProfile:
         if not needed <= set(self.ratios):
             raise ConfigError(f"the ratio grid {self.ratios} must hold the base ratio and the ladder {sorted(needed)}")
         Guard(ratios=self.ladder)  # checks the ladder
+        for q in self.questions:
+            parts = {"reuse", "fixed", "risk", "steps"}
+            if not parts <= set(q) or {r["ratio"] for r in q["fixed"]} != set(self.ratios):
+                raise ConfigError(f"question {q.get('id')!r} of the fidelity profile lacks records of {self.ratios}")
 
     def check_model(self, fingerprint: str, dtype: str) -> None:
         """ConfigError unless the profile was measured for this model (fingerprint) in this dtype."""
