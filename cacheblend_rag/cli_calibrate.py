@@ -147,6 +147,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         ("--max-doc-mb", args.max_doc_mb, 0),
         ("--held-back", args.held_back, 0),
     )
+    if not args.held_back < 1:
+        raise CacheBlendError(f"--held-back must be a share below 1 (0: no check), got {args.held_back}")
     check_grid(args.ratios, args.thresholds, args.ratio, args.ladder)
     Targets(args.target_first_token, args.target_top1, args.target_kl)
     _check_kv_dir(args)
