@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 
 from .cli_args import build_parser, check_numbers
+from .cli_calibrate import cmd_calibrate
 from .cli_sources import build_index, check_index_folder, choose_documents, read_sources
 from .errors import CacheBlendError
 
@@ -56,16 +57,25 @@ def cmd_ask(args: argparse.Namespace) -> int:
         ("--max-doc-mb", args.max_doc_mb, 0),
     )
     config = _engine_config(args)
+    fidelity, min_ratio = None, args.min_ratio
+    if args.fidelity_profile:
+        from .cli_calibrate import apply_fidelity_profile
+
+        # The fidelity choice sets r and the guard; with a loading profile it is the floor: r = max(it, r_load).
+        config, fidelity = apply_fidelity_profile(args, config)
+        min_ratio = fidelity.choice.min_ratio
     controller = None
     if args.profile:
         from .controller import LoadingController, LoadingProfile
 
         # --ratio, when given, pins r: the engine then uses it as is and the controller stays out of the way.
-        controller = LoadingController(LoadingProfile.load(args.profile), min_ratio=args.min_ratio)
+        controller = LoadingController(LoadingProfile.load(args.profile), min_ratio=min_ratio)
     sources = read_sources(args)
     t = time.perf_counter()
     engine = CacheBlendEngine.from_pretrained(args.model, config=config, controller=controller)
     print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    if fidelity is not None:
+        fidelity.profile.check_model(engine.fingerprint, engine.config.dtype)
     index = sources.index
     if index is None:
         assert sources.record is not None, "documents come with the record of their index"
@@ -172,7 +182,13 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"ask": cmd_ask, "profile": cmd_profile, "index": cmd_index, "models": cmd_models}
+COMMANDS = {
+    "ask": cmd_ask,
+    "calibrate": cmd_calibrate,
+    "profile": cmd_profile,
+    "index": cmd_index,
+    "models": cmd_models,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -60,6 +60,8 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .cli_calibrate import add_calibrate_parser, add_fidelity_arguments
+
     p = argparse.ArgumentParser(prog="cacheblend-rag", description="CacheBlend RAG on Hugging Face models")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -79,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--show-sources", action="store_true", help="print the retrieved chunks' sources")
     ask.add_argument("--profile", help="a loading profile (`cacheblend-rag profile`): r is chosen per request")
     ask.add_argument("--min-ratio", type=float, default=0.15, help="with --profile: the quality floor r_min")
+    add_fidelity_arguments(ask)
 
     prof = sub.add_parser("profile", help="measure blend compute and tier read speeds for the loading controller",
                           formatter_class=_HelpFormatter)  # fmt: skip
@@ -88,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.15, 0.5], help="recompute ratios timed")
     prof.add_argument("--chunk-tokens", type=int, default=512, help="chunk size of the timed prompts")
     prof.add_argument("--repeats", type=int, default=2, help="timings per point (their median is kept)")
+
+    add_calibrate_parser(sub, _HelpFormatter)
 
     idx = sub.add_parser("index", help="build and save a chunk index of a folder", formatter_class=_HelpFormatter)
     _add_document_arguments(idx, required=True)

@@ -170,9 +170,10 @@ class LoadingProfile:
 MAX_PROFILE_BYTES = 1 << 20
 
 
-def _read_small_text_file(path: Path, what: str, max_bytes: int) -> str:
-    """The UTF-8 text of the regular file `path`, refused before reading when it is anything else or too large."""
-    redo = f"write it with `cacheblend-rag profile --out {path}`"
+def _read_small_text_file(path: Path, what: str, max_bytes: int, redo: str | None = None) -> str:
+    """The UTF-8 text of the regular file `path`, refused before reading when it is anything else or too large.
+    `redo`: how to write one, for the error messages (default: the loading profile's command)."""
+    redo = redo or f"write it with `cacheblend-rag profile --out {path}`"
     try:
         # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer. fstat then tells what it is.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -184,7 +185,7 @@ def _read_small_text_file(path: Path, what: str, max_bytes: int) -> str:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file"
-            raise ConfigError(f"{path} is {kind}, not {what}; pass the JSON file `cacheblend-rag profile --out` wrote")
+            raise ConfigError(f"{path} is {kind}, not {what}; {redo}")
         if info.st_size > max_bytes:
             raise ConfigError(
                 f"{path} is {info.st_size} bytes, above the {max_bytes} bytes limit for {what}; it is not one, {redo}"

@@ -1,0 +1,202 @@
+"""`cacheblend-rag calibrate`: fit the recompute ratio and the fidelity guard to a sample of the user's questions,
+and `ask --fidelity-profile`, which applies the result.
+
+The sample is either questions over the user's documents (each question's top-k chunks retrieved from the index
+`ask` builds) or the cases of a benchmark data set. Every question is measured against full recompute
+(`controller.measure_fidelity`); the table of settings, the setting chosen for the target, a held-back check of
+that choice and the time per question are printed, and the profile is written as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .cli_args import check_numbers
+from .errors import CacheBlendError
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .controller import Estimate, FidelityChoice, FidelityProfile, SampleQuestion
+
+
+def add_calibrate_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
+    from .cli_args import _add_document_arguments, _add_runtime_arguments
+    from .controller.fidelity_profile import DEFAULT_LADDER, DEFAULT_RATIOS, DEFAULT_THRESHOLDS
+
+    cal = sub.add_parser("calibrate", help="measure fidelity to full recompute on a sample of your questions and "
+                         "choose the recompute ratio / guard for a target", formatter_class=formatter)  # fmt: skip
+    cal.add_argument("--out", required=True, help="where to write the fidelity profile (JSON)")
+    cal.add_argument("--questions", help="text file of questions over --docs, one per line")
+    _add_document_arguments(cal, required=False)
+    cal.add_argument("--index", help="folder for the chunk index of --docs, as for `ask`")
+    cal.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question (with --docs)")
+    cal.add_argument("--dataset", help="instead of --docs: a benchmark data set (musique, wikimqa, ...)")
+    cal.add_argument("--data-dir", help="folder of the data sets (with --dataset)")
+    cal.add_argument("--limit", type=int, default=30, help="questions in the sample")
+    cal.add_argument("--max-new-tokens", type=int, default=32, help="length of full recompute's reference answer "
+                     "(with --docs; a data set has its own)")  # fmt: skip
+    _add_runtime_arguments(cal)
+    cal.add_argument("--ratio", type=float, default=0.15, help="the base ratio a guard starts from")
+    cal.add_argument("--ratios", type=float, nargs="+", default=list(DEFAULT_RATIOS), help="fixed ratios measured")
+    cal.add_argument("--thresholds", type=float, nargs="+", default=list(DEFAULT_THRESHOLDS),
+                     help="guard thresholds max_kl (nats); inf: escalate on a first-token change only")  # fmt: skip
+    cal.add_argument("--ladder", type=float, nargs="+", default=list(DEFAULT_LADDER), help="the guard's ratios")
+    _add_target_arguments(cal)
+    cal.add_argument("--held-back", type=float, default=0.33, help="share of the sample (the last questions) "
+                     "held back to check the choice made on the others")  # fmt: skip
+
+
+def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target-first-token", type=float, default=0.95, help="share of answers whose first "
+                        "token must match full recompute's")  # fmt: skip
+    parser.add_argument("--target-top1", type=float, help="mean share of answer tokens ranked first by both")
+    parser.add_argument("--target-kl", type=float, help="highest mean KL to full recompute, nats")
+
+
+def add_fidelity_arguments(ask: argparse.ArgumentParser) -> None:
+    """`ask`'s options that apply a fidelity profile."""
+    ask.add_argument("--fidelity-profile", help="a fidelity profile (`cacheblend-rag calibrate`): the cheapest "
+                     "ratio / guard meeting the targets; with --profile it is the floor r_min")  # fmt: skip
+    _add_target_arguments(ask)
+
+
+def _targets(args: argparse.Namespace) -> dict[str, float | None]:
+    return {"target_first_token": args.target_first_token, "target_top1": args.target_top1, "max_kl": args.target_kl}
+
+
+@dataclass(frozen=True)
+class AppliedProfile:
+    profile: FidelityProfile
+    choice: FidelityChoice
+
+
+def apply_fidelity_profile(args: argparse.Namespace, config: EngineConfig) -> tuple[EngineConfig, AppliedProfile]:
+    """`ask --fidelity-profile`: the engine config with the chosen ratio and guard (checked before any model
+    loads, except the model fingerprint: `AppliedProfile.profile.check_model` once the engine is built)."""
+    from .controller import FidelityProfile
+    from .errors import ConfigError
+
+    if args.ratio is not None:
+        raise ConfigError("--ratio pins r and --fidelity-profile chooses it: give one of them")
+    profile = FidelityProfile.load(args.fidelity_profile)
+    if profile.dtype != config.dtype:
+        profile.check_model(profile.model, config.dtype)  # the dtype part of the check, before loading
+    choice = profile.choose(**_targets(args))
+    print(f"fidelity profile {args.fidelity_profile}: {choice.describe()}", file=sys.stderr)
+    return choice.engine_config(config), AppliedProfile(profile, choice)
+
+
+def _sample(args: argparse.Namespace) -> tuple[list[SampleQuestion] | None, list[str], str]:
+    """(data set questions, or None and the questions over --docs, what the sample is drawn from)."""
+    from .controller import SampleQuestion
+
+    if bool(args.dataset) == bool(args.docs or args.index):
+        raise CacheBlendError("give either --dataset NAME (with --data-dir) or --docs DIR with --questions FILE")
+    if args.dataset:
+        from .evaluation import load_dataset
+
+        data = load_dataset(args.dataset, args.data_dir, limit=args.limit)
+        items = [
+            SampleQuestion(c.id, c.chunks, c.question, data.spec.template, data.spec.max_new_tokens) for c in data.cases
+        ]
+        return items, [], f"data set {data.spec.name}"
+    if not args.questions:
+        raise CacheBlendError("--docs needs --questions FILE: the questions to calibrate on, one per line")
+    try:
+        lines = Path(args.questions).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CacheBlendError(f"cannot read --questions {args.questions!r} ({exc}); give a UTF-8 text file") from None
+    questions = [q.strip() for q in lines if q.strip()][: args.limit]
+    if not questions:
+        raise CacheBlendError(f"--questions {args.questions!r} holds no question; write one per line")
+    return None, questions, f"{len(questions)} questions of {args.questions} over {args.docs or args.index}"
+
+
+def format_table(table: list[Estimate]) -> str:
+    def ci(value: float, bounds: tuple[float, float]) -> str:
+        return f"{value:.3f} [{bounds[0]:.3f}, {bounds[1]:.3f}]"
+
+    rows = [f"{'setting':<28} {'first-token':<22} {'top-1':<22} {'mean KL (nats)':<22} compute  escalated"]
+    for e in table:
+        rows.append(
+            f"{e.setting.name:<28} {ci(e.first_token, e.first_token_ci):<22} {ci(e.top1, e.top1_ci):<22} "
+            f"{ci(e.kl_mean, e.kl_ci):<22} {e.compute_share:7.2f}  {e.escalated:9.0%}"
+        )
+    return "\n".join(rows)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .cli import _check_kv_dir
+    from .cli_sources import build_index, read_sources
+    from .config import BlendConfig, EngineConfig
+    from .controller import Targets, check_grid, measure_fidelity
+    from .engine import CacheBlendEngine
+    from .retrieval import MIN_CHUNK_TOKENS
+
+    # Arguments, paths and the sample first: loading the model takes seconds, a typo should not.
+    check_numbers(
+        ("--limit", args.limit, 1),
+        ("--top-k", args.top_k, 1),
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--chunk-tokens", args.chunk_tokens, MIN_CHUNK_TOKENS),
+        ("--max-doc-mb", args.max_doc_mb, 0),
+        ("--held-back", args.held_back, 0),
+    )
+    if not args.held_back < 1:
+        raise CacheBlendError(f"--held-back must be a share below 1 (0: no check), got {args.held_back}")
+    check_grid(args.ratios, args.thresholds, args.ratio, args.ladder)
+    Targets(args.target_first_token, args.target_top1, args.target_kl)
+    _check_kv_dir(args)
+    items, questions, source = _sample(args)
+    sources = read_sources(args) if items is None else None
+    config = EngineConfig(
+        device=args.device,
+        dtype=args.dtype,
+        blend=BlendConfig(args.ratio),
+        disk_dir=args.kv_dir,
+        redis_url=args.redis_url,
+    )
+    t = time.perf_counter()
+    engine = CacheBlendEngine.from_pretrained(args.model, config=config)
+    print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    if items is None:
+        from .controller import SampleQuestion
+
+        assert sources is not None
+        index = sources.index
+        if index is None:
+            assert sources.record is not None, "documents come with the record of their index"
+            index = build_index(args, sources.documents, engine.tokenizer, sources.record, args.index)
+        items = [
+            SampleQuestion(
+                f"q{i}", tuple(h.chunk.text for h in index.search(q, k=args.top_k)), q, None, args.max_new_tokens
+            )
+            for i, q in enumerate(questions)
+        ]
+
+    def progress(record: dict) -> None:
+        print(f"  {record['id']}: {record['prompt_tokens']} tokens, {record['seconds']:.1f}s", file=sys.stderr)
+
+    print(f"measuring {len(items)} questions ({source})", file=sys.stderr)
+    t = time.perf_counter()
+    profile = measure_fidelity(
+        engine, items, ratios=args.ratios, thresholds=args.thresholds, base_ratio=args.ratio, ladder=args.ladder,
+        source=source, on_question=progress,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - t
+    profile.save(args.out)
+    print(f"\n{format_table(profile.table())}\n")
+    print(f"chosen: {profile.choose(**_targets(args)).describe()}")
+    cut = len(items) - round(len(items) * args.held_back)
+    if 0 < cut < len(items):
+        print(f"held back: {profile.held_back_check(cut / len(items), **_targets(args)).describe()}")
+    else:
+        print(f"held back: no check ({len(items)} questions and --held-back {args.held_back} leave one side empty)")
+    print(f"{elapsed / len(items):.1f}s per question ({len(items)} in {elapsed:.0f}s); profile written to {args.out}")
+    engine.store.flush()
+    return 0

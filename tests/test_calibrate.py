@@ -1,0 +1,271 @@
+"""The fidelity profile: measured on a sample, guard settings replayed exactly, a setting chosen for a target, kept
+as JSON for one model, and the `calibrate` command that writes it and `ask --fidelity-profile` that applies it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig, Guard
+from cacheblend_rag.controller import FidelityProfile, SampleQuestion, Setting, measure_fidelity
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
+
+LADDER = (0.5, 1.0)
+
+
+def tiny_engine(guard=None, model=None, tokenizer=None):
+    config = EngineConfig(chunk_separator="", guard=guard, miss_policy="blend")
+    return CacheBlendEngine(model or make_tiny_model("qwen2"), tokenizer or make_tiny_tokenizer(), config=config)
+
+
+def sample(n=3):
+    return [
+        SampleQuestion(f"q{i}", tuple(random_words(100 * i + s, 24) for s in range(3)), random_words(i, 5), None, 4)
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """A tiny model, and its fidelity profile over three questions."""
+    model, tokenizer = make_tiny_model("qwen2"), make_tiny_tokenizer()
+    engine = tiny_engine(model=model, tokenizer=tokenizer)
+    profile = measure_fidelity(engine, sample(), ratios=(0.15, 0.3), thresholds=(0.0, 0.1, math.inf), ladder=LADDER)
+    return model, tokenizer, profile
+
+
+def record(ratio, first_token, top1, kl_mean, share):
+    return {"ratio": ratio, "first_token": first_token, "top1": top1, "kl_mean": kl_mean, "compute_share": share}
+
+
+# per question: first token right at r=0.15, at r=0.5; the base blend's KL to reuse; whether each ladder blend agrees
+# with the one before (same first token) and their KL
+HAND = [
+    (False, False, 0.3, [(False, 2.0), (False, 2.0)]),
+    (False, True, 0.3, [(False, 2.0), (True, 0.01)]),
+    (True, True, 0.3, [(True, 0.05), (True, 0.01)]),
+    (True, True, 0.01, [(True, 0.05), (True, 0.01)]),
+]
+
+
+def hand_profile(questions=None, model="m" * 64, dtype="float32"):
+    """Four questions: first-token agreement 0.5 at r=0.15 (compute 0.1), 0.75 at r=0.5 (0.4), 1 at r=1 (1.0). The
+    guard at max_kl=0.1 takes q0, q1 to r=1 and stops q2 at r=0.5: first token 1.0 at compute 0.875."""
+
+    def question(i, right15, right50, kl_reuse, steps):
+        return {
+            "id": f"q{i}",
+            "reuse": record(0.0, 0.0, 0.5, 1.0, 0.02),
+            "fixed": [
+                record(0.15, float(right15), 0.8, 0.2, 0.1),
+                record(0.5, float(right50), 0.9, 0.1, 0.4),
+                record(1.0, 1.0, 1.0, 0.0, 1.0),
+            ],
+            "risk": {"kl_reuse": kl_reuse, "agree_reuse": True},
+            "steps": [{"ratio": r, "agree_prev": a, "kl_prev": k} for r, (a, k) in zip(LADDER, steps, strict=True)],
+        }
+
+    return FidelityProfile(
+        model=model,
+        dtype=dtype,
+        rule="attention",
+        base_ratio=0.15,
+        ratios=(0.15, 0.5, 1.0),
+        ladder=LADDER,
+        thresholds=(0.0, 0.1, math.inf),
+        questions=tuple(questions or [question(i, *q) for i, q in enumerate(HAND)]),
+    )
+
+
+def test_a_replayed_guard_is_what_the_engine_does_with_that_guard(measured):
+    model, tokenizer, profile = measured
+    # a threshold at each KL the guard compares (risky: above it; successive blends agree: at most it), 0 and inf
+    kl_reuse = {q["risk"]["kl_reuse"] for q in profile.questions}
+    thresholds = sorted({0.0, math.inf, *kl_reuse, *(s["kl_prev"] for q in profile.questions for s in q["steps"])})
+    ends = set()
+    for threshold in thresholds:
+        guard = Guard(max_kl=threshold, ratios=LADDER)
+        engine = tiny_engine(guard, model, tokenizer)
+        for item, question in zip(sample(), profile.questions, strict=True):
+            engine.precompute(list(item.chunks), item.question)
+            metrics = engine.prefill(engine.build_prompt(list(item.chunks), item.question), "blend").metrics
+            replay = profile.outcome(Setting(profile.base_ratio, guard), question)
+            assert replay["escalated"] == bool(metrics.escalations), (threshold, item.id)
+            assert replay["ratio"] == (metrics.escalations[-1] if metrics.escalations else profile.base_ratio)
+            assert replay["compute_share"] == pytest.approx(metrics.compute_share, rel=1e-6)
+            ends.add(replay["ratio"])
+    assert ends == {profile.base_ratio, *LADDER}  # not escalated, stopped on the ladder, and at its end
+
+
+def test_guard_at_threshold_inf_escalates_only_first_token_disagreements_and_zero_escalates_all(measured):
+    _, _, profile = measured
+    base = Setting(profile.base_ratio)
+    for question in profile.questions:
+        at_inf = profile.outcome(Setting(profile.base_ratio, Guard(max_kl=math.inf, ratios=LADDER)), question)
+        if question["risk"]["agree_reuse"]:
+            assert at_inf == {**profile.outcome(base, question), "escalated": False}
+        else:
+            assert at_inf["escalated"]
+        at_zero = profile.outcome(Setting(profile.base_ratio, Guard(max_kl=0.0, ratios=LADDER)), question)
+        assert at_zero["escalated"] and at_zero["ratio"] == 1.0  # successive blends never agree within 0 nats
+    assert profile.estimate(Setting(profile.base_ratio, Guard(max_kl=0.0, ratios=LADDER))).escalated == 1.0
+
+
+def test_the_profile_round_trips_through_json(measured, tmp_path):
+    _, _, profile = measured
+    path = tmp_path / "fidelity.json"
+    profile.save(path)
+    loaded = FidelityProfile.load(path)
+    assert loaded == profile and math.inf in loaded.thresholds
+    assert json.loads(path.read_text())["sample_size"] == 3
+    assert [e.first_token for e in loaded.table()] == [e.first_token for e in profile.table()]
+
+
+def test_a_profile_for_another_model_or_dtype_or_damaged_is_refused(measured, tmp_path):
+    model, tokenizer, profile = measured
+    engine = tiny_engine(model=model, tokenizer=tokenizer)
+    profile.check_model(engine.fingerprint, "float32")
+    with pytest.raises(ConfigError, match="run `cacheblend-rag calibrate` for this model and dtype"):
+        profile.check_model(tiny_engine(model=make_tiny_model("qwen2", seed=1)).fingerprint, "float32")
+    with pytest.raises(ConfigError, match="in float32, this engine runs .* in bfloat16"):
+        profile.check_model(engine.fingerprint, "bfloat16")
+    damaged = hand_profile().to_json()
+    damaged["questions"][1]["fixed"].pop()
+    (tmp_path / "damaged.json").write_text(json.dumps(damaged))
+    with pytest.raises(ConfigError, match="question 'q1' of the fidelity profile lacks records of"):
+        FidelityProfile.load(tmp_path / "damaged.json")
+    (tmp_path / "bad.json").write_text('{"format": "cacheblend-rag/loading-profile/1"}')
+    with pytest.raises(ConfigError, match="is not a cacheblend-rag/fidelity-profile/1 file"):
+        FidelityProfile.load(tmp_path / "bad.json")
+
+
+def test_choose_picks_the_cheapest_setting_that_meets_the_target():
+    profile = hand_profile()
+    choice = profile.choose(target_first_token=0.75)
+    assert choice.met and choice.estimate.setting == Setting(0.5) and choice.guard is None
+    choice = profile.choose(target_first_token=1.0)
+    assert choice.met and choice.guard == Guard(max_kl=0.1, ratios=LADDER)
+    escalated_to_full = 0.1 + (0.4 - 0.02) + (1.0 - 0.02)  # the first pass (reuse's compute) is paid once
+    assert choice.estimate.compute_share == pytest.approx((2 * escalated_to_full + 0.1 + 0.38 + 0.1) / 4)
+    assert choice.estimate.escalated == 0.75
+    assert choice.blend.recompute_ratio == 0.15 and choice.min_ratio == 0.15
+    config = choice.engine_config(EngineConfig())
+    assert config.guard == choice.guard and config.blend.recompute_ratio == 0.15
+    assert profile.choose(target_first_token=0.5).estimate.setting == Setting(0.15)
+    assert profile.choose(target_first_token=0.5, max_kl=0.0).estimate.setting == Setting(1.0)  # only KL 0 passes
+
+
+def test_choose_says_not_met_and_gives_the_closest_when_no_setting_meets_the_target():
+    worse = [dict(q, fixed=[dict(r, top1=min(r["top1"], 0.9)) for r in q["fixed"]]) for q in hand_profile().questions]
+    choice = hand_profile(worse).choose(target_first_token=None, target_top1=0.95)
+    assert not choice.met and "does NOT meet" in choice.describe()
+    assert choice.estimate.top1 == pytest.approx(0.9) and choice.estimate.setting == Setting(0.5)  # closest, cheapest
+    with pytest.raises(ConfigError, match="target top1 must be a share in"):
+        hand_profile().choose(target_top1=1.5)
+
+
+def test_the_held_back_check_chooses_on_the_first_questions_and_measures_on_the_rest():
+    check = hand_profile().held_back_check(calibrate_share=0.5, target_first_token=1.0)
+    # q0, q1 are both wrong at r=0.15, and q0 at r=0.5: on them only full and the guard at t=0.1 are exact
+    assert check.choice.estimate.n == 2 and check.held_back.n == 2
+    assert check.held_back.setting == check.choice.estimate.setting and check.met
+    with pytest.raises(ConfigError, match="held-back check needs questions on both sides"):
+        hand_profile().subset(0, 1).held_back_check()
+
+
+# -- the command line ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    """A tiny random-weight Llama and its word-level tokenizer, saved as a local checkpoint."""
+    folder = tmp_path / "tiny-model"
+    make_tiny_model("llama").save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def engines_built(monkeypatch):
+    """The keyword arguments (config, controller) of every engine the command line builds."""
+    built = []
+    original = CacheBlendEngine.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        built.append(kwargs)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(spy))
+    return built
+
+
+def test_calibrate_writes_a_profile_that_ask_applies_with_the_loading_profile_as_floor(
+    tmp_path, capsys, tiny_model_dir, engines_built
+):
+    from cacheblend_rag.cli import main
+    from cacheblend_rag.controller import ComputePoint, LoadingProfile, TierSpeed
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"d{i}.txt").write_text(random_words(10 + i, 40))
+    (tmp_path / "questions.txt").write_text("\n".join(random_words(20 + i, 5) for i in range(3)) + "\n\n")
+    out = tmp_path / "fidelity.json"
+    model = ["--model", str(tiny_model_dir), "--chunk-tokens", "16", "--top-k", "2"]
+    argv = ["calibrate", "--out", str(out), "--docs", str(docs), "--questions", str(tmp_path / "questions.txt")]
+    assert main([*argv, *model, "--max-new-tokens", "3", "--thresholds", "0", "0.1", "inf"]) == 0
+    printed = capsys.readouterr().out
+    profile = FidelityProfile.load(out)
+    assert len(profile.questions) == 3 and "over" in profile.source
+    for name in ("r=0.05", "full (r=1)", "guard max_kl=inf (r=0.15)", "chosen: ", "held back: ", "s per question"):
+        assert name in printed
+    choice = profile.choose(target_first_token=0.9)
+    assert f"chosen: {choice.estimate.setting.name}" in printed
+
+    # ask: the choice sets the engine's ratio and guard; with a loading profile it is the controller's floor
+    loading = LoadingProfile(
+        profile.model, "float32", "cpu", (ComputePoint(64, 0.01, 0.02),), {"memory": TierSpeed(1e9)}
+    )
+    loading.save(tmp_path / "loading.json")
+    ask = ["ask", "--docs", str(docs), *model, "--max-new-tokens", "2", "--fidelity-profile", str(out)]
+    ask += ["--target-first-token", "0.9", "--profile", str(tmp_path / "loading.json"), random_words(20, 5)]
+    assert main(ask) == 0
+    config, controller = engines_built[-1]["config"], engines_built[-1]["controller"]
+    assert config.blend.recompute_ratio == choice.blend.recompute_ratio and config.guard == choice.guard
+    assert controller.min_ratio == choice.min_ratio
+
+    # a hand-made profile for this model whose cheapest exact setting is a guard
+    hand_profile(model=profile.model).save(tmp_path / "hand.json")
+    ask[ask.index(str(out))] = str(tmp_path / "hand.json")
+    ask[ask.index("0.9")] = "1.0"
+    assert main(ask) == 0
+    assert engines_built[-1]["config"].guard == Guard(max_kl=0.1, ratios=LADDER)
+    assert engines_built[-1]["controller"].min_ratio == 0.15
+
+
+def test_ask_refuses_a_fidelity_profile_of_another_model_or_with_a_pinned_ratio(tmp_path, capsys, tiny_model_dir):
+    from cacheblend_rag.cli import main
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text(random_words(1, 30))
+    hand_profile().save(tmp_path / "hand.json")
+    ask = ["ask", "--docs", str(tmp_path / "docs"), "--model", str(tiny_model_dir), "--chunk-tokens", "16"]
+    ask += ["--max-new-tokens", "1", "--fidelity-profile", str(tmp_path / "hand.json"), random_words(2, 3)]
+    assert main(ask) == 2
+    assert "run `cacheblend-rag calibrate` for this model and dtype" in capsys.readouterr().err
+    assert main([*ask, "--ratio", "0.3"]) == 2
+    assert "--ratio pins r and --fidelity-profile chooses it" in capsys.readouterr().err
+
+
+def test_calibrate_needs_one_source_of_questions(tmp_path, capsys):
+    from cacheblend_rag.cli import main
+
+    assert main(["calibrate", "--out", str(tmp_path / "f.json"), "--model", "smollm2-135m-instruct"]) == 2
+    assert "give either --dataset NAME" in capsys.readouterr().err
+    assert main(["calibrate", "--out", str(tmp_path / "f.json"), "--docs", str(tmp_path)]) == 2
+    assert "--docs needs --questions FILE" in capsys.readouterr().err
+    assert main(["calibrate", "--out", str(tmp_path / "f.json"), "--dataset", "musique", "--ratios", "0", "1"]) == 2
+    assert "ratios must be one or more numbers in (0, 1]" in capsys.readouterr().err
