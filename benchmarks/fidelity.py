@@ -36,6 +36,7 @@ from benchlib.cli import (  # noqa: E402
     run_guarded,
     run_settings_of,
 )
+from benchlib.fidelity_codecs import codec_differences, codec_markdown  # noqa: E402
 from benchlib.fidelity_report import fidelity_markdown, summarize_fidelity, write_fidelity_report  # noqa: E402
 from benchlib.fidelity_run import (  # noqa: E402
     DEFAULT_RATIOS,
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         records = run_fidelity(engine, datasets, methods, args.out, codecs=engines, settings=run_settings_of(args))
     files = write_fidelity_report(args.out, records)
     print(fidelity_markdown(summarize_fidelity(records), records))
+    print(codec_markdown(codec_differences(records)))
     report_written(files)
     return 0
 

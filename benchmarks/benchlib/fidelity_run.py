@@ -87,13 +87,12 @@ def parse_codecs(text: str) -> list[str]:
 def codec_engines(engine: CacheBlendEngine, codecs: Sequence[str]) -> dict[str, CacheBlendEngine]:
     """Per codec name, an engine on `engine`'s model (shared, not copied) whose memory tier stores chunk KV through
     that codec; `engine` itself for the uncompressed store."""
-    return {
-        name: engine
-        if name == NATIVE
-        else CacheBlendEngine(engine.model, engine.tokenizer, config=replace(engine.config, memory_codec=name),
-                              template=engine.template)  # fmt: skip
-        for name in codecs
-    }
+    engines = {}
+    for name in codecs:
+        config = replace(engine.config, memory_codec=name)
+        engines[name] = engine if name == NATIVE else CacheBlendEngine(engine.model, engine.tokenizer, config=config,
+                                                                      template=engine.template)  # fmt: skip
+    return engines
 
 
 def _copy_chunks(src: CacheBlendEngine, dst: CacheBlendEngine, prompt: TokenizedPrompt) -> None:
