@@ -116,6 +116,8 @@ def codec_markdown(rows: Sequence[CodecDifference]) -> str:
         ]
         for r in mine:
             verdict = "within noise" if r.within_noise else "NOT within noise"
+            if r.n == 1:  # the interval of one case is that case's difference: no measure of noise at all
+                verdict += " (1 case)"
             lines.append(
                 f"| {r.codec} | {r.method} | {r.n} | {r.kl_native:.4f} | {r.kl_codec:.4f} | {r.kl_diff:+.4f} "
                 f"{ci_text(r.kl_diff_ci, '+.4f')} | {r.top1_diff:+.3f} | {r.first_token_diff:+.2f} | {verdict} |"

@@ -247,6 +247,8 @@ def plot_pareto(
         x = [r.compute_share for r in pts]
         if rule == "reuse":
             style = {"marker": "s", "linestyle": "none", "color": "black"}
+        elif rule.startswith("reuse+"):  # full reuse read through a codec: a point, in a color of its own
+            style = {"marker": "s", "linestyle": "none", "color": colors[i % len(colors)]}
         else:
             style = {"marker": "o", "color": colors[i % len(colors)]}
         for ax, ys, cis in (
