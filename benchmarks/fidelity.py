@@ -8,6 +8,13 @@ summary.json and one Pareto figure per data set; `--report-only` rebuilds those 
     python benchmarks/fidelity.py --limit 50 --data-dir ../shared/data           # every rule, every ratio
     python benchmarks/fidelity.py --rules attention,paper --ratios 0.05,0.15 --limit 8 --out /tmp/fidelity
     python benchmarks/fidelity.py --report-only --out benchmarks/results/fidelity
+
+`--kv-codec int8,int4` measures every method again with its chunk KV stored through each codec (the memory tier's
+`memory_codec`), on the same model and against the same reference, named e.g. `attention@0.15+int8`; the summary
+then gets a table of each codec's paired difference to the uncompressed store (`benchlib.fidelity_codecs`).
+
+    python benchmarks/fidelity.py --rules attention --ratios 0.15,0.05 --kv-codec int8,int4 --limit 3 \
+        --out benchmarks/results/fidelity-codecs
 """
 
 from __future__ import annotations
@@ -29,12 +36,21 @@ from benchlib.cli import (  # noqa: E402
     run_guarded,
     run_settings_of,
 )
+from benchlib.fidelity_codecs import codec_differences, codec_markdown  # noqa: E402
 from benchlib.fidelity_report import fidelity_markdown, summarize_fidelity, write_fidelity_report  # noqa: E402
-from benchlib.fidelity_run import DEFAULT_RATIOS, RESULTS_FILE, fidelity_methods, run_fidelity  # noqa: E402
+from benchlib.fidelity_run import (  # noqa: E402
+    DEFAULT_RATIOS,
+    RESULTS_FILE,
+    codec_engines,
+    fidelity_methods,
+    parse_codecs,
+    run_fidelity,
+)
 from benchlib.records import load_records  # noqa: E402
 
 from cacheblend_rag.config import RULE_NAMES  # noqa: E402
 from cacheblend_rag.evaluation import load_dataset  # noqa: E402
+from cacheblend_rag.store.codec import CODECS  # noqa: E402
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,11 +62,14 @@ def run(args: argparse.Namespace) -> int:
         names = dataset_names(args.datasets, args.limit)
         rules = [r.strip() for r in args.rules.split(",") if r.strip()]
         methods = fidelity_methods(rules, parse_ratios(args.ratios), reuse=not args.no_reuse)
+        codecs = parse_codecs(args.kv_codec)
         datasets = [load_dataset(n, args.data_dir, args.limit) for n in names]
         engine = load_engine(args)
-        records = run_fidelity(engine, datasets, methods, args.out, settings=run_settings_of(args))
+        engines = codec_engines(engine, codecs)
+        records = run_fidelity(engine, datasets, methods, args.out, codecs=engines, settings=run_settings_of(args))
     files = write_fidelity_report(args.out, records)
     print(fidelity_markdown(summarize_fidelity(records), records))
+    print(codec_markdown(codec_differences(records)))
     report_written(files)
     return 0
 
@@ -62,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS), help="recompute ratios, "
                    "comma-separated")  # fmt: skip
     p.add_argument("--no-reuse", action="store_true", help="leave full KV reuse out")
+    p.add_argument("--kv-codec", default="native", help="stored-KV codecs to measure every method with, "
+                   "comma-separated (the uncompressed 'native' is always measured): " + ", ".join(CODECS))  # fmt: skip
     p.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
     add_out_argument(p, "fidelity", "output folder")
     p.add_argument("--report-only", action="store_true", help="only rebuild summary.md and figures from OUT")

@@ -17,7 +17,7 @@ import torch
 from test_quality_gate import ANSWER_TOKENS, CHUNKS, QUESTIONS, default_method
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.evaluation.fidelity import FidelityMethod, measure, reference_answer
+from cacheblend_rag.evaluation.fidelity import measure, reference_answer
 from cacheblend_rag.store.codec import CODECS, KVCodec, PayloadSpec, pack_nibbles, unpack_nibbles
 from cacheblend_rag.store.memory import MemoryStore
 
@@ -89,7 +89,7 @@ def kl_by_codec(engine) -> dict[str, dict[str, float]]:
     for question in QUESTIONS:
         prompt = engine.build_prompt(CHUNKS, question)
         references.append((prompt, reference_answer(engine, prompt, ANSWER_TOKENS)))
-    methods = {"blend": default_method(), "reuse": FidelityMethod("reuse")}
+    methods = {"blend": default_method(), "reuse": None}  # None: full KV reuse
     out = {}
     codecs: list[KVCodec] = [CODECS["native"], CODECS["int8"], INT4, KeysPerToken(), NibblesOneOff()]
     for codec in codecs:

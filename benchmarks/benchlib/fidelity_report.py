@@ -4,6 +4,8 @@ Every comparison is made on common cases: per data set, only the cases that ever
 Methods that ran on far fewer cases than the others get a table of their own, on their cases, with the rows of
 the better-covered methods that finished those cases too. Each data set's figure shows its best-covered table;
 a table that sweeps more ratios on fewer cases (e.g. the full grid on the first 8 cases) gets a figure of its own.
+Methods measured with their chunk KV stored through a codec (`attention@0.15+int8`) are rows and lines of their
+own, and get the paired table of `fidelity_codecs` as well.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchlib.fidelity_codecs import codec_differences, codec_markdown
+from benchlib.fidelity_run import NATIVE, split_codec
 from benchlib.records import MODEL_UNKNOWN, run_settings
 from benchlib.report import cases_text, ci_text, comparable_cases, pyplot, save_figure
 from cacheblend_rag.config import BlendConfig
@@ -44,6 +48,12 @@ class FidelityRow:
     logprob: float
     compute_share: float
     ttft_s: float  # median
+    codec: str = NATIVE  # the codec the method's chunk KV was stored through
+
+    @property
+    def line(self) -> str:
+        """What a figure's line is named by: the rule, and the codec unless uncompressed."""
+        return self.rule if self.codec == NATIVE else f"{self.rule}+{self.codec}"
 
 
 def _ok(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -96,19 +106,21 @@ def left_out(records: Iterable[Mapping[str, Any]], dataset: str) -> list[str]:
 def _row(dataset: str, group: int, method: str, recs: Sequence[Mapping[str, Any]]) -> FidelityRow:
     mine = sorted((r for r in recs if r["method"] == method), key=lambda r: r["case_id"])
     stats = fidelity_over_cases(mine)
-    return FidelityRow(dataset, group, method, mine[0]["rule"], mine[0]["ratio"], **asdict(stats))
+    codec = split_codec(method)[1]
+    return FidelityRow(dataset, group, method, mine[0]["rule"], mine[0]["ratio"], **asdict(stats), codec=codec)
 
 
 def summarize_fidelity(records: Sequence[Mapping[str, Any]]) -> list[FidelityRow]:
     """One row per (data set, table, method) on that table's common cases (`case_groups`), ordered by table,
-    then rule, then ratio."""
+    then rule, then ratio, then codec (uncompressed first)."""
     rows = []
     for ds, groups in sorted(case_groups(records).items()):
         for group, (cases, methods) in enumerate(groups):
             recs = [r for r in _ok(records) if r["dataset"] == ds and r["case_id"] in cases]
             rows += [_row(ds, group, method, recs) for method in methods]
     order = {"full": 0, "reuse": 1}
-    return sorted(rows, key=lambda r: (r.dataset, r.group, order.get(r.rule, 2), r.rule, r.ratio or 0.0))
+    return sorted(rows, key=lambda r: (r.dataset, r.group, order.get(r.rule, 2), r.rule, r.ratio or 0.0,
+                                       r.codec != NATIVE, r.codec))  # fmt: skip
 
 
 def paired_difference(
@@ -228,13 +240,15 @@ def plot_pareto(
     if not mine:
         raise CacheBlendError(f"no fidelity rows for {dataset!r} in table {group}")
     fig, (ax_kl, ax_top) = plt.subplots(1, 2, figsize=(12, 4.6))
-    rules = list(dict.fromkeys(r.rule for r in mine))
+    rules = list(dict.fromkeys(r.line for r in mine))
     colors = plt.get_cmap("tab10" if len(rules) <= 10 else "tab20").colors  # one color per rule
     for i, rule in enumerate(rules):
-        pts = sorted((r for r in mine if r.rule == rule), key=lambda r: r.compute_share)
+        pts = sorted((r for r in mine if r.line == rule), key=lambda r: r.compute_share)
         x = [r.compute_share for r in pts]
         if rule == "reuse":
             style = {"marker": "s", "linestyle": "none", "color": "black"}
+        elif rule.startswith("reuse+"):  # full reuse read through a codec: a point, in a color of its own
+            style = {"marker": "s", "linestyle": "none", "color": colors[i % len(colors)]}
         else:
             style = {"marker": "o", "color": colors[i % len(colors)]}
         for ax, ys, cis in (
@@ -264,7 +278,8 @@ def plot_pareto(
 def write_fidelity_report(out_dir: str | os.PathLike[str], records: Sequence[Mapping[str, Any]]) -> dict[str, Path]:
     """`summary.md` (+ .json) and one `fidelity_<dataset>.png` per data set, in `out_dir`; plus
     `fidelity_<dataset>_ratios.png` where a table of fewer cases sweeps more ratios (`sweep_group`). The figures
-    name the model of `out_dir`'s run.json."""
+    name the model of `out_dir`'s run.json. With codec records, the summary ends with their paired table
+    (`fidelity_codecs`), also written as `codecs.json`."""
     import json
 
     rows = summarize_fidelity(records)
@@ -273,8 +288,14 @@ def write_fidelity_report(out_dir: str | os.PathLike[str], records: Sequence[Map
     out = Path(out_dir)
     model = run_settings(out).get("model", MODEL_UNKNOWN)
     files = {"summary": out / SUMMARY_MD, "json": out / "summary.json"}
-    files["summary"].write_text(fidelity_markdown(rows, records) + "\n" + targets_markdown(rows, records))
+    codecs = codec_differences(records)
+    text = fidelity_markdown(rows, records) + "\n" + targets_markdown(rows, records)
+    files["summary"].write_text(text + ("\n" + codec_markdown(codecs) + "\n" if codecs else ""))
     files["json"].write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+    if codecs:
+        files["codecs"] = out / "codecs.json"
+        files["codecs"].write_text(json.dumps([{**asdict(r), "within_noise": r.within_noise} for r in codecs],
+                                              indent=1) + "\n")  # fmt: skip
     for ds in sorted({r.dataset for r in rows}):
         files[ds] = plot_pareto(rows, ds, out / f"fidelity_{ds}.png", model=model)
         sweep = sweep_group(rows, ds)

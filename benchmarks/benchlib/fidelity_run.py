@@ -3,13 +3,17 @@
 Per case, full recompute's reference answer is computed once (`cacheblend_rag.evaluation.fidelity`), then each
 method is measured against it. Records go to `OUT/fidelity.jsonl`, so a run resumes where it stopped;
 `fidelity_report` turns them into tables and figures.
+
+With stored-KV codecs (`codec_engines`), every method is measured again on engines whose memory tier stores chunk
+KV through each codec, against the same reference: `attention@0.15+int8` is `attention@0.15` with its chunks read
+back from int8. The uncompressed store (`native`) keeps the plain names, so its records pair with older runs'.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +21,15 @@ import torch
 
 from benchlib.records import append_record, check_run_settings, load_records
 from cacheblend_rag.config import BlendConfig, blend_rule
+from cacheblend_rag.engine import CacheBlendEngine, TokenizedPrompt
 from cacheblend_rag.errors import CacheBlendError, ConfigError
 from cacheblend_rag.evaluation.datasets import Case, Dataset, TaskSpec
 from cacheblend_rag.evaluation.fidelity import Reference, measure, prepare_case
+from cacheblend_rag.store.codec import CODECS
 
 RESULTS_FILE = "fidelity.jsonl"
 DEFAULT_RATIOS = (0.02, 0.05, 0.10, 0.15, 0.30)
+NATIVE = "native"  # the uncompressed store: its methods keep their plain names
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,48 @@ def fidelity_methods(rules: Sequence[str], ratios: Sequence[float], *, reuse: bo
     return methods
 
 
+def codec_method_name(method: str, codec: str) -> str:
+    """'attention@0.15', 'int8' -> 'attention@0.15+int8'; the uncompressed store keeps the plain name."""
+    return method if codec == NATIVE else f"{method}+{codec}"
+
+
+def split_codec(name: str) -> tuple[str, str]:
+    """A recorded method name -> (the method, the codec its chunk KV was read through); undoes `codec_method_name`."""
+    method, sep, codec = name.rpartition("+")
+    return (method, codec) if sep else (name, NATIVE)
+
+
+def parse_codecs(text: str) -> list[str]:
+    """ "int8,int4" -> ['native', 'int8', 'int4']: the uncompressed store always comes first, as every codec's
+    measures are paired against it. ConfigError naming a codec that `store.codec.CODECS` does not have."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CODECS]
+    if unknown:
+        raise ConfigError(f"--kv-codec: unknown codec {unknown[0]!r}; choose among {', '.join(CODECS)}")
+    return list(dict.fromkeys([NATIVE, *names]))
+
+
+def codec_engines(engine: CacheBlendEngine, codecs: Sequence[str]) -> dict[str, CacheBlendEngine]:
+    """Per codec name, an engine on `engine`'s model (shared, not copied) whose memory tier stores chunk KV through
+    that codec; `engine` itself for the uncompressed store."""
+    engines = {}
+    for name in codecs:
+        config = replace(engine.config, memory_codec=name)
+        engines[name] = engine if name == NATIVE else CacheBlendEngine(engine.model, engine.tokenizer, config=config,
+                                                                      template=engine.template)  # fmt: skip
+    return engines
+
+
+def _copy_chunks(src: CacheBlendEngine, dst: CacheBlendEngine, prompt: TokenizedPrompt) -> None:
+    """Put the prompt's stored KV (prefix and chunks) from `src`'s store into `dst`'s, which encodes it with its
+    codec: the same KV as a prefill on `dst` would store, without computing it again. An entry `src` no longer
+    holds is left out; `dst` then prefills it when it is read."""
+    for key in src.prompt_keys(prompt):
+        kv = src.store.get(key)
+        if kv is not None:
+            dst.store.put(kv)
+
+
 def _interleave(datasets: Sequence[Dataset]) -> Iterator[tuple[TaskSpec, Case]]:
     """Case 1 of every data set, then case 2 of every data set...: a stopped run covers all sets evenly."""
     longest = max((len(ds.cases) for ds in datasets), default=0)
@@ -71,13 +120,17 @@ def run_fidelity(
     methods: Sequence[FidelityMethod],
     out_dir: str | os.PathLike[str],
     *,
+    codecs: Mapping[str, CacheBlendEngine] | None = None,
     settings: dict[str, Any] | None = None,
     show_progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """Measure every (case, method) not yet in `OUT/fidelity.jsonl`; return all records.
+    """Measure every (case, method, codec) not yet in `OUT/fidelity.jsonl`; return all records.
 
-    Per case: warm the chunk store (untimed), compute full recompute's reference once, then each method.
-    A case whose prompt the engine refuses (e.g. beyond the context) is recorded with its error and skipped.
+    Per case: warm the chunk store (untimed), compute full recompute's reference once with `engine`, then each
+    method on each engine of `codecs` (codec name -> an engine on the same model whose store reads chunk KV
+    through that codec, `codec_engines`; default: `engine` alone, as "native"), its store warmed with `engine`'s
+    chunk KV. A case whose prompt the engine refuses (e.g. beyond the context) is recorded with its error and
+    skipped.
     """
     from tqdm.auto import tqdm
 
@@ -86,7 +139,8 @@ def run_fidelity(
     check_run_settings(out, settings or {})
     records = load_records(out, repair=True, filename=RESULTS_FILE)
     done = {(r["dataset"], r["case_id"], r["method"]) for r in records}
-    names = ["full", *(m.name for m in methods)]
+    codecs = dict(codecs or {NATIVE: engine})
+    names = ["full", *(codec_method_name(m.name, c) for c in codecs for m in methods)]
     work = [(s, c) for s, c in _interleave(datasets) if any((s.name, c.id, n) not in done for n in names)]
     bar = tqdm(work, desc="fidelity", unit="case", disable=not show_progress)
     for spec, case in bar:
@@ -102,11 +156,15 @@ def run_fidelity(
         todo: list[tuple[str, dict[str, Any]]] = []
         if (spec.name, case.id, "full") not in done:
             todo.append(("full", _full_record(ref)))
-        for method in methods:
-            if (spec.name, case.id, method.name) not in done:
-                rec = measure(engine, prompt, ref, method.blend)
-                rec.update(rule=method.rule, ratio=method.ratio)
-                todo.append((method.name, rec))
+        for codec, codec_engine in codecs.items():
+            missing = [m for m in methods if (spec.name, case.id, codec_method_name(m.name, codec)) not in done]
+            if missing and codec_engine is not engine:
+                codec_engine.clear_store()  # only this case's chunks: the stores stay small
+                _copy_chunks(engine, codec_engine, prompt)
+            for method in missing:
+                rec = measure(codec_engine, prompt, ref, method.blend)
+                rec.update(rule=method.rule, ratio=method.ratio, codec=codec)
+                todo.append((codec_method_name(method.name, codec), rec))
         for name, rec in todo:
             rec = {**base, "method": name, "answer_tokens": len(ref.token_ids), "prompt_tokens": ref.prompt_tokens,
                    **rec}  # fmt: skip

@@ -1,0 +1,126 @@
+"""The fidelity benchmark's codec table: what storing chunk KV through a codec costs each method, paired per case.
+
+`fidelity.py --kv-codec int8,int4` records every method once per codec (`attention@0.15+int8`, ...) against the same
+full-recompute reference as the uncompressed store's `attention@0.15`. Per data set and pooled over all of them,
+each (codec, method) gets the mean over cases of KL(full || method with codec) - KL(full || method uncompressed),
+a 95% bootstrap interval over cases, and the change in top-1 and first-token agreement. A codec is "within noise"
+for a method when that interval includes 0 or the mean increase is at most `NOISE_NATS`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from benchlib.fidelity_run import NATIVE, split_codec
+from benchlib.report import cases_text, ci_text
+from cacheblend_rag.evaluation.fidelity import bootstrap_ci
+
+NOISE_NATS = 0.005  # a mean KL increase this small is within noise whatever its interval
+POOLED = "pooled"  # the data set name of the rows over every data set's cases
+
+
+@dataclass(frozen=True)
+class CodecDifference:
+    """One method read through one codec against the same method uncompressed, over the cases both finished."""
+
+    dataset: str  # or POOLED
+    codec: str
+    method: str  # the uncompressed method's name
+    n: int
+    kl_native: float  # mean KL of the method uncompressed, nats
+    kl_codec: float  # mean KL of the method with the codec
+    kl_diff: float  # kl_codec - kl_native (the mean of the per-case differences)
+    kl_diff_ci: tuple[float, float]  # 95% bootstrap interval over cases
+    top1_diff: float  # change in top-1 agreement (codec - uncompressed)
+    first_token_diff: float  # change in the share of cases whose first token matches full recompute's
+
+    @property
+    def within_noise(self) -> bool:
+        lo, hi = self.kl_diff_ci
+        return lo <= 0.0 <= hi or self.kl_diff <= NOISE_NATS
+
+
+def _ok(records: Iterable[Mapping[str, object]]) -> list[Mapping[str, object]]:
+    return [r for r in records if "error" not in r and r.get("kl_mean") is not None]
+
+
+def codec_differences(records: Sequence[Mapping[str, object]]) -> list[CodecDifference]:
+    """Per data set (sorted, then POOLED over all of them), per codec and method in the order first recorded: the
+    paired difference to the uncompressed store. Empty when the records hold no codec other than native."""
+    by_case: dict[tuple[str, str], dict[tuple[str, str], Mapping[str, object]]] = defaultdict(dict)
+    pairs: dict[tuple[str, str], None] = {}  # (codec, method), in first-recorded order
+    for r in _ok(records):
+        method, codec = split_codec(str(r["method"]))
+        by_case[(str(r["dataset"]), str(r["case_id"]))][(codec, method)] = r
+        if codec != NATIVE:
+            pairs[(codec, method)] = None
+    datasets = sorted({ds for ds, _ in by_case})
+    rows = []
+    for ds in [*datasets, POOLED] if len(datasets) > 1 else datasets:
+        cases = [recs for (d, _), recs in sorted(by_case.items()) if ds in (d, POOLED)]
+        for codec, method in pairs:
+            both = [(recs[(NATIVE, method)], recs[(codec, method)]) for recs in cases
+                    if (NATIVE, method) in recs and (codec, method) in recs]  # fmt: skip
+            if both:
+                rows.append(_difference(ds, codec, method, both))
+    return rows
+
+
+def _difference(
+    dataset: str, codec: str, method: str, both: Sequence[tuple[Mapping[str, object], Mapping[str, object]]]
+) -> CodecDifference:
+    """`both`: per case, (the uncompressed record, the codec's record), in a fixed order (the interval is seeded)."""
+
+    def mean(metric: str, side: int) -> float:
+        return statistics.fmean(float(pair[side][metric]) for pair in both)  # type: ignore[arg-type]
+
+    diffs = [float(c["kl_mean"]) - float(n["kl_mean"]) for n, c in both]  # type: ignore[arg-type]
+    return CodecDifference(
+        dataset=dataset,
+        codec=codec,
+        method=method,
+        n=len(both),
+        kl_native=mean("kl_mean", 0),
+        kl_codec=mean("kl_mean", 1),
+        kl_diff=statistics.fmean(diffs),
+        kl_diff_ci=bootstrap_ci(diffs),
+        top1_diff=mean("top1", 1) - mean("top1", 0),
+        first_token_diff=mean("first_token", 1) - mean("first_token", 0),
+    )
+
+
+def codec_markdown(rows: Sequence[CodecDifference]) -> str:
+    """The table of `codec_differences`, one per data set and pooled; '' when there is no codec row."""
+    if not rows:
+        return ""
+    lines = [
+        "### Stored KV codecs: paired difference to the uncompressed store",
+        "",
+        "Per case, the method with its chunk KV read through the codec minus the same method uncompressed, against "
+        f"the same full-recompute reference. Within noise: the 95% interval includes 0, or KL rises by at most "
+        f"{NOISE_NATS} nats.",
+        "",
+    ]
+    for ds in dict.fromkeys(r.dataset for r in rows):
+        mine = [r for r in rows if r.dataset == ds]
+        title = "all data sets" if ds == POOLED else ds
+        lines += [
+            f"#### {title} ({cases_text(max(r.n for r in mine))})",
+            "",
+            "| codec | method | cases | KL uncompressed | KL codec | KL(codec) - KL(native) [95% CI] | top-1 change | "
+            "first-token change | verdict |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in mine:
+            verdict = "within noise" if r.within_noise else "NOT within noise"
+            if r.n == 1:  # the interval of one case is that case's difference: no measure of noise at all
+                verdict += " (1 case)"
+            lines.append(
+                f"| {r.codec} | {r.method} | {r.n} | {r.kl_native:.4f} | {r.kl_codec:.4f} | {r.kl_diff:+.4f} "
+                f"{ci_text(r.kl_diff_ci, '+.4f')} | {r.top1_diff:+.3f} | {r.first_token_diff:+.2f} | {verdict} |"
+            )
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,149 @@
+"""The fidelity benchmark with stored-KV codecs (`fidelity.py --kv-codec`): every method measured again with its chunk
+KV read through a codec, named after method and codec, and paired per case against the uncompressed store
+(`benchlib.fidelity_codecs`). Tiny random models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from benchlib.fidelity_codecs import NOISE_NATS, POOLED, CodecDifference, codec_differences, codec_markdown
+from benchlib.fidelity_report import write_fidelity_report
+from benchlib.fidelity_run import (
+    codec_engines,
+    codec_method_name,
+    fidelity_methods,
+    parse_codecs,
+    run_fidelity,
+    split_codec,
+)
+from fidelity import main
+from test_fidelity import tiny_dataset
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.store.codec import CODECS, NATIVE, PayloadSpec
+from cacheblend_rag.store.memory import MemoryStore
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CONFIG = EngineConfig(miss_policy="blend", chunk_separator="")
+
+
+@pytest.fixture
+def engine() -> CacheBlendEngine:
+    return CacheBlendEngine(make_tiny_model("qwen2", mute_eos=True), make_tiny_tokenizer(), config=CONFIG)
+
+
+def on_store(engine: CacheBlendEngine, store: MemoryStore) -> CacheBlendEngine:
+    """Another engine on `engine`'s model whose chunk KV goes through `store`."""
+    return CacheBlendEngine(engine.model, engine.tokenizer, config=CONFIG, store=store)
+
+
+class ValuesNegated:
+    """Broken on purpose: keys exact, values read back negated (a sign slip in a decoder)."""
+
+    name = "values-negated"
+
+    def payload_spec(self, shape, dtype) -> PayloadSpec:
+        return PayloadSpec(dtype, tuple(shape), tuple(shape))
+
+    def encode(self, k, v):
+        return k, v
+
+    def decode(self, key_payload, value_payload, shape, dtype):
+        return key_payload.view(shape), -value_payload.view(shape)
+
+
+def test_codec_methods_carry_the_codec_in_their_name_and_native_keeps_the_plain_name():
+    assert codec_method_name("attention@0.15", "int8") == "attention@0.15+int8"
+    assert codec_method_name("reuse", "native") == "reuse"
+    assert split_codec("attention@0.15+int4") == ("attention@0.15", "int4")
+    assert split_codec("attention@0.15") == ("attention@0.15", "native")
+    assert parse_codecs("int4, int8,int4") == ["native", "int4", "int8"]  # uncompressed first, once each
+    with pytest.raises(ConfigError, match="unknown codec 'int3'"):
+        parse_codecs("int3")
+
+
+def test_every_method_is_measured_per_codec_and_paired_with_itself_uncompressed(engine, tmp_path):
+    engines = codec_engines(engine, ["native", "int8"])
+    assert engines["native"] is engine and engines["int8"].model is engine.model  # one model, not a copy
+    records = run_fidelity(engine, [tiny_dataset(2)], fidelity_methods(["attention"], [0.15]), tmp_path,
+                           codecs=engines, show_progress=False)  # fmt: skip
+    names = [r["method"] for r in records if r["case_id"] == "c0"]
+    assert names == ["full", "reuse", "attention@0.15", "reuse+int8", "attention@0.15+int8"]
+    assert {r["codec"] for r in records if r["method"].endswith("+int8")} == {"int8"}
+
+    rows = codec_differences(records)
+    assert [(r.dataset, r.codec, r.method, r.n) for r in rows] == [
+        ("tinyqa", "int8", "reuse", 2),
+        ("tinyqa", "int8", "attention@0.15", 2),
+    ]
+    kl = {(r["case_id"], r["method"]): r["kl_mean"] for r in records}
+    want = sum(kl[(c, "reuse+int8")] - kl[(c, "reuse")] for c in ("c0", "c1")) / 2
+    assert rows[0].kl_diff == pytest.approx(want, abs=1e-12)
+    # Resuming measures nothing again; the summary ends with the codec table.
+    assert len(run_fidelity(engine, [tiny_dataset(2)], fidelity_methods(["attention"], [0.15]), tmp_path,
+                            codecs=engines, show_progress=False)) == len(records)  # fmt: skip
+    files = write_fidelity_report(tmp_path, records)
+    assert "| int8 | reuse | 2 |" in files["summary"].read_text()
+    assert json.loads(files["codecs"].read_text())[0]["codec"] == "int8"
+
+
+def test_the_uncompressed_store_read_through_another_engine_differs_by_exactly_zero(engine, tmp_path):
+    engines = {"native": engine, "native-copy": on_store(engine, MemoryStore(codec=NATIVE))}
+    records = run_fidelity(engine, [tiny_dataset(3)], fidelity_methods(["attention"], [0.15]), tmp_path,
+                           codecs=engines, show_progress=False)  # fmt: skip
+    rows = codec_differences(records)
+    assert len(rows) == 2
+    for r in rows:
+        assert (r.kl_diff, r.kl_diff_ci, r.top1_diff, r.first_token_diff) == (0.0, (0.0, 0.0), 0.0, 0.0)
+        assert r.within_noise
+
+
+def test_a_broken_codec_is_flagged_not_within_noise(engine, tmp_path):
+    engines = {"native": engine, "broken": on_store(engine, MemoryStore(codec=ValuesNegated()))}
+    records = run_fidelity(engine, [tiny_dataset(3)], fidelity_methods([], [], reuse=True), tmp_path,
+                           codecs=engines, show_progress=False)  # fmt: skip
+    (row,) = codec_differences(records)
+    assert row.method == "reuse" and row.n == 3
+    assert row.kl_diff > NOISE_NATS and row.kl_diff_ci[0] > 0, row
+    assert not row.within_noise and "NOT within noise" in codec_markdown([row])
+
+
+def test_a_real_codec_of_this_package_stays_close_on_the_tiny_model(engine, tmp_path):
+    engines = {"native": engine, "int8": on_store(engine, MemoryStore(codec=CODECS["int8"]))}
+    records = run_fidelity(engine, [tiny_dataset(2)], fidelity_methods([], [], reuse=True), tmp_path,
+                           codecs=engines, show_progress=False)  # fmt: skip
+    (row,) = codec_differences(records)
+    assert abs(row.kl_diff) < NOISE_NATS and row.within_noise, row
+
+
+def _rec(dataset: str, method: str, case: str, kl: float, top1: float = 1.0, first: float = 1.0) -> dict:
+    return {"dataset": dataset, "case_id": case, "method": method, "kl_mean": kl, "top1": top1, "first_token": first}
+
+
+def test_within_noise_means_an_interval_through_zero_or_a_small_increase():
+    def row(diff: float, ci: tuple[float, float]) -> CodecDifference:
+        return CodecDifference("d", "int4", "reuse", 5, 0.1, 0.1 + diff, diff, ci, 0.0, 0.0)
+
+    assert row(0.02, (-0.01, 0.05)).within_noise  # interval through 0
+    assert row(0.004, (0.003, 0.005)).within_noise  # small, if certain
+    assert not row(0.02, (0.01, 0.03)).within_noise
+
+
+def test_pooled_rows_pair_cases_of_every_data_set():
+    recs = []
+    for ds, extra in (("a", 0.01), ("b", 0.03)):
+        for i in range(2):
+            recs += [_rec(ds, "reuse", f"c{i}", 0.1), _rec(ds, "reuse+int4", f"c{i}", 0.1 + extra, first=0.0)]
+    rows = {r.dataset: r for r in codec_differences(recs)}
+    assert list(rows) == ["a", "b", POOLED]
+    assert rows[POOLED].n == 4 and rows[POOLED].kl_diff == pytest.approx(0.02)
+    assert rows["b"].first_token_diff == -1.0 and not rows["b"].within_noise
+
+
+def test_bench_fidelity_refuses_an_unknown_codec_before_loading_a_model(tmp_path, capsys):
+    assert main(["--out", str(tmp_path), "--model", "no-such-model", "--kv-codec", "int8,int3"]) == 2
+    assert "unknown codec 'int3'" in capsys.readouterr().err
