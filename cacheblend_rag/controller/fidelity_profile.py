@@ -33,7 +33,7 @@ from typing import Any
 from ..config import Guard
 from ..errors import ConfigError
 from .fidelity_choice import Estimate, FidelityChoice, HeldBackCheck, Setting, Targets
-from .profile import _read_small_text_file
+from .profile import read_profile_json
 
 PROFILE_FORMAT = "cacheblend-rag/fidelity-profile/1"
 DEFAULT_RATIOS = (0.05, 0.15, 0.3, 0.5, 1.0)
@@ -181,13 +181,7 @@ class FidelityProfile:
         """Read a profile written by `save`; ConfigError, naming the path, for anything that is not one."""
         path = Path(path)
         redo = f"write it with `cacheblend-rag calibrate --out {path}`"
-        text = _read_small_text_file(path, "a fidelity profile", MAX_PROFILE_BYTES, redo)
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise ConfigError(f"{path} is not a fidelity profile (invalid JSON: {exc}); {redo}") from None
-        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-            raise ConfigError(f"{path} is not a {PROFILE_FORMAT} file; {redo}")
+        data = read_profile_json(path, "a fidelity profile", PROFILE_FORMAT, MAX_PROFILE_BYTES, redo)
         try:
             return cls(
                 model=str(data["model"]),

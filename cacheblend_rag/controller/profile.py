@@ -143,16 +143,8 @@ class LoadingProfile:
         missing path, a folder, a FIFO or device (never read: it could block or never end), a file above
         MAX_PROFILE_BYTES, binary or malformed content."""
         path = Path(path)
-        text = _read_small_text_file(path, "a loading profile", MAX_PROFILE_BYTES)
         redo = f"write it with `cacheblend-rag profile --out {path}`"
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not a loading profile (invalid JSON: {exc}); {redo}") from exc
-        except RecursionError:
-            raise ConfigError(f"{path} is not a loading profile (JSON nested too deeply); {redo}") from None
-        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-            raise ConfigError(f"{path} is not a {PROFILE_FORMAT} file; {redo}")
+        data = read_profile_json(path, "a loading profile", PROFILE_FORMAT, MAX_PROFILE_BYTES, redo)
         try:
             return cls(
                 model=str(data["model"]),
@@ -168,6 +160,21 @@ class LoadingProfile:
 
 # A profile holds a few compute points and tier speeds: a few KB. Anything far larger is not one.
 MAX_PROFILE_BYTES = 1 << 20
+
+
+def read_profile_json(path: Path, what: str, fmt: str, max_bytes: int, redo: str) -> dict[str, Any]:
+    """The JSON object of a profile file whose "format" is `fmt`; ConfigError naming `path` and `what` it should
+    be for anything else (see `_read_small_text_file`), with `redo`: how to write one."""
+    text = _read_small_text_file(path, what, max_bytes, redo)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not {what} (invalid JSON: {exc}); {redo}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} is not {what} (JSON nested too deeply); {redo}") from None
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        raise ConfigError(f"{path} is not a {fmt} file; {redo}")
+    return data
 
 
 def _read_small_text_file(path: Path, what: str, max_bytes: int, redo: str | None = None) -> str:
