@@ -30,7 +30,12 @@ def _engine_config(args: argparse.Namespace):
     blend = BlendConfig(recompute_ratio=args.ratio) if args.ratio is not None else BlendConfig()
     _check_kv_dir(args)
     return EngineConfig(
-        device=args.device, dtype=args.dtype, blend=blend, disk_dir=args.kv_dir, redis_url=args.redis_url
+        device=args.device,
+        dtype=args.dtype,
+        blend=blend,
+        disk_dir=args.kv_dir,
+        redis_url=args.redis_url,
+        miss_policy=args.miss_policy,
     )
 
 

@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_arguments(ask)
     ask.add_argument("--mode", default="blend", choices=MODES, help="how the prompt's KV is built")
     ask.add_argument("--ratio", type=float, help="recompute ratio for blend (default: the engine's, 0.15)")
+    ask.add_argument(
+        "--miss-policy",
+        default="auto",
+        choices=["auto", "blend", "full"],
+        help="a question whose chunks are not stored yet: full prefill then store them (full), prefill each chunk "
+        "then blend (blend), or whichever costs less compute (auto)",
+    )
     ask.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question")
     ask.add_argument("--max-new-tokens", type=int, default=128, help="longest answer, in tokens")
     ask.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")

@@ -160,9 +160,12 @@ def test_ask_answers_from_a_folder_and_reuses_chunks(tmp_path, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "Quillton" in out
-    assert out.count("mode=blend") == 2
-    assert "chunks hit/miss=0/2" in out  # the first question computes its chunks' KV, inside its TTFT
-    assert "chunks hit/miss=2/0" in out  # the second reads them from the store
+    # The first question finds no chunk stored: the miss policy answers it with a full prefill (cheaper than
+    # prefilling both chunks and blending) and stores them after; the second reads them from the store and blends.
+    assert "mode=full" in out and "[full prefill: 2 of 2 chunks not stored yet]" in out
+    assert out.count("mode=blend") == 1
+    assert "chunks hit/miss=0/2" in out
+    assert "chunks hit/miss=2/0" in out
     assert (index_dir / "chunks.json").exists()
 
     # A second run with a KV folder: the first fills it, the second reads every chunk back from disk.
