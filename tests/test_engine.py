@@ -118,7 +118,9 @@ def test_second_request_hits_the_chunk_cache():
     second = ask(eng, [random_words(42, 15), random_words(43, 15)], max_new_tokens=1)  # one chunk shared, one new
     assert (second.metrics.chunks_hit, second.metrics.chunks_missed) == (1, 1)
     assert second.metrics.bytes_loaded > 0
-    assert second.metrics.reused_tokens == 30
+    # only the stored chunk's tokens count as reused; the new one's are cold (prefilled in the request)
+    assert (second.metrics.reused_tokens, second.metrics.cold_tokens) == (15, 15)
+    assert (first.metrics.reused_tokens, first.metrics.cold_tokens) == (0, 30)
 
 
 def test_cold_chunks_give_the_same_answer_as_warm_ones():
