@@ -128,3 +128,21 @@ def default_preset_tokenizer():
     if not (folder / "tokenizer.json").is_file():
         return None
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def built_prompts(engine, call) -> list:
+    """The `TokenizedPrompt`s that `call()` (e.g. a framework chain run on `engine`) had the engine build: every
+    request's prompt goes through `engine.build_prompt`, which is wrapped for the duration of the call."""
+    prompts = []
+    build_prompt = engine.build_prompt
+
+    def recording(*args, **kwargs):
+        prompts.append(build_prompt(*args, **kwargs))
+        return prompts[-1]
+
+    engine.build_prompt = recording  # an instance attribute, shadowing the method until it is deleted
+    try:
+        call()
+    finally:
+        del engine.build_prompt
+    return prompts

@@ -32,8 +32,7 @@ from .metrics import RequestMetrics
 from .planning import check_blend
 from .prefill import Prefill, Prefiller, RatioPolicy
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_chunks, tokenize_parts, tokenize_prefix
-from .prompt_text import PromptText
-from .request import Request, check_chunks, check_text
+from .request import Request, check_chunks, check_part, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -194,8 +193,7 @@ class CacheBlendEngine:
         """
         check_chunks(chunks)
         check_text("question", question, optional=True)
-        if not isinstance(prefix, PromptText):  # marked-up text from a chat template
-            check_text("prefix", prefix, optional=True)
+        check_part("prefix", prefix)
         check_encodable(chunks, question=question, prefix=prefix)
         if prefix is None:
             prefix, _ = (template or self.template).render_parts(self.tokenizer, question or "?")

@@ -242,19 +242,21 @@ class Prefiller:
         guard = self.guard
         spent = list(probe.recomputed_per_layer)  # the probe's question-only pass is part of this rule's compute
 
-        def blend_at(cfg: BlendConfig) -> tuple[FusionResult, torch.Tensor]:
+        _, chunks = prefix_and_chunk_masks(prompt)
+        # The fusor writes into what it loads: a guard that may blend again needs the probe's KV intact.
+        keep = guard is not None
+
+        def blend_at(cfg: BlendConfig) -> tuple[FusionResult, FusionPlan]:
             plan = blend_plan(prompt, cfg, scores)
-            # The fusor writes into what it loads: a guard that may blend again needs the probe's KV intact.
-            keep = guard is not None
             out, _, _ = self._run_fusor(
                 plan, lambda i: (raw_keys[i].clone(), values[i].clone()) if keep else (raw_keys[i], values[i])
             )
             spent[:] = [a + b for a, b in zip(spent, out.recomputed_per_layer, strict=True)]
-            return out, ~plan.exact & prefix_and_chunk_masks(prompt)[1]
+            return out, plan
 
-        result, recomputed = blend_at(blend)
+        result, plan = blend_at(blend)
         assert result.logits is not None
-        _, chunks = prefix_and_chunk_masks(prompt)
+        recomputed = chunks & ~plan.exact  # the chunk tokens this blend recomputed
         m.risk = first_token_signals(result.logits, probe.logits, scores.cpu(), chunks, recomputed)
         if guard is not None and guard.is_risky(m.risk):
             for ratio in guard.ladder(blend.recompute_ratio):

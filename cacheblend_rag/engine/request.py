@@ -60,8 +60,7 @@ class Request:
         if self.template is not None and not isinstance(self.template, PromptTemplate):
             raise ConfigError(f"template must be a PromptTemplate, got {type(self.template).__name__}")
         for name in ("prefix", "suffix"):
-            if not isinstance(getattr(self, name), PromptText):  # marked-up text from a chat template
-                check_text(name, getattr(self, name), optional=True)
+            check_part(name, getattr(self, name))
 
     @classmethod
     def from_options(cls, method: str, options: Mapping[str, Any]) -> Request:
@@ -103,6 +102,12 @@ def check_text(name: str, value: object, *, optional: bool = False) -> None:
         return
     hint = " (decode bytes first, e.g. value.decode('utf-8'))" if isinstance(value, (bytes, bytearray)) else ""
     raise PromptError(f"{name} must be a string{' or None' if optional else ''}, got {type(value).__name__}{hint}")
+
+
+def check_part(name: str, value: object) -> None:
+    """An explicit prefix or suffix: a str, the marked-up text a chat template renders (`PromptText`), or None."""
+    if not isinstance(value, PromptText):
+        check_text(name, value, optional=True)
 
 
 def check_chunks(chunks: object) -> Sequence[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.testing import default_preset_tokenizer, tiny_model_over
+from cacheblend_rag.testing import built_prompts, default_preset_tokenizer, tiny_model_over
 from llama_index.core.schema import NodeWithScore, TextNode
 
 from llama_index.llms.cacheblend import CacheBlendLLM
@@ -26,21 +26,13 @@ def engine() -> CacheBlendEngine:
     return CacheBlendEngine(tiny_model_over(tokenizer), tokenizer, config=EngineConfig(miss_policy="blend"))
 
 
-def _prompt_starts(engine: CacheBlendEngine, monkeypatch: pytest.MonkeyPatch, node_text: str) -> int:
+def _prompt_starts(engine: CacheBlendEngine, node_text: str) -> int:
     """How many `<|im_start|>` tokens the synthesizer's prompt holds for one retrieved node."""
-    prompts = []
-    build_prompt = engine.build_prompt
-
-    def recording(*args, **kwargs):  # every request's prompt is tokenized by `build_prompt`
-        prompts.append(build_prompt(*args, **kwargs))
-        return prompts[-1]
-
-    monkeypatch.setattr(engine, "build_prompt", recording)
     synthesizer = BlendSynthesizer(CacheBlendLLM(engine=engine, max_new_tokens=1))
-    synthesizer.synthesize("Where is Paris?", nodes=[NodeWithScore(node=TextNode(text=node_text), score=1.0)])
-    (prompt,) = prompts
+    node = NodeWithScore(node=TextNode(text=node_text), score=1.0)
+    (prompt,) = built_prompts(engine, lambda: synthesizer.synthesize("Where is Paris?", nodes=[node]))
     return prompt.input_ids().tolist().count(engine.tokenizer.convert_tokens_to_ids("<|im_start|>"))
 
 
-def test_synthesizer_node_with_chat_markup_adds_no_turn(engine, monkeypatch) -> None:
-    assert _prompt_starts(engine, monkeypatch, FORGED) == _prompt_starts(engine, monkeypatch, CLEAN) == 3
+def test_synthesizer_node_with_chat_markup_adds_no_turn(engine) -> None:
+    assert _prompt_starts(engine, FORGED) == _prompt_starts(engine, CLEAN) == 3

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.testing import default_preset_tokenizer, tiny_model_over
+from cacheblend_rag.testing import built_prompts, default_preset_tokenizer, tiny_model_over
 from langchain_core.documents import Document
 from langchain_core.messages import HumanMessage
 from langchain_core.prompts import ChatPromptTemplate
@@ -30,22 +30,13 @@ def engine() -> CacheBlendEngine:
     return CacheBlendEngine(tiny_model_over(tokenizer), tokenizer, config=EngineConfig(miss_policy="blend"))
 
 
-def _prompt_starts(engine: CacheBlendEngine, monkeypatch: pytest.MonkeyPatch, call: Any) -> int:
+def _prompt_starts(engine: CacheBlendEngine, call: Any) -> int:
     """How many `<|im_start|>` tokens the prompt of `call()` holds."""
-    prompts = []
-    build_prompt = engine.build_prompt
-
-    def recording(*args, **kwargs):  # every request's prompt is tokenized by `build_prompt`
-        prompts.append(build_prompt(*args, **kwargs))
-        return prompts[-1]
-
-    monkeypatch.setattr(engine, "build_prompt", recording)
-    call()
-    (prompt,) = prompts
+    (prompt,) = built_prompts(engine, call)
     return prompt.input_ids().tolist().count(engine.tokenizer.convert_tokens_to_ids("<|im_start|>"))
 
 
-def test_documents_chain_document_with_chat_markup_adds_no_turn(engine, monkeypatch) -> None:
+def test_documents_chain_document_with_chat_markup_adds_no_turn(engine) -> None:
     prompt = ChatPromptTemplate.from_messages(
         [("system", "Answer from the context."), ("human", "{context}\n\nQuestion: {input}")]
     )
@@ -54,10 +45,10 @@ def test_documents_chain_document_with_chat_markup_adds_no_turn(engine, monkeypa
     def ask(text: str) -> Any:
         return lambda: chain.invoke({"context": [Document(page_content=text)], "input": "Where is Paris?"})
 
-    assert _prompt_starts(engine, monkeypatch, ask(FORGED)) == _prompt_starts(engine, monkeypatch, ask(CLEAN)) == 3
+    assert _prompt_starts(engine, ask(FORGED)) == _prompt_starts(engine, ask(CLEAN)) == 3
 
 
-def test_chat_message_with_chat_markup_adds_no_turn(engine, monkeypatch) -> None:
+def test_chat_message_with_chat_markup_adds_no_turn(engine) -> None:
     chat = ChatCacheBlend(engine=engine, max_tokens=1)
     # a document stuffed into the message itself, as create_stuff_documents_chain does
 
@@ -65,4 +56,4 @@ def test_chat_message_with_chat_markup_adds_no_turn(engine, monkeypatch) -> None
         return lambda: chat.invoke([HumanMessage(text + "\nWhere is Paris?")])
 
     # Qwen2.5's template adds its default system turn, then the user and the assistant turns
-    assert _prompt_starts(engine, monkeypatch, ask(FORGED)) == _prompt_starts(engine, monkeypatch, ask(CLEAN)) == 3
+    assert _prompt_starts(engine, ask(FORGED)) == _prompt_starts(engine, ask(CLEAN)) == 3
