@@ -1,15 +1,17 @@
-"""Do a blend's risk signals tell which requests drift from full recompute, and what would a guard buy?
+"""Do a blend's risk signals tell which requests drift from full recompute, and what does the guard buy?
 
-Reads fidelity records (`benchmarks/fidelity.py`, whose blend records carry the "attention" rule's risk signals,
-`cacheblend_rag.engine.guard.first_token_signals`) with `reuse`, the base blend (e.g. `attention@0.15`) and a
-larger one (e.g. `attention@0.50`) on the same cases. It prints, per data set and pooled:
-- each signal's Spearman correlation with KL(full || blend), its ROC AUC for "blend's first token differs from
-  full's" and for "blend is further from full than reuse" (higher signal = more risk);
-- the guard replayed offline: a case whose signal crosses a threshold takes the larger blend's record, the others
-  the base blend's; first-token and top-1 agreement with full, mean KL and mean compute share (95% intervals),
-  next to fixed r.
+Reads the fidelity benchmark's records of full recompute, full KV reuse and the "attention" rule at 0.05, 0.15 and
+0.5 on the same cases (`benchlib.guard_study`), and writes OUT/summary.md and one Pareto figure per data set:
+- the signal table, per data set and pooled: each signal's Spearman correlation with KL(full || blend@0.15), its
+  ROC AUC for "blend's first token differs from full's" and for "blend is further from full than reuse";
+- every setting on the same cases: full reuse, fixed r, and the guard at each threshold (`Guard(max_kl)`, ladder
+  0.5 then 1.0), replayed from the records exactly as the engine decides (`FidelityProfile.outcome`), with 95%
+  intervals, the cases left further from full than reuse, and TTFT mean and p90 next to full's;
+- the held-back check: the cheapest setting meeting a first-token target, chosen on the first two thirds of one
+  data set's cases, measured on the rest.
 
-    python benchmarks/fidelity.py --rules attention --ratios 0.15,0.5 --limit 20 --out benchmarks/results/guard
+    python benchmarks/fidelity.py --rules attention --ratios 0.05,0.15,0.5 --kv-codec int8 --limit 50 \
+        --out benchmarks/results/guard --data-dir ../shared/data
     python benchmarks/guard_signals.py --records benchmarks/results/guard/fidelity.jsonl
 """
 
@@ -17,100 +19,65 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
+import sys
 from pathlib import Path
 
-import numpy as np
-from scipy.stats import spearmanr
-from sklearn.metrics import roc_auc_score
+from benchlib.guard_study import load_cases, markdown_rows, plot_pareto, profile, rows, signal_table
 
-from cacheblend_rag.evaluation import bootstrap_ci
-
-# signal name -> how to read it as "higher = riskier"
-SIGNALS = {
-    "kl_reuse": lambda r: r["kl_reuse"],
-    "disagree_reuse": lambda r: 0.0 if r["agree_reuse"] else 1.0,
-    "low_margin": lambda r: -r["margin"],
-    "stale_attention": lambda r: r["stale_attention"],
-}
+RESULTS = Path(__file__).parent / "results" / "guard"
 
 
-def load_cases(path: Path, base: str, high: str) -> dict[str, list[dict]]:
-    """dataset -> cases that have reuse, `base` (with risk signals) and `high` records."""
-    by_case: dict[tuple[str, str], dict[str, dict]] = defaultdict(dict)
-    for line in path.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            by_case[(r["dataset"], r["case_id"])][r["method"]] = r
-    out: dict[str, list[dict]] = defaultdict(list)
-    for (dataset, _), methods in sorted(by_case.items()):
-        if {"reuse", base, high} <= set(methods) and methods[base].get("risk"):
-            out[dataset].append({"reuse": methods["reuse"], "base": methods[base], "high": methods[high]})
+def signal_markdown(cases: list[dict]) -> list[str]:
+    out = ["| signal (higher = riskier) | Spearman with KL | AUC first token differs | AUC further than reuse |",
+           "|---|---|---|---|"]  # fmt: skip
+    for name, rho, auc_flip, auc_worse in signal_table(cases):
+        out.append(f"| {name} | {rho:+.2f} | {auc_flip:.2f} | {auc_worse:.2f} |")
+    flips = sum(c["attention@0.15"]["first_token"] < 1 for c in cases)
+    worse = sum(c["attention@0.15"]["kl_mean"] > c["reuse"]["kl_mean"] for c in cases)
+    out.append(f"\nBlend@0.15: {flips} of {len(cases)} cases change full's first token; {worse} are further from "
+               "full than reuse.")  # fmt: skip
     return out
 
 
-def auc(labels: list[bool], scores: list[float]) -> float:
-    return float(roc_auc_score(labels, scores)) if 0 < sum(labels) < len(labels) else float("nan")
-
-
-def signal_rows(cases: list[dict]) -> list[str]:
-    kl = [c["base"]["kl_mean"] for c in cases]
-    flipped = [c["base"]["first_token"] < 1 for c in cases]
-    worse = [c["base"]["kl_mean"] > c["reuse"]["kl_mean"] for c in cases]
-    rows = []
-    for name, read in SIGNALS.items():
-        s = [read(c["base"]["risk"]) for c in cases]
-        rho = spearmanr(s, kl).statistic if len(set(s)) > 1 else float("nan")
-        rows.append(f"| {name} | {rho:+.2f} | {auc(flipped, s):.2f} | {auc(worse, s):.2f} |")
-    return rows
-
-
-def ci(values: list[float]) -> str:
-    lo, hi = bootstrap_ci(values)
-    return f"{np.mean(values):.3f} [{lo:.3f}, {hi:.3f}]"
-
-
-def guard_rows(cases: list[dict], base: str, high: str) -> list[str]:
-    def row(name: str, picks: list[dict]) -> str:
-        first = [p["first_token"] for p in picks]
-        top1 = [p["top1"] for p in picks]
-        kl = [p["kl_mean"] for p in picks]
-        share = np.mean([p["compute_share"] for p in picks])
-        return f"| {name} | {ci(first)} | {ci(top1)} | {ci(kl)} | {share:.2f} |"
-
-    rows = [row(f"fixed {base}", [c["base"] for c in cases]), row(f"fixed {high}", [c["high"] for c in cases])]
-    kls = sorted(c["base"]["risk"]["kl_reuse"] for c in cases)
-    for q in (0.5, 0.75, 0.9):
-        t = float(np.quantile(kls, q))
-        picks = []
-        for c in cases:
-            risky = c["base"]["risk"]["kl_reuse"] > t or not c["base"]["risk"]["agree_reuse"]
-            # an escalated request pays for the base blend and then the larger one
-            pick = dict(c["high"], compute_share=c["base"]["compute_share"] + c["high"]["compute_share"])
-            picks.append(pick if risky else c["base"])
-        rows.append(row(f"guard kl_reuse > {t:.3f} or disagree", picks))
-    return rows
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--records", type=Path, default=Path(__file__).parent / "results" / "guard" / "fidelity.jsonl")
-    p.add_argument("--base", default="attention@0.15", help="the blend the guard starts from (default: %(default)s)")
-    p.add_argument("--high", default="attention@0.50", help="the blend it escalates to (default: %(default)s)")
-    args = p.parse_args()
-    by_set = load_cases(args.records, args.base, args.high)
+    p.add_argument("--records", type=Path, default=RESULTS / "fidelity.jsonl")
+    p.add_argument("--out", type=Path, help="folder for summary.md and figures (default: the records' folder)")
+    p.add_argument("--held-back", default="multi_news", help="data set of the held-back check (default: %(default)s)")
+    p.add_argument("--target-first-token", type=float, default=0.95)
+    args = p.parse_args(argv)
+    if not args.records.is_file():
+        print(f"error: no records at {args.records}; run benchmarks/fidelity.py first (see --help)", file=sys.stderr)
+        return 2
+    records = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
+    by_set = load_cases(records)
     if not by_set:
-        raise SystemExit(f"no case in {args.records} has reuse, {args.base} (with risk signals) and {args.high}")
+        print(f"error: no case in {args.records} has full, reuse and attention@0.05/0.15/0.50", file=sys.stderr)
+        return 2
+    out = args.out or args.records.parent
+    out.mkdir(parents=True, exist_ok=True)
     groups = {**by_set, "pooled": [c for cases in by_set.values() for c in cases]}
+    lines = [f"# The fidelity guard on {args.records}\n"]
     for name, cases in groups.items():
-        print(f"\n### {name} ({len(cases)} cases)\n")
-        print("| signal (higher = riskier) | Spearman with KL | AUC first token differs | AUC further than reuse |")
-        print("|---|---|---|---|")
-        print("\n".join(signal_rows(cases)))
-        print("\n| method | first-token agreement | top-1 agreement | mean KL (nats) | mean compute share |")
-        print("|---|---|---|---|---|")
-        print("\n".join(guard_rows(cases, args.base, args.high)))
+        table = rows(profile(cases)) + rows(profile(cases, ladder=(1.0,)), fixed=False)
+        lines += [f"\n## {name} ({len(cases)} cases)\n", *signal_markdown(cases), "", *markdown_rows(table)]
+        if name != "pooled":
+            figure = plot_pareto(table, name, out / f"guard_{name}.png")
+            lines.append(f"\n![{name}]({figure.name})")
+    if args.held_back in by_set and len(by_set[args.held_back]) >= 3:
+        check = profile(by_set[args.held_back]).held_back_check(target_first_token=args.target_first_token)
+        c, h = check.choice.estimate, check.held_back
+        lines += [f"\n## Held-back check on {args.held_back}\n",
+                  f"Chosen on {c.n} cases for first-token agreement >= {args.target_first_token}: "
+                  f"{c.setting.name} (met: {check.choice.met}; first token {c.first_token:.2f}, compute "
+                  f"{c.compute_share:.3f}). On the {h.n} held-back cases: first token {h.first_token:.2f} "
+                  f"[{h.first_token_ci[0]:.2f}, {h.first_token_ci[1]:.2f}], top-1 {h.top1:.3f}, mean KL "
+                  f"{h.kl_mean:.3f}, compute {h.compute_share:.3f}."]  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    (out / "summary.md").write_text(text)
+    print(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

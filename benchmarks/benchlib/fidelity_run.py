@@ -24,7 +24,8 @@ from cacheblend_rag.config import BlendConfig, blend_rule
 from cacheblend_rag.engine import CacheBlendEngine, TokenizedPrompt
 from cacheblend_rag.errors import CacheBlendError, ConfigError
 from cacheblend_rag.evaluation.datasets import Case, Dataset, TaskSpec
-from cacheblend_rag.evaluation.fidelity import Reference, measure, prepare_case
+from cacheblend_rag.engine.guard import kl
+from cacheblend_rag.evaluation.fidelity import Reference, measure_with_logits, prepare_case
 from cacheblend_rag.store.codec import CODECS
 
 RESULTS_FILE = "fidelity.jsonl"
@@ -161,8 +162,12 @@ def run_fidelity(
             if missing and codec_engine is not engine:
                 codec_engine.clear_store()  # only this case's chunks: the stores stay small
                 _copy_chunks(engine, codec_engine, prompt)
+            firsts: dict[str, torch.Tensor] = {}  # this codec's methods' first-token logits, in order
             for method in missing:
-                rec = measure(codec_engine, prompt, ref, method.blend)
+                rec, logits = measure_with_logits(codec_engine, prompt, ref, method.blend)
+                # KL(this || earlier method) of the first token: replays the guard's ladder offline
+                rec["first_kl"] = {name: kl(logits, other) for name, other in firsts.items()}
+                firsts[method.name] = logits
                 rec.update(rule=method.rule, ratio=method.ratio, codec=codec)
                 todo.append((codec_method_name(method.name, codec), rec))
         for name, rec in todo:

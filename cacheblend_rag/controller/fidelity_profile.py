@@ -86,15 +86,18 @@ class FidelityProfile:
         guard = setting.guard
         if guard is None or not guard.is_risky(question["risk"]):
             return {**record, "escalated": False}
-        share = record["compute_share"]
+        # compute share (and time, where the records have it) add up over the blends taken
+        costs = [k for k in ("compute_share", "ttft_s") if k in record and k in question["reuse"]]
+        spent = {k: record[k] for k in costs}
         for step in question["steps"]:
             if step["ratio"] not in guard.ladder(setting.ratio):
                 continue
             record = fixed[step["ratio"]]
-            share += record["compute_share"] - question["reuse"]["compute_share"]  # the first pass is shared
+            for k in costs:
+                spent[k] += record[k] - question["reuse"][k]  # the first pass is shared
             if step["agree_prev"] and step["kl_prev"] <= guard.max_kl:
                 break
-        return {**record, "compute_share": share, "escalated": True}
+        return {**record, **spent, "escalated": True}
 
     def estimate(self, setting: Setting) -> Estimate:
         from ..evaluation import bootstrap_ci

@@ -14,6 +14,7 @@ from .fidelity import (
     bootstrap_ci,
     fidelity_over_cases,
     measure,
+    measure_with_logits,
     prepare_case,
     reference_answer,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "fidelity_over_cases",
     "load_dataset",
     "measure",
+    "measure_with_logits",
     "normalize_answer",
     "prepare_case",
     "reference_answer",

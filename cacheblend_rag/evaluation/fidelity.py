@@ -37,6 +37,7 @@ __all__ = [
     "compare",
     "fidelity_over_cases",
     "measure",
+    "measure_with_logits",
     "prepare_case",
     "reference_answer",
     "teacher_forced_logits",
@@ -116,15 +117,24 @@ def measure(
 ) -> dict[str, Any]:
     """One way to prefill `prompt` (`blend`, or full KV reuse for None) against full recompute's `reference`:
     the figures of `compare`, with its TTFT (prefill and first token, warm store) and how much it recomputed."""
+    return measure_with_logits(engine, prompt, reference, blend)[0]
+
+
+def measure_with_logits(
+    engine: CacheBlendEngine, prompt: TokenizedPrompt, reference: Reference, blend: BlendConfig | None
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """`measure`, and the method's first-token logits ([vocab]): to compare methods of one case with each other
+    (e.g. whether two budgets pick the same first token, as the guard's ladder asks)."""
     t0 = time.perf_counter()
     mode = "reuse" if blend is None else "blend"
     pre = engine.prefill(prompt, mode, blend=blend)
-    int(pre.logits.argmax())
+    first = int(pre.logits.argmax())
     ttft = time.perf_counter() - t0
     m = pre.metrics
     record = compare(reference, teacher_forced_logits(engine, pre, reference))
     record.update(
         ttft_s=ttft,
+        first_token_id=first,
         compute_share=m.compute_share,
         recomputed_share=m.recomputed_tokens / max(m.prompt_tokens, 1),
         recomputed_tokens=m.recomputed_tokens,
@@ -132,7 +142,7 @@ def measure(
         risk=m.risk,  # the blend's risk signals (the "attention" rule), for the guard's study
         escalations=list(m.escalations),
     )
-    return record
+    return record, pre.logits.detach().float().reshape(-1).clone()
 
 
 BOOTSTRAP_SAMPLES = 2000
