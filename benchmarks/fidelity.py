@@ -66,7 +66,10 @@ def run(args: argparse.Namespace) -> int:
         datasets = [load_dataset(n, args.data_dir, args.limit) for n in names]
         engine = load_engine(args)
         engines = codec_engines(engine, codecs)
-        records = run_fidelity(engine, datasets, methods, args.out, codecs=engines, settings=run_settings_of(args))
+        codec_ratios = parse_ratios(args.codec_ratios) if args.codec_ratios else None
+        coded = [m for m in methods if m.ratio is None or codec_ratios is None or m.ratio in codec_ratios]
+        records = run_fidelity(engine, datasets, methods, args.out, codecs=engines, codec_methods=coded,
+                               settings=run_settings_of(args))  # fmt: skip
     files = write_fidelity_report(args.out, records)
     print(fidelity_markdown(summarize_fidelity(records), records))
     print(codec_markdown(codec_differences(records)))
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-reuse", action="store_true", help="leave full KV reuse out")
     p.add_argument("--kv-codec", default="native", help="stored-KV codecs to measure every method with, "
                    "comma-separated (the uncompressed 'native' is always measured): " + ", ".join(CODECS))  # fmt: skip
+    p.add_argument("--codec-ratios", help="with --kv-codec: the ratios measured through the other codecs "
+                   "(default: every ratio; full reuse always)")  # fmt: skip
     p.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
     add_out_argument(p, "fidelity", "output folder")
     p.add_argument("--report-only", action="store_true", help="only rebuild summary.md and figures from OUT")

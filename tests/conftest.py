@@ -109,7 +109,11 @@ def redis_server():
 def redis_store(redis_server):
     from cacheblend_rag.store.redis_store import RedisStore
 
-    store = RedisStore(redis_server.url, budget_bytes=10 * 1024**2, namespace=f"test-{uuid.uuid4().hex[:8]}")
+    # The exact codec, not the lossy default (int8): the tests using this fixture check the Redis tier's bookkeeping
+    # bit for bit. The default codec has its own tests in test_codec_store.py and test_codec.py.
+    store = RedisStore(
+        redis_server.url, budget_bytes=10 * 1024**2, namespace=f"test-{uuid.uuid4().hex[:8]}", codec="native"
+    )
     yield store
     store.clear()
     store.close()

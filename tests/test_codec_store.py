@@ -14,12 +14,13 @@ from test_store_tiers import make_kv, same
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
 from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.store.chunk_kv import ChunkKV
 from cacheblend_rag.store.codec import CODECS, KVCodec, PayloadSpec
 from cacheblend_rag.store.disk import DiskStore
 from cacheblend_rag.store.lazy import LazyChunkKV
 from cacheblend_rag.store.memory import MemoryStore
 from cacheblend_rag.store.serialize import CorruptEntryError, deserialize_chunk, parse_layout, serialize_chunk
-from cacheblend_rag.store.tiered import TieredStore
+from cacheblend_rag.store.tiered import TieredStore, build_store
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 HMAC_KEY = b"a secret of sixteen bytes or more"
@@ -62,7 +63,7 @@ def test_an_entry_of_another_codec_is_a_counted_miss_in_the_disk_tier(tmp_path):
     DiskStore(tmp_path, 10 * 1024**2, codec="int8").put(make_kv("chunk-a"))
     with pytest.raises(CorruptEntryError, match="written with codec 'int8', this tier reads 'native'"):
         deserialize_chunk(serialize_chunk(make_kv("chunk-a"), codec=CODECS["int8"]), "chunk-a")
-    native = DiskStore(tmp_path, 10 * 1024**2)
+    native = DiskStore(tmp_path, 10 * 1024**2, codec="native")
     assert native.get("chunk-a") is None  # dropped: a miss, counted as such
     assert native.stats.misses == 1 and native.stats.corrupt == 1 and native.stats.hits == 0
     assert native.open("chunk-a") is None and "chunk-a" not in native
@@ -158,6 +159,33 @@ def test_a_disk_hit_is_promoted_into_memory_in_the_memory_tiers_codec(tmp_path):
     assert (promoted.keys - kv.keys).abs().max() < 0.5
 
 
+def test_the_disk_tier_stores_int8_by_default_and_the_memory_tier_native(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    shape = (2, 2, 256, 128)  # [L, Hkv, T, D] fp32, 256 KiB a tensor: files on disk; 128 dims keep the scales small
+    kv = ChunkKV("chunk-a", torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    exact = DiskStore(tmp_path / "native", 10 * 1024**2, codec="native")
+    default = DiskStore(tmp_path / "default", 10 * 1024**2)
+    tiered = build_store(memory_bytes=0, disk_dir=tmp_path / "tiered", disk_bytes=10 * 1024**2)
+    memory, disk = tiered.tiers
+    assert default.codec.name == disk.codec.name == "int8" and memory.codec.name == "native"
+    for store in (exact, default, tiered):
+        store.put(kv)
+    tiered.flush()
+
+    def on_disk(name: str) -> int:
+        return sum(f.stat().st_size for f in (tmp_path / name).rglob("*.val"))
+
+    # int8 codes are a quarter of fp32; a scale and a low per key channel and per value token add a few percent
+    assert 0.25 < on_disk("default") / on_disk("native") < 0.3
+    assert 0.25 < on_disk("tiered") / on_disk("native") < 0.3
+    for out in (default.get("chunk-a"), tiered.get("chunk-a")):
+        assert out.dtype == kv.dtype and out.shape == kv.shape
+        for got, want in ((out.keys, kv.keys), (out.values, kv.values)):
+            step = (want.max() - want.min()).item() / 255  # an int8 step over the whole range: >= each axis's step
+            assert not torch.equal(got, want) and torch.allclose(got, want, rtol=0, atol=step)
+    assert EngineConfig().kv_codec == "int8" and EngineConfig().memory_codec == "native"
+
+
 # ---------------------------------------------------------------- the engine's settings
 
 CHUNKS = [random_words(501, 40), random_words(502, 30), random_words(503, 50)]
@@ -168,7 +196,6 @@ def test_config_names_the_codec_field_value_and_choices():
         EngineConfig(kv_codec="int3")
     with pytest.raises(ConfigError, match="memory_codec must be one of .* got 'zstd'"):
         EngineConfig(memory_codec="zstd")
-    assert EngineConfig().kv_codec == "native" and EngineConfig().memory_codec == "native"
 
 
 def test_the_engine_stores_disk_entries_in_its_kv_codec_and_blends_from_them(tmp_path):

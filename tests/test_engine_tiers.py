@@ -14,6 +14,10 @@ from cacheblend_rag.store import ChunkStore, DiskStore, MemoryStore, RedisStore,
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 CHUNKS = [random_words(301, 40), random_words(302, 40)]
+# The disk and Redis tiers here keep the exact codec, not the lossy default (int8): these tests check that a stored
+# chunk gives exactly the memory store's answer, and damage entries as exact ones are laid out. The default codec
+# has its own tests in test_codec_store.py and test_codec.py.
+EXACT_CODEC = "native"
 
 
 def ask(engine):
@@ -22,7 +26,7 @@ def ask(engine):
 
 def engine_on(**tiers) -> CacheBlendEngine:
     # memory_budget_bytes=0: nothing stays in process memory, every chunk comes from the lower tier
-    config = EngineConfig(miss_policy="blend", chunk_separator="", memory_budget_bytes=0, **tiers)
+    config = EngineConfig(miss_policy="blend", chunk_separator="", memory_budget_bytes=0, kv_codec=EXACT_CODEC, **tiers)
     return CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
 
 
@@ -114,9 +118,9 @@ def make_tier(kind: str, request, tmp_path) -> ChunkStore:
     if kind == "memory":
         return MemoryStore()
     if kind == "disk":
-        return DiskStore(tmp_path / "kv")
+        return DiskStore(tmp_path / "kv", codec=EXACT_CODEC)
     url = request.getfixturevalue("redis_server" if kind == "redis" else "cluster").url
-    return RedisStore(url, namespace=f"combo-{uuid.uuid4().hex[:8]}", name=kind)
+    return RedisStore(url, namespace=f"combo-{uuid.uuid4().hex[:8]}", name=kind, codec=EXACT_CODEC)
 
 
 @pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "serial"])

@@ -26,12 +26,21 @@ from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_
 
 CHUNKS = [random_words(501, 40), random_words(502, 40)]
 BIG = 1024  # tokens: above diskcache's 32 KiB threshold, so the entry is a file named in cache.db
+# The disk and Redis tiers here keep the exact codec, not the lossy default (int8): these tests check the tiers'
+# bookkeeping bit for bit, against entries `serialize_chunk` writes in that codec. The default codec has its own
+# tests in test_codec_store.py and test_codec.py.
+EXACT_CODEC = "native"
 
 
 def engine_on(pipelined: bool = True, **config) -> CacheBlendEngine:
     # memory_budget_bytes=0: nothing stays in process memory, every chunk comes from the lower tiers.
     config = EngineConfig(
-        miss_policy="blend", chunk_separator="", memory_budget_bytes=0, pipelined_loading=pipelined, **config
+        miss_policy="blend",
+        chunk_separator="",
+        memory_budget_bytes=0,
+        pipelined_loading=pipelined,
+        kv_codec=EXACT_CODEC,
+        **config,
     )
     return CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
 
@@ -161,7 +170,7 @@ def test_every_malformed_header_is_a_corrupt_entry_error(damage):
 @pytest.mark.parametrize("read", ["get", "open"])
 @pytest.mark.parametrize("damage", list(MALFORMED))
 def test_a_malformed_disk_entry_is_a_counted_miss(tmp_path, damage, read):
-    store = DiskStore(tmp_path, budget_bytes=10 * 1024**2)
+    store = DiskStore(tmp_path, budget_bytes=10 * 1024**2, codec=EXACT_CODEC)
     store._cache.set("chunk-a", MALFORMED[damage])  # another writer sharing the folder
     assert getattr(store, read)("chunk-a") is None
     assert store.stats.corrupt == 1 and store.stats.misses == 1 and "chunk-a" not in store
@@ -189,7 +198,7 @@ ROWS = {
 @pytest.mark.parametrize("read", ["get", "open"])
 @pytest.mark.parametrize("row", list(ROWS))
 def test_a_disk_row_of_the_wrong_type_or_mode_is_a_counted_miss(tmp_path, row, read):
-    store = DiskStore(tmp_path, budget_bytes=10 * 1024**2)
+    store = DiskStore(tmp_path, budget_bytes=10 * 1024**2, codec=EXACT_CODEC)
     store.put(make_kv("chunk-a", tokens=BIG))
     assert set_rows(tmp_path, **ROWS[row]) == 1
     assert getattr(store, read)("chunk-a") is None
@@ -260,7 +269,7 @@ def test_a_chunk_repeated_in_one_cold_request_is_one_miss():
 
 
 def test_a_corrupt_entry_found_while_loading_layers_is_a_miss_not_also_a_hit(tmp_path):
-    disk = DiskStore(tmp_path, budget_bytes=10 * 1024**2)
+    disk = DiskStore(tmp_path, budget_bytes=10 * 1024**2, codec=EXACT_CODEC)
     store = TieredStore([MemoryStore(0), disk], write_back=False)
     kv = make_kv("chunk-a", tokens=BIG)
     disk.put(kv)
@@ -299,10 +308,11 @@ def forged(key: str) -> bytes:
 
 
 def test_with_an_hmac_key_the_disk_tier_refuses_entries_forged_without_it(tmp_path):
-    signed = DiskStore(tmp_path, budget_bytes=10 * 1024**2, hmac_key=KEY)
+    signed = DiskStore(tmp_path, budget_bytes=10 * 1024**2, hmac_key=KEY, codec=EXACT_CODEC)
     signed.put(make_kv("chunk-a", tokens=BIG))
     assert signed.get("chunk-a") is not None
-    assert DiskStore(tmp_path).get("chunk-a") is not None  # a reader without the key still reads signed entries
+    unsigned = DiskStore(tmp_path, codec=EXACT_CODEC)
+    assert unsigned.get("chunk-a") is not None  # a reader without the key still reads signed entries
     for forgery in (forged("chunk-a"), serialize_chunk(make_kv("chunk-a", tokens=BIG, seed=99), hmac_key=b"x" * 32)):
         signed._cache.set("chunk-a", forgery)
         assert signed.get("chunk-a") is None and signed.open("chunk-a") is None
@@ -312,7 +322,7 @@ def test_with_an_hmac_key_the_disk_tier_refuses_entries_forged_without_it(tmp_pa
 def test_with_an_hmac_key_the_redis_tier_refuses_entries_forged_without_it(redis_server):
     from cacheblend_rag.store import RedisStore
 
-    signed = RedisStore(redis_server.url, namespace="hmac-test", hmac_key=KEY)
+    signed = RedisStore(redis_server.url, namespace="hmac-test", hmac_key=KEY, codec=EXACT_CODEC)
     try:
         signed.put(make_kv("chunk-a", tokens=BIG))
         assert signed.open("chunk-a") is not None
@@ -327,7 +337,7 @@ def test_an_engine_with_an_hmac_key_answers_right_over_a_forged_disk_tier(tmp_pa
     engine = engine_on(disk_dir=str(tmp_path / "kv"), store_hmac_key=KEY)
     reference = ask(engine)
     engine.store.flush()
-    unsigned = DiskStore(tmp_path / "kv")
+    unsigned = DiskStore(tmp_path / "kv", codec=EXACT_CODEC)
     for key in list(unsigned._cache):
         good = unsigned.get(key)
         noisy = torch.randn_like(good.keys)

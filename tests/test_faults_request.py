@@ -13,6 +13,10 @@ from cacheblend_rag.store import DiskStore, MemoryStore, TieredStore
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 CHUNKS = [random_words(s, 40) for s in (601, 602, 603, 604)]
+# The disk tiers below keep the exact codec, not the lossy default (int8): these tests check their bookkeeping, and
+# only exact entries of these chunks are large enough to be value files to damage. The default codec has its own
+# tests in test_codec_store.py and test_codec.py.
+EXACT_CODEC = "native"
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +139,8 @@ def test_the_same_chunks_damaged_in_two_lower_tiers_still_answer(tmp_path):
     # has to drop 2 x chunks entries before it recomputes them all, and must still answer as before.
     tiers = [
         MemoryStore(0),
-        DiskStore(tmp_path / "a", budget_bytes=2**30),
-        DiskStore(tmp_path / "b", budget_bytes=2**30),
+        DiskStore(tmp_path / "a", budget_bytes=2**30, codec=EXACT_CODEC),
+        DiskStore(tmp_path / "b", budget_bytes=2**30, codec=EXACT_CODEC),
     ]
     store = TieredStore(tiers, names=["memory", "near", "far"])
     engine = CacheBlendEngine(

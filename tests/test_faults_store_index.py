@@ -22,6 +22,9 @@ from cacheblend_rag.store import DiskStore, MemoryStore, TieredStore
 
 BIG = 1024  # tokens: above diskcache's 32 KiB threshold, so the entry is a value file named in cache.db
 MB = 1024**2
+# The disk tier here keeps the exact codec, not the lossy default (int8): these tests check its bookkeeping bit for
+# bit. The default codec has its own tests in test_codec_store.py and test_codec.py.
+EXACT_CODEC = "native"
 # An endless recursive query: counting it would take hours. Planted in a trigger, it hangs whoever fires it.
 ENDLESS = "SELECT (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c)"
 
@@ -42,7 +45,7 @@ def sql(folder: Path, *statements: str) -> list:
 
 
 def stored(folder: Path, *kvs) -> None:
-    store = DiskStore(folder, budget_bytes=10 * MB)
+    store = DiskStore(folder, budget_bytes=10 * MB, codec=EXACT_CODEC)
     for kv in kvs:
         store.put(kv)
     store.close()
@@ -63,7 +66,7 @@ def test_triggers_views_and_indexes_planted_in_cache_db_are_dropped_at_open(tmp_
     )
 
     def use():
-        store = DiskStore(folder, budget_bytes=10 * MB)
+        store = DiskStore(folder, budget_bytes=10 * MB, codec=EXACT_CODEC)
         store.put(make_kv("chunk-b"))
         return store.get("chunk-a"), store.get("chunk-b")
 
@@ -74,7 +77,7 @@ def test_triggers_views_and_indexes_planted_in_cache_db_are_dropped_at_open(tmp_
 
 
 def test_a_trigger_planted_while_the_store_is_open_makes_misses_not_hangs(tmp_path):
-    store = DiskStore(tmp_path / "kv", budget_bytes=10 * MB, timeout_s=0.5)
+    store = DiskStore(tmp_path / "kv", budget_bytes=10 * MB, timeout_s=0.5, codec=EXACT_CODEC)
     store.put(make_kv("chunk-a", tokens=BIG))
     sql(
         tmp_path / "kv",
@@ -90,7 +93,7 @@ def test_a_trigger_planted_while_the_store_is_open_makes_misses_not_hangs(tmp_pa
 
 
 def test_a_row_the_index_refuses_leaves_no_value_file_behind(tmp_path):
-    store = DiskStore(tmp_path / "kv", budget_bytes=10 * MB)
+    store = DiskStore(tmp_path / "kv", budget_bytes=10 * MB, codec=EXACT_CODEC)
     sql(tmp_path / "kv", "CREATE TRIGGER refuse BEFORE INSERT ON Cache BEGIN SELECT RAISE(ABORT, 'no room'); END")
     for i in range(3):
         store.put(make_kv(f"chunk-{i}", tokens=BIG, seed=i))
@@ -105,7 +108,7 @@ def test_a_huge_inline_value_is_a_miss_without_being_read(tmp_path, read):
     folder = tmp_path / "kv"
     stored(folder, make_kv("chunk-a"))  # small: kept inline, inside cache.db
     sql(folder, f"UPDATE Cache SET value = zeroblob({48 * MB})")
-    store = DiskStore(folder, budget_bytes=10 * MB)
+    store = DiskStore(folder, budget_bytes=10 * MB, codec=EXACT_CODEC)
     tracemalloc.start()
     try:
         assert getattr(store, read)("chunk-a") is None
@@ -135,7 +138,7 @@ def test_settings_rows_planted_in_cache_db_are_overridden(tmp_path, planted):
     stored(folder, make_kv("chunk-a", tokens=BIG))
     with sqlite3.connect(folder / "cache.db") as db:
         db.execute("INSERT OR REPLACE INTO Settings VALUES (?, ?)", PLANTED_SETTINGS[planted])
-    store = DiskStore(folder, budget_bytes=10 * MB)
+    store = DiskStore(folder, budget_bytes=10 * MB, codec=EXACT_CODEC)
     store.put(make_kv("chunk-b", tokens=BIG))
     store.put(make_kv("chunk-c"))
     assert all(store.get(k) is not None for k in ("chunk-a", "chunk-b", "chunk-c"))
@@ -146,10 +149,11 @@ def test_a_planted_exclusive_locking_mode_never_locks_out_a_second_process(tmp_p
     folder = tmp_path / "kv"
     stored(folder, make_kv("chunk-a"))
     sql(folder, "INSERT INTO Settings VALUES ('sqlite_locking_mode', 'EXCLUSIVE')")
-    first = DiskStore(folder, budget_bytes=10 * MB)
+    first = DiskStore(folder, budget_bytes=10 * MB, codec=EXACT_CODEC)
     first.put(make_kv("chunk-b"))
     assert first.get("chunk-a") is not None
-    second = within(10, lambda: DiskStore(folder, budget_bytes=10 * MB))  # its own connection, as another process
+    # its own connection, as another process
+    second = within(10, lambda: DiskStore(folder, budget_bytes=10 * MB, codec=EXACT_CODEC))
     assert within(10, lambda: second.get("chunk-b")) is not None
     second.put(make_kv("chunk-c"))
     assert first.get("chunk-c") is not None
@@ -176,7 +180,7 @@ def test_an_entry_the_engine_drops_as_damaged_counts_as_a_miss_in_the_tier(tmp_p
 @pytest.mark.parametrize("lower", ["disk", "redis"])
 def test_a_hit_discarded_unread_is_taken_back_but_a_read_one_is_not(tmp_path, request, lower):
     if lower == "disk":
-        disk = DiskStore(tmp_path / "kv", budget_bytes=10 * MB)
+        disk = DiskStore(tmp_path / "kv", budget_bytes=10 * MB, codec=EXACT_CODEC)
     else:
         disk = request.getfixturevalue("redis_store")
     store = TieredStore([MemoryStore(0), disk], write_back=False)

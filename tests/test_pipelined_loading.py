@@ -82,11 +82,14 @@ def test_prefetcher_records_waits_when_loading_is_the_bottleneck():
 # ---------------------------------------------------------------- layer-wise reads from the tiers
 
 BIG = 1024  # tokens: entries above diskcache's 32 KiB file threshold, so they are read from files by range
+# The disk tier here keeps the exact codec, not the lossy default (int8): these tests check layer-wise reads bit for
+# bit. The default codec has its own tests in test_codec_store.py and test_codec.py.
+EXACT_CODEC = "native"
 
 
 @pytest.mark.parametrize("tokens", [4, BIG], ids=["inline-in-sqlite", "file"])
 def test_disk_open_reads_layers_equal_to_the_stored_chunk(tmp_path, tokens):
-    store = DiskStore(tmp_path, budget_bytes=10 * 1024**2)
+    store = DiskStore(tmp_path, budget_bytes=10 * 1024**2, codec=EXACT_CODEC)
     kv = make_kv("chunk-a", tokens=tokens, dtype=torch.bfloat16)
     store.put(kv)
     lazy, tier = store.open("chunk-a")
@@ -99,7 +102,7 @@ def test_disk_open_reads_layers_equal_to_the_stored_chunk(tmp_path, tokens):
 
 
 def test_disk_layer_damaged_on_disk_is_caught_at_that_layer_and_dropped(tmp_path):
-    store = DiskStore(tmp_path, budget_bytes=10 * 1024**2)
+    store = DiskStore(tmp_path, budget_bytes=10 * 1024**2, codec=EXACT_CODEC)
     kv = make_kv("chunk-a", tokens=BIG)
     store.put(kv)
     data = serialize_chunk(kv)
@@ -117,7 +120,7 @@ def test_disk_layer_damaged_on_disk_is_caught_at_that_layer_and_dropped(tmp_path
 
 
 def test_tiered_open_promotes_a_lazy_hit_once_every_layer_was_read(tmp_path):
-    memory, disk = MemoryStore(10 * 1024**2), DiskStore(tmp_path, 10 * 1024**2)
+    memory, disk = MemoryStore(10 * 1024**2), DiskStore(tmp_path, 10 * 1024**2, codec=EXACT_CODEC)
     store = TieredStore([memory, disk], write_back=False)
     kv = make_kv("chunk-a", tokens=BIG)
     disk.put(kv)
@@ -195,7 +198,7 @@ def test_pipelined_loading_from_redis_gives_the_same_tokens(redis_server):
 
 
 def test_a_layer_damaged_after_fusion_started_is_recomputed_and_the_answer_stays_right(tmp_path):
-    engine = engine_on(True, disk_dir=str(tmp_path / "kv"))
+    engine = engine_on(True, disk_dir=str(tmp_path / "kv"), kv_codec=EXACT_CODEC)
     reference = ask(engine)
     engine.store.flush()
     num_layers = engine.lm.shape.num_layers

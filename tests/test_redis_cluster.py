@@ -22,6 +22,10 @@ from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.redis_store import RedisStore, split_cluster_flag
 from cacheblend_rag.store.serialize import serialize_chunk
 
+# The Redis tier here keeps the exact codec, not the lossy default (int8): these tests check its bookkeeping bit for
+# bit. The default codec has its own tests in test_codec_store.py and test_codec.py.
+EXACT_CODEC = "native"
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -31,7 +35,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture
 def store(cluster):
-    store = RedisStore(cluster.url, budget_bytes=50 * 1024**2, namespace=f"t-{uuid.uuid4().hex[:8]}")
+    store = RedisStore(cluster.url, budget_bytes=50 * 1024**2, namespace=f"t-{uuid.uuid4().hex[:8]}", codec=EXACT_CODEC)
     yield store
     store.clear()
     store.close()
@@ -78,7 +82,9 @@ def test_shards_spread_over_the_masters(cluster, store):
 
 def test_a_cluster_keeps_each_shard_within_its_budget_least_recently_used_out(cluster):
     entry = len(serialize_chunk(make_kv("x", tokens=64)))
-    store = RedisStore(cluster.url, budget_bytes=2 * (3 * entry + entry // 2), namespace="budget", shards=2)
+    store = RedisStore(
+        cluster.url, budget_bytes=2 * (3 * entry + entry // 2), namespace="budget", shards=2, codec=EXACT_CODEC
+    )
     try:
         keys = [f"chunk-{i}" for i in range(20)]
         for key in keys:
@@ -97,7 +103,7 @@ def test_two_workers_share_chunks_through_the_cluster(cluster, store):
         f"""
         from test_store_tiers import make_kv, same
         from cacheblend_rag.store.redis_store import RedisStore
-        store = RedisStore({cluster.url!r}, namespace={store.namespace!r})
+        store = RedisStore({cluster.url!r}, namespace={store.namespace!r}, codec={EXACT_CODEC!r})
         assert same(store.get("from-parent"), make_kv("from-parent", seed=7))
         store.put(make_kv("from-child", seed=8))
         """

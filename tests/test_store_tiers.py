@@ -31,6 +31,10 @@ from cacheblend_rag.store.serialize import (
 )
 from cacheblend_rag.store.tiered import TieredStore, build_store
 
+# The disk and Redis tiers here keep the exact codec, not the lossy default (int8): these tests check the tiers'
+# bookkeeping bit for bit. The default codec has its own tests in test_codec_store.py and test_codec.py.
+EXACT_CODEC = "native"
+
 
 def make_kv(name: str, tokens: int = 4, dtype: torch.dtype = torch.float32, seed: int = 0) -> ChunkKV:
     g = torch.Generator().manual_seed(seed)
@@ -127,7 +131,7 @@ BIG_TOKENS = 1024  # 2 x [2, 2, 1024, 8] fp32 = 128 KiB per entry: above diskcac
 
 
 def test_disk_round_trip_and_counters(tmp_path):
-    store = DiskStore(tmp_path, budget_bytes=10 * 1024**2)
+    store = DiskStore(tmp_path, budget_bytes=10 * 1024**2, codec=EXACT_CODEC)
     kv = make_kv("chunk-a", dtype=torch.bfloat16)
     assert store.get("chunk-a") is None
     store.put(kv)
@@ -141,7 +145,7 @@ def test_disk_round_trip_and_counters(tmp_path):
 def test_disk_eviction_keeps_budget_and_drops_least_recently_used(tmp_path):
     entry = len(serialize_chunk(make_kv("x", tokens=BIG_TOKENS)))
     budget = 32 * 1024 + 4 * entry + entry // 2  # the index plus four and a half entries
-    store = DiskStore(tmp_path, budget_bytes=budget)
+    store = DiskStore(tmp_path, budget_bytes=budget, codec=EXACT_CODEC)
     for i, name in enumerate("abcd"):
         store.put(make_kv(name, tokens=BIG_TOKENS, seed=i))
     assert len(store) == 4 and store.stats.evictions == 0
@@ -154,7 +158,7 @@ def test_disk_eviction_keeps_budget_and_drops_least_recently_used(tmp_path):
 
 
 def test_disk_entry_larger_than_budget_is_not_kept(tmp_path):
-    store = DiskStore(tmp_path, budget_bytes=64 * 1024)
+    store = DiskStore(tmp_path, budget_bytes=64 * 1024, codec=EXACT_CODEC)
     store.put(make_kv("small"))
     store.put(make_kv("huge", tokens=BIG_TOKENS))
     assert "huge" not in store and "small" in store
@@ -185,15 +189,15 @@ def test_disk_foreign_value_is_a_miss_and_never_unpickled(tmp_path, planted):
 
 
 def test_disk_entries_survive_reopening(tmp_path):
-    DiskStore(tmp_path, budget_bytes=10 * 1024**2).put(make_kv("chunk-a"))
-    assert same(DiskStore(tmp_path, budget_bytes=10 * 1024**2).get("chunk-a"), make_kv("chunk-a"))
+    DiskStore(tmp_path, budget_bytes=10 * 1024**2, codec=EXACT_CODEC).put(make_kv("chunk-a"))
+    assert same(DiskStore(tmp_path, budget_bytes=10 * 1024**2, codec=EXACT_CODEC).get("chunk-a"), make_kv("chunk-a"))
 
 
 # ---------------------------------------------------------------- tiered stack
 
 
 def test_tiered_hit_in_lower_tier_is_promoted(tmp_path):
-    memory, disk = MemoryStore(10 * 1024**2), DiskStore(tmp_path, 10 * 1024**2)
+    memory, disk = MemoryStore(10 * 1024**2), DiskStore(tmp_path, 10 * 1024**2, codec=EXACT_CODEC)
     store = TieredStore([memory, disk], names=["memory", "disk"])
     kv = make_kv("chunk-a")
     disk.put(kv)
@@ -207,7 +211,9 @@ def test_tiered_hit_in_lower_tier_is_promoted(tmp_path):
 
 
 def test_tiered_put_writes_through_and_serves_after_memory_eviction(tmp_path):
-    store = build_store(memory_bytes=make_kv("x").nbytes, disk_dir=tmp_path, disk_bytes=10 * 1024**2)
+    store = build_store(
+        memory_bytes=make_kv("x").nbytes, disk_dir=tmp_path, disk_bytes=10 * 1024**2, kv_codec=EXACT_CODEC
+    )
     memory, disk = store.tiers
     store.put(make_kv("chunk-a", seed=1))
     store.put(make_kv("chunk-b", seed=2))  # memory holds one entry: chunk-a leaves it
@@ -278,7 +284,12 @@ def test_redis_eviction_keeps_budget_and_drops_least_recently_used(redis_server)
     from cacheblend_rag.store.redis_store import RedisStore
 
     entry = len(serialize_chunk(make_kv("x")))
-    store = RedisStore(redis_server.url, budget_bytes=3 * entry + entry // 2, namespace=f"t-{uuid.uuid4().hex[:8]}")
+    store = RedisStore(
+        redis_server.url,
+        budget_bytes=3 * entry + entry // 2,
+        namespace=f"t-{uuid.uuid4().hex[:8]}",
+        codec=EXACT_CODEC,
+    )
     for i, name in enumerate("abc"):
         store.put(make_kv(name, seed=i))
     assert store.get("a") is not None  # b is now the least recently used
@@ -313,7 +324,7 @@ def test_redis_two_processes_see_each_others_chunks(redis_server, redis_store):
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_store_tiers import make_kv, same
         from cacheblend_rag.store.redis_store import RedisStore
-        store = RedisStore({redis_server.url!r}, namespace={redis_store.namespace!r})
+        store = RedisStore({redis_server.url!r}, namespace={redis_store.namespace!r}, codec={EXACT_CODEC!r})
         got = store.get("from-parent")
         assert got is not None and same(got, make_kv("from-parent", seed=7)), "child did not see the parent's chunk"
         store.put(make_kv("from-child", seed=8))
@@ -371,11 +382,12 @@ def any_store(request, tmp_path):
     if request.param == "memory":
         store = MemoryStore(10 * 1024**2)
     elif request.param == "disk":
-        store = DiskStore(tmp_path, 10 * 1024**2)
+        store = DiskStore(tmp_path, 10 * 1024**2, codec=EXACT_CODEC)
     elif request.param == "redis":
-        store = RedisStore(request.getfixturevalue("redis_server").url, namespace=f"p-{uuid.uuid4().hex[:8]}")
+        url = request.getfixturevalue("redis_server").url
+        store = RedisStore(url, namespace=f"p-{uuid.uuid4().hex[:8]}", codec=EXACT_CODEC)
     else:
-        store = TieredStore([MemoryStore(0), DiskStore(tmp_path, 10 * 1024**2)])
+        store = TieredStore([MemoryStore(0), DiskStore(tmp_path, 10 * 1024**2, codec=EXACT_CODEC)])
     yield store
     store.close()
 

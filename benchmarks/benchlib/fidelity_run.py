@@ -22,9 +22,9 @@ import torch
 from benchlib.records import append_record, check_run_settings, load_records
 from cacheblend_rag.config import BlendConfig, blend_rule
 from cacheblend_rag.engine import CacheBlendEngine, TokenizedPrompt
+from cacheblend_rag.engine.guard import kl
 from cacheblend_rag.errors import CacheBlendError, ConfigError
 from cacheblend_rag.evaluation.datasets import Case, Dataset, TaskSpec
-from cacheblend_rag.engine.guard import kl
 from cacheblend_rag.evaluation.fidelity import Reference, measure_with_logits, prepare_case
 from cacheblend_rag.store.codec import CODECS
 
@@ -122,6 +122,7 @@ def run_fidelity(
     out_dir: str | os.PathLike[str],
     *,
     codecs: Mapping[str, CacheBlendEngine] | None = None,
+    codec_methods: Sequence[FidelityMethod] | None = None,
     settings: dict[str, Any] | None = None,
     show_progress: bool = True,
 ) -> list[dict[str, Any]]:
@@ -130,7 +131,8 @@ def run_fidelity(
     Per case: warm the chunk store (untimed), compute full recompute's reference once with `engine`, then each
     method on each engine of `codecs` (codec name -> an engine on the same model whose store reads chunk KV
     through that codec, `codec_engines`; default: `engine` alone, as "native"), its store warmed with `engine`'s
-    chunk KV. A case whose prompt the engine refuses (e.g. beyond the context) is recorded with its error and
+    chunk KV; the codecs other than "native" measure `codec_methods` (default: `methods`). A case whose prompt
+    the engine refuses (e.g. beyond the context) is recorded with its error and
     skipped.
     """
     from tqdm.auto import tqdm
@@ -141,7 +143,9 @@ def run_fidelity(
     records = load_records(out, repair=True, filename=RESULTS_FILE)
     done = {(r["dataset"], r["case_id"], r["method"]) for r in records}
     codecs = dict(codecs or {NATIVE: engine})
-    names = ["full", *(codec_method_name(m.name, c) for c in codecs for m in methods)]
+    coded = list(methods if codec_methods is None else codec_methods)
+    per_codec = {c: methods if c == NATIVE else coded for c in codecs}
+    names = ["full", *(codec_method_name(m.name, c) for c in codecs for m in per_codec[c])]
     work = [(s, c) for s, c in _interleave(datasets) if any((s.name, c.id, n) not in done for n in names)]
     bar = tqdm(work, desc="fidelity", unit="case", disable=not show_progress)
     for spec, case in bar:
@@ -158,7 +162,8 @@ def run_fidelity(
         if (spec.name, case.id, "full") not in done:
             todo.append(("full", _full_record(ref)))
         for codec, codec_engine in codecs.items():
-            missing = [m for m in methods if (spec.name, case.id, codec_method_name(m.name, codec)) not in done]
+            todo_here = per_codec[codec]
+            missing = [m for m in todo_here if (spec.name, case.id, codec_method_name(m.name, codec)) not in done]
             if missing and codec_engine is not engine:
                 codec_engine.clear_store()  # only this case's chunks: the stores stay small
                 _copy_chunks(engine, codec_engine, prompt)

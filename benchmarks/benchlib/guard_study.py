@@ -129,7 +129,9 @@ def _mci(values: Sequence[float]) -> tuple[float, float, float]:
     return (statistics.fmean(values), lo, hi)
 
 
-def _row(name: str, series: str, guard: float | None, outcomes: Sequence[Mapping[str, Any]], questions: Sequence[Mapping]) -> Row:
+def _row(
+    name: str, series: str, guard: float | None, outcomes: Sequence[Mapping[str, Any]], questions: Sequence[Mapping]
+) -> Row:
     full = [q["full_ttft_s"] for q in questions]
     ttft = [o["ttft_s"] for o in outcomes]
     return Row(
@@ -138,7 +140,9 @@ def _row(name: str, series: str, guard: float | None, outcomes: Sequence[Mapping
         kl=_mci([o["kl_mean"] for o in outcomes]),
         compute_share=statistics.fmean(o["compute_share"] for o in outcomes),
         escalated=statistics.fmean(float(o.get("escalated", False)) for o in outcomes),
-        worse_than_reuse=sum(o["kl_mean"] > q["reuse"]["kl_mean"] + 1e-9 for o, q in zip(outcomes, questions)),
+        worse_than_reuse=sum(
+            o["kl_mean"] > q["reuse"]["kl_mean"] + 1e-9 for o, q in zip(outcomes, questions, strict=True)
+        ),
         ttft_mean=statistics.fmean(ttft), ttft_p90=float(np.percentile(ttft, 90)),
         speedup_mean=statistics.fmean(full) / statistics.fmean(ttft),
         speedup_p90=float(np.percentile(full, 90) / np.percentile(ttft, 90)),
@@ -182,7 +186,7 @@ def signal_table(cases: Sequence[Mapping[str, Any]]) -> list[tuple[str, float, f
     base = [c[method_name(BASE)] for c in cases]
     kl = [b["kl_mean"] for b in base]
     flipped = [b["first_token"] < 1 for b in base]
-    worse = [b["kl_mean"] > c["reuse"]["kl_mean"] for b, c in zip(base, cases)]
+    worse = [b["kl_mean"] > c["reuse"]["kl_mean"] for b, c in zip(base, cases, strict=True)]
     out = []
     for name, read in SIGNALS.items():
         s = [read(b["risk"]) for b in base]
@@ -212,8 +216,8 @@ def plot_pareto(table: Sequence[Row], title: str, path: Path) -> Path:
             legend = "fixed r (0, 0.05, 0.15, 0.5, 1)" if fixed else f"guard {name}, by max_kl"
             x = [r.compute_share for r in rows_]
             y = [getattr(r, attr)[0] for r in rows_]
-            err = [[y_ - getattr(r, attr)[1] for y_, r in zip(y, rows_)],
-                   [getattr(r, attr)[2] - y_ for y_, r in zip(y, rows_)]]  # fmt: skip
+            err = [[y_ - getattr(r, attr)[1] for y_, r in zip(y, rows_, strict=True)],
+                   [getattr(r, attr)[2] - y_ for y_, r in zip(y, rows_, strict=True)]]  # fmt: skip
             ax.errorbar(x, y, yerr=err, capsize=3, label=legend, alpha=0.85, **style)
         for r in (r for r in table if r.guard is not None and r.series.count("->") == 2):
             ax.annotate(f"{r.guard:g}", (r.compute_share, getattr(r, attr)[0]), fontsize=7,

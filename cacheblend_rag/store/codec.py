@@ -230,6 +230,10 @@ CODECS: Mapping[str, KVCodec] = MappingProxyType(
     }
 )
 
+# The disk and Redis tiers' default: the smallest codec whose teacher-forced fidelity stays within noise of the
+# uncompressed store on every data set (docs/configuration.md, "Stored KV: codecs and bytes per token").
+TIER_CODEC = "int8"
+
 
 def get_codec(codec: str | KVCodec, field: str = "codec") -> KVCodec:
     """A codec by name (one of `CODECS`), or the codec object itself; ConfigError naming `field` otherwise."""

@@ -19,7 +19,7 @@ import time
 from ..errors import ConfigError, CorruptEntryError
 from .base import Hit
 from .chunk_kv import ChunkKV
-from .codec import NATIVE, KVCodec, get_codec
+from .codec import TIER_CODEC, KVCodec, get_codec
 from .disk_files import import_diskcache, safe_bytes_disk
 from .disk_folder import claim_folder, write_marker
 from .disk_index import cache_settings, check_index, guarded_cache, open_error
@@ -92,7 +92,7 @@ class DiskStore:
         budget_bytes: int = 20 * 1024**3,
         *,
         hmac_key: bytes | None = None,
-        codec: str | KVCodec = NATIVE,
+        codec: str | KVCodec = TIER_CODEC,
         name: str = "disk",
         timeout_s: float = _TIMEOUT_S,
     ) -> None:

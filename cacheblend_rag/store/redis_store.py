@@ -24,7 +24,7 @@ from ..errors import ConfigError, CorruptEntryError
 from . import redis_scripts
 from .base import Hit
 from .chunk_kv import ChunkKV
-from .codec import NATIVE, KVCodec, get_codec
+from .codec import TIER_CODEC, KVCodec, get_codec
 from .lazy import LazyChunkKV
 from .serialize import deserialize_chunk, header_length, parse_layout, serialize_chunk
 from .stats import TierStats, UnreadHits
@@ -79,7 +79,7 @@ class RedisStore:
         cluster: bool | None = None,
         shards: int | None = None,
         hmac_key: bytes | None = None,
-        codec: str | KVCodec = NATIVE,
+        codec: str | KVCodec = TIER_CODEC,
         name: str = "redis",
         backoff_s: float = 5.0,
         connect_timeout_s: float = 0.5,

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ..errors import ConfigError, CorruptEntryError
 from .base import ChunkReader, ChunkStore, Hit, StoreStats
 from .chunk_kv import ChunkKV
-from .codec import NATIVE, KVCodec
+from .codec import NATIVE, TIER_CODEC, KVCodec
 from .memory import MemoryStore
 
 logger = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ def build_store(
     redis_namespace: str = "cacheblend-rag",
     write_back: bool = True,
     hmac_key: bytes | str | None = None,
-    kv_codec: str | KVCodec = NATIVE,
+    kv_codec: str | KVCodec = TIER_CODEC,
     memory_codec: str | KVCodec = NATIVE,
 ) -> TieredStore:
     """Memory, then disk if `disk_dir` is given, then Redis if `redis_url` is given (`?cluster=1` for a cluster).
