@@ -22,9 +22,18 @@ import json
 import sys
 from pathlib import Path
 
-from benchlib.guard_study import load_cases, markdown_rows, plot_pareto, profile, rows, signal_table
+from benchlib.guard_study import (
+    load_cases,
+    markdown_rows,
+    plot_pareto,
+    probe_consistency,
+    profile,
+    rows,
+    signal_table,
+)
 
 RESULTS = Path(__file__).parent / "results" / "guard"
+FIDELITY = Path(__file__).parent / "results" / "fidelity" / "fidelity.jsonl"
 
 
 def signal_markdown(cases: list[dict]) -> list[str]:
@@ -39,42 +48,63 @@ def signal_markdown(cases: list[dict]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--records", type=Path, default=RESULTS / "fidelity.jsonl")
-    p.add_argument("--out", type=Path, help="folder for summary.md and figures (default: the records' folder)")
-    p.add_argument("--held-back", default="multi_news", help="data set of the held-back check (default: %(default)s)")
-    p.add_argument("--target-first-token", type=float, default=0.95)
-    args = p.parse_args(argv)
-    if not args.records.is_file():
-        print(f"error: no records at {args.records}; run benchmarks/fidelity.py first (see --help)", file=sys.stderr)
-        return 2
-    records = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
-    by_set = load_cases(records)
-    if not by_set:
-        print(f"error: no case in {args.records} has full, reuse and attention@0.05/0.15/0.50", file=sys.stderr)
-        return 2
-    out = args.out or args.records.parent
-    out.mkdir(parents=True, exist_ok=True)
-    groups = {**by_set, "pooled": [c for cases in by_set.values() for c in cases]}
-    lines = [f"# The fidelity guard on {args.records}\n"]
+def read_jsonl(paths: list[Path]) -> list[dict]:
+    return [json.loads(line) for path in paths if path.is_file() for line in path.read_text().splitlines() if line]
+
+
+def section(title: str, cases_by_set: dict[str, list[dict]], grid: tuple, ladders: list[tuple], out: Path) -> list[str]:
+    """Signal table, settings table and (per data set) Pareto figure of each group of cases."""
+    lines = [f"\n# {title}\n"]
+    groups = {**cases_by_set, "pooled": [c for cases in cases_by_set.values() for c in cases]}
     for name, cases in groups.items():
-        table = rows(profile(cases)) + rows(profile(cases, ladder=(1.0,)), fixed=False)
+        table = rows(profile(cases, grid, ladders[0]))
+        for ladder in ladders[1:]:
+            table += rows(profile(cases, grid, ladder), fixed=False)
         lines += [f"\n## {name} ({len(cases)} cases)\n", *signal_markdown(cases), "", *markdown_rows(table)]
         if name != "pooled":
-            figure = plot_pareto(table, name, out / f"guard_{name}.png")
+            tag = "-".join(f"{r:g}" for r in grid)
+            figure = plot_pareto(table, name, out / f"guard_{name}_r{tag}.png")
             lines.append(f"\n![{name}]({figure.name})")
-    if args.held_back in by_set and len(by_set[args.held_back]) >= 3:
-        check = profile(by_set[args.held_back]).held_back_check(target_first_token=args.target_first_token)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--records", type=Path, nargs="+", default=[FIDELITY, RESULTS / "fidelity.jsonl"],
+                   help="fidelity records, later files first where two hold the same (case, method)")  # fmt: skip
+    p.add_argument("--probes", type=Path, default=RESULTS / "probe.jsonl", help="benchmarks/guard_probe.py records")
+    p.add_argument("--out", type=Path, default=RESULTS, help="folder for summary.md and figures")
+    p.add_argument("--held-back", default="musique", help="data set of the held-back check (default: %(default)s)")
+    p.add_argument("--target-first-token", type=float, default=0.95)
+    args = p.parse_args(argv)
+    records, probes = read_jsonl(args.records), read_jsonl([args.probes])
+    full_ladder = load_cases(records, probes, grid=(0.05, 0.15))
+    both_ladders = load_cases(records, probes, grid=(0.05, 0.15, 0.5))
+    if not full_ladder:
+        print("error: no case has full, reuse, attention@0.05/0.15 and risk signals; run benchmarks/fidelity.py "
+              "and benchmarks/guard_probe.py first (see --help)", file=sys.stderr)  # fmt: skip
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    same, checked = probe_consistency(probes)
+    lines = [f"Records: {', '.join(map(str, args.records))}; probes: {args.probes} ({same} of {checked} probes "
+             "pick the recorded reference's first token exactly when the recorded blend did).\n"]  # fmt: skip
+    lines += section("The guard escalating straight to full recompute (0.15 -> 1)", full_ladder, (0.05, 0.15),
+                     [(1.0,)], args.out)  # fmt: skip
+    if both_ladders:
+        lines += section("Both ladders, on the cases measured at r = 0.5 too", both_ladders, (0.05, 0.15, 0.5),
+                         [(0.5, 1.0), (1.0,)], args.out)  # fmt: skip
+    cases = full_ladder.get(args.held_back, [])
+    if len(cases) >= 3:
+        check = profile(cases, (0.05, 0.15), (1.0,)).held_back_check(target_first_token=args.target_first_token)
         c, h = check.choice.estimate, check.held_back
-        lines += [f"\n## Held-back check on {args.held_back}\n",
-                  f"Chosen on {c.n} cases for first-token agreement >= {args.target_first_token}: "
+        lines += [f"\n# Held-back check on {args.held_back}\n",
+                  f"Chosen on the first {c.n} cases for first-token agreement >= {args.target_first_token}: "
                   f"{c.setting.name} (met: {check.choice.met}; first token {c.first_token:.2f}, compute "
                   f"{c.compute_share:.3f}). On the {h.n} held-back cases: first token {h.first_token:.2f} "
                   f"[{h.first_token_ci[0]:.2f}, {h.first_token_ci[1]:.2f}], top-1 {h.top1:.3f}, mean KL "
                   f"{h.kl_mean:.3f}, compute {h.compute_share:.3f}."]  # fmt: skip
     text = "\n".join(lines) + "\n"
-    (out / "summary.md").write_text(text)
+    (args.out / "summary.md").write_text(text)
     print(text)
     return 0
 

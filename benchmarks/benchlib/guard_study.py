@@ -46,32 +46,55 @@ def method_name(ratio: float) -> str:
     return f"attention@{ratio:.2f}"
 
 
-def load_cases(records: Iterable[Mapping[str, Any]], grid: Sequence[float] = GRID) -> dict[str, list[dict]]:
+def load_cases(
+    records: Iterable[Mapping[str, Any]], probes: Iterable[Mapping[str, Any]] = (), grid: Sequence[float] = GRID
+) -> dict[str, list[dict]]:
     """dataset -> one {method: record} per case that has full, reuse and every blend of `grid` (uncompressed
-    store), in case order."""
+    store) and the base blend's risk signals, in case order. `probes` (`benchmarks/guard_probe.py`) add the
+    signals to base-blend records that lack them, when the probe saw the same prompt."""
     by_case: dict[tuple[str, str], dict[str, Mapping[str, Any]]] = defaultdict(dict)
     for r in records:
         if "error" not in r and r.get("codec", "native") == "native":
             by_case[(r["dataset"], r["case_id"])][r["method"]] = r
+    base = method_name(BASE)
+    for p in probes:
+        methods = by_case.get((p["dataset"], p["case_id"]), {})
+        rec = methods.get(base)
+        if rec is not None and not rec.get("risk") and p["prompt_tokens"] == rec["prompt_tokens"]:
+            methods[base] = {**rec, "risk": p["risk"], "first_token_id": p["first_token_id"]}
     needed = {"full", "reuse", *(method_name(x) for x in grid)}
     out: dict[str, list[dict]] = defaultdict(list)
-    key = lambda item: (item[0][0], int(item[0][1].rsplit("-", 1)[-1]) if item[0][1][-1:].isdigit() else 0)  # noqa: E731
-    for (dataset, _), methods in sorted(by_case.items(), key=key):
-        if needed <= set(methods) and methods[method_name(BASE)].get("risk"):
+    for (dataset, _), methods in sorted(by_case.items(), key=lambda item: _case_order(*item[0])):
+        if needed <= set(methods) and methods[base].get("risk"):
             out[dataset].append(dict(methods))
     return dict(out)
+
+
+def _case_order(dataset: str, case_id: str) -> tuple[str, int, str]:
+    tail = case_id.rsplit("-", 1)[-1]
+    return (dataset, int(tail) if tail.isdigit() else 10**9, case_id)
+
+
+def probe_consistency(probes: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
+    """(probes whose blend picks the recorded reference's first token exactly when the recorded blend did, probes
+    that can be checked): the probe re-ran the recorded blend, not another one."""
+    checked = [p for p in probes if p.get("reference_first_id") is not None]
+    same = sum((p["first_token_id"] == p["reference_first_id"]) == (p["recorded_first_token"] == 1.0) for p in checked)
+    return same, len(checked)
 
 
 def _fixed(rec: Mapping[str, Any], ratio: float) -> dict[str, Any]:
     return {"ratio": ratio, **{k: rec[k] for k in ("first_token", "top1", "kl_mean", "compute_share", "ttft_s")}}
 
 
-def question(case: Mapping[str, Mapping[str, Any]], ladder: Sequence[float] = LADDER) -> dict[str, Any]:
+def question(
+    case: Mapping[str, Mapping[str, Any]], grid: Sequence[float] = GRID, ladder: Sequence[float] = LADDER
+) -> dict[str, Any]:
     """One case as a fidelity-profile question (`FidelityProfile`): reuse, each ratio of `grid` and 1.0 (full
     recompute: exact, at the cost of a full prefill over the shared first pass), the base blend's risk signals
     and the ladder's first-token comparisons."""
     reuse, full = case["reuse"], case["full"]
-    fixed = [_fixed(case[method_name(r)], r) for r in GRID]
+    fixed = [_fixed(case[method_name(r)], r) for r in grid]
     exact = {"first_token": 1.0, "top1": 1.0, "kl_mean": 0.0, "compute_share": 1.0 + reuse["compute_share"],
              "ttft_s": full["ttft_s"] + reuse["ttft_s"]}  # fmt: skip
     fixed.append({"ratio": 1.0, **exact})
@@ -95,12 +118,14 @@ def question(case: Mapping[str, Mapping[str, Any]], ladder: Sequence[float] = LA
 
 
 def profile(
-    cases: Sequence[Mapping[str, Any]], ladder: Sequence[float] = LADDER, model: str = "", dtype: str = "float32"
+    cases: Sequence[Mapping[str, Any]], grid: Sequence[float] = GRID, ladder: Sequence[float] = LADDER
 ) -> FidelityProfile:
-    """The cases as a fidelity profile whose guard escalates through `ladder` (0.5 then 1.0, or straight to 1.0)."""
+    """The cases as a fidelity profile of the blends of `grid` whose guard escalates through `ladder` (0.5 then
+    1.0, or straight to 1.0)."""
     return FidelityProfile(
-        model=model, dtype=dtype, rule="attention", base_ratio=BASE, ratios=(*GRID, 1.0), ladder=tuple(ladder),
-        thresholds=THRESHOLDS, questions=tuple(question(c, ladder) for c in cases), source="benchmarks/fidelity.py",
+        model="", dtype="float32", rule="attention", base_ratio=BASE, ratios=(*grid, 1.0), ladder=tuple(ladder),
+        thresholds=THRESHOLDS, questions=tuple(question(c, grid, ladder) for c in cases),
+        source="benchmarks/fidelity.py",
     )  # fmt: skip
 
 
