@@ -1,18 +1,24 @@
 """Do a blend's risk signals tell which requests drift from full recompute, and what does the guard buy?
 
-Reads the fidelity benchmark's records of full recompute, full KV reuse and the "attention" rule at 0.05, 0.15 and
-0.5 on the same cases (`benchlib.guard_study`), and writes OUT/summary.md and one Pareto figure per data set:
+Reads fidelity records (`benchmarks/fidelity.py`: full recompute, full KV reuse, the "attention" rule at 0.05 and
+0.15, and at 0.5 where measured) and the base blend's risk signals (in the records, or from
+`benchmarks/guard_probe.py` for cases measured before the signals existed), and writes OUT/guard.md and Pareto
+figures (`benchlib.guard_study`):
 - the signal table, per data set and pooled: each signal's Spearman correlation with KL(full || blend@0.15), its
   ROC AUC for "blend's first token differs from full's" and for "blend is further from full than reuse";
-- every setting on the same cases: full reuse, fixed r, and the guard at each threshold (`Guard(max_kl)`, ladder
-  0.5 then 1.0), replayed from the records exactly as the engine decides (`FidelityProfile.outcome`), with 95%
-  intervals, the cases left further from full than reuse, and TTFT mean and p90 next to full's;
-- the held-back check: the cheapest setting meeting a first-token target, chosen on the first two thirds of one
-  data set's cases, measured on the rest.
+- every setting on the same cases: full reuse, fixed r, the guard at each threshold (`Guard(max_kl)`) and the
+  margin trigger studied beside it, replayed from the records exactly as the engine decides
+  (`FidelityProfile.outcome`), with 95% intervals, the cases left further from full than reuse, and TTFT mean
+  and p90 next to full's: on every case with the guard escalating straight to full recompute, and with both
+  ladders (0.5 then 1.0, or 1.0) on the cases measured at 0.5;
+- the held-back check (`FidelityProfile.held_back_check`, as `cacheblend-rag calibrate` does it): the cheapest
+  setting meeting a first-token target, chosen on the first two thirds of one data set's cases, measured on the
+  rest.
 
-    python benchmarks/fidelity.py --rules attention --ratios 0.05,0.15,0.5 --kv-codec int8 --limit 50 \
-        --out benchmarks/results/guard --data-dir ../shared/data
-    python benchmarks/guard_signals.py --records benchmarks/results/guard/fidelity.jsonl
+    python benchmarks/guard_probe.py --limit 50 --data-dir ../shared/data
+    python benchmarks/fidelity.py --datasets multi_news,samsum --rules attention --ratios 0.05,0.15,0.5 \
+        --kv-codec int8 --codec-ratios 0.05,0.15 --limit 50 --out benchmarks/results/guard --data-dir ../shared/data
+    python benchmarks/guard_signals.py
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pathlib import Path
 
 from benchlib.guard_study import (
     load_cases,
+    margin_rows,
     markdown_rows,
     plot_pareto,
     probe_consistency,
@@ -60,6 +67,9 @@ def section(title: str, cases_by_set: dict[str, list[dict]], grid: tuple, ladder
         table = rows(profile(cases, grid, ladders[0]))
         for ladder in ladders[1:]:
             table += rows(profile(cases, grid, ladder), fixed=False)
+        for ladder in ladders:
+            for disagree in (False, True):
+                table += margin_rows(profile(cases, grid, ladder), on_disagreement=disagree)
         lines += [f"\n## {name} ({len(cases)} cases)\n", *signal_markdown(cases), "", *markdown_rows(table)]
         if name != "pooled":
             tag = "-".join(f"{r:g}" for r in grid)
@@ -73,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--records", type=Path, nargs="+", default=[FIDELITY, RESULTS / "fidelity.jsonl"],
                    help="fidelity records, later files first where two hold the same (case, method)")  # fmt: skip
     p.add_argument("--probes", type=Path, default=RESULTS / "probe.jsonl", help="benchmarks/guard_probe.py records")
-    p.add_argument("--out", type=Path, default=RESULTS, help="folder for summary.md and figures")
+    p.add_argument("--out", type=Path, default=RESULTS, help="folder for guard.md and figures")
     p.add_argument("--held-back", default="musique", help="data set of the held-back check (default: %(default)s)")
     p.add_argument("--target-first-token", type=float, default=0.95)
     args = p.parse_args(argv)
@@ -104,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"[{h.first_token_ci[0]:.2f}, {h.first_token_ci[1]:.2f}], top-1 {h.top1:.3f}, mean KL "
                   f"{h.kl_mean:.3f}, compute {h.compute_share:.3f}."]  # fmt: skip
     text = "\n".join(lines) + "\n"
-    (args.out / "summary.md").write_text(text)
+    (args.out / "guard.md").write_text(text)
     print(text)
     return 0
 

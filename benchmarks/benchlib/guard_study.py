@@ -194,8 +194,33 @@ def rows(prof: FidelityProfile, *, fixed: bool = True) -> list[Row]:
     return out
 
 
-def setting_of(max_kl: float) -> Setting:
-    return Setting(BASE, Guard(max_kl=max_kl, ratios=LADDER))
+@dataclass(frozen=True)
+class MarginGuard(Guard):
+    """A candidate trigger studied here, not in the engine: risky when the blend's first-token margin (top-1 minus
+    top-2 probability) is below `min_margin`, or (with `on_disagreement`) when blend and reuse disagree."""
+
+    min_margin: float = 0.0
+    on_disagreement: bool = False
+
+    def is_risky(self, signals: dict[str, Any]) -> bool:
+        return signals["margin"] < self.min_margin or (self.on_disagreement and not signals["agree_reuse"])
+
+
+MARGINS = (0.05, 0.1, 0.2, 0.3, 0.5)
+
+
+def margin_rows(prof: FidelityProfile, *, on_disagreement: bool) -> list[Row]:
+    """The margin trigger at each of `MARGINS`, over the profile's base ratio and ladder."""
+    qs = prof.questions
+    ladder = " -> ".join(f"{r:g}" for r in (prof.base_ratio, *prof.ladder))
+    series = f"margin{' or disagree' if on_disagreement else ''} ({ladder})"
+    out = []
+    for m in MARGINS:
+        s = Setting(prof.base_ratio, MarginGuard(max_kl=math.inf, ratios=prof.ladder, min_margin=m,
+                                                 on_disagreement=on_disagreement))  # fmt: skip
+        out.append(_row(f"guard margin < {m:g}{' or disagree' if on_disagreement else ''} ({ladder})", series, m,
+                        [prof.outcome(s, q) for q in qs], qs))  # fmt: skip
+    return out
 
 
 def _auc(labels: Sequence[bool], scores: Sequence[float]) -> float:
@@ -234,7 +259,14 @@ def plot_pareto(table: Sequence[Row], title: str, path: Path) -> Path:
         series[r.series].append(r)
     for ax, attr, label in ((axes[0], "kl", "mean KL(full || method), nats"),
                             (axes[1], "first_token", "first-token agreement with full")):  # fmt: skip
-        styles = iter([dict(fmt="s", color="tab:red"), dict(fmt="^", color="tab:green"), dict(fmt="v", color="k")])
+        styles = iter(
+            [
+                dict(fmt=f, color=c)
+                for f, c in zip(
+                    "s^vDP*", ["tab:red", "tab:green", "tab:orange", "tab:purple", "k", "tab:brown"], strict=True
+                )
+            ]
+        )
         for name, rows_ in series.items():
             fixed = name == "fixed"
             style = dict(fmt="o-", color="tab:blue") if fixed else next(styles)
@@ -244,7 +276,7 @@ def plot_pareto(table: Sequence[Row], title: str, path: Path) -> Path:
             err = [[y_ - getattr(r, attr)[1] for y_, r in zip(y, rows_, strict=True)],
                    [getattr(r, attr)[2] - y_ for y_, r in zip(y, rows_, strict=True)]]  # fmt: skip
             ax.errorbar(x, y, yerr=err, capsize=3, label=legend, alpha=0.85, **style)
-        for r in (r for r in table if r.guard is not None and r.series.count("->") == 2):
+        for r in (r for r in table if r.guard is not None):
             ax.annotate(f"{r.guard:g}", (r.compute_share, getattr(r, attr)[0]), fontsize=7,
                         textcoords="offset points", xytext=(4, 4))  # fmt: skip
         ax.set_xlabel("mean compute share (full prefill = 1)")

@@ -1,0 +1,92 @@
+"""The guard's quality gate on a real packaged model (SmolLM2-135M-Instruct, fp32): with the guard's default
+settings, the share of answers whose first token differs from full recompute's stays under a fixed bound, the guard
+never leaves an answer further from full recompute than the unguarded blend, and escalating to the end of the
+ladder reproduces full recompute on real weights.
+
+Deterministic, not a timing. Twelve questions over five linked passages (the quality gate's), each answered by full
+recompute, by the default blend and by the guarded default, teacher-forced along full recompute's answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import pytest
+import torch
+from test_quality_gate import ANSWER_TOKENS, CHUNKS
+
+from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, Guard
+from cacheblend_rag.evaluation.fidelity import measure, reference_answer
+
+pytestmark = pytest.mark.real_model
+
+QUESTIONS = [
+    "Who founded the school of navigators, and why did he leave the capital?",
+    "What is the cheese vessa named after, and where does that river flow?",
+    "What do the winners of the ice rowing championship receive, and which export is it made of?",
+    "Which city did Queen Amsel move her court to, and in what year?",
+    "What does the school founded by Amsel's brother teach today?",
+    "Where are Zorbania's copper mines, and what prize is made of copper?",
+    "Who quarrelled with Queen Amsel, and where did he go?",
+    "On which lake is the ice rowing championship held, and in which season?",
+    "What did the bridge laws require, and in which city are the stone bridges?",
+    "Which river runs through the capital of Zorbania?",
+    "Why did sailors from three kingdoms come to Pell?",
+    "What are the three main exports of the kingdom whose capital is Quillton?",
+]
+
+# Measured when set: the default blend and the guarded default both keep full recompute's first token on 12 of 12
+# questions (full KV reuse too: these passages are easy for the model, so the bound is a regression gate); the
+# guarded default (Guard()) escalated 1 question of 12 (mean KL 0.0861 -> 0.0832).
+MAX_FIRST_TOKEN_CHANGES = 1  # of 12
+
+
+@pytest.fixture(scope="module")
+def engine() -> CacheBlendEngine:
+    config = EngineConfig(dtype="float32", miss_policy="blend")
+    return CacheBlendEngine.from_pretrained("smollm2-135m-instruct", config=config, show_progress=False)
+
+
+def with_guard(engine: CacheBlendEngine, guard: Guard | None) -> CacheBlendEngine:
+    """An engine on the same model and store whose config has `guard`."""
+    config = dataclasses.replace(engine.config, guard=guard)
+    return CacheBlendEngine(engine.model, engine.tokenizer, config=config, template=engine.template, store=engine.store)
+
+
+@pytest.fixture(scope="module")
+def measured(engine) -> dict[str, list[dict]]:
+    plain, guarded = with_guard(engine, None), with_guard(engine, Guard())
+    out: dict[str, list[dict]] = {"blend": [], "guarded": []}
+    for question in QUESTIONS:
+        engine.precompute(CHUNKS, question)
+        prompt = engine.build_prompt(CHUNKS, question)
+        ref = reference_answer(engine, prompt, ANSWER_TOKENS)
+        out["blend"].append(measure(plain, prompt, ref, BlendConfig()))
+        out["guarded"].append(measure(guarded, prompt, ref, BlendConfig()))
+    return out
+
+
+def test_the_guarded_default_keeps_full_recomputes_first_token(measured):
+    changed = sum(r["first_token"] < 1.0 for r in measured["guarded"])
+    assert changed <= MAX_FIRST_TOKEN_CHANGES, f"{changed} of {len(QUESTIONS)} first tokens differ from full"
+
+
+def test_the_guard_never_leaves_an_answer_further_from_full_than_the_blend_it_started_from(measured):
+    for plain, guarded in zip(measured["blend"], measured["guarded"], strict=True):
+        if guarded["escalations"]:
+            assert guarded["kl_mean"] <= plain["kl_mean"] + 1e-3, (plain["kl_mean"], guarded["kl_mean"])
+        else:
+            assert guarded["kl_mean"] == pytest.approx(plain["kl_mean"], abs=1e-6)
+    mean = {k: statistics.fmean(r["kl_mean"] for r in v) for k, v in measured.items()}
+    assert mean["guarded"] <= mean["blend"] + 1e-6, mean
+
+
+def test_escalating_to_the_end_of_the_ladder_is_full_recompute_on_real_weights(engine):
+    question = QUESTIONS[0]
+    engine.precompute(CHUNKS, question)
+    prompt = engine.build_prompt(CHUNKS, question)
+    full = engine.prefill(prompt, "full").logits
+    pre = with_guard(engine, Guard(max_kl=0.0)).prefill(prompt, "blend")
+    assert pre.metrics.escalations == [0.5, 1.0]
+    torch.testing.assert_close(pre.logits, full, atol=2e-3, rtol=1e-3)
