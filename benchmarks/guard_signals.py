@@ -6,8 +6,8 @@ Reads fidelity records (`benchmarks/fidelity.py`: full recompute, full KV reuse,
 figures (`benchlib.guard_study`):
 - the signal table, per data set and pooled: each signal's Spearman correlation with KL(full || blend@0.15), its
   ROC AUC for "blend's first token differs from full's" and for "blend is further from full than reuse";
-- every setting on the same cases: full reuse, fixed r, the guard at each threshold (`Guard(max_kl)`) and the
-  margin trigger studied beside it, replayed from the records exactly as the engine decides
+- every setting on the same cases: full reuse, fixed r, the guard with each trigger at each threshold
+  (`Guard(max_kl=t)`, `Guard(min_margin=m)`), replayed from the records exactly as the engine decides
   (`FidelityProfile.outcome`), with 95% intervals, the cases left further from full than reuse, and TTFT mean
   and p90 next to full's: on every case with the guard escalating straight to full recompute, and with both
   ladders (0.5 then 1.0, or 1.0) on the cases measured at 0.5;
@@ -68,8 +68,7 @@ def section(title: str, cases_by_set: dict[str, list[dict]], grid: tuple, ladder
         for ladder in ladders[1:]:
             table += rows(profile(cases, grid, ladder), fixed=False)
         for ladder in ladders:
-            for disagree in (False, True):
-                table += margin_rows(profile(cases, grid, ladder), on_disagreement=disagree)
+            table += margin_rows(profile(cases, grid, ladder))
         lines += [f"\n## {name} ({len(cases)} cases)\n", *signal_markdown(cases), "", *markdown_rows(table)]
         if name != "pooled":
             tag = "-".join(f"{r:g}" for r in grid)

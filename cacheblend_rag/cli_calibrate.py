@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 def add_calibrate_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     from .cli_args import _add_document_arguments, _add_runtime_arguments
-    from .controller.fidelity_profile import DEFAULT_LADDER, DEFAULT_RATIOS, DEFAULT_THRESHOLDS
+    from .controller.fidelity_profile import DEFAULT_LADDER, DEFAULT_MARGINS, DEFAULT_RATIOS, DEFAULT_THRESHOLDS
 
     cal = sub.add_parser("calibrate", help="measure fidelity to full recompute on a sample of your questions and "
                          "choose the recompute ratio / guard for a target", formatter_class=formatter)  # fmt: skip
@@ -44,7 +44,11 @@ def add_calibrate_parser(sub: argparse._SubParsersAction, formatter: type[argpar
     cal.add_argument("--ratio", type=float, default=0.15, help="the base ratio a guard starts from")
     cal.add_argument("--ratios", type=float, nargs="+", default=list(DEFAULT_RATIOS), help="fixed ratios measured")
     cal.add_argument("--thresholds", type=float, nargs="+", default=list(DEFAULT_THRESHOLDS),
-                     help="guard thresholds max_kl (nats); inf: escalate on a first-token change only")  # fmt: skip
+                     help="the guard's KL trigger: max_kl values (nats) to measure; 0 escalates every "
+                     "request")  # fmt: skip
+    cal.add_argument("--margins", type=float, nargs="+", default=list(DEFAULT_MARGINS),
+                     help="the guard's margin trigger: min_margin values (first-token top-1 minus top-2 "
+                     "probability) to measure")  # fmt: skip
     cal.add_argument("--ladder", type=float, nargs="+", default=list(DEFAULT_LADDER), help="the guard's ratios")
     _add_target_arguments(cal)
     cal.add_argument("--held-back", type=float, default=0.33, help="share of the sample (the last questions) "
@@ -149,7 +153,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     )
     if not args.held_back < 1:
         raise CacheBlendError(f"--held-back must be a share below 1 (0: no check), got {args.held_back}")
-    check_grid(args.ratios, args.thresholds, args.ratio, args.ladder)
+    check_grid(args.ratios, args.thresholds, args.ratio, args.ladder, args.margins)
     Targets(args.target_first_token, args.target_top1, args.target_kl)
     _check_kv_dir(args)
     items, questions, source = _sample(args)
@@ -185,8 +189,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"measuring {len(items)} questions ({source})", file=sys.stderr)
     t = time.perf_counter()
     profile = measure_fidelity(
-        engine, items, ratios=args.ratios, thresholds=args.thresholds, base_ratio=args.ratio, ladder=args.ladder,
-        source=source, on_question=progress,
+        engine, items, ratios=args.ratios, thresholds=args.thresholds, margins=args.margins, base_ratio=args.ratio,
+        ladder=args.ladder, source=source, on_question=progress,
     )  # fmt: skip
     elapsed = time.perf_counter() - t
     profile.save(args.out)

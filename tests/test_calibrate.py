@@ -64,7 +64,7 @@ def hand_profile(questions=None, model="m" * 64, dtype="float32"):
                 record(0.5, float(right50), 0.9, 0.1, 0.4),
                 record(1.0, 1.0, 1.0, 0.0, 1.0),
             ],
-            "risk": {"kl_reuse": kl_reuse, "agree_reuse": True},
+            "risk": {"kl_reuse": kl_reuse, "agree_reuse": True, "margin": 1.0},
             "steps": [{"ratio": r, "agree_prev": a, "kl_prev": k} for r, (a, k) in zip(LADDER, steps, strict=True)],
         }
 
@@ -86,8 +86,11 @@ def test_a_replayed_guard_is_what_the_engine_does_with_that_guard(measured):
     kl_reuse = {q["risk"]["kl_reuse"] for q in profile.questions}
     thresholds = sorted({0.0, math.inf, *kl_reuse, *(s["kl_prev"] for q in profile.questions for s in q["steps"])})
     ends = set()
-    for threshold in thresholds:
-        guard = Guard(max_kl=threshold, ratios=LADDER)
+    margins = sorted({0.0, 1.0, *(min(q["risk"]["margin"] + 1e-6, 1.0) for q in profile.questions)})
+    guards = [Guard(max_kl=t, min_margin=0.0, ratios=LADDER) for t in thresholds]
+    guards += [Guard(min_margin=m, ratios=LADDER) for m in margins]
+    for guard in guards:
+        threshold = (guard.max_kl, guard.min_margin)
         engine = tiny_engine(guard, model, tokenizer)
         for item, question in zip(sample(), profile.questions, strict=True):
             engine.precompute(list(item.chunks), item.question)
@@ -100,17 +103,19 @@ def test_a_replayed_guard_is_what_the_engine_does_with_that_guard(measured):
     assert ends == {profile.base_ratio, *LADDER}  # not escalated, stopped on the ladder, and at its end
 
 
-def test_guard_at_threshold_inf_escalates_only_first_token_disagreements_and_zero_escalates_all(measured):
+def test_guard_at_threshold_inf_never_escalates_zero_escalates_all_and_a_margin_takes_the_near_ties(measured):
     _, _, profile = measured
     base = Setting(profile.base_ratio)
     for question in profile.questions:
-        at_inf = profile.outcome(Setting(profile.base_ratio, Guard(max_kl=math.inf, ratios=LADDER)), question)
-        if question["risk"]["agree_reuse"]:
-            assert at_inf == {**profile.outcome(base, question), "escalated": False}
-        else:
-            assert at_inf["escalated"]
+        at_inf = profile.outcome(Setting(profile.base_ratio, Guard(max_kl=math.inf, min_margin=0, ratios=LADDER)),
+                                 question)  # fmt: skip
+        assert at_inf == {**profile.outcome(base, question), "escalated": False}
         at_zero = profile.outcome(Setting(profile.base_ratio, Guard(max_kl=0.0, ratios=LADDER)), question)
         assert at_zero["escalated"] and at_zero["ratio"] == 1.0  # successive blends never agree within 0 nats
+        margin = question["risk"]["margin"]
+        for m, risky in ((margin, False), (margin + 1e-6, True)):
+            guard = Guard(min_margin=min(m, 1.0), ratios=LADDER)
+            assert profile.outcome(Setting(profile.base_ratio, guard), question)["escalated"] == risky
     assert profile.estimate(Setting(profile.base_ratio, Guard(max_kl=0.0, ratios=LADDER))).escalated == 1.0
 
 
@@ -147,7 +152,7 @@ def test_choose_picks_the_cheapest_setting_that_meets_the_target():
     choice = profile.choose(target_first_token=0.75)
     assert choice.met and choice.estimate.setting == Setting(0.5) and choice.guard is None
     choice = profile.choose(target_first_token=1.0)
-    assert choice.met and choice.guard == Guard(max_kl=0.1, ratios=LADDER)
+    assert choice.met and choice.guard == Guard(max_kl=0.1, min_margin=0.0, ratios=LADDER)
     escalated_to_full = 0.1 + (0.4 - 0.02) + (1.0 - 0.02)  # the first pass (reuse's compute) is paid once
     assert choice.estimate.compute_share == pytest.approx((2 * escalated_to_full + 0.1 + 0.38 + 0.1) / 4)
     assert choice.estimate.escalated == 0.75
@@ -220,7 +225,8 @@ def test_calibrate_writes_a_profile_that_ask_applies_with_the_loading_profile_as
     printed = capsys.readouterr().out
     profile = FidelityProfile.load(out)
     assert len(profile.questions) == 3 and "over" in profile.source
-    for name in ("r=0.05", "full (r=1)", "guard max_kl=inf (r=0.15)", "chosen: ", "held back: ", "s per question"):
+    guards = ("guard never -> r=1 (from r=0.15)", "guard KL to reuse > 0.1 -> r=1", "guard margin < 0.05 -> r=1")
+    for name in ("r=0.05", "full (r=1)", *guards, "chosen: ", "held back: ", "s per question"):
         assert name in printed
     choice = profile.choose(target_first_token=0.9)
     assert f"chosen: {choice.estimate.setting.name}" in printed
@@ -242,7 +248,7 @@ def test_calibrate_writes_a_profile_that_ask_applies_with_the_loading_profile_as
     ask[ask.index(str(out))] = str(tmp_path / "hand.json")
     ask[ask.index("0.9")] = "1.0"
     assert main(ask) == 0
-    assert engines_built[-1]["config"].guard == Guard(max_kl=0.1, ratios=LADDER)
+    assert engines_built[-1]["config"].guard == Guard(max_kl=0.1, min_margin=0.0, ratios=LADDER)
     assert engines_built[-1]["controller"].min_ratio == 0.15
 
 

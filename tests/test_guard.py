@@ -47,6 +47,8 @@ def test_signals_read_agreement_margin_and_stale_attention():
     "kwargs, match",
     [
         (dict(max_kl=-1), "max_kl must be a number >= 0"),
+        (dict(min_margin=1.5), r"min_margin must be a probability in \[0, 1\]"),
+        (dict(min_margin=True), "min_margin must be a probability"),
         (dict(ratios=()), r"ratios must be one or more numbers in \(0, 1\]"),
         (dict(ratios=(1.0, 0.5)), "must increase"),
         (dict(ratios=(0.5, 1.5)), r"in \(0, 1\]"),
@@ -88,11 +90,35 @@ def test_a_guard_that_never_fires_leaves_the_blend_as_it_was():
     plain = engine_with(None, model, tokenizer)
     prompt = prompt_of(plain)
     expected = plain.prefill(prompt, "blend")
-    if not expected.metrics.risk["agree_reuse"]:
-        pytest.skip("this seed's blend and reuse disagree on the first token: the guard must fire")
-    guarded = engine_with(Guard(max_kl=1e9), model, tokenizer).prefill(prompt, "blend")
-    assert guarded.metrics.escalations == []
+    guarded = engine_with(Guard(max_kl=math.inf, min_margin=0.0), model, tokenizer).prefill(prompt, "blend")
+    assert guarded.metrics.escalations == [] and guarded.metrics.guard_reason is None
     torch.testing.assert_close(guarded.logits, expected.logits, atol=0, rtol=0)
+
+
+def test_the_margin_trigger_escalates_near_ties_and_says_why():
+    model, tokenizer = make_tiny_model("qwen2"), make_tiny_tokenizer()
+    plain = engine_with(None, model, tokenizer)
+    prompt = prompt_of(plain)
+    margin = plain.prefill(prompt, "blend").metrics.risk["margin"]
+    calm = engine_with(Guard(min_margin=margin), model, tokenizer).prefill(prompt, "blend").metrics
+    assert calm.escalations == [] and calm.guard_reason is None  # not below its own margin
+    tight = Guard(min_margin=min(margin + 1e-4, 1.0), ratios=(1.0,))
+    m = engine_with(tight, model, tokenizer).prefill(prompt, "blend").metrics
+    assert m.escalations == [1.0] and m.recompute_ratio == 1.0
+    assert m.guard_reason == tight.reason(m.risk) and m.guard_reason.startswith("first-token margin")
+    assert "guard: first-token margin" in m.summary() and "escalated to r=1" in m.summary()
+    assert m.to_dict()["guard_reason"] == m.guard_reason
+
+
+def test_guard_reasons_and_description():
+    near_tie = {"margin": 0.01, "kl_reuse": 0.0}
+    moved = {"margin": 0.9, "kl_reuse": 2.0}
+    guard = Guard(min_margin=0.05, max_kl=1.0)
+    assert guard.reason(near_tie) == "first-token margin 0.010 < 0.05"
+    assert guard.reason(moved) == "first-token KL to reuse 2.000 > 1"
+    assert guard.reason({"margin": 0.9, "kl_reuse": 0.5}) is None
+    assert guard.describe() == "margin < 0.05 or KL to reuse > 1 -> r=1"
+    assert Guard(min_margin=0.0).describe() == "never -> r=1"
 
 
 def test_escalation_stops_when_two_blends_agree():

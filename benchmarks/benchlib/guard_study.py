@@ -13,7 +13,6 @@ methods measured before it (`first_kl`) and, for the "attention" rule, the risk 
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -31,7 +30,7 @@ from cacheblend_rag.evaluation import bootstrap_ci
 BASE = 0.15
 GRID = (0.05, 0.15, 0.5)  # measured blends; 1.0 is full recompute's own record
 LADDER = (0.5, 1.0)
-THRESHOLDS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, math.inf)
+THRESHOLDS = (0.0, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 # signal name -> how to read it from the base blend's risk signals as "higher = riskier"
 SIGNALS: dict[str, Callable[[Mapping[str, Any]], float]] = {
@@ -120,8 +119,8 @@ def question(
 def profile(
     cases: Sequence[Mapping[str, Any]], grid: Sequence[float] = GRID, ladder: Sequence[float] = LADDER
 ) -> FidelityProfile:
-    """The cases as a fidelity profile of the blends of `grid` whose guard escalates through `ladder` (0.5 then
-    1.0, or straight to 1.0)."""
+    """The cases as a fidelity profile of the blends of `grid` whose guard (the KL trigger at each of `THRESHOLDS`)
+    escalates through `ladder` (0.5 then 1.0, or straight to 1.0)."""
     return FidelityProfile(
         model="", dtype="float32", rule="attention", base_ratio=BASE, ratios=(*grid, 1.0), ladder=tuple(ladder),
         thresholds=THRESHOLDS, questions=tuple(question(c, grid, ladder) for c in cases),
@@ -189,37 +188,24 @@ def rows(prof: FidelityProfile, *, fixed: bool = True) -> list[Row]:
     ladder = " -> ".join(f"{r:g}" for r in (prof.base_ratio, *prof.ladder))
     for s in prof.settings():
         if s.guard is not None:
-            name = f"guard max_kl={s.guard.max_kl:g} ({ladder})"
-            out.append(_row(name, ladder, s.guard.max_kl, [prof.outcome(s, q) for q in qs], qs))
+            name = f"guard KL to reuse > {s.guard.max_kl:g} ({ladder})"
+            out.append(_row(name, f"KL to reuse ({ladder})", s.guard.max_kl, [prof.outcome(s, q) for q in qs], qs))
     return out
 
 
-@dataclass(frozen=True)
-class MarginGuard(Guard):
-    """A candidate trigger studied here, not in the engine: risky when the blend's first-token margin (top-1 minus
-    top-2 probability) is below `min_margin`, or (with `on_disagreement`) when blend and reuse disagree."""
-
-    min_margin: float = 0.0
-    on_disagreement: bool = False
-
-    def is_risky(self, signals: dict[str, Any]) -> bool:
-        return signals["margin"] < self.min_margin or (self.on_disagreement and not signals["agree_reuse"])
+MARGINS = (0.02, 0.05, 0.1, 0.2, 0.3)
 
 
-MARGINS = (0.05, 0.1, 0.2, 0.3, 0.5)
-
-
-def margin_rows(prof: FidelityProfile, *, on_disagreement: bool) -> list[Row]:
-    """The margin trigger at each of `MARGINS`, over the profile's base ratio and ladder."""
+def margin_rows(prof: FidelityProfile) -> list[Row]:
+    """The guard's margin trigger (`Guard(min_margin=m)`) at each of `MARGINS`, over the profile's base ratio and
+    ladder."""
     qs = prof.questions
     ladder = " -> ".join(f"{r:g}" for r in (prof.base_ratio, *prof.ladder))
-    series = f"margin{' or disagree' if on_disagreement else ''} ({ladder})"
     out = []
     for m in MARGINS:
-        s = Setting(prof.base_ratio, MarginGuard(max_kl=math.inf, ratios=prof.ladder, min_margin=m,
-                                                 on_disagreement=on_disagreement))  # fmt: skip
-        out.append(_row(f"guard margin < {m:g}{' or disagree' if on_disagreement else ''} ({ladder})", series, m,
-                        [prof.outcome(s, q) for q in qs], qs))  # fmt: skip
+        s = Setting(prof.base_ratio, Guard(min_margin=m, ratios=prof.ladder))
+        out.append(_row(f"guard margin < {m:g} ({ladder})", f"margin ({ladder})", m, [prof.outcome(s, q) for q in qs],
+                        qs))  # fmt: skip
     return out
 
 
@@ -270,7 +256,7 @@ def plot_pareto(table: Sequence[Row], title: str, path: Path) -> Path:
         for name, rows_ in series.items():
             fixed = name == "fixed"
             style = dict(fmt="o-", color="tab:blue") if fixed else next(styles)
-            legend = "fixed r (0, 0.05, 0.15, 0.5, 1)" if fixed else f"guard {name}, by max_kl"
+            legend = "fixed r" if fixed else f"guard: {name}"
             x = [r.compute_share for r in rows_]
             y = [getattr(r, attr)[0] for r in rows_]
             err = [[y_ - getattr(r, attr)[1] for y_, r in zip(y, rows_, strict=True)],

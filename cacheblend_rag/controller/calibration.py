@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import Guard
 from ..engine.guard import kl
 from ..errors import ConfigError
-from .fidelity_profile import DEFAULT_LADDER, DEFAULT_RATIOS, DEFAULT_THRESHOLDS, FidelityProfile
+from .fidelity_profile import DEFAULT_LADDER, DEFAULT_MARGINS, DEFAULT_RATIOS, DEFAULT_THRESHOLDS, FidelityProfile
 
 if TYPE_CHECKING:
     from ..engine import CacheBlendEngine, PromptTemplate, TokenizedPrompt
@@ -96,6 +96,7 @@ def measure_fidelity(
     *,
     ratios: Sequence[float] = DEFAULT_RATIOS,
     thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
+    margins: Sequence[float] = DEFAULT_MARGINS,
     base_ratio: float | None = None,
     ladder: Sequence[float] = DEFAULT_LADDER,
     source: str = "",
@@ -106,7 +107,7 @@ def measure_fidelity(
     The grid is extended with the base ratio and the ladder, whose records the guard's replay reads.
     `on_question` sees each question's record as it is measured (progress)."""
     base = engine.config.blend.recompute_ratio if base_ratio is None else float(base_ratio)
-    check_grid(ratios, thresholds, base, ladder)
+    check_grid(ratios, thresholds, base, ladder, margins)
     if not engine.config.blend.uses_attention_pass:
         raise ConfigError(
             f"the guard reads the 'attention' rule's first pass, but the engine's rule is "
@@ -127,6 +128,7 @@ def measure_fidelity(
         ratios=grid,
         ladder=tuple(float(r) for r in ladder),
         thresholds=tuple(float(t) for t in thresholds),
+        margins=tuple(float(m) for m in margins),
         questions=tuple(questions),
         source=source,
         created=time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -134,13 +136,19 @@ def measure_fidelity(
 
 
 def check_grid(
-    ratios: Sequence[float], thresholds: Sequence[float], base_ratio: float, ladder: Sequence[float]
+    ratios: Sequence[float],
+    thresholds: Sequence[float],
+    base_ratio: float,
+    ladder: Sequence[float],
+    margins: Sequence[float] = (),
 ) -> None:
     """ConfigError for a grid the profile cannot be built from (checked before any model loads)."""
     if not ratios or any(not 0 < r <= 1 for r in ratios):
         raise ConfigError(f"ratios must be one or more numbers in (0, 1], got {list(ratios)}")
     if not thresholds or any(not t >= 0 for t in thresholds):
         raise ConfigError(f"thresholds must be one or more numbers >= 0 (nats; inf allowed), got {list(thresholds)}")
+    if any(not 0 <= m <= 1 for m in margins):
+        raise ConfigError(f"margins must be probabilities in [0, 1], got {list(margins)}")
     if not 0 < base_ratio <= 1:
         raise ConfigError(f"the base ratio must be in (0, 1], got {base_ratio}")
     Guard(ratios=tuple(ladder))

@@ -22,7 +22,7 @@ class Setting:
     def name(self) -> str:
         if self.guard is None:
             return "full (r=1)" if self.ratio >= 1.0 else f"r={self.ratio:g}"
-        return f"guard max_kl={self.guard.max_kl:g} (r={self.ratio:g})"
+        return f"guard {self.guard.describe()} (from r={self.ratio:g})"
 
 
 @dataclass(frozen=True)

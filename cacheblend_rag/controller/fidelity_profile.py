@@ -7,10 +7,11 @@ share of a blend at each ratio of a grid (the engine's rule; ratio 1.0 recompute
 prefill's result), of full KV reuse, and the first-token comparisons the guard makes: the base blend's risk
 signals, and whether each ladder ratio's blend agrees with the one before it (same first token, and their KL).
 
-A guarded setting (`Guard(max_kl=t, ratios=ladder)` over the base ratio) is not run again per threshold: its
-outcome per question is replayed from those records, exactly as the engine decides it. A risky question (blend
-and reuse disagree, or KL(blend || reuse) > t) takes the ladder's ratios in turn until one agrees with the
-previous blend within t; it ends with the figures of the last blend taken and pays the base blend plus each
+A guarded setting (`Guard(max_kl=t)` or `Guard(min_margin=m)` over the base ratio, with the profile's ladder) is
+not run again per threshold: its outcome per question is replayed from those records, exactly as the engine
+decides it. A risky question (`Guard.is_risky`: first-token margin below m, or KL(blend || reuse) above t)
+takes the ladder's ratios in turn until one agrees with the previous blend (same first token, KL within t); it
+ends with the figures of the last blend taken and pays the base blend plus each
 escalation's blend (each blend's compute share less the first pass's, which escalations share; the first pass
 is what full KV reuse computes). `tests/test_calibrate.py` checks the replay against the engine run with the guard.
 
@@ -37,8 +38,9 @@ from .profile import read_profile_json
 
 PROFILE_FORMAT = "cacheblend-rag/fidelity-profile/1"
 DEFAULT_RATIOS = (0.05, 0.15, 0.3, 0.5, 1.0)
-DEFAULT_THRESHOLDS = (0.0, 0.05, 0.1, 0.2, 0.5, math.inf)
-DEFAULT_LADDER = (0.5, 1.0)
+DEFAULT_THRESHOLDS = (0.0, 0.05, 0.1, 0.2, 0.5, 1.0)  # max_kl of the KL trigger (0: escalate every request)
+DEFAULT_MARGINS = (0.02, 0.05, 0.1, 0.2)  # min_margin of the margin trigger
+DEFAULT_LADDER = (1.0,)
 MAX_PROFILE_BYTES = 64 << 20  # a few hundred bytes per question
 
 
@@ -52,10 +54,11 @@ class FidelityProfile:
     base_ratio: float  # the blend a guard starts from
     ratios: tuple[float, ...]  # the fixed-ratio grid
     ladder: tuple[float, ...]  # the guard's escalation ratios
-    thresholds: tuple[float, ...]  # the guard's max_kl values in the table
+    thresholds: tuple[float, ...]  # the KL trigger's max_kl values in the table
     questions: tuple[dict[str, Any], ...] = field(repr=False)
     source: str = ""  # what the sample was drawn from
     created: str = ""
+    margins: tuple[float, ...] = ()  # the margin trigger's min_margin values in the table
 
     def __post_init__(self) -> None:
         needed = {self.base_ratio, *self.ladder}
@@ -77,7 +80,9 @@ class FidelityProfile:
 
     def settings(self) -> list[Setting]:
         fixed = [Setting(r) for r in self.ratios]
-        return fixed + [Setting(self.base_ratio, Guard(max_kl=t, ratios=self.ladder)) for t in self.thresholds]
+        by_kl = [Guard(min_margin=0.0, max_kl=t, ratios=self.ladder) for t in self.thresholds]
+        by_margin = [Guard(min_margin=m, ratios=self.ladder) for m in self.margins]
+        return fixed + [Setting(self.base_ratio, g) for g in (*by_kl, *by_margin)]
 
     def outcome(self, setting: Setting, question: dict[str, Any]) -> dict[str, Any]:
         """One question's figures under `setting`: measured for a fixed ratio, replayed for a guard."""
@@ -166,6 +171,7 @@ class FidelityProfile:
             "ratios": list(self.ratios),
             "ladder": list(self.ladder),
             "thresholds": [t if math.isfinite(t) else "inf" for t in self.thresholds],  # JSON has no infinity
+            "margins": list(self.margins),
             "source": self.source,
             "created": self.created,
             "sample_size": len(self.questions),
@@ -194,6 +200,7 @@ class FidelityProfile:
                 ratios=tuple(float(r) for r in data["ratios"]),
                 ladder=tuple(float(r) for r in data["ladder"]),
                 thresholds=tuple(float(t) for t in data["thresholds"]),
+                margins=tuple(float(m) for m in data.get("margins", ())),
                 questions=tuple(dict(q) for q in data["questions"]),
                 source=str(data.get("source", "")),
                 created=str(data.get("created", "")),

@@ -29,6 +29,7 @@ class RequestMetrics:
     # guard escalated through (1.0: every chunk token recomputed, a full prefill's result)
     risk: dict[str, Any] | None = None
     escalations: list[float] = field(default_factory=list)
+    guard_reason: str | None = None  # why the guard escalated (None: it did not, or no guard)
     compute_s: float = 0.0  # the prefill itself, waits excluded
     ttft_s: float = 0.0  # call -> first token, everything included
     decode_s: float = 0.0
@@ -68,7 +69,7 @@ class RequestMetrics:
         if self.fallback is not None:
             cold += f" [{self.fallback}]"
         if self.escalations:
-            cold += f" [guard: escalated to r={self.escalations[-1]:g}]"
+            cold += f" [guard: {self.guard_reason}; escalated to r={self.escalations[-1]:g}]"
         return (
             f"mode={self.mode}{ratio} ttft={self.ttft_s * 1000:.0f}ms{cold} prompt={self.prompt_tokens} tok "
             f"recomputed={self.recomputed_tokens} ({self.recompute_share:.0%}, compute {self.compute_share:.0%}) "

@@ -258,7 +258,9 @@ class Prefiller:
         assert result.logits is not None
         recomputed = chunks & ~plan.exact  # the chunk tokens this blend recomputed
         m.risk = first_token_signals(result.logits, probe.logits, scores.cpu(), chunks, recomputed)
-        if guard is not None and guard.is_risky(m.risk):
+        m.guard_reason = guard.reason(m.risk) if guard is not None else None
+        if m.guard_reason is not None:
+            assert guard is not None
             for ratio in guard.ladder(blend.recompute_ratio):
                 previous = result
                 result, _ = blend_at(blend.with_ratio(ratio))
