@@ -141,6 +141,7 @@ def measure_with_logits(
         reused_tokens=m.reused_tokens,
         risk=m.risk,  # the blend's risk signals (the "attention" rule), for the guard's study
         escalations=list(m.escalations),
+        guard_reason=m.guard_reason,
     )
     return record, pre.logits.detach().float().reshape(-1).clone()
 
