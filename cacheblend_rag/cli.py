@@ -25,7 +25,7 @@ __all__ = ["build_parser", "main"]
 
 
 def _engine_config(args: argparse.Namespace):
-    from .config import BlendConfig, EngineConfig
+    from .config import BlendConfig, EngineConfig, Guard
 
     blend = BlendConfig(recompute_ratio=args.ratio) if args.ratio is not None else BlendConfig()
     _check_kv_dir(args)
@@ -36,6 +36,7 @@ def _engine_config(args: argparse.Namespace):
         disk_dir=args.kv_dir,
         redis_url=args.redis_url,
         miss_policy=args.miss_policy,
+        guard=Guard(min_margin=args.guard) if args.guard is not None else None,
     )
 
 

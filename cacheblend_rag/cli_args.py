@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a question whose chunks are not stored yet: full prefill then store them (full), prefill each chunk "
         "then blend (blend), or whichever costs less compute (auto)",
     )
+    ask.add_argument("--guard", type=float, nargs="?", const=0.05, metavar="MIN_MARGIN",
+                     help="the fidelity guard: a blend whose first token is a near tie (top-1 minus top-2 "
+                     "probability below MIN_MARGIN, 0.05 if not given) is recomputed in full")  # fmt: skip
     ask.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question")
     ask.add_argument("--max-new-tokens", type=int, default=128, help="longest answer, in tokens")
     ask.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
