@@ -1,24 +1,48 @@
-"""Paired KL(full||rule with codec) - KL(full||rule native) per selection rule, SmolLM2, the guard gate's 12 questions."""
-import sys, statistics, dataclasses
-sys.path.insert(0, "/work/main/tests")
-from test_guard_gate import QUESTIONS
-from test_quality_gate import CHUNKS, ANSWER_TOKENS
-from cacheblend_rag import CacheBlendEngine, EngineConfig, blend_rule
-from cacheblend_rag.evaluation.fidelity import measure, reference_answer
-from cacheblend_rag.evaluation import bootstrap_ci
-eng = CacheBlendEngine.from_pretrained("smollm2-135m-instruct", config=EngineConfig(dtype="float32", miss_policy="blend"), show_progress=False)
-coded = {c: CacheBlendEngine(eng.model, eng.tokenizer, config=dataclasses.replace(eng.config, memory_codec=c), template=eng.template) for c in ("int8", "int4")}
-rules = [("attention", 0.15), ("paper", 0.15), ("gradual", 0.15), ("epic", 0.15)]
-diffs = {(c, r): [] for c in coded for r, _ in rules}
-base = {r: [] for r, _ in rules}
-for q in QUESTIONS:
-    eng.precompute(CHUNKS, q); p = eng.build_prompt(CHUNKS, q); ref = reference_answer(eng, p, ANSWER_TOKENS)
-    for c, e in coded.items():
-        e.precompute(CHUNKS, q)
-    for r, x in rules:
-        n = measure(eng, p, ref, blend_rule(r, x))["kl_mean"]; base[r].append(n)
-        for c, e in coded.items():
-            diffs[(c, r)].append(measure(e, p, ref, blend_rule(r, x))["kl_mean"] - n)
-for (c, r), d in diffs.items():
+"""Which selection rules does a quantizing codec disturb?
+
+Per rule at r = 0.15, the paired difference KL(full || rule, chunk KV read through the codec) minus
+KL(full || rule, uncompressed store), over the guard gate's 12 questions on SmolLM2-135M-Instruct (fp32), with 95%
+bootstrap intervals. Runs on the current code:
+
+    python research/codec_rules.py > research/results/codec_rules.txt
+"""
+
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_guard_gate import QUESTIONS  # noqa: E402
+from test_quality_gate import ANSWER_TOKENS, CHUNKS  # noqa: E402
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig, blend_rule  # noqa: E402
+from cacheblend_rag.evaluation import bootstrap_ci  # noqa: E402
+from cacheblend_rag.evaluation.fidelity import measure, reference_answer  # noqa: E402
+
+RULES = ("attention", "paper", "gradual", "epic")
+RATIO = 0.15
+
+config = EngineConfig(dtype="float32", miss_policy="blend")
+engine = CacheBlendEngine.from_pretrained("smollm2-135m-instruct", config=config, show_progress=False)
+coded = {  # engines on the same model whose memory tier keeps chunk KV through each codec
+    codec: CacheBlendEngine(engine.model, engine.tokenizer, config=dataclasses.replace(config, memory_codec=codec))
+    for codec in ("int8", "int4")
+}
+native: dict[str, list[float]] = {rule: [] for rule in RULES}
+diffs: dict[tuple[str, str], list[float]] = {(codec, rule): [] for codec in coded for rule in RULES}
+for question in QUESTIONS:
+    for each in (engine, *coded.values()):
+        each.precompute(CHUNKS, question)
+    prompt = engine.build_prompt(CHUNKS, question)
+    reference = reference_answer(engine, prompt, ANSWER_TOKENS)
+    for rule in RULES:
+        base = measure(engine, prompt, reference, blend_rule(rule, RATIO))["kl_mean"]
+        native[rule].append(base)
+        for codec, coded_engine in coded.items():
+            kl = measure(coded_engine, prompt, reference, blend_rule(rule, RATIO))["kl_mean"]
+            diffs[(codec, rule)].append(kl - base)
+for (codec, rule), d in diffs.items():
     lo, hi = bootstrap_ci(d)
-    print(f"| {c} | {r}@0.15 | {statistics.fmean(base[r]):.4f} | {statistics.fmean(d):+.4f} [{lo:+.4f}, {hi:+.4f}] |", flush=True)
+    mean_native = statistics.fmean(native[rule])
+    print(f"| {codec} | {rule}@{RATIO} | {mean_native:.4f} | {statistics.fmean(d):+.4f} [{lo:+.4f}, {hi:+.4f}] |")
