@@ -226,7 +226,7 @@ def signal_table(cases: Sequence[Mapping[str, Any]]) -> list[tuple[str, float, f
     out = []
     for name, read in SIGNALS.items():
         s = [read(b["risk"]) for b in base]
-        rho = float(spearmanr(s, kl).statistic) if len(set(s)) > 1 else float("nan")
+        rho = float(spearmanr(s, kl).statistic) if len(set(s)) > 1 and len(set(kl)) > 1 else float("nan")
         out.append((name, rho, _auc(flipped, s), _auc(worse, s)))
     return out
 

@@ -1,0 +1,64 @@
+"""The guard study's bookkeeping (benchmarks/benchlib/guard_study.py): fidelity records and probes become fidelity
+profile questions, and a guard's replay pays the blend and then full recompute."""
+
+from __future__ import annotations
+
+import pytest
+from benchlib.guard_study import load_cases, probe_consistency, profile, rows, signal_table
+
+
+def rec(case, method, *, first=1.0, kl=0.1, top1=0.9, share=0.2, ttft=2.0, **extra):
+    return {"dataset": "musique", "case_id": case, "method": method, "prompt_tokens": 100, "first_token": first,
+            "kl_mean": kl, "top1": top1, "compute_share": share, "ttft_s": ttft, **extra}  # fmt: skip
+
+
+def case_records(case, *, margin, flipped):
+    return [
+        rec(case, "full", kl=0.0, top1=1.0, share=1.0, ttft=10.0),
+        rec(case, "reuse", first=0.0, kl=0.3, share=0.01, ttft=1.0),
+        rec(case, "attention@0.05", kl=0.2, share=0.07, ttft=1.5),
+        rec(case, "attention@0.15", first=0.0 if flipped else 1.0, kl=0.1, share=0.17, ttft=2.0),
+    ], {"dataset": "musique", "case_id": case, "method": "attention@0.15", "prompt_tokens": 100,
+        "first_token_id": 7, "reference_first_id": 8 if flipped else 7, "recorded_first_token": 0.0 if flipped else 1.0,
+        "risk": {"margin": margin, "kl_reuse": 0.5, "agree_reuse": True, "stale_attention": 0.3}}  # fmt: skip
+
+
+@pytest.fixture
+def study():
+    records, probes = [], []
+    for i, (margin, flipped) in enumerate([(0.01, True), (0.5, False), (0.02, False), (0.6, False)]):
+        r, p = case_records(f"musique-{i}", margin=margin, flipped=flipped)
+        records += r
+        probes.append(p)
+    return records, probes
+
+
+def test_probes_add_the_signals_and_are_checked_against_the_recorded_blend(study):
+    records, probes = study
+    cases = load_cases(records, probes, grid=(0.05, 0.15))["musique"]
+    assert [c["attention@0.15"]["risk"]["margin"] for c in cases] == [0.01, 0.5, 0.02, 0.6]
+    assert probe_consistency(probes) == (4, 4)
+    probes[0] = {**probes[0], "reference_first_id": 7}  # the probe now agrees with full where the record did not
+    assert probe_consistency(probes) == (3, 4)
+    assert load_cases(records, [], grid=(0.05, 0.15)) == {}  # no signals, no case
+
+
+def test_the_margin_guard_replays_blend_then_full_recompute(study):
+    records, probes = study
+    cases = load_cases(records, probes, grid=(0.05, 0.15))["musique"]
+    table = {r.name: r for r in rows(profile(cases, (0.05, 0.15), (1.0,)))}
+    fixed = table["r=0.15"]
+    assert fixed.first_token[0] == 0.75 and fixed.compute_share == pytest.approx(0.17)
+    (name,) = [n for n in table if n.startswith("guard KL to reuse > 0.2 ")]
+    escalated = table[name]  # every case has KL to reuse 0.5: all escalate to full
+    assert escalated.escalated == 1.0 and escalated.first_token[0] == 1.0 and escalated.kl[0] == 0.0
+    assert escalated.compute_share == pytest.approx(0.17 + 1.0)  # the blend, then a full prefill over its first pass
+    assert escalated.ttft_mean == pytest.approx(2.0 + 10.0) and escalated.speedup_mean == pytest.approx(10 / 12)
+    assert table["full recompute"].speedup_mean == 1.0
+
+
+def test_signal_table_ranks_the_flipped_case(study):
+    records, probes = study
+    cases = load_cases(records, probes, grid=(0.05, 0.15))["musique"]
+    by_name = {name: (rho, flip, worse) for name, rho, flip, worse in signal_table(cases)}
+    assert by_name["low_margin"][1] == 1.0  # the flipped case has the lowest margin
