@@ -127,10 +127,11 @@ def format_table(table: list[Estimate]) -> str:
     def ci(value: float, bounds: tuple[float, float]) -> str:
         return f"{value:.3f} [{bounds[0]:.3f}, {bounds[1]:.3f}]"
 
-    rows = [f"{'setting':<28} {'first-token':<22} {'top-1':<22} {'mean KL (nats)':<22} compute  escalated"]
+    w = max([len("setting"), *(len(e.setting.name) for e in table)])
+    rows = [f"{'setting':<{w}} {'first-token':<22} {'top-1':<22} {'mean KL (nats)':<22} compute  escalated"]
     for e in table:
         rows.append(
-            f"{e.setting.name:<28} {ci(e.first_token, e.first_token_ci):<22} {ci(e.top1, e.top1_ci):<22} "
+            f"{e.setting.name:<{w}} {ci(e.first_token, e.first_token_ci):<22} {ci(e.top1, e.top1_ci):<22} "
             f"{ci(e.kl_mean, e.kl_ci):<22} {e.compute_share:7.2f}  {e.escalated:9.0%}"
         )
     return "\n".join(rows)
