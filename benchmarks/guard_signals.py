@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from benchlib.guard_study import (
     signal_table,
 )
 
+REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "guard"
 FIDELITY = Path(__file__).parent / "results" / "fidelity" / "fidelity.jsonl"
 
@@ -79,8 +81,8 @@ def section(title: str, cases_by_set: dict[str, list[dict]], grid: tuple, ladder
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--records", type=Path, nargs="+", default=[FIDELITY, RESULTS / "fidelity.jsonl"],
-                   help="fidelity records, later files first where two hold the same (case, method)")  # fmt: skip
+    p.add_argument("--records", type=Path, nargs="+", default=[RESULTS / "fidelity.jsonl", FIDELITY],
+                   help="fidelity records; where two files hold the same (case, method), the later one is read")  # fmt: skip
     p.add_argument("--probes", type=Path, default=RESULTS / "probe.jsonl", help="benchmarks/guard_probe.py records")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for guard.md and figures")
     p.add_argument("--held-back", default="musique", help="data set of the held-back check (default: %(default)s)")
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     same, checked = probe_consistency(probes)
-    lines = [f"Records: {', '.join(map(str, args.records))}; probes: {args.probes} ({same} of {checked} probes "
+    shown = [os.path.relpath(p, REPO) for p in (*args.records, args.probes)]
+    lines = [f"Records: {', '.join(shown[:-1])}; probes: {shown[-1]} ({same} of {checked} probes "
              "pick the recorded reference's first token exactly when the recorded blend did).\n"]  # fmt: skip
     lines += section("The guard escalating straight to full recompute (0.15 -> 1)", full_ladder, (0.05, 0.15),
                      [(1.0,)], args.out)  # fmt: skip
