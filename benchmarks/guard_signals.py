@@ -82,7 +82,8 @@ def section(title: str, cases_by_set: dict[str, list[dict]], grid: tuple, ladder
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--records", type=Path, nargs="+", default=[RESULTS / "fidelity.jsonl", FIDELITY],
-                   help="fidelity records; where two files hold the same (case, method), the later one is read")  # fmt: skip
+                   help="fidelity records; where two files hold the same (case, method), the later one "
+                   "is read")  # fmt: skip
     p.add_argument("--probes", type=Path, default=RESULTS / "probe.jsonl", help="benchmarks/guard_probe.py records")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for guard.md and figures")
     p.add_argument("--held-back", default="musique", help="data set of the held-back check (default: %(default)s)")
