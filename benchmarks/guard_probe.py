@@ -14,7 +14,6 @@ recorded reference, so that `benchlib.guard_study` can check that the blend is t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,6 +29,7 @@ from benchlib.cli import (  # noqa: E402
     run_guarded,
     run_settings_of,
 )
+from benchlib.fidelity_run import interleave  # noqa: E402
 from benchlib.records import append_record, check_run_settings, load_records  # noqa: E402
 
 from cacheblend_rag.config import blend_rule  # noqa: E402
@@ -42,9 +42,8 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     method = f"attention@{args.ratio:.2f}"
-    measured = {}
-    for line in args.records.read_text().splitlines():
-        r = json.loads(line) if line.strip() else {}
+    measured: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in load_records(args.records.parent, filename=args.records.name):
         if r.get("method") in ("full", method) and "error" not in r:
             measured.setdefault((r["dataset"], r["case_id"]), {})[r["method"]] = r
     datasets = [load_dataset(n, args.data_dir, args.limit) for n in dataset_names(args.datasets, args.limit)]
@@ -52,9 +51,8 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     check_run_settings(out, run_settings_of(args))
     done = {(r["dataset"], r["case_id"]) for r in load_records(out, repair=True, filename=PROBE_FILE)}
-    longest = max(len(ds.cases) for ds in datasets)
-    work = [(ds.spec, ds.cases[i]) for i in range(longest) for ds in datasets if i < len(ds.cases)]
-    work = [(s, c) for s, c in work if len(measured.get((s.name, c.id), {})) == 2 and (s.name, c.id) not in done]
+    work = [(s, c) for s, c in interleave(datasets) if len(measured.get((s.name, c.id), {})) == 2]
+    work = [(s, c) for s, c in work if (s.name, c.id) not in done]
     engine = load_engine(args)
     blend = blend_rule("attention", args.ratio)
     for spec, case in tqdm(work, desc="probe", unit="case"):

@@ -24,7 +24,6 @@ figures (`benchlib.guard_study`):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -39,6 +38,7 @@ from benchlib.guard_study import (
     rows,
     signal_table,
 )
+from benchlib.records import load_records
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "guard"
@@ -58,7 +58,8 @@ def signal_markdown(cases: list[dict]) -> list[str]:
 
 
 def read_jsonl(paths: list[Path]) -> list[dict]:
-    return [json.loads(line) for path in paths if path.is_file() for line in path.read_text().splitlines() if line]
+    """The records of each file that exists (`benchlib.records.load_records`), in order."""
+    return [r for path in paths for r in load_records(path.parent, filename=path.name)]
 
 
 def section(title: str, cases_by_set: dict[str, list[dict]], grid: tuple, ladders: list[tuple], out: Path) -> list[str]:

@@ -106,7 +106,7 @@ def _copy_chunks(src: CacheBlendEngine, dst: CacheBlendEngine, prompt: Tokenized
             dst.store.put(kv)
 
 
-def _interleave(datasets: Sequence[Dataset]) -> Iterator[tuple[TaskSpec, Case]]:
+def interleave(datasets: Sequence[Dataset]) -> Iterator[tuple[TaskSpec, Case]]:
     """Case 1 of every data set, then case 2 of every data set...: a stopped run covers all sets evenly."""
     longest = max((len(ds.cases) for ds in datasets), default=0)
     for i in range(longest):
@@ -146,7 +146,7 @@ def run_fidelity(
     coded = list(methods if codec_methods is None else codec_methods)
     per_codec = {c: methods if c == NATIVE else coded for c in codecs}
     names = ["full", *(codec_method_name(m.name, c) for c in codecs for m in per_codec[c])]
-    work = [(s, c) for s, c in _interleave(datasets) if any((s.name, c.id, n) not in done for n in names)]
+    work = [(s, c) for s, c in interleave(datasets) if any((s.name, c.id, n) not in done for n in names)]
     bar = tqdm(work, desc="fidelity", unit="case", disable=not show_progress)
     for spec, case in bar:
         bar.set_postfix_str(f"{spec.name} {case.id}", refresh=True)

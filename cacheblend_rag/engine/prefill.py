@@ -259,8 +259,7 @@ class Prefiller:
         recomputed = chunks & ~plan.exact  # the chunk tokens this blend recomputed
         m.risk = first_token_signals(result.logits, probe.logits, scores.cpu(), chunks, recomputed)
         m.guard_reason = guard.reason(m.risk) if guard is not None else None
-        if m.guard_reason is not None:
-            assert guard is not None
+        if guard is not None and m.guard_reason is not None:
             for ratio in guard.ladder(blend.recompute_ratio):
                 previous = result
                 result, _ = blend_at(blend.with_ratio(ratio))
