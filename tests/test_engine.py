@@ -123,6 +123,23 @@ def test_second_request_hits_the_chunk_cache():
     assert (first.metrics.reused_tokens, first.metrics.cold_tokens) == (0, 30)
 
 
+@pytest.mark.parametrize("codec", ["native", "int8"])
+def test_bytes_loaded_are_the_stored_bytes_whether_or_not_loading_is_pipelined(codec):
+    chunks = [random_words(44, 15), random_words(45, 15)]
+    loaded = {}
+    for pipelined in (False, True):
+        config = EngineConfig(miss_policy="blend", chunk_separator="", memory_codec=codec, pipelined_loading=pipelined)
+        eng = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=config)
+        ask(eng, chunks, max_new_tokens=1)
+        loaded[pipelined] = ask(eng, chunks, max_new_tokens=1).metrics.bytes_loaded
+    assert loaded[False] == loaded[True] > 0
+    if codec == "int8":  # read as stored: about a quarter of the fp32 bytes, not the decoded size
+        native = EngineConfig(miss_policy="blend", chunk_separator="")
+        eng = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=native)
+        ask(eng, chunks, max_new_tokens=1)
+        assert loaded[False] < 0.5 * ask(eng, chunks, max_new_tokens=1).metrics.bytes_loaded
+
+
 def test_cold_chunks_give_the_same_answer_as_warm_ones():
     chunks = [random_words(51, 15), random_words(52, 15), random_words(53, 15)]
     cold = CacheBlendEngine(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -21,6 +22,14 @@ from ..models.adapter import LayerwiseModel
 from ..store import ChunkKV, ChunkReader, ChunkStore, CorruptEntryError, Hit, TieredStore, chunk_key
 
 logger = logging.getLogger(__name__)
+
+
+class Loaded(NamedTuple):
+    """A chunk's KV as a request gets it, and what getting it cost."""
+
+    kv: ChunkReader
+    tier: str | None  # the store tier it came from; None when it was prefilled now
+    stored_bytes: int  # bytes read from that tier, as its codec stored them (0 when prefilled now)
 
 
 class ChunkCache:
@@ -119,8 +128,8 @@ class ChunkCache:
 
     def get_or_prefill(
         self, prefix: ChunkReader | None, prefix_ids: Sequence[int], ids: Sequence[int], *, lazy: bool
-    ) -> tuple[ChunkReader, str | None]:
-        """-> (KV, the name of the store tier it came from, or None if it was prefilled now)
+    ) -> Loaded:
+        """The chunk's KV, the tier it came from (None if it was prefilled now) and the bytes read from that tier.
 
         `prefix` is the KV of `prefix_ids`. With `lazy` (pipelined loading), a chunk found on disk or in Redis
         comes back unread: its layers are fetched while the fusor runs. Without it, the chunk is read whole now,
@@ -129,13 +138,13 @@ class ChunkCache:
         hit = self.find(prefix_ids, ids)
         if hit is not None:
             if lazy:
-                return hit.kv, hit.tier
-            try:
-                return hit.kv.materialize(), hit.tier
+                return Loaded(hit.kv, hit.tier, hit.kv.nbytes)
+            try:  # the stored size, before reading decodes it to the compute dtype
+                return Loaded(hit.kv.materialize(), hit.tier, hit.kv.nbytes)
             except CorruptEntryError as exc:
                 logger.warning("chunk %s from the %s tier is damaged (%s); recomputing it", hit.kv.key[:12], hit.tier,
                                exc)  # fmt: skip
-        return self.prefill_and_store(prefix, prefix_ids, ids), None
+        return Loaded(self.prefill_and_store(prefix, prefix_ids, ids), None, 0)
 
     def find(self, prefix_ids: Sequence[int], ids: Sequence[int]) -> Hit | None:
         """The stored entry of chunk `ids` after `prefix_ids`, or None (a miss; nothing is computed)."""
@@ -156,20 +165,21 @@ class ChunkCache:
         self.store.put(kv)
         return kv
 
-    def prefix_kv(self, prefix_ids: Sequence[int]) -> ChunkReader | None:
+    def load_prefix(self, prefix_ids: Sequence[int]) -> Loaded | None:
         """The shared prefix's KV, read whole (it is short, and a prefill after it needs every layer at once)."""
         if not prefix_ids:
             return None
-        return self.get_or_prefill(None, (), prefix_ids, lazy=False)[0]
+        return self.get_or_prefill(None, (), prefix_ids, lazy=False)
 
     def fill(
         self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], *, show_progress: bool = False
     ) -> tuple[int, int]:
         """Make sure each chunk's KV (after `prefix_ids`) is stored. -> (chunks already stored, computed now)"""
         hits = misses = 0
-        prefix = self.prefix_kv(prefix_ids)
+        loaded = self.load_prefix(prefix_ids)
+        prefix = None if loaded is None else loaded.kv
         for ids in tqdm(chunk_ids, desc="precomputing chunk KV", unit="chunk", disable=not show_progress):
-            stored = self.get_or_prefill(prefix, prefix_ids, ids, lazy=True)[1] is not None
+            stored = self.get_or_prefill(prefix, prefix_ids, ids, lazy=True).tier is not None
             hits, misses = hits + stored, misses + (not stored)
         return hits, misses
 

@@ -18,7 +18,7 @@ class RequestMetrics:
     chunks_hit: int = 0
     chunks_missed: int = 0  # not in the store: prefilled on the spot and stored
     hits_by_tier: dict[str, int] = field(default_factory=dict)  # chunk hits per store tier (memory, disk, redis)
-    bytes_loaded: int = 0
+    bytes_loaded: int = 0  # read from store tiers, as their codecs stored it (int8 on disk: about a quarter of fp32)
     load_s: float = 0.0  # store lookups, reading, checking and assembling loaded KV (overlapped when pipelined)
     wait_s: float = 0.0  # time the fusor sat waiting for loaded KV: the part of load_s compute did not hide
     pipelined: bool = False  # layer-wise loading ran on a thread beside the fusor

@@ -185,13 +185,14 @@ class Prefiller:
         self, prompt: TokenizedPrompt, n_chunks: int, fresh: set[str], m: RequestMetrics
     ) -> tuple[list[ChunkReader], dict[str, int]]:
         """The prefix's and the first `n_chunks` chunks' KV, counting hits and misses. -> (parts, bytes by tier)"""
-        prefix_kv = self.chunks.prefix_kv(prompt.prefix_ids)
+        prefix = self.chunks.load_prefix(prompt.prefix_ids)
+        prefix_kv = None if prefix is None else prefix.kv
         parts: list[ChunkReader] = [prefix_kv] if prefix_kv is not None else []
         bytes_by_tier: dict[str, int] = {}
         seen: set[str] = set()  # a chunk repeated in one prompt is prefilled once: one miss, then hits
         for ids in prompt.chunk_ids[:n_chunks]:
             t = time.perf_counter()
-            kv, tier = self.chunks.get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=self.pipelined)
+            kv, tier, stored_bytes = self.chunks.get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=self.pipelined)
             if tier is None:
                 fresh.add(kv.key)
             repeat = kv.key in seen
@@ -199,16 +200,16 @@ class Prefiller:
             if tier is not None and (repeat or kv.key not in fresh):
                 m.chunks_hit += 1
                 m.hits_by_tier[tier] = m.hits_by_tier.get(tier, 0) + 1
-                m.bytes_loaded += kv.nbytes
+                m.bytes_loaded += stored_bytes
                 m.reused_tokens += len(ids)
-                bytes_by_tier[tier] = bytes_by_tier.get(tier, 0) + kv.nbytes
+                bytes_by_tier[tier] = bytes_by_tier.get(tier, 0) + stored_bytes
             else:
                 m.chunks_missed += 1
                 m.cold_tokens += len(ids)
                 m.precompute_s += time.perf_counter() - t
             parts.append(kv)
-        if prefix_kv is not None:
-            m.bytes_loaded += prefix_kv.nbytes
+        if prefix is not None:
+            m.bytes_loaded += prefix.stored_bytes
         return parts, bytes_by_tier
 
     def _fuse(
