@@ -19,6 +19,8 @@ figures (`benchlib.guard_study`):
     python benchmarks/fidelity.py --datasets multi_news,samsum --rules attention --ratios 0.05,0.15,0.5 \
         --kv-codec int8 --codec-ratios 0.05,0.15 --limit 50 --out benchmarks/results/guard --data-dir ../shared/data
     python benchmarks/guard_signals.py
+    python benchmarks/guard_signals.py --records benchmarks/results/guard-1.5b/fidelity.jsonl --probes none \
+        --ratios 0.15 --out benchmarks/results/guard-1.5b          # a run that measured only the default ratio
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import sys
 from pathlib import Path
 
 from benchlib.guard_study import (
+    BASE,
     load_cases,
     margin_rows,
     markdown_rows,
@@ -89,27 +92,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for guard.md and figures")
     p.add_argument("--held-back", default="musique", help="data set of the held-back check (default: %(default)s)")
     p.add_argument("--target-first-token", type=float, default=0.95)
+    p.add_argument("--ratios", default="0.05,0.15", help="the fixed ratios every case needs, the base 0.15 among "
+                   "them (default: %(default)s; 0.15 alone for a run that measured only the default)")  # fmt: skip
     args = p.parse_args(argv)
+    grid = tuple(sorted({float(x) for x in args.ratios.split(",") if x.strip()}))
+    if BASE not in grid:
+        p.error(f"--ratios must include the base blend's {BASE}")
     records, probes = read_jsonl(args.records), read_jsonl([args.probes])
-    full_ladder = load_cases(records, probes, grid=(0.05, 0.15))
-    both_ladders = load_cases(records, probes, grid=(0.05, 0.15, 0.5))
+    full_ladder = load_cases(records, probes, grid=grid)
+    both_ladders = load_cases(records, probes, grid=(*grid, 0.5)) if 0.5 not in grid else {}
     if not full_ladder:
-        print("error: no case has full, reuse, attention@0.05/0.15 and risk signals; run benchmarks/fidelity.py "
-              "and benchmarks/guard_probe.py first (see --help)", file=sys.stderr)  # fmt: skip
+        print(f"error: no case has full, reuse, attention at {args.ratios} and risk signals; run "
+              "benchmarks/fidelity.py and benchmarks/guard_probe.py first (see --help)", file=sys.stderr)  # fmt: skip
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     same, checked = probe_consistency(probes)
     shown = [os.path.relpath(p, REPO) for p in (*args.records, args.probes)]
     lines = [f"Records: {', '.join(shown[:-1])}; probes: {shown[-1]} ({same} of {checked} probes "
              "pick the recorded reference's first token exactly when the recorded blend did).\n"]  # fmt: skip
-    lines += section("The guard escalating straight to full recompute (0.15 -> 1)", full_ladder, (0.05, 0.15),
-                     [(1.0,)], args.out)  # fmt: skip
+    lines += section("The guard escalating straight to full recompute (0.15 -> 1)", full_ladder, grid, [(1.0,)],
+                     args.out)  # fmt: skip
     if both_ladders:
-        lines += section("Both ladders, on the cases measured at r = 0.5 too", both_ladders, (0.05, 0.15, 0.5),
+        lines += section("Both ladders, on the cases measured at r = 0.5 too", both_ladders, (*grid, 0.5),
                          [(0.5, 1.0), (1.0,)], args.out)  # fmt: skip
     cases = full_ladder.get(args.held_back, [])
     if len(cases) >= 3:
-        check = profile(cases, (0.05, 0.15), (1.0,)).held_back_check(target_first_token=args.target_first_token)
+        check = profile(cases, grid, (1.0,)).held_back_check(target_first_token=args.target_first_token)
         c, h = check.choice.estimate, check.held_back
         lines += [f"\n# Held-back check on {args.held_back}\n",
                   f"Chosen on the first {c.n} cases for first-token agreement >= {args.target_first_token}: "

@@ -62,3 +62,23 @@ def test_signal_table_ranks_the_flipped_case(study):
     cases = load_cases(records, probes, grid=(0.05, 0.15))["musique"]
     by_name = {name: (rho, flip, worse) for name, rho, flip, worse in signal_table(cases)}
     assert by_name["low_margin"][1] == 1.0  # the flipped case has the lowest margin
+
+
+def test_guard_signals_studies_a_run_that_measured_only_the_default_ratio(study, tmp_path):
+    import json
+
+    import guard_signals
+
+    records, probes = study
+    only_default = [r for r in records if r["method"] != "attention@0.05"]
+    path = tmp_path / "fidelity.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in only_default))
+    probe_path = tmp_path / "probe.jsonl"
+    probe_path.write_text("".join(json.dumps(p) + "\n" for p in probes))
+    argv = ["--records", str(path), "--probes", str(probe_path), "--out", str(tmp_path / "out")]
+    assert guard_signals.main(argv) == 2  # the default grid needs r = 0.05 as well
+    assert guard_signals.main([*argv, "--ratios", "0.15"]) == 0
+    text = (tmp_path / "out" / "guard.md").read_text()
+    assert "## musique (4 cases)" in text and "| r=0.05 |" not in text and "| r=0.15 |" in text
+    with pytest.raises(SystemExit):
+        guard_signals.main([*argv, "--ratios", "0.05"])  # the base blend's ratio must be there
