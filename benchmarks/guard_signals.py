@@ -13,7 +13,8 @@ figures (`benchlib.guard_study`):
   ladders (0.5 then 1.0, or 1.0) on the cases measured at 0.5;
 - the held-back check (`FidelityProfile.held_back_check`, as `cacheblend-rag calibrate` does it): the cheapest
   setting meeting a first-token target, chosen on the first two thirds of one data set's cases, measured on the
-  rest.
+  rest; and, per data set, how often such a choice on n random questions holds on the others
+  (`benchlib.calibration_size`).
 
     python benchmarks/guard_probe.py --limit 50 --data-dir ../shared/data
     python benchmarks/fidelity.py --datasets multi_news,samsum --rules attention --ratios 0.05,0.15,0.5 \
@@ -28,8 +29,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
+from benchlib.calibration_size import calibration_sizes, sizes_markdown
 from benchlib.guard_study import (
     BASE,
     load_cases,
@@ -43,9 +46,12 @@ from benchlib.guard_study import (
 )
 from benchlib.records import load_records
 
+from cacheblend_rag.controller.fidelity_profile import DEFAULT_MARGINS
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "guard"
 FIDELITY = Path(__file__).parent / "results" / "fidelity" / "fidelity.jsonl"
+CALIBRATION_SIZES = (10, 20, 30, 40)
 
 
 def signal_markdown(cases: list[dict]) -> list[str]:
@@ -83,6 +89,20 @@ def section(title: str, cases_by_set: dict[str, list[dict]], grid: tuple, ladder
     return lines
 
 
+def calibration_section(cases_by_set: dict[str, list[dict]], grid: tuple, target: float, draws: int) -> list[str]:
+    """Per data set: how often `calibrate`'s choice on n random questions meets the target on the others."""
+    lines = [f"\n# How many questions calibration needs (first-token target {target:g})\n",
+             "Per data set, n questions drawn at random, the cheapest setting meeting the target on them chosen as "
+             "`cacheblend-rag calibrate` does (fixed ratios, the KL trigger and the margin trigger), then measured "
+             "on the questions not drawn (`benchlib.calibration_size`).\n"]  # fmt: skip
+    for name, cases in cases_by_set.items():
+        prof = replace(profile(cases, grid, (1.0,)), margins=DEFAULT_MARGINS)
+        table = calibration_sizes(prof, CALIBRATION_SIZES, draws=draws, target_first_token=target)
+        if table:
+            lines += [f"\n## {name} ({len(cases)} cases)\n", *sizes_markdown(table, target)]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--records", type=Path, nargs="+", default=[RESULTS / "fidelity.jsonl", FIDELITY],
@@ -92,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for guard.md and figures")
     p.add_argument("--held-back", default="musique", help="data set of the held-back check (default: %(default)s)")
     p.add_argument("--target-first-token", type=float, default=0.95)
+    p.add_argument("--calibration-draws", type=int, default=100, help="random draws per calibration sample size "
+                   "(default: %(default)s)")  # fmt: skip
     p.add_argument("--ratios", default="0.05,0.15", help="the fixed ratios every case needs, the base 0.15 among "
                    "them (default: %(default)s; 0.15 alone for a run that measured only the default)")  # fmt: skip
     args = p.parse_args(argv)
@@ -125,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{c.compute_share:.3f}). On the {h.n} held-back cases: first token {h.first_token:.2f} "
                   f"[{h.first_token_ci[0]:.2f}, {h.first_token_ci[1]:.2f}], top-1 {h.top1:.3f}, mean KL "
                   f"{h.kl_mean:.3f}, compute {h.compute_share:.3f}."]  # fmt: skip
+    lines += calibration_section(full_ladder, grid, args.target_first_token, args.calibration_draws)
     text = "\n".join(lines) + "\n"
     (args.out / "guard.md").write_text(text)
     print(text)

@@ -82,3 +82,21 @@ def test_guard_signals_studies_a_run_that_measured_only_the_default_ratio(study,
     assert "## musique (4 cases)" in text and "| r=0.05 |" not in text and "| r=0.15 |" in text
     with pytest.raises(SystemExit):
         guard_signals.main([*argv, "--ratios", "0.05"])  # the base blend's ratio must be there
+
+
+def test_calibration_sizes_replay_the_choice_on_random_samples(study):
+    from benchlib.calibration_size import calibration_sizes
+
+    records, probes = study
+    cases = load_cases(records, probes, grid=(0.05, 0.15))["musique"]
+    prof = profile(cases, (0.05, 0.15), (1.0,))
+    (row,) = calibration_sizes(prof, [0, 2, 4], draws=20)  # 0 and 4 leave no side to choose on or check
+    assert (row.n, row.held_back, row.draws) == (2, 2, 20)
+    # r = 0.05 keeps every first token on every case: the cheapest choice on any sample, and it holds
+    assert (row.top_choice, row.top_choice_share, row.met_held_back) == ("r=0.05", 1.0, 1.0)
+    assert row.compute_share == pytest.approx((0.07, 0.07, 0.07))
+    flipped = [{**c, "attention@0.05": {**c["attention@0.05"], "first_token": 0.0}} if i == 0 else c
+               for i, c in enumerate(cases)]  # fmt: skip
+    (row,) = calibration_sizes(profile(flipped, (0.05, 0.15), (1.0,)), [2], draws=40)
+    # the sample without case 0 still picks r = 0.05; held back, case 0 then misses: some draws fail
+    assert 0.0 < row.met_held_back < 1.0 and row.first_token[1] == 0.5
