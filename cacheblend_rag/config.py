@@ -283,6 +283,14 @@ class EngineConfig:
             raise ConfigError("store_hmac_key must be None or a secret of at least 16 bytes (str or bytes)")
         self._check_codecs()
 
+    def store_options(self) -> dict[str, Any]:
+        """The keyword arguments of `store.build_store` that make the tiers this config names."""
+        return dict(
+            memory_bytes=self.memory_budget_bytes, disk_dir=self.disk_dir, disk_bytes=self.disk_budget_bytes,
+            redis_url=self.redis_url, redis_bytes=self.redis_budget_bytes, hmac_key=self.store_hmac_key,
+            kv_codec=self.kv_codec, memory_codec=self.memory_codec,
+        )  # fmt: skip
+
     def _check_codecs(self) -> None:
         from .store.codec import CODECS
 

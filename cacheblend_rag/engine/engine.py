@@ -63,20 +63,7 @@ class CacheBlendEngine:
         self.lm = LayerwiseModel(self.model)
         self.device, self.dtype = device, dtype
         check_blend(self.config.blend, self.lm.shape.num_layers, "blend.check_layers")
-        store = (
-            store
-            if store is not None
-            else build_store(
-                memory_bytes=self.config.memory_budget_bytes,
-                disk_dir=self.config.disk_dir,
-                disk_bytes=self.config.disk_budget_bytes,
-                redis_url=self.config.redis_url,
-                redis_bytes=self.config.redis_budget_bytes,
-                hmac_key=self.config.store_hmac_key,
-                kv_codec=self.config.kv_codec,
-                memory_codec=self.config.memory_codec,
-            )
-        )
+        store = store if store is not None else build_store(**self.config.store_options())
         self.template = template or PromptTemplate()
         self.fingerprint = model_fingerprint(self.model)
         self.controller = controller
