@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from .config import Guard
 from .errors import CacheBlendError
 from .retrieval.sources import DEFAULT_MAX_DOCUMENT_BYTES
 
@@ -80,9 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a question whose chunks are not stored yet: full prefill then store them (full), prefill each chunk "
         "then blend (blend), or whichever costs less compute (auto)",
     )
-    ask.add_argument("--guard", type=float, nargs="?", const=0.05, metavar="MIN_MARGIN",
+    ask.add_argument("--guard", type=float, nargs="?", const=Guard().min_margin, metavar="MIN_MARGIN",
                      help="the fidelity guard: a blend whose first token is a near tie (top-1 minus top-2 "
-                     "probability below MIN_MARGIN, 0.05 if not given) is recomputed in full")  # fmt: skip
+                     f"probability below MIN_MARGIN, {Guard().min_margin:g} if not given) is recomputed in "
+                     "full")  # fmt: skip
     ask.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question")
     ask.add_argument("--max-new-tokens", type=int, default=128, help="longest answer, in tokens")
     ask.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")

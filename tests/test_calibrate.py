@@ -280,7 +280,7 @@ def test_ask_guard_escalates_a_near_tie_and_says_why(tmp_path, capsys, tiny_mode
     assert engines_built[-1]["config"].guard == Guard(min_margin=1.0)
     assert "[guard: first-token margin" in capsys.readouterr().out
     assert main([*ask, "--guard"]) == 0
-    assert engines_built[-1]["config"].guard == Guard(min_margin=0.05)
+    assert engines_built[-1]["config"].guard == Guard(min_margin=0.1)
     assert main(ask) == 0 and engines_built[-1]["config"].guard is None
     assert main([*ask, "--guard", "1.5"]) == 2
     assert "guard min_margin must be a probability in [0, 1]" in capsys.readouterr().err

@@ -38,7 +38,8 @@ QUESTIONS = [
 
 # Measured when set: the default blend and the guarded default both keep full recompute's first token on 12 of 12
 # questions (full KV reuse too: these passages are easy for the model, so the bound is a regression gate); the
-# guarded default (Guard(): first-token margin below 0.05) escalated none of them (mean KL 0.0861 as the blend's).
+# guarded default (Guard(): first-token margin below 0.1) escalated none of them (their margins are 0.37-0.79; mean
+# KL 0.0861 as the blend's).
 MAX_FIRST_TOKEN_CHANGES = 1  # of 12
 STRICT = Guard(min_margin=0.0, max_kl=0.2)  # the KL trigger, strict enough to escalate on these prompts
 MIN_STRICT_ESCALATIONS = 3  # of 12: measured 5 (first-token KL to reuse 0.20-0.60), each then exactly full's
