@@ -40,9 +40,9 @@ def first_id(tok, text: str) -> int | None:
     return ids[0] if ids else None
 
 
-def exact_by_case(dataset: str, method: str) -> dict[str, float]:
-    recs = read(RESULTS / "fidelity" / "fidelity.jsonl")
-    return {r["case_id"]: r["first_token"] for r in recs if r["dataset"] == dataset and r["method"] == method
+def exact_by_case(records: list[dict], dataset: str, method: str) -> dict[str, float]:
+    """case -> the fidelity run's exact first-token agreement of `method`."""
+    return {r["case_id"]: r["first_token"] for r in records if r["dataset"] == dataset and r["method"] == method
             and "error" not in r}  # fmt: skip
 
 
@@ -66,10 +66,11 @@ def main() -> int:
         print("the default preset has not been loaded on this machine; run `cacheblend-rag ask` once", file=sys.stderr)
         return 2
     small, large = answers("quality-qa"), answers("quality-1.5b")
+    fidelity = read(RESULTS / "fidelity" / "fidelity.jsonl")
     for ds in DATASETS:
         cases = sorted({case for (d, case, m) in large if d == ds and m == "full"})
-        proxy, exact = text_by_case(tok, small, ds, "reuse"), exact_by_case(ds, "reuse")
-        blend = exact_by_case(ds, "attention@0.15")
+        proxy, exact = text_by_case(tok, small, ds, "reuse"), exact_by_case(fidelity, ds, "reuse")
+        blend = exact_by_case(fidelity, ds, "attention@0.15")
         same = sum(proxy[c] == exact[c] for c in cases if c in proxy and c in exact)
         print(f"{ds}: share of cases whose first token matches full recompute's")
         print(line("0.5B reuse, from the answers' text (proxy)", [proxy[c] for c in cases if c in proxy]))
