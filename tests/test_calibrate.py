@@ -147,36 +147,60 @@ def test_a_profile_for_another_model_or_dtype_or_damaged_is_refused(measured, tm
         FidelityProfile.load(tmp_path / "bad.json")
 
 
-def test_choose_picks_the_cheapest_setting_that_meets_the_target():
-    profile = hand_profile()
-    choice = profile.choose(target_first_token=0.75)
-    assert choice.met and choice.estimate.setting == Setting(0.5) and choice.guard is None
-    choice = profile.choose(target_first_token=1.0)
-    assert choice.met and choice.guard == Guard(max_kl=0.1, min_margin=0.0, ratios=LADDER)
+def test_choose_picks_the_cheapest_setting_expected_to_meet_the_target():
+    profile = hand_profile()  # 4 questions: k of 4 counts as (k + 1) / 6
+    choice = profile.choose(target_first_token=0.6)
+    assert choice.met and choice.estimate.setting == Setting(0.5) and choice.guard is None  # 3 of 4: 0.67
+    choice = profile.choose(target_first_token=0.8)
+    assert choice.met and choice.guard == Guard(max_kl=0.1, min_margin=0.0, ratios=LADDER)  # 4 of 4: 0.83
     escalated_to_full = 0.1 + (0.4 - 0.02) + (1.0 - 0.02)  # the first pass (reuse's compute) is paid once
     assert choice.estimate.compute_share == pytest.approx((2 * escalated_to_full + 0.1 + 0.38 + 0.1) / 4)
     assert choice.estimate.escalated == 0.75
     assert choice.blend.recompute_ratio == 0.15 and choice.min_ratio == 0.15
     config = choice.engine_config(EngineConfig())
     assert config.guard == choice.guard and config.blend.recompute_ratio == 0.15
-    assert profile.choose(target_first_token=0.5).estimate.setting == Setting(0.15)
+    assert profile.choose(target_first_token=0.5).estimate.setting == Setting(0.15)  # 2 of 4: 0.5
     assert profile.choose(target_first_token=0.5, max_kl=0.0).estimate.setting == Setting(1.0)  # only KL 0 passes
+
+
+def test_only_full_recompute_promises_every_first_token():
+    profile = hand_profile()
+    assert profile.estimate(Setting(0.15, Guard(max_kl=0.1, min_margin=0.0, ratios=LADDER))).first_token == 1.0
+    choice = profile.choose(target_first_token=1.0)  # the guard agreed on all 4, which says 0.83 of the next
+    assert choice.met and choice.estimate.setting == Setting(1.0) and choice.estimate.exact
+
+
+def test_a_perfect_sample_counts_for_more_the_more_questions_it_has():
+    def agreeing(n):
+        return hand_profile([dict(q, id=f"q{i}") for i, q in enumerate(hand_profile().questions[2:3] * n)])
+
+    for n, meets in ((6, False), (17, False), (18, True), (30, True)):  # (n + 1) / (n + 2) >= 0.95 from n = 18
+        choice = agreeing(n).choose(target_first_token=0.95)
+        assert (choice.estimate.setting != Setting(1.0)) == meets, n
+        assert choice.estimate.first_token == 1.0 and choice.met
+    assert "(0.875 expected on a new question)" in agreeing(6).choose(target_first_token=0.8).describe()
 
 
 def test_choose_says_not_met_and_gives_the_closest_when_no_setting_meets_the_target():
     worse = [dict(q, fixed=[dict(r, top1=min(r["top1"], 0.9)) for r in q["fixed"]]) for q in hand_profile().questions]
     choice = hand_profile(worse).choose(target_first_token=None, target_top1=0.95)
     assert not choice.met and "does NOT meet" in choice.describe()
-    assert choice.estimate.top1 == pytest.approx(0.9) and choice.estimate.setting == Setting(0.5)  # closest, cheapest
+    # every setting measured 0.9; full recompute's 0.9 is what it gives everywhere, the others' counts as 0.77
+    assert choice.estimate.top1 == pytest.approx(0.9) and choice.estimate.setting == Setting(1.0)
     with pytest.raises(ConfigError, match="target top1 must be a share in"):
         hand_profile().choose(target_top1=1.5)
 
 
 def test_the_held_back_check_chooses_on_the_first_questions_and_measures_on_the_rest():
-    check = hand_profile().held_back_check(calibrate_share=0.5, target_first_token=1.0)
-    # q0, q1 are both wrong at r=0.15, and q0 at r=0.5: on them only full and the guard at t=0.1 are exact
-    assert check.choice.estimate.n == 2 and check.held_back.n == 2
+    check = hand_profile().held_back_check(calibrate_share=0.5, target_first_token=0.7)
+    # q0, q1 are both wrong at r=0.15, and q0 at r=0.5: the guard escalates both, which costs more than full
+    assert check.choice.estimate.n == 2 and check.held_back.n == 2 and check.choice.estimate.exact
     assert check.held_back.setting == check.choice.estimate.setting and check.met
+    late = hand_profile(hand_profile().questions[2:] + hand_profile().questions[:2]).held_back_check(
+        calibrate_share=0.5, target_first_token=0.7
+    )  # chosen on q2, q3 (right everywhere): r=0.15 (3/4 expected), which misses on q0, q1
+    assert late.choice.estimate.setting == Setting(0.15) and late.choice.met
+    assert late.held_back.first_token == 0.0 and not late.met and "does NOT meet" in late.describe()
     with pytest.raises(ConfigError, match="held-back check needs questions on both sides"):
         hand_profile().subset(0, 1).held_back_check()
 
@@ -243,10 +267,10 @@ def test_calibrate_writes_a_profile_that_ask_applies_with_the_loading_profile_as
     assert config.blend.recompute_ratio == choice.blend.recompute_ratio and config.guard == choice.guard
     assert controller.min_ratio == choice.min_ratio
 
-    # a hand-made profile for this model whose cheapest exact setting is a guard
+    # a hand-made profile for this model whose cheapest setting expected to agree 0.8 of the time is a guard
     hand_profile(model=profile.model).save(tmp_path / "hand.json")
     ask[ask.index(str(out))] = str(tmp_path / "hand.json")
-    ask[ask.index("0.9")] = "1.0"
+    ask[ask.index("0.9")] = "0.8"
     assert main(ask) == 0
     assert engines_built[-1]["config"].guard == Guard(max_kl=0.1, min_margin=0.0, ratios=LADDER)
     assert engines_built[-1]["controller"].min_ratio == 0.15

@@ -90,13 +90,19 @@ def test_calibration_sizes_replay_the_choice_on_random_samples(study):
     records, probes = study
     cases = load_cases(records, probes, grid=(0.05, 0.15))["musique"]
     prof = profile(cases, (0.05, 0.15), (1.0,))
-    (row,) = calibration_sizes(prof, [0, 2, 4], draws=20)  # 0 and 4 leave no side to choose on or check
+    (row,) = calibration_sizes(prof, [0, 2, 4], draws=20, target_first_token=0.7)  # 0, 4: no side to choose on
     assert (row.n, row.held_back, row.draws) == (2, 2, 20)
-    # r = 0.05 keeps every first token on every case: the cheapest choice on any sample, and it holds
-    assert (row.top_choice, row.top_choice_share, row.met_held_back) == ("r=0.05", 1.0, 1.0)
+    # r = 0.05 keeps every first token on every case: 2 of 2 count as 0.75, the cheapest choice for 0.7; it holds
+    assert (row.top_choice, row.top_choice_share, row.met_held_back, row.first_token_mean) == ("r=0.05", 1.0, 1.0, 1.0)
     assert row.compute_share == pytest.approx((0.07, 0.07, 0.07))
+    # for 0.95, two questions that agree are not enough: only full recompute is expected to hold
+    (row,) = calibration_sizes(prof, [2], draws=20)
+    assert (row.top_choice, row.met_on_sample) == ("full (r=1)", 1.0)
+    # another chooser is replayed in its place: here one that asks for 0.7 whatever the target
+    (row,) = calibration_sizes(prof, [2], draws=20, choose=lambda sample, _: sample.choose(target_first_token=0.7))
+    assert row.top_choice == "r=0.05"
     flipped = [{**c, "attention@0.05": {**c["attention@0.05"], "first_token": 0.0}} if i == 0 else c
                for i, c in enumerate(cases)]  # fmt: skip
-    (row,) = calibration_sizes(profile(flipped, (0.05, 0.15), (1.0,)), [2], draws=40)
+    (row,) = calibration_sizes(profile(flipped, (0.05, 0.15), (1.0,)), [2], draws=40, target_first_token=0.7)
     # the sample without case 0 still picks r = 0.05; held back, case 0 then misses: some draws fail
     assert 0.0 < row.met_held_back < 1.0 and row.first_token[1] == 0.5

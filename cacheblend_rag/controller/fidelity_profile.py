@@ -15,7 +15,8 @@ ends with the figures of the last blend taken and pays the base blend plus each
 escalation's blend (each blend's compute share less the first pass's, which escalations share; the first pass
 is what full KV reuse computes). `tests/test_calibrate.py` checks the replay against the engine run with the guard.
 
-`FidelityProfile.choose` picks the lowest-compute setting whose point estimates meet the targets. How it composes
+`FidelityProfile.choose` picks the lowest-compute setting expected to meet the targets on a new question (the
+agreement shares as `fidelity_choice` explains: k of n counts as (k + 1) / (n + 2)). How it composes
 with the loading controller: the choice's ratio is the quality floor, r = max(r_fidelity, r_load), so
 `LoadingController(loading_profile, min_ratio=choice.min_ratio)`; a chosen guard escalates from whatever ratio
 the controller picked (`Guard.ladder`).
@@ -133,15 +134,16 @@ class FidelityProfile:
     def choose(
         self, target_first_token: float | None = 0.95, target_top1: float | None = None, max_kl: float | None = None
     ) -> FidelityChoice:
-        """The lowest-compute setting whose point estimates meet the targets; when none does, the closest (the
-        least summed shortfall, then the least compute), with `met` False."""
+        """The lowest-compute setting expected to meet the targets on a new question (`Targets.shortfall` with
+        `expected`); when none is, the closest (the least summed shortfall, then the least compute), with `met`
+        False."""
         targets = Targets(target_first_token, target_top1, max_kl)
         table = self.table()
-        meeting = [e for e in table if targets.shortfall(e) == 0.0]
+        meeting = [e for e in table if targets.shortfall(e, expected=True) == 0.0]
         if meeting:
             best = min(meeting, key=lambda e: e.compute_share)
         else:
-            best = min(table, key=lambda e: (targets.shortfall(e), e.compute_share))
+            best = min(table, key=lambda e: (targets.shortfall(e, expected=True), e.compute_share))
         return FidelityChoice(best, targets, met=bool(meeting), rule=self.rule)
 
     def subset(self, start: int, stop: int | None = None) -> FidelityProfile:
