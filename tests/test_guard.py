@@ -39,6 +39,8 @@ def test_signals_read_agreement_margin_and_stale_attention():
     assert s["agree_reuse"] is False and s["kl_reuse"] > 1.0
     probs = torch.softmax(blend, -1)
     assert s["margin"] == pytest.approx(float(probs[0] - probs[1]))
+    reuse_probs = torch.softmax(torch.tensor([0.0, 3.0, 0.0]), -1)
+    assert s["reuse_margin"] == pytest.approx(float(reuse_probs[1] - reuse_probs[0]))
     assert s["stale_attention"] == pytest.approx((0.1 + 0.3) / 0.6)
     assert agrees(blend, blend + 0.01, 0.01) and not agrees(blend, torch.tensor([0.0, 3.0, 0.0]), 10.0)
 
@@ -68,7 +70,7 @@ def test_every_blend_records_its_risk_signals_and_no_guard_changes_nothing():
     engine = engine_with(None)
     prompt = prompt_of(engine)
     pre = engine.prefill(prompt, "blend")
-    assert set(pre.metrics.risk) == {"kl_reuse", "agree_reuse", "margin", "stale_attention"}
+    assert set(pre.metrics.risk) == {"kl_reuse", "agree_reuse", "margin", "reuse_margin", "stale_attention"}
     assert pre.metrics.escalations == [] and math.isfinite(pre.metrics.risk["kl_reuse"])
     assert engine.prefill(prompt, "blend", blend=blend_rule("paper")).metrics.risk is None
 

@@ -62,6 +62,12 @@ def test_signal_table_ranks_the_flipped_case(study):
     cases = load_cases(records, probes, grid=(0.05, 0.15))["musique"]
     by_name = {name: (rho, flip, worse) for name, rho, flip, worse in signal_table(cases)}
     assert by_name["low_margin"][1] == 1.0  # the flipped case has the lowest margin
+    assert "low_reuse_margin" not in by_name  # these records predate the reuse pass's margin
+
+    for case in cases:  # records that carry it: the flipped case's reuse pass was the least sure
+        case["attention@0.15"]["risk"]["reuse_margin"] = 0.05 if case["attention@0.15"]["first_token"] < 1 else 0.9
+    by_name = {name: (rho, flip, worse) for name, rho, flip, worse in signal_table(cases)}
+    assert by_name["low_reuse_margin"][1] == 1.0
 
 
 def test_guard_signals_studies_a_run_that_measured_only_the_default_ratio(study, tmp_path):

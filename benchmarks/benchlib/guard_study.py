@@ -37,6 +37,7 @@ SIGNALS: dict[str, Callable[[Mapping[str, Any]], float]] = {
     "kl_reuse": lambda r: r["kl_reuse"],
     "disagree_reuse": lambda r: 0.0 if r["agree_reuse"] else 1.0,
     "low_margin": lambda r: -r["margin"],
+    "low_reuse_margin": lambda r: -r["reuse_margin"],  # recorded since 2026-11-26; older records lack it
     "stale_attention": lambda r: r["stale_attention"],
 }
 
@@ -216,7 +217,8 @@ def _auc(labels: Sequence[bool], scores: Sequence[float]) -> float:
 
 
 def signal_table(cases: Sequence[Mapping[str, Any]]) -> list[tuple[str, float, float, float]]:
-    """Per signal: (name, Spearman with KL(full || base blend), AUC first token differs, AUC further than reuse)."""
+    """Per signal: (name, Spearman with KL(full || base blend), AUC first token differs, AUC further than reuse).
+    A signal some record lacks (recorded after that record was made) is left out."""
     from scipy.stats import spearmanr
 
     base = [c[method_name(BASE)] for c in cases]
@@ -225,7 +227,10 @@ def signal_table(cases: Sequence[Mapping[str, Any]]) -> list[tuple[str, float, f
     worse = [b["kl_mean"] > c["reuse"]["kl_mean"] for b, c in zip(base, cases, strict=True)]
     out = []
     for name, read in SIGNALS.items():
-        s = [read(b["risk"]) for b in base]
+        try:
+            s = [read(b["risk"]) for b in base]
+        except KeyError:
+            continue
         rho = float(spearmanr(s, kl).statistic) if len(set(s)) > 1 and len(set(kl)) > 1 else float("nan")
         out.append((name, rho, _auc(flipped, s), _auc(worse, s)))
     return out

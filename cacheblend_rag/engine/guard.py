@@ -7,6 +7,7 @@ signals (`first_token_signals`):
 - `kl_reuse`: KL(blend || reuse) of the first token, in nats;
 - `agree_reuse`: whether blend and reuse pick the same first token;
 - `margin`: the blend's top-1 minus top-2 probability of the first token;
+- `reuse_margin`: the same margin of full KV reuse's first token (known before any token is recomputed);
 - `stale_attention`: the share of the question's attention on chunk tokens that were not recomputed.
 
 With a `Guard`, a request whose blend looks risky is blended again at the next ratio of the ladder, over the same
@@ -29,6 +30,12 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float((logp.exp() * (logp - logq)).sum().clamp_min(0.0))
 
 
+def top2_margin(logits: torch.Tensor) -> float:
+    """The top-1 minus top-2 probability of the softmax of a [vocab] logit vector."""
+    top2 = torch.topk(torch.softmax(logits.float(), dim=-1), 2).values
+    return float(top2[0] - top2[1])
+
+
 def first_token_signals(
     blend_logits: torch.Tensor,
     reuse_logits: torch.Tensor,
@@ -38,14 +45,13 @@ def first_token_signals(
 ) -> dict[str, Any]:
     """The risk signals of one blend. logits: [vocab]; attention: [N], the question's mean attention on each token
     in the first pass; chunk_tokens, recomputed: [N] bool (the chunk tokens; those the blend recomputed)."""
-    probs = torch.softmax(blend_logits.float(), dim=-1)
-    top2 = torch.topk(probs, 2).values
     on_chunks = float(attention[chunk_tokens].sum())
     stale = float(attention[chunk_tokens & ~recomputed].sum())
     return {
         "kl_reuse": kl(blend_logits, reuse_logits),
         "agree_reuse": bool(int(blend_logits.argmax()) == int(reuse_logits.argmax())),
-        "margin": float(top2[0] - top2[1]),
+        "margin": top2_margin(blend_logits),
+        "reuse_margin": top2_margin(reuse_logits),
         "stale_attention": stale / on_chunks if on_chunks > 0 else 0.0,
     }
 
