@@ -1,14 +1,10 @@
 """Shared fixtures: tiny seeded random-weight models of each supported family (built by `cacheblend_rag.testing`),
-a word-level tokenizer, a reference forward over cached KV, a private Redis server, and the benchmark scripts loaded
-by file path."""
+a word-level tokenizer, a reference forward over cached KV and a private Redis server."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import uuid
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,23 +16,6 @@ from transformers import PreTrainedTokenizerFast
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-@pytest.fixture
-def load_script(monkeypatch):
-    """Load `benchmarks/NAME.py` as a module (the scripts are not a package), registered in sys.modules for the
-    test only: dataclasses look their module up there."""
-
-    def load(name: str):
-        spec = importlib.util.spec_from_file_location(f"{name}_script", BENCHMARKS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        monkeypatch.setitem(sys.modules, spec.name, module)
-        spec.loader.exec_module(module)
-        return module
-
-    return load
 
 
 @pytest.fixture
