@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from benchlib.cli import Transcript, add_out_argument  # noqa: E402
 from benchlib.redis_server import private_server  # noqa: E402
-from benchlib.timing import add_tier_arguments, fill_tier, warm_request  # noqa: E402
+from benchlib.timing import add_tier_arguments, fill_tier, interleaved_tier_ttft, warm_request  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine  # noqa: E402
 from cacheblend_rag.store import ChunkKV, ChunkStore, DiskStore, MemoryStore, RedisStore  # noqa: E402
@@ -90,7 +89,7 @@ def ttft(args: argparse.Namespace, codecs: list[str], say: Transcript) -> None:
         base, prompt = warm_request(args)
         say(f"\nprecompute of {args.chunks} chunks (compute, no codec) and model load: {time.perf_counter() - t:.1f} s")
         tier_names = ["memory", "disk"] + (["redis"] if redis_url is not None else [])
-        engines = {}
+        engines: dict[tuple[str, str], tuple[CacheBlendEngine, str]] = {}
         for name in codecs:
             tiers: dict[str, ChunkStore] = {
                 "memory": MemoryStore(codec=name),
@@ -99,23 +98,15 @@ def ttft(args: argparse.Namespace, codecs: list[str], say: Transcript) -> None:
             if redis_url is not None:
                 tiers["redis"] = RedisStore(redis_url, namespace=f"bench-codecs-{os.getpid()}-{name}", codec=name)
             for tier, store in tiers.items():
-                filled = fill_tier(base, prompt, store, tier)
-                engine = CacheBlendEngine(base.model, base.tokenizer, config=base.config, store=filled)
-                engine.generate(prompt, mode="blend", recompute_ratio=args.ratio, max_new_tokens=1)  # warm-up
-                engines[name, tier] = engine
-        times: dict[tuple[str, str], list[float]] = {setup: [] for setup in engines}
-        last = {}
-        for _ in range(args.repeats):
-            for (name, tier), engine in engines.items():
-                r = engine.generate(prompt, mode="blend", recompute_ratio=args.ratio, max_new_tokens=1)
-                assert r.metrics.hits_by_tier == {tier: args.chunks}, r.metrics.hits_by_tier  # the prefix is kept aside
-                times[name, tier].append(r.metrics.ttft_s)
-                last[name, tier] = r.metrics
+                engine = CacheBlendEngine(
+                    base.model, base.tokenizer, config=base.config, store=fill_tier(base, prompt, store, tier)
+                )
+                engines[name, tier] = engine, tier
+        med, last = interleaved_tier_ttft(engines, prompt, args.ratio, args.repeats)
     say(
         f"blend TTFT, r={args.ratio}, {prompt.num_tokens} tokens, {args.chunks} chunks, {args.dtype}, pipelined, "
         f"{torch.get_num_threads()} threads, medians of {args.repeats} interleaved runs"
     )
-    med = {setup: statistics.median(v) for setup, v in times.items()}
     for name in codecs:
         for tier in tier_names:
             m = last[name, tier]

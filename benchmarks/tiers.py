@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import statistics
 import sys
 import tempfile
 
@@ -25,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchlib.cli import Transcript, add_out_argument, model_name  # noqa: E402
 from benchlib.redis_server import private_server  # noqa: E402
-from benchlib.timing import add_tier_arguments, fill_tier, warm_request  # noqa: E402
+from benchlib.timing import add_tier_arguments, fill_tier, interleaved_tier_ttft, warm_request  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine  # noqa: E402
 from cacheblend_rag.store import ChunkStore, DiskStore, MemoryStore, RedisStore  # noqa: E402
@@ -46,28 +45,18 @@ def main(argv: list[str] | None = None) -> int:
         tiers: dict[str, ChunkStore] = {"memory": MemoryStore(), "disk": DiskStore(disk_dir)}
         if redis_url is not None:
             tiers["redis"] = RedisStore(redis_url, namespace=f"bench-{os.getpid()}")
-        engines: dict[tuple[str, bool], CacheBlendEngine] = {}
+        engines: dict[tuple[str, bool], tuple[CacheBlendEngine, str]] = {}
         for name, tier in tiers.items():
             store = fill_tier(base, prompt, tier, name)  # the same chunk KV in each tier
             for pipelined in (False, True):
                 config = dataclasses.replace(base.config, pipelined_loading=pipelined)
                 engine = CacheBlendEngine(base.model, base.tokenizer, config=config, store=store)
-                engine.generate(prompt, mode="blend", recompute_ratio=args.ratio, max_new_tokens=1)  # warm-up
-                engines[name, pipelined] = engine
-
-        ttft: dict[tuple[str, bool], list[float]] = {setup: [] for setup in engines}
-        last = {}
-        for _ in range(args.repeats):
-            for (name, pipelined), engine in engines.items():
-                r = engine.generate(prompt, mode="blend", recompute_ratio=args.ratio, max_new_tokens=1)
-                assert r.metrics.hits_by_tier == {name: args.chunks}, r.metrics.hits_by_tier
-                ttft[name, pipelined].append(r.metrics.ttft_s)
-                last[name, pipelined] = r.metrics
+                engines[name, pipelined] = engine, name
+        med, last = interleaved_tier_ttft(engines, prompt, args.ratio, args.repeats)
     say(
         f"{model_name(args.model)}: blend r={args.ratio}, {prompt.num_tokens} tokens, {args.chunks} chunks, "
         f"{args.dtype}, medians of {args.repeats} interleaved runs"
     )
-    med = {setup: statistics.median(v) for setup, v in ttft.items()}
     for (name, pipelined), m in last.items():
         label = f"{name}, {'pipelined' if pipelined else 'serial'}"
         say(

@@ -166,3 +166,28 @@ def test_sweep_measures_every_mode_per_point_and_skips_overlong(tmp_path, monkey
 
     png = tmp_path / "sweep.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+def test_interleaved_tier_ttft_times_each_setup_from_its_own_tier(tiny_engine, tmp_path):
+    """The tier benchmarks' timing loop (`tiers.py`, `codecs.py`): a median and the last metrics per setup, each
+    request's chunks read from the tier the setup names; a setup whose chunks come from elsewhere is an error."""
+    from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.store import DiskStore, MemoryStore
+    from cacheblend_rag.testing import random_words
+
+    texts = [random_words(3, 20), random_words(4, 25)]
+    tiny_engine.precompute(texts, random_words(5, 4))
+    prompt = tiny_engine.build_prompt(texts, random_words(5, 4))
+    engines = {}
+    for name, tier in (("memory", MemoryStore(codec="int8")), ("disk", DiskStore(str(tmp_path / "disk")))):
+        store = timing.fill_tier(tiny_engine, prompt, tier, name)
+        engine = CacheBlendEngine(tiny_engine.model, tiny_engine.tokenizer, config=tiny_engine.config, store=store)
+        engines[name] = engine, name
+    med, last = timing.interleaved_tier_ttft(engines, prompt, 0.5, repeats=3)
+    assert set(med) == set(last) == {"memory", "disk"} and all(t > 0 for t in med.values())
+    assert last["disk"].hits_by_tier == {"disk": 2} and last["memory"].hits_by_tier == {"memory": 2}
+    assert last["memory"].bytes_loaded > 0
+
+    wrong = {"mislabelled": (engines["disk"][0], "memory")}
+    with pytest.raises(AssertionError, match="mislabelled: expected 2 hits in memory"):
+        timing.interleaved_tier_ttft(wrong, prompt, 0.5, repeats=1)

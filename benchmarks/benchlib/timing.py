@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from benchlib.cli import model_name
-from cacheblend_rag import CacheBlendEngine, EngineConfig, TokenizedPrompt
+from cacheblend_rag import CacheBlendEngine, EngineConfig, RequestMetrics, TokenizedPrompt
 from cacheblend_rag.config import blend_rule
 from cacheblend_rag.store import ChunkStore, TieredStore
 
+K = TypeVar("K")
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"  # ../shared/data beside the checkout
 
 
@@ -178,3 +182,22 @@ def fill_tier(source: CacheBlendEngine, prompt: TokenizedPrompt, tier: ChunkStor
         store.put(source.store.get(key))
     store.flush()
     return store
+
+
+def interleaved_tier_ttft(
+    engines: Mapping[K, tuple[CacheBlendEngine, str]], prompt: TokenizedPrompt, ratio: float, repeats: int
+) -> tuple[dict[K, float], dict[K, RequestMetrics]]:
+    """Blend TTFT of each setup, `engines[setup] = (engine, the one tier its chunks must come from)`: a warm-up
+    request each, then `repeats` rounds over every setup in turn. -> (median TTFT per setup, last metrics)."""
+    for engine, _ in engines.values():
+        engine.generate(prompt, mode="blend", recompute_ratio=ratio, max_new_tokens=1)
+    times: dict[K, list[float]] = {setup: [] for setup in engines}
+    last: dict[K, RequestMetrics] = {}
+    for _ in range(repeats):
+        for setup, (engine, tier) in engines.items():
+            m = engine.generate(prompt, mode="blend", recompute_ratio=ratio, max_new_tokens=1).metrics
+            loaded = len(prompt.chunk_ids)  # the prefix is kept aside, so every chunk comes from the tier
+            assert m.hits_by_tier == {tier: loaded}, f"{setup}: expected {loaded} hits in {tier}, {m.hits_by_tier}"
+            times[setup].append(m.ttft_s)
+            last[setup] = m
+    return {setup: statistics.median(t) for setup, t in times.items()}, last
