@@ -144,6 +144,32 @@ def test_pooled_rows_pair_cases_of_every_data_set():
     assert rows["b"].first_token_diff == -1.0 and not rows["b"].within_noise
 
 
+def test_records_measured_against_different_reference_answers_are_not_paired():
+    """A run resumed on another machine computes full recompute's answer again; where it came out differently, the
+    codec's record and the uncompressed one are not comparable. Records without a digest (older runs) still pair."""
+    recs = [
+        {**_rec("a", "reuse", "c0", 0.1), "reference_digest": "x"},
+        {**_rec("a", "reuse+int4", "c0", 0.5), "reference_digest": "y"},  # another answer: left out
+        {**_rec("a", "reuse", "c1", 0.1), "reference_digest": "z"},
+        {**_rec("a", "reuse+int4", "c1", 0.12), "reference_digest": "z"},
+        _rec("a", "reuse", "c2", 0.2),
+        {**_rec("a", "reuse+int4", "c2", 0.24), "reference_digest": "w"},
+    ]
+    (row,) = codec_differences(recs)
+    assert row.n == 2 and row.mismatched == 1 and row.kl_diff == pytest.approx(0.03)
+    assert "Left out: up to 1 case(s)" in codec_markdown([row])
+    assert "Left out" not in codec_markdown(codec_differences(recs[2:]))
+
+
+def test_every_record_of_a_case_carries_its_reference_digest(engine, tmp_path):
+    records = run_fidelity(engine, [tiny_dataset(2)], fidelity_methods([], [], reuse=True), tmp_path,
+                           codecs=codec_engines(engine, ["native", "int8"]), show_progress=False)  # fmt: skip
+    by_case: dict[str, set] = {}
+    for r in records:
+        by_case.setdefault(r["case_id"], set()).add(r["reference_digest"])
+    assert all(len(d) == 1 and len(next(iter(d))) == 16 for d in by_case.values()), by_case
+
+
 def test_bench_fidelity_refuses_an_unknown_codec_before_loading_a_model(tmp_path, capsys):
     assert main(["--out", str(tmp_path), "--model", "no-such-model", "--kv-codec", "int8,int3"]) == 2
     assert "unknown codec 'int3'" in capsys.readouterr().err

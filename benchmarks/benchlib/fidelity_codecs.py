@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from benchlib.fidelity_run import NATIVE, split_codec
 from benchlib.report import cases_text, ci_text
@@ -36,6 +36,7 @@ class CodecDifference:
     kl_diff_ci: tuple[float, float]  # 95% bootstrap interval over cases
     top1_diff: float  # change in top-1 agreement (codec - uncompressed)
     first_token_diff: float  # change in the share of cases whose first token matches full recompute's
+    mismatched: int = 0  # cases left out: the two records were measured against different reference answers
 
     @property
     def within_noise(self) -> bool:
@@ -62,11 +63,19 @@ def codec_differences(records: Sequence[Mapping[str, object]]) -> list[CodecDiff
     for ds in [*datasets, POOLED] if len(datasets) > 1 else datasets:
         cases = [recs for (d, _), recs in sorted(by_case.items()) if ds in (d, POOLED)]
         for codec, method in pairs:
-            both = [(recs[(NATIVE, method)], recs[(codec, method)]) for recs in cases
-                    if (NATIVE, method) in recs and (codec, method) in recs]  # fmt: skip
+            found = [(recs[(NATIVE, method)], recs[(codec, method)]) for recs in cases
+                     if (NATIVE, method) in recs and (codec, method) in recs]  # fmt: skip
+            both = [pair for pair in found if _same_reference(*pair)]
             if both:
-                rows.append(_difference(ds, codec, method, both))
+                rows.append(replace(_difference(ds, codec, method, both), mismatched=len(found) - len(both)))
     return rows
+
+
+def _same_reference(a: Mapping[str, object], b: Mapping[str, object]) -> bool:
+    """Whether two records of a case were measured against the same reference answer (records from before the
+    digest was kept count as the same)."""
+    da, db = a.get("reference_digest"), b.get("reference_digest")
+    return da is None or db is None or da == db
 
 
 def _difference(
@@ -121,6 +130,12 @@ def codec_markdown(rows: Sequence[CodecDifference]) -> str:
             lines.append(
                 f"| {r.codec} | {r.method} | {r.n} | {r.kl_native:.4f} | {r.kl_codec:.4f} | {r.kl_diff:+.4f} "
                 f"{ci_text(r.kl_diff_ci, '+.4f')} | {r.top1_diff:+.3f} | {r.first_token_diff:+.2f} | {verdict} |"
+            )
+        mismatched = max(r.mismatched for r in mine)
+        if mismatched:
+            lines.append(
+                f"Left out: up to {mismatched} case(s) whose codec and uncompressed records were measured against "
+                "different reference answers (a run resumed on a machine where full recompute answered otherwise)."
             )
         lines.append("")
     return "\n".join(lines)

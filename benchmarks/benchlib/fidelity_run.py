@@ -11,6 +11,7 @@ back from int8. The uncompressed store (`native`) keeps the plain names, so its 
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -177,11 +178,18 @@ def run_fidelity(
                 todo.append((codec_method_name(method.name, codec), rec))
         for name, rec in todo:
             rec = {**base, "method": name, "answer_tokens": len(ref.token_ids), "prompt_tokens": ref.prompt_tokens,
-                   **rec}  # fmt: skip
+                   "reference_digest": reference_digest(ref), **rec}  # fmt: skip
             append_record(out / RESULTS_FILE, rec)
             records.append(rec)
             done.add((spec.name, case.id, name))
     return records
+
+
+def reference_digest(ref: Reference) -> str:
+    """A short digest of the reference answer's tokens. A run resumed on another machine computes the reference
+    again; where the greedy answer came out differently there, records of one case would compare methods against
+    different answers, and their digests tell (`fidelity_codecs` pairs only records whose digests agree)."""
+    return hashlib.sha1(",".join(map(str, ref.token_ids)).encode()).hexdigest()[:16]
 
 
 def _full_record(ref: Reference) -> dict[str, Any]:
