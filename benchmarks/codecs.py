@@ -17,7 +17,6 @@ through the OS page cache once warm.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import tempfile
@@ -27,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from benchlib.cli import Transcript, add_out_argument  # noqa: E402
-from benchlib.redis_server import private_server  # noqa: E402
+from benchlib.redis_server import tier_url  # noqa: E402
 from benchlib.timing import add_tier_arguments, fill_tier, interleaved_tier_ttft, warm_request  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine  # noqa: E402
@@ -82,9 +81,10 @@ def sizes_and_codec_times(codecs: list[str], say: Transcript) -> None:
 
 
 def ttft(args: argparse.Namespace, codecs: list[str], say: Transcript) -> None:
-    private = contextlib.nullcontext(None) if args.redis_url else private_server()
-    with tempfile.TemporaryDirectory(prefix="cacheblend-bench-codecs-") as disk_root, private as server:
-        redis_url = args.redis_url or (server.url if server is not None else None)
+    with (
+        tempfile.TemporaryDirectory(prefix="cacheblend-bench-codecs-") as disk_root,
+        tier_url(args.redis_url) as redis_url,
+    ):
         t = time.perf_counter()
         base, prompt = warm_request(args)
         say(f"\nprecompute of {args.chunks} chunks (compute, no codec) and model load: {time.perf_counter() - t:.1f} s")

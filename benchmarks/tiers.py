@@ -14,7 +14,6 @@ The disk tier reads through the OS page cache once warm, as a local SSD with fre
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
@@ -23,7 +22,7 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchlib.cli import Transcript, add_out_argument, model_name  # noqa: E402
-from benchlib.redis_server import private_server  # noqa: E402
+from benchlib.redis_server import tier_url  # noqa: E402
 from benchlib.timing import add_tier_arguments, fill_tier, interleaved_tier_ttft, warm_request  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine  # noqa: E402
@@ -38,9 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     add_out_argument(p, "tiers", "folder for summary.txt, the table printed")
     args = p.parse_args(argv)
     say = Transcript()
-    private = contextlib.nullcontext(None) if args.redis_url else private_server()
-    with tempfile.TemporaryDirectory(prefix="cacheblend-bench-disk-") as disk_dir, private as server:
-        redis_url = args.redis_url or (server.url if server is not None else None)
+    with (
+        tempfile.TemporaryDirectory(prefix="cacheblend-bench-disk-") as disk_dir,
+        tier_url(args.redis_url) as redis_url,
+    ):
         base, prompt = warm_request(args)
         tiers: dict[str, ChunkStore] = {"memory": MemoryStore(), "disk": DiskStore(disk_dir)}
         if redis_url is not None:

@@ -189,3 +189,14 @@ def private_server() -> Iterator[RedisServer | None]:
         yield server
     finally:
         server.stop()
+
+
+@contextmanager
+def tier_url(given: str | None) -> Iterator[str | None]:
+    """The URL of a benchmark's Redis tier during the block: `given` (a --redis-url) as is, else a private server's,
+    else None where none can start (`private_server`)."""
+    if given:
+        yield given
+        return
+    with private_server() as server:
+        yield None if server is None else server.url
