@@ -176,9 +176,10 @@ def run_fidelity(
                 firsts[method.name] = logits
                 rec.update(rule=method.rule, ratio=method.ratio, codec=codec)
                 todo.append((codec_method_name(method.name, codec), rec))
+        shared = {"answer_tokens": len(ref.token_ids), "prompt_tokens": ref.prompt_tokens,
+                  "reference_digest": reference_digest(ref)}  # fmt: skip
         for name, rec in todo:
-            rec = {**base, "method": name, "answer_tokens": len(ref.token_ids), "prompt_tokens": ref.prompt_tokens,
-                   "reference_digest": reference_digest(ref), **rec}  # fmt: skip
+            rec = {**base, "method": name, **shared, **rec}
             append_record(out / RESULTS_FILE, rec)
             records.append(rec)
             done.add((spec.name, case.id, name))

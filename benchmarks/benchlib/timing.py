@@ -193,10 +193,10 @@ def interleaved_tier_ttft(
         engine.generate(prompt, mode="blend", recompute_ratio=ratio, max_new_tokens=1)
     times: dict[K, list[float]] = {setup: [] for setup in engines}
     last: dict[K, RequestMetrics] = {}
+    loaded = len(prompt.chunk_ids)  # the prefix is kept aside, so every chunk comes from the tier
     for _ in range(repeats):
         for setup, (engine, tier) in engines.items():
             m = engine.generate(prompt, mode="blend", recompute_ratio=ratio, max_new_tokens=1).metrics
-            loaded = len(prompt.chunk_ids)  # the prefix is kept aside, so every chunk comes from the tier
             assert m.hits_by_tier == {tier: loaded}, f"{setup}: expected {loaded} hits in {tier}, {m.hits_by_tier}"
             times[setup].append(m.ttft_s)
             last[setup] = m
