@@ -9,10 +9,10 @@ model and data set, how well each signal ranks the cases whose blend first token
 ROC AUC with a 95% bootstrap interval over cases (0.5 = chance). Runs on the current code, from probe records:
 
     python benchmarks/guard_probe.py --records benchmarks/results/guard-1.5b/fidelity.jsonl \
-        --model qwen2.5-coder-1.5b-instruct --datasets musique,wikimqa --limit 15 \
+        --model qwen2.5-coder-1.5b-instruct --datasets musique --limit 15 \
         --out benchmarks/results/reuse-margin/1.5b --data-dir ../shared/data
     python benchmarks/guard_probe.py --records benchmarks/results/guard/fidelity.jsonl \
-        --datasets musique,wikimqa --limit 30 --out benchmarks/results/reuse-margin/0.5b --data-dir ../shared/data
+        --datasets musique,wikimqa --limit 20 --out benchmarks/results/reuse-margin/0.5b --data-dir ../shared/data
     python research/reuse_margin_signal.py > research/results/reuse_margin_signal.txt
 """
 
