@@ -37,6 +37,7 @@ from benchlib.cli import (  # noqa: E402
     run_settings_of,
 )
 from benchlib.fidelity_codecs import codec_differences, codec_markdown  # noqa: E402
+from benchlib.fidelity_context import CONTEXT, ContextPreparer, context_engine  # noqa: E402
 from benchlib.fidelity_report import fidelity_markdown, summarize_fidelity, write_fidelity_report  # noqa: E402
 from benchlib.fidelity_run import (  # noqa: E402
     DEFAULT_RATIOS,
@@ -66,10 +67,17 @@ def run(args: argparse.Namespace) -> int:
         datasets = [load_dataset(n, args.data_dir, args.limit) for n in names]
         engine = load_engine(args)
         engines = codec_engines(engine, codecs)
+        prepare = {}
+        if args.chunk_context == "neighbours":
+            engines[CONTEXT] = context_engine(engine, args.context_neighbours)
+            full_sets = {
+                ds.spec.name: load_dataset(n, args.data_dir, None) for n, ds in zip(names, datasets, strict=True)
+            }
+            prepare[CONTEXT] = ContextPreparer(full_sets, args.context_neighbours)
         codec_ratios = parse_ratios(args.codec_ratios) if args.codec_ratios else None
         coded = [m for m in methods if m.ratio is None or codec_ratios is None or m.ratio in codec_ratios]
         records = run_fidelity(engine, datasets, methods, args.out, codecs=engines, codec_methods=coded,
-                               settings=run_settings_of(args))  # fmt: skip
+                               prepare=prepare, settings=run_settings_of(args))  # fmt: skip
     files = write_fidelity_report(args.out, records)
     print(fidelity_markdown(summarize_fidelity(records), records))
     print(codec_markdown(codec_differences(records)))
@@ -88,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                    "comma-separated (the uncompressed 'native' is always measured): " + ", ".join(CODECS))  # fmt: skip
     p.add_argument("--codec-ratios", help="with --kv-codec: the ratios measured through the other codecs "
                    "(default: every ratio; full reuse always)")  # fmt: skip
+    p.add_argument("--chunk-context", choices=["none", "neighbours"], default="none", help="neighbours: measure "
+                   "every method (or --codec-ratios' ones) again on contextual chunk KV ('+ctx'), each chunk prefilled "
+                   "after its nearest passages of the data set's whole pool")  # fmt: skip
+    p.add_argument("--context-neighbours", type=int, default=2, help="with --chunk-context: neighbours per chunk")
     p.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
     add_out_argument(p, "fidelity", "output folder")
     p.add_argument("--report-only", action="store_true", help="only rebuild summary.md and figures from OUT")

@@ -242,6 +242,9 @@ class EngineConfig:
     kv_codec: str = "int8"  # the disk and Redis tiers (docs/configuration.md: int8 is within noise of exact)
     memory_codec: str = "native"  # the memory tier (encoded entries are decoded layer by layer when read)
     blend: BlendConfig = field(default_factory=BlendConfig)
+    # Contextual chunk KV (docs/how-it-works.md): where the engine is given the corpus (`precompute`, an index), each
+    # chunk's KV is prefilled after its n most similar other chunks, keeping only its own KV. 0: isolated entries.
+    context_neighbours: int = 2
     # Signs disk/Redis entries and refuses unsigned or forged ones (give every worker the same key); None: off
     store_hmac_key: bytes | str | None = field(default=None, repr=False)
 
@@ -262,6 +265,7 @@ class EngineConfig:
                 raise ConfigError("disk_dir must be a folder path or None (no disk tier), got ''")
         if self.redis_url is not None and not str(self.redis_url).startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        _check_count("context_neighbours", self.context_neighbours, 0, "a number of chunks (0: no context)")
         if self.max_prompt_tokens is not None:
             _check_count("max_prompt_tokens", self.max_prompt_tokens, 1, "a number of tokens, or None")
         if not isinstance(self.chunk_separator, str):

@@ -148,6 +148,9 @@ def test_cold_chunks_give_the_same_answer_as_warm_ones():
     warm = CacheBlendEngine(
         make_tiny_model("qwen3"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
     )
+    # The same corpus on both: the cold engine only records each chunk's context (its nearest neighbours), the
+    # warm one also computes the entries; a miss is prefilled after the same context, so the answers agree.
+    cold.set_chunk_context(chunks, prefix=random_words(1, 4))
     warm.precompute(chunks, prefix=random_words(1, 4))
     a, b = ask(cold, chunks, max_new_tokens=6), ask(warm, chunks, max_new_tokens=6)
     assert a.metrics.chunks_missed == 3 and b.metrics.chunks_hit == 3

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,8 @@ from cacheblend_rag.evaluation.fidelity import Reference, measure_with_logits, p
 from cacheblend_rag.store.codec import CODECS
 
 RESULTS_FILE = "fidelity.jsonl"
+# Fills a variant engine's store for a case: (engine, spec, case, prompt) -> fields added to the variant's records
+Prepare = Callable[[CacheBlendEngine, TaskSpec, Case, TokenizedPrompt], dict[str, Any]]
 DEFAULT_RATIOS = (0.02, 0.05, 0.10, 0.15, 0.30)
 NATIVE = "native"  # the uncompressed store: its methods keep their plain names
 
@@ -124,6 +126,7 @@ def run_fidelity(
     *,
     codecs: Mapping[str, CacheBlendEngine] | None = None,
     codec_methods: Sequence[FidelityMethod] | None = None,
+    prepare: Mapping[str, Prepare] | None = None,
     settings: dict[str, Any] | None = None,
     show_progress: bool = True,
 ) -> list[dict[str, Any]]:
@@ -132,7 +135,9 @@ def run_fidelity(
     Per case: warm the chunk store (untimed), compute full recompute's reference once with `engine`, then each
     method on each engine of `codecs` (codec name -> an engine on the same model whose store reads chunk KV
     through that codec, `codec_engines`; default: `engine` alone, as "native"), its store warmed with `engine`'s
-    chunk KV; the codecs other than "native" measure `codec_methods` (default: `methods`). A case whose prompt
+    chunk KV; the codecs other than "native" measure `codec_methods` (default: `methods`). `prepare` names the
+    variants whose store is filled otherwise (e.g. contextual chunk KV, `fidelity_context`): a callable that fills
+    the variant engine's store for the case and returns fields added to its records. A case whose prompt
     the engine refuses (e.g. beyond the context) is recorded with its error and
     skipped.
     """
@@ -165,7 +170,10 @@ def run_fidelity(
         for codec, codec_engine in codecs.items():
             todo_here = per_codec[codec]
             missing = [m for m in todo_here if (spec.name, case.id, codec_method_name(m.name, codec)) not in done]
-            if missing and codec_engine is not engine:
+            extra: dict[str, Any] = {}
+            if missing and codec in (prepare or {}):
+                extra = prepare[codec](codec_engine, spec, case, prompt)  # type: ignore[index]
+            elif missing and codec_engine is not engine:
                 codec_engine.clear_store()  # only this case's chunks: the stores stay small
                 _copy_chunks(engine, codec_engine, prompt)
             firsts: dict[str, torch.Tensor] = {}  # this codec's methods' first-token logits, in order
@@ -174,7 +182,7 @@ def run_fidelity(
                 # KL(this || earlier method) of the first token: replays the guard's ladder offline
                 rec["first_kl"] = {name: kl(logits, other) for name, other in firsts.items()}
                 firsts[method.name] = logits
-                rec.update(rule=method.rule, ratio=method.ratio, codec=codec)
+                rec.update(rule=method.rule, ratio=method.ratio, codec=codec, **extra)
                 todo.append((codec_method_name(method.name, codec), rec))
         shared = {"answer_tokens": len(ref.token_ids), "prompt_tokens": ref.prompt_tokens,
                   "reference_digest": reference_digest(ref)}  # fmt: skip

@@ -1,7 +1,8 @@
-"""Chunk KV by key: find a chunk in the store, or prefill it after its prefix and store it.
+"""Chunk KV by key: find a chunk in the store, or prefill it after its prefix (and context) and store it.
 
-A chunk's entry is keyed by (model fingerprint, dtype, prefix tokens, chunk tokens) and holds its per-layer raw
-keys and values, prefilled right after the shared prefix (so it has the same attention sink as in a prompt).
+A chunk's entry is keyed by (model fingerprint, dtype, prefix tokens, chunk tokens, context digest) and holds its
+per-layer raw keys and values, prefilled after the shared prefix (so it has the same attention sink as in a
+prompt) and, where `contexts` records one, after its context (`chunk_context`): only the chunk's own KV is kept.
 
 Whatever comes back from a store is checked against the shape this model gives that many tokens before a single
 layer is read; anything else is dropped and recomputed, never used.
@@ -20,6 +21,7 @@ from ..errors import ConfigError
 from ..fusion import FusionPlan, LayerLoader, fuse
 from ..models.adapter import LayerwiseModel
 from ..store import ChunkKV, ChunkReader, ChunkStore, CorruptEntryError, Hit, TieredStore, chunk_key
+from .chunk_context import ChunkContexts
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class ChunkCache:
         self._store = store
         self.fingerprint = fingerprint
         self.dtype = dtype
+        self.contexts = ChunkContexts()  # per chunk, the text its entry is prefilled after (none: isolated)
 
     @property
     def store(self) -> ChunkStore:
@@ -57,8 +60,8 @@ class ChunkCache:
         self._store = store
 
     def key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
-        """The store key of a chunk's KV when it follows `prefix_ids`."""
-        return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids)
+        """The store key of a chunk's KV when it follows `prefix_ids` (and its recorded context, if any)."""
+        return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids, self.contexts.digest(chunk_ids))
 
     def prompt_keys(
         self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], *, with_prefix: bool = True
@@ -88,9 +91,16 @@ class ChunkCache:
         return load
 
     def prefill(self, prefix: ChunkReader | None, prefix_ids: Sequence[int], ids: Sequence[int]) -> ChunkKV:
-        """Prefill `ids` after the (cached) prefix and keep only their KV."""
+        """Prefill `ids` after the (cached) prefix and the chunk's recorded context, and keep only their KV.
+
+        A context that would not fit the model's positions with the prefix and the chunk is cut from its start
+        (the nearest neighbour, placed last, is kept)."""
         p = len(prefix_ids)
-        all_ids = torch.tensor([*prefix_ids, *ids], dtype=torch.long)
+        context = self.contexts.tokens(ids)
+        room = max(self.lm.shape.max_positions - p - len(ids), 0)
+        context = context[len(context) - room :] if len(context) > room else context
+        all_ids = torch.tensor([*prefix_ids, *context, *ids], dtype=torch.long)
+        keep = p + len(context)
         n = all_ids.shape[0]
         exact = torch.zeros(n, dtype=torch.bool)
         exact[:p] = True
@@ -98,8 +108,8 @@ class ChunkCache:
         parts = [prefix] if prefix is not None else []
         result = fuse(self.lm, plan, self.layer_loader(parts, n), want_logits=False, keep_raw_keys=True)
         assert result.raw_keys is not None
-        keys = torch.stack([k[:, p:] for k in result.raw_keys])  # [L, Hkv, T, D]
-        values = torch.stack([v[:, p:] for v in result.values])
+        keys = torch.stack([k[:, keep:] for k in result.raw_keys])  # [L, Hkv, T, D]
+        values = torch.stack([v[:, keep:] for v in result.values])
         return ChunkKV(self.key(prefix_ids, ids), keys, values)
 
     def lookup(self, key: str, num_tokens: int) -> Hit | None:

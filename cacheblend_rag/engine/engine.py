@@ -26,13 +26,14 @@ from ..models.fingerprint import model_fingerprint
 from ..models.support import max_blend_length
 from ..store import ChunkStore, CorruptEntryError, TieredStore, build_store
 from .chunk_cache import ChunkCache
+from .chunk_context import NEIGHBOURS, ContextArg, context_parts
 from .decoding import GenerationResult, TextStream, decode
 from .generation import check_encodable, eos_token_ids
 from .metrics import RequestMetrics
 from .planning import check_blend
 from .prefill import Prefill, Prefiller, RatioPolicy
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_chunks, tokenize_parts, tokenize_prefix
-from .request import Request, check_chunks, check_part, check_text
+from .request import Request, check_chunks, check_part, check_text, request_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -171,23 +172,52 @@ class CacheBlendEngine:
         *,
         template: PromptTemplate | None = None,
         prefix: str | None = None,
+        context: ContextArg = NEIGHBOURS,
         show_progress: bool = False,
     ) -> tuple[int, int]:
         """Make sure every chunk's KV is in the store, for the template's prefix or an explicit prefix.
 
-        The template's prefix does not depend on the question, so `question` is only needed by templates
-        that place it before the chunks. Returns (already cached, newly computed).
+        `chunks` are taken as the corpus: each chunk's KV is prefilled after its `config.context_neighbours` most
+        similar other chunks among them (`set_chunk_context`; `context=None` stores isolated entries, a list per
+        chunk gives other context texts). The template's prefix does not depend on the question, so `question`
+        is only needed by templates that place it before the chunks. Returns (already cached, newly computed).
         """
+        prefix_ids, chunk_ids = self._take_corpus(chunks, context, question, template, prefix)
+        with self._lock:
+            return self.chunks.fill(prefix_ids, chunk_ids, show_progress=show_progress)
+
+    def set_chunk_context(
+        self, chunks: Sequence[str], context: ContextArg = NEIGHBOURS, *, question: str | None = None,
+        template: PromptTemplate | None = None, prefix: str | None = None,
+    ) -> int:  # fmt: skip
+        """Record what each chunk's KV is prefilled after, computing none: its `config.context_neighbours` most
+        similar chunks among `chunks` ("neighbours"), nothing (None), or the texts given per chunk (in order).
+
+        Requests then read, and on a miss store, each chunk's contextual entry (its key holds the context's
+        digest). Give it the whole corpus (a retriever's chunks) when an index is built or loaded. Returns how
+        many chunks have a context.
+        """
+        _, chunk_ids = self._take_corpus(chunks, context, question, template, prefix)
+        return sum(1 for ids in chunk_ids if self.chunks.contexts.digest(ids))
+
+    def _take_corpus(
+        self, chunks: Sequence[str], context: ContextArg, question: str | None, template: PromptTemplate | None,
+        prefix: str | None,
+    ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:  # fmt: skip
+        """Check and tokenize a corpus, record each chunk's context; -> (prefix ids, chunk ids)."""
         check_chunks(chunks)
         check_text("question", question, optional=True)
         check_part("prefix", prefix)
         check_encodable(chunks, question=question, prefix=prefix)
         if prefix is None:
             prefix, _ = (template or self.template).render_parts(self.tokenizer, question or "?")
-        prefix_ids = tokenize_prefix(self.tokenizer, prefix)
-        chunk_ids = tokenize_chunks(self.tokenizer, chunks, self.config.chunk_separator)
+        sep = self.config.chunk_separator
+        chunk_ids = tokenize_chunks(self.tokenizer, chunks, sep)
+        parts = context_parts(chunks, context, self.config.context_neighbours)  # embeds: outside the lock
         with self._lock:
-            return self.chunks.fill(prefix_ids, chunk_ids, show_progress=show_progress)
+            for ids, texts in zip(chunk_ids, parts, strict=True):
+                self.chunks.contexts.assign(ids, tokenize_chunks(self.tokenizer, texts, sep) if texts else ())
+        return tuple(tokenize_prefix(self.tokenizer, prefix)), chunk_ids
 
     def clear_store(self, tiers: Sequence[str] | None = None) -> None:
         """Drop the stored chunk KV: every tier, or only the named ones (`["memory"]` frees this process's
@@ -310,21 +340,7 @@ class CacheBlendEngine:
     ) -> tuple[TokenizedPrompt, Request]:
         """The checked request of one `generate` / `stream` call and its tokenized prompt."""
         request = Request.from_options(method, options)
-        if isinstance(chunks, TokenizedPrompt):
-            if question is not None or request.prefix is not None or request.suffix is not None:
-                raise PromptError(f"{method}(): a prebuilt prompt already has its question; pass no question, prefix "
-                                  "or suffix with it")  # fmt: skip
-            prompt = chunks
-        else:
-            try:
-                check_chunks(chunks)
-                check_text("question", question, optional=True)
-                check_encodable(chunks, question=question, prefix=request.prefix, suffix=request.suffix)
-                prompt = self.build_prompt(
-                    chunks, question, template=request.template, prefix=request.prefix, suffix=request.suffix
-                )
-            except CacheBlendError as exc:
-                raise type(exc)(f"{method}(): {exc}") from None
+        prompt = request_prompt(self.build_prompt, method, chunks, question, request)
         self._check_request(prompt, request, method)
         return prompt, request
 

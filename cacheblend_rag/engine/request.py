@@ -8,14 +8,14 @@ the prefill and the decoding loop, which check nothing again.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import BlendConfig, PrefillMode
 from ..errors import CacheBlendError, ConfigError, PromptError
-from .generation import SamplingParams, check_ratio_arg
-from .prompt import PromptTemplate
+from .generation import SamplingParams, check_encodable, check_ratio_arg
+from .prompt import PromptTemplate, TokenizedPrompt
 from .prompt_text import PromptText
 
 # The keyword arguments a request takes, with their defaults (the engine's names).
@@ -119,3 +119,26 @@ def check_chunks(chunks: object) -> Sequence[str]:
     for i, chunk in enumerate(chunks):
         check_text(f"chunk {i}", chunk)
     return chunks
+
+
+def request_prompt(
+    build_prompt: Callable[..., TokenizedPrompt],
+    method: str,
+    chunks: Sequence[str] | TokenizedPrompt,
+    question: str | None,
+    request: Request,
+) -> TokenizedPrompt:
+    """The tokenized prompt of one `generate` / `stream` call: a prebuilt one as given (then with no question,
+    prefix or suffix beside it), else built from checked chunks and question by `build_prompt`."""
+    if isinstance(chunks, TokenizedPrompt):
+        if question is not None or request.prefix is not None or request.suffix is not None:
+            raise PromptError(f"{method}(): a prebuilt prompt already has its question; pass no question, prefix "
+                              "or suffix with it")  # fmt: skip
+        return chunks
+    try:
+        check_chunks(chunks)
+        check_text("question", question, optional=True)
+        check_encodable(chunks, question=question, prefix=request.prefix, suffix=request.suffix)
+        return build_prompt(chunks, question, template=request.template, prefix=request.prefix, suffix=request.suffix)
+    except CacheBlendError as exc:
+        raise type(exc)(f"{method}(): {exc}") from None

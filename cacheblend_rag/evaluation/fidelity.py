@@ -73,11 +73,16 @@ def reference_answer(engine: CacheBlendEngine, prompt: TokenizedPrompt, max_new_
     return Reference(tokens, logprobs, text, ttft, prompt.num_tokens)
 
 
-def prepare_case(engine: CacheBlendEngine, spec: TaskSpec, case: Case) -> tuple[TokenizedPrompt, Reference]:
+def prepare_case(
+    engine: CacheBlendEngine, spec: TaskSpec, case: Case, *, context: Any = None
+) -> tuple[TokenizedPrompt, Reference]:
     """A case's prompt (the data set's template), its chunks warmed in the store (untimed), and full recompute's
-    reference answer: what every method of a case is measured against."""
+    reference answer: what every method of a case is measured against.
+
+    `context` is `engine.precompute`'s: None (the default) stores each chunk's KV prefilled alone after the
+    prefix (isolated entries, the baseline every fidelity figure is measured on)."""
     prompt = engine.build_prompt(list(case.chunks), case.question, template=spec.template)
-    engine.precompute(list(case.chunks), case.question, template=spec.template)
+    engine.precompute(list(case.chunks), case.question, template=spec.template, context=context)
     return prompt, reference_answer(engine, prompt, spec.max_new_tokens)
 
 

@@ -172,6 +172,17 @@ class ChunkIndex:
     def dimension(self) -> int:
         return int(self._index.d)
 
+    def neighbours(self, n: int) -> list[list[str]]:
+        """For each chunk (in index order), the texts of its `n` most similar other chunks, most similar first:
+        the context its KV is prefilled after (`CacheBlendEngine.set_chunk_context`). Uses the stored vectors;
+        nothing is embedded again."""
+        from cacheblend_rag.retrieval.neighbours import nearest_neighbours
+
+        vectors = self._index.reconstruct_n(0, self._index.ntotal)
+        texts = [c.text for c in self._chunks]
+        found = nearest_neighbours(vectors, vectors, n, query_texts=texts, pool_texts=texts)
+        return [[texts[j] for j in ids] for ids in found]
+
     def search(self, query: str, k: int = 6) -> list[RetrievedChunk]:
         """The `k` chunks most similar to `query`, best first (all of them when k exceeds the size)."""
         if not isinstance(query, str) or not query.strip():

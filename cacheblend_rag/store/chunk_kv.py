@@ -16,11 +16,19 @@ import torch
 from ..errors import CacheBlendError, CorruptEntryError
 
 
-def chunk_key(fingerprint: str, dtype: torch.dtype | str, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
-    """Content address of a chunk's KV: sha256 of the model, the dtype, the prefix tokens and the chunk tokens.
+def chunk_key(
+    fingerprint: str,
+    dtype: torch.dtype | str,
+    prefix_ids: Sequence[int],
+    chunk_ids: Sequence[int],
+    context: str = "",
+) -> str:
+    """Content address of a chunk's KV: sha256 of the model, the dtype, the prefix tokens, the chunk tokens and
+    the digest of the context the chunk was prefilled after ("" for none: the isolated entry, whose key is the
+    same as before contexts existed).
 
-    The prefix is part of the key because the chunk was prefilled after it: another prefix gives other KV.
-    Lengths are hashed before the token lists so that no two (prefix, chunk) splits collide.
+    The prefix and the context are part of the key because the chunk was prefilled after them: other text before
+    it gives other KV. Lengths are hashed before the token lists so that no two (prefix, chunk) splits collide.
     """
     h = hashlib.sha256()
     h.update(fingerprint.encode())
@@ -28,6 +36,8 @@ def chunk_key(fingerprint: str, dtype: torch.dtype | str, prefix_ids: Sequence[i
     for ids in (prefix_ids, chunk_ids):
         h.update(struct.pack("<Q", len(ids)))
         h.update(struct.pack(f"<{len(ids)}q", *ids))
+    if context:
+        h.update(b"\0context\0" + context.encode())
     return h.hexdigest()
 
 

@@ -1,0 +1,131 @@
+"""Contextual chunk KV: which text a chunk's KV is prefilled after, beside the shared prefix.
+
+A chunk prefilled alone after the prefix has KV that never attended to the other chunks of a prompt; the blend
+recomputes some tokens to restore that. A chunk prefilled after text like what precedes it in real prompts (its
+nearest neighbours in the corpus) starts closer to a full prefill, so full KV reuse and the blend drift less.
+Only the chunk's own KV is kept, so a contextual entry costs the same storage as an isolated one; the price is
+the context's tokens, prefilled once per chunk at precompute time.
+
+`ChunkContexts` records, per chunk (by its tokens), the token ids of the text its entry is built after. The
+context's digest is part of the entry's store key (`store.chunk_key`), so an entry always says which context
+built it: after a re-index gives a chunk other neighbours, it is a new entry, never a silent mix with the old.
+A chunk with no recorded context keeps the isolated entry (empty context, the key it always had).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+from collections.abc import Sequence
+
+from ..errors import ConfigError
+
+# The default number of neighbours a chunk is prefilled after (`EngineConfig.context_neighbours`).
+DEFAULT_NEIGHBOURS = 2
+
+
+def context_digest(context_ids: Sequence[int]) -> str:
+    """sha256 of a context's token ids ("" for no context: the isolated entry)."""
+    if not context_ids:
+        return ""
+    h = hashlib.sha256(struct.pack("<Q", len(context_ids)))
+    h.update(array("q", context_ids).tobytes())
+    return h.hexdigest()
+
+
+def _chunk_id(ids: Sequence[int]) -> bytes:
+    return hashlib.sha256(array("q", ids).tobytes()).digest()
+
+
+class ChunkContexts:
+    """Per chunk, the context its KV entry is prefilled after.
+
+    Contexts are made of parts (the neighbours' token ids), each held once however many chunks it precedes, so
+    a corpus of N chunks with n neighbours each costs N chunks' tokens and N small tuples, not N x n copies.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[bytes, array] = {}  # part id -> token ids
+        self._of: dict[bytes, tuple[str, tuple[bytes, ...]]] = {}  # chunk id -> (digest, part ids)
+
+    def __len__(self) -> int:
+        """How many chunks have a recorded context."""
+        return len(self._of)
+
+    def assign(self, chunk_ids: Sequence[int], parts: Sequence[Sequence[int]]) -> None:
+        """Record that `chunk_ids` is prefilled after `parts` laid end to end (nearest neighbour last).
+        No parts (or only empty ones) records the isolated entry."""
+        parts = [p for p in parts if len(p)]
+        if any(tuple(p) == tuple(chunk_ids) for p in parts):
+            raise ConfigError("a chunk cannot be its own context; leave it out of its neighbours")
+        key = _chunk_id(chunk_ids)
+        if not parts:
+            self._of.pop(key, None)
+            return
+        part_ids = []
+        for p in parts:
+            pid = _chunk_id(p)
+            self._parts.setdefault(pid, array("q", p))
+            part_ids.append(pid)
+        self._of[key] = (context_digest(self._join(part_ids)), tuple(part_ids))
+        self._drop_unused_parts()
+
+    def digest(self, chunk_ids: Sequence[int]) -> str:
+        """The digest of the chunk's context ("" when it has none: the isolated entry)."""
+        found = self._of.get(_chunk_id(chunk_ids))
+        return "" if found is None else found[0]
+
+    def tokens(self, chunk_ids: Sequence[int]) -> tuple[int, ...]:
+        """The token ids the chunk is prefilled after (after the prefix); () when it has none."""
+        found = self._of.get(_chunk_id(chunk_ids))
+        return () if found is None else tuple(self._join(found[1]))
+
+    def clear(self) -> None:
+        """Forget every context: every chunk goes back to its isolated entry."""
+        self._parts.clear()
+        self._of.clear()
+
+    def _join(self, part_ids: Sequence[bytes]) -> array:
+        out = array("q")
+        for pid in part_ids:
+            out.extend(self._parts[pid])
+        return out
+
+    def _drop_unused_parts(self) -> None:
+        if len(self._parts) <= 2 * max(len(self._of), 1) + 16:
+            return
+        used = {pid for _, pids in self._of.values() for pid in pids}
+        for pid in [p for p in self._parts if p not in used]:
+            del self._parts[pid]
+
+
+NEIGHBOURS = "neighbours"  # `context=` value: each chunk's nearest neighbours among the chunks given
+ContextArg = str | Sequence[Sequence[str]] | None
+
+
+def context_parts(chunks: Sequence[str], context: ContextArg, n: int) -> list[list[str]]:
+    """Per chunk, the texts its KV is prefilled after, in order (nearest neighbour last).
+
+    `context`: "neighbours" (the `n` most similar other chunks of `chunks`, by the packaged embedder), None (no
+    context: isolated entries), or one list of texts per chunk, placed before it in the order given.
+    """
+    if context is None:
+        return [[] for _ in chunks]
+    if isinstance(context, str):
+        if context != NEIGHBOURS:
+            raise ConfigError(f"context must be {NEIGHBOURS!r}, None, or one list of texts per chunk; got {context!r}")
+        from ..retrieval.neighbours import neighbour_context, neighbour_texts
+
+        return [neighbour_context(found) for found in neighbour_texts(chunks, n)]
+    parts = list(context)
+    if len(parts) != len(chunks) or any(isinstance(p, str) for p in parts):
+        raise ConfigError(
+            f"context must give one list of texts per chunk ({len(chunks)} lists), e.g. [[neighbour, ...], ...]; "
+            f"got {len(parts)} items"
+        )
+    for texts in parts:
+        for t in texts:
+            if not isinstance(t, str) or not t.strip():
+                raise ConfigError(f"a context text must be non-empty text, got {t!r}")
+    return [list(p) for p in parts]

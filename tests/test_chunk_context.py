@@ -1,0 +1,108 @@
+"""Contextual chunk KV: a chunk's entry prefilled after other text, its key, and the neighbour search."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag.engine.chunk_context import ChunkContexts, context_digest
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.retrieval.neighbours import nearest_neighbours, neighbour_context
+from cacheblend_rag.store import chunk_key
+from cacheblend_rag.testing import make_tiny_model, random_words
+
+
+def two_chunk_prompt(engine: CacheBlendEngine):
+    a, b = random_words(31, 24), random_words(32, 20)
+    return [a, b], engine.build_prompt([a, b], prefix=random_words(33, 5), suffix=random_words(34, 6))
+
+
+def test_chunk_after_its_predecessor_makes_full_reuse_exact(tiny_engine):
+    (a, b), prompt = two_chunk_prompt(tiny_engine)
+    full = tiny_engine.prefill(prompt, "full").logits
+    isolated = tiny_engine.prefill(prompt, "reuse").logits
+    assert (isolated - full).abs().max() > 1e-3  # chunks cached alone: reuse is not exact
+    # B cached after its real predecessor A (A's real context is the prefix alone): reuse is a full prefill
+    tiny_engine.precompute([a, b], prefix=random_words(33, 5), context=[[], [a]])
+    contextual = tiny_engine.prefill(prompt, "reuse")
+    assert contextual.metrics.chunks_hit == 2  # both read from the store, none prefilled in the request
+    torch.testing.assert_close(contextual.logits, full, atol=1e-4, rtol=0)
+    # and the blend's ends still hold on contextual entries: r = 1 is full, r = 0 is full reuse
+    torch.testing.assert_close(tiny_engine.prefill(prompt, "blend", recompute_ratio=1.0).logits, full, atol=1e-4,
+                               rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        tiny_engine.prefill(prompt, "blend", recompute_ratio=0.0).logits, contextual.logits, atol=1e-4, rtol=0
+    )
+
+
+def test_the_recorded_context_changes_the_entry_and_its_key(tiny_engine):
+    (a, b), prompt = two_chunk_prompt(tiny_engine)
+    prefix_ids, ids = prompt.prefix_ids, prompt.chunk_ids[1]
+    isolated_key = chunk_key(tiny_engine.fingerprint, tiny_engine.dtype, prefix_ids, ids)
+    assert tiny_engine.chunk_key(prefix_ids, ids) == isolated_key  # no context: the key entries always had
+    assert tiny_engine.set_chunk_context([a, b], [[], [a]], prefix=random_words(33, 5)) == 1
+    after_a = tiny_engine.chunk_key(prefix_ids, ids)
+    tiny_engine.set_chunk_context([a, b], [[], [random_words(35, 24)]], prefix=random_words(33, 5))
+    after_other = tiny_engine.chunk_key(prefix_ids, ids)
+    assert len({isolated_key, after_a, after_other}) == 3  # another context is another entry, never a mix
+    tiny_engine.precompute([a, b], prefix=random_words(33, 5), context=None)
+    assert tiny_engine.chunk_key(prefix_ids, ids) == isolated_key
+    assert tiny_engine.store.get(isolated_key) is not None
+
+
+def test_a_chunk_missing_at_request_time_is_stored_with_its_context(family, tiny_tokenizer):
+    engine = CacheBlendEngine(make_tiny_model(family), tiny_tokenizer,
+                              config=EngineConfig(miss_policy="full", chunk_separator=""))  # fmt: skip
+    (a, b), prompt = two_chunk_prompt(engine)
+    engine.set_chunk_context([a, b], [[], [a]], prefix=random_words(33, 5))
+    cold = engine.generate(prompt, max_new_tokens=2)
+    assert cold.metrics.chunks_missed == 2
+    full = engine.prefill(prompt, "full").logits
+    warm = engine.prefill(prompt, "reuse")  # the deferred fill stored B after A
+    assert warm.metrics.chunks_hit == 2
+    torch.testing.assert_close(warm.logits, full, atol=1e-4, rtol=0)
+
+
+def test_context_arguments_are_checked(tiny_engine):
+    chunks = [random_words(1, 5), random_words(2, 5)]
+    with pytest.raises(ConfigError, match="one list of texts per chunk"):
+        tiny_engine.precompute(chunks, prefix="p", context=[["x"]])
+    with pytest.raises(ConfigError, match="one list of texts per chunk"):
+        tiny_engine.precompute(chunks, prefix="p", context=["x", "y"])
+    with pytest.raises(ConfigError, match="'neighbours', None"):
+        tiny_engine.precompute(chunks, prefix="p", context="nearest")
+    with pytest.raises(ConfigError, match="non-empty text"):
+        tiny_engine.precompute(chunks, prefix="p", context=[[""], []])
+    with pytest.raises(ConfigError, match="its own context"):
+        tiny_engine.precompute(chunks, prefix="p", context=[[chunks[0]], []])
+    with pytest.raises(ConfigError, match="context_neighbours"):
+        EngineConfig(context_neighbours=-1)
+
+
+def test_chunk_contexts_hold_each_part_once_and_forget_cleanly():
+    contexts = ChunkContexts()
+    shared = list(range(100, 140))
+    for i in range(50):
+        contexts.assign([i, i + 1], [shared, [7, i]])
+    assert len(contexts) == 50
+    assert contexts.tokens([3, 4]) == (*shared, 7, 3)
+    assert contexts.digest([3, 4]) == context_digest([*shared, 7, 3])
+    assert contexts.digest([999]) == "" and contexts.tokens([999]) == ()
+    contexts.assign([3, 4], [])
+    assert contexts.digest([3, 4]) == ""
+    contexts.clear()
+    assert len(contexts) == 0
+
+
+def test_nearest_neighbours_leave_out_the_chunk_and_its_copies():
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(4, 8)).astype(np.float32)
+    pool = np.stack([base[0], base[0] + 0.1 * base[1], base[0] + 0.5 * base[2], base[3], base[0]])
+    pool /= np.linalg.norm(pool, axis=1, keepdims=True)
+    texts = ["a", "near", "mid", "far", "a"]  # row 4 is a copy of row 0
+    found = nearest_neighbours(pool[:1], pool, 2, query_texts=["a"], pool_texts=texts)
+    assert found == [[1, 2]]  # most similar first; neither itself nor its copy
+    assert neighbour_context(["near", "mid"]) == ["mid", "near"]  # the nearest sits right before the chunk
+    assert nearest_neighbours(pool[:1], pool, 0, query_texts=["a"], pool_texts=texts) == [[]]
