@@ -37,6 +37,7 @@ def _engine_config(args: argparse.Namespace):
         redis_url=args.redis_url,
         miss_policy=args.miss_policy,
         guard=Guard(min_margin=args.guard) if args.guard is not None else None,
+        context_neighbours=args.context_neighbours,
     )
 
 
@@ -86,9 +87,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if index is None:
         assert sources.record is not None, "documents come with the record of their index"
         index = build_index(args, sources.documents, engine.tokenizer, sources.record, args.index)
+    # Contextual chunk KV: each chunk's entry is prefilled after its nearest chunks in the index (from the vectors
+    # the index holds), whether now (--precompute-all) or when a request first misses it.
+    texts = [c.text for c in index.chunks]
+    contexts = index.neighbour_contexts(config.context_neighbours)
+    engine.set_chunk_context(texts, contexts)
     if args.precompute_all:
         t = time.perf_counter()
-        hits, misses = engine.precompute([c.text for c in index.chunks], show_progress=True)
+        hits, misses = engine.precompute(texts, context=contexts, show_progress=True)
         print(
             f"precomputed the KV of {len(index)} chunks in {time.perf_counter() - t:.1f}s "
             f"({hits} already cached, {misses} computed)",

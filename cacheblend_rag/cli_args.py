@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from .config import Guard
+from .config import DEFAULT_CONTEXT_NEIGHBOURS, Guard
 from .errors import CacheBlendError
 from .retrieval.sources import DEFAULT_MAX_DOCUMENT_BYTES
 
@@ -56,6 +56,9 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="preset, local checkpoint or hub id (default: the default preset)")
     parser.add_argument("--device", default="cpu", help="torch device to run the model on, e.g. cuda")
     parser.add_argument("--dtype", default="float32", help="model precision: float32, bfloat16 or float16")
+    parser.add_argument("--context-neighbours", type=int, default=DEFAULT_CONTEXT_NEIGHBOURS, metavar="N",
+                        help="contextual chunk KV: each chunk's KV is prefilled after its N most similar chunks of "
+                        "the index (only its own KV is kept); 0 stores each chunk alone")  # fmt: skip
     parser.add_argument("--kv-dir", help="keep chunk KV on disk in this folder, so later runs reuse it")
     parser.add_argument("--redis-url", help="share chunk KV through this Redis, e.g. redis://127.0.0.1:6379/0")
 

@@ -167,9 +167,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         blend=BlendConfig(args.ratio),
         disk_dir=args.kv_dir,
         redis_url=args.redis_url,
+        context_neighbours=args.context_neighbours,
     )
     t = time.perf_counter()
     engine = CacheBlendEngine.from_pretrained(args.model, config=config)
+    context = "neighbours"  # a sample's own chunks are its corpus, unless an index gives the whole one
     print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     if items is None:
         from .controller import SampleQuestion
@@ -179,6 +181,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if index is None:
             assert sources.record is not None, "documents come with the record of their index"
             index = build_index(args, sources.documents, engine.tokenizer, sources.record, args.index)
+        engine.set_chunk_context([c.text for c in index.chunks], index.neighbour_contexts(config.context_neighbours))
+        context = "keep"  # as `ask` will run: each chunk after its nearest chunks of the whole index
         items = [
             SampleQuestion(
                 f"q{i}", tuple(h.chunk.text for h in index.search(q, k=args.top_k)), q, None, args.max_new_tokens
@@ -193,7 +197,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     profile = measure_fidelity(
         engine, items, ratios=args.ratios, thresholds=args.thresholds, margins=args.margins, base_ratio=args.ratio,
-        ladder=args.ladder, source=source, on_question=progress,
+        ladder=args.ladder, source=source, on_question=progress, context=context,
     )  # fmt: skip
     elapsed = time.perf_counter() - t
     profile.save(args.out)

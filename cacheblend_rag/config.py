@@ -62,6 +62,10 @@ _CHECKS: dict[str, tuple[tuple[int, ...], str, tuple[float, ...]]] = {
 MISS_POLICIES = ("auto", "blend", "full")
 
 
+# Neighbours a chunk's KV is prefilled after where the corpus is known (contextual chunk KV; 0: none).
+DEFAULT_CONTEXT_NEIGHBOURS = 2
+
+
 def _check_count(name: str, value: object, low: int, what: str) -> None:
     """An integer setting (a bool, a float, NaN or a string such as '1GB' is refused) of at least `low`."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -244,7 +248,7 @@ class EngineConfig:
     blend: BlendConfig = field(default_factory=BlendConfig)
     # Contextual chunk KV (docs/how-it-works.md): where the engine is given the corpus (`precompute`, an index), each
     # chunk's KV is prefilled after its n most similar other chunks, keeping only its own KV. 0: isolated entries.
-    context_neighbours: int = 2
+    context_neighbours: int = DEFAULT_CONTEXT_NEIGHBOURS
     # Signs disk/Redis entries and refuses unsigned or forged ones (give every worker the same key); None: off
     store_hmac_key: bytes | str | None = field(default=None, repr=False)
 

@@ -54,13 +54,16 @@ def measure_question(
     ratios: Sequence[float],
     base_ratio: float,
     ladder: Sequence[float],
+    context: Any = "neighbours",
 ) -> dict[str, Any]:
-    """One question's record of a fidelity profile (see `FidelityProfile`)."""
+    """One question's record of a fidelity profile (see `FidelityProfile`). `context`: how its chunks' KV is
+    built, as `engine.precompute` takes it ("keep": the contexts an index recorded)."""
     from ..evaluation import reference_answer
 
     t0 = time.perf_counter()
     chunks = list(sample.chunks)
-    engine.precompute(chunks, sample.question, template=sample.template)  # every method reads warm chunks
+    # every method reads warm chunks, built as requests will read them (`context`: `engine.precompute`'s)
+    engine.precompute(chunks, sample.question, template=sample.template, context=context)
     prompt = engine.build_prompt(chunks, sample.question, template=sample.template)
     reference = reference_answer(engine, prompt, sample.max_new_tokens)
     reuse, _, _ = _figures(engine, prompt, reference, "reuse", None)
@@ -101,6 +104,7 @@ def measure_fidelity(
     ladder: Sequence[float] = DEFAULT_LADDER,
     source: str = "",
     on_question: Callable[[dict[str, Any]], None] | None = None,
+    context: Any = "neighbours",
 ) -> FidelityProfile:
     """A fidelity profile of `engine` (its rule; base ratio: its blend's, unless given) over `sample`.
 
@@ -116,7 +120,7 @@ def measure_fidelity(
     grid = tuple(sorted({*map(float, ratios), base, *map(float, ladder)}))
     questions = []
     for item in sample:
-        record = measure_question(engine, item, ratios=grid, base_ratio=base, ladder=ladder)
+        record = measure_question(engine, item, ratios=grid, base_ratio=base, ladder=ladder, context=context)
         questions.append(record)
         if on_question is not None:
             on_question(record)

@@ -21,9 +21,6 @@ from collections.abc import Sequence
 
 from ..errors import ConfigError
 
-# The default number of neighbours a chunk is prefilled after (`EngineConfig.context_neighbours`).
-DEFAULT_NEIGHBOURS = 2
-
 
 def context_digest(context_ids: Sequence[int]) -> str:
     """sha256 of a context's token ids ("" for no context: the isolated entry)."""
@@ -101,20 +98,26 @@ class ChunkContexts:
 
 
 NEIGHBOURS = "neighbours"  # `context=` value: each chunk's nearest neighbours among the chunks given
+KEEP = "keep"  # `context=` value: the contexts recorded already (`set_chunk_context`), isolated where none
 ContextArg = str | Sequence[Sequence[str]] | None
 
 
-def context_parts(chunks: Sequence[str], context: ContextArg, n: int) -> list[list[str]]:
-    """Per chunk, the texts its KV is prefilled after, in order (nearest neighbour last).
+def context_parts(chunks: Sequence[str], context: ContextArg, n: int) -> list[list[str]] | None:
+    """Per chunk, the texts its KV is prefilled after, in order (nearest neighbour last); None: change nothing.
 
-    `context`: "neighbours" (the `n` most similar other chunks of `chunks`, by the packaged embedder), None (no
-    context: isolated entries), or one list of texts per chunk, placed before it in the order given.
+    `context`: "neighbours" (the `n` most similar other chunks of `chunks`, by the packaged embedder), "keep"
+    (what is recorded), None (no context: isolated entries), or one list of texts per chunk, placed before it
+    in the order given.
     """
     if context is None:
         return [[] for _ in chunks]
     if isinstance(context, str):
+        if context == KEEP:
+            return None
         if context != NEIGHBOURS:
-            raise ConfigError(f"context must be {NEIGHBOURS!r}, None, or one list of texts per chunk; got {context!r}")
+            raise ConfigError(
+                f"context must be {NEIGHBOURS!r}, {KEEP!r}, None, or one list of texts per chunk; got {context!r}"
+            )
         from ..retrieval.neighbours import neighbour_context, neighbour_texts
 
         return [neighbour_context(found) for found in neighbour_texts(chunks, n)]

@@ -178,9 +178,10 @@ class CacheBlendEngine:
         """Make sure every chunk's KV is in the store, for the template's prefix or an explicit prefix.
 
         `chunks` are taken as the corpus: each chunk's KV is prefilled after its `config.context_neighbours` most
-        similar other chunks among them (`set_chunk_context`; `context=None` stores isolated entries, a list per
-        chunk gives other context texts). The template's prefix does not depend on the question, so `question`
-        is only needed by templates that place it before the chunks. Returns (already cached, newly computed).
+        similar other chunks among them (`set_chunk_context`; `context=None` stores isolated entries, "keep" the
+        contexts recorded already, a list per chunk gives other context texts). The template's prefix does not
+        depend on the question, so `question` is only needed by templates that place it before the chunks.
+        Returns (already cached, newly computed).
         """
         prefix_ids, chunk_ids = self._take_corpus(chunks, context, question, template, prefix)
         with self._lock:
@@ -215,7 +216,9 @@ class CacheBlendEngine:
         chunk_ids = tokenize_chunks(self.tokenizer, chunks, sep)
         parts = context_parts(chunks, context, self.config.context_neighbours)  # embeds: outside the lock
         with self._lock:
-            for ids, texts in zip(chunk_ids, parts, strict=True):
+            for ids, texts in zip(chunk_ids, parts or [None] * len(chunk_ids), strict=True):
+                if texts is None:  # "keep"
+                    continue
                 self.chunks.contexts.assign(ids, tokenize_chunks(self.tokenizer, texts, sep) if texts else ())
         return tuple(tokenize_prefix(self.tokenizer, prefix)), chunk_ids
 

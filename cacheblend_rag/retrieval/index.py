@@ -172,16 +172,16 @@ class ChunkIndex:
     def dimension(self) -> int:
         return int(self._index.d)
 
-    def neighbours(self, n: int) -> list[list[str]]:
-        """For each chunk (in index order), the texts of its `n` most similar other chunks, most similar first:
-        the context its KV is prefilled after (`CacheBlendEngine.set_chunk_context`). Uses the stored vectors;
-        nothing is embedded again."""
-        from cacheblend_rag.retrieval.neighbours import nearest_neighbours
+    def neighbour_contexts(self, n: int) -> list[list[str]]:
+        """For each chunk (in index order), its `n` most similar other chunks' texts in the order its KV is
+        prefilled after them, the most similar last (`CacheBlendEngine.set_chunk_context(texts, contexts)`).
+        Uses the stored vectors: nothing is embedded again."""
+        from cacheblend_rag.retrieval.neighbours import nearest_neighbours, neighbour_context
 
         vectors = self._index.reconstruct_n(0, self._index.ntotal)
         texts = [c.text for c in self._chunks]
         found = nearest_neighbours(vectors, vectors, n, query_texts=texts, pool_texts=texts)
-        return [[texts[j] for j in ids] for ids in found]
+        return [neighbour_context([texts[j] for j in ids]) for ids in found]
 
     def search(self, query: str, k: int = 6) -> list[RetrievedChunk]:
         """The `k` chunks most similar to `query`, best first (all of them when k exceeds the size)."""
