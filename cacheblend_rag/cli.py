@@ -122,6 +122,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         print()
         assert stream.result is not None, "a finished stream holds its result"
         print(f"   {stream.result.metrics.summary()}")
+    engine.wait_for_fills()  # chunks cold questions were answered without: stored after each answer, in the background
     engine.store.flush()  # chunk KV written to disk/Redis in the background must land before the process exits
     return 0
 

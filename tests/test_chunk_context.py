@@ -71,7 +71,7 @@ def test_context_arguments_are_checked(tiny_engine):
         tiny_engine.precompute(chunks, prefix="p", context=[["x"]])
     with pytest.raises(ConfigError, match="one list of texts per chunk"):
         tiny_engine.precompute(chunks, prefix="p", context=["x", "y"])
-    with pytest.raises(ConfigError, match="'neighbours', None"):
+    with pytest.raises(ConfigError, match="'neighbours', 'keep', None"):
         tiny_engine.precompute(chunks, prefix="p", context="nearest")
     with pytest.raises(ConfigError, match="non-empty text"):
         tiny_engine.precompute(chunks, prefix="p", context=[[""], []])

@@ -50,7 +50,8 @@ def test_policy_full_answers_a_cold_request_exactly_and_stores_its_chunks_after(
     assert cold.token_ids == full.token_ids  # a full prefill: exact
     assert m.mode == "full" and m.fallback == "full prefill: 3 of 3 chunks not stored yet"
     assert (m.chunks_hit, m.chunks_missed, m.reused_tokens, m.cold_tokens) == (0, 3, 0, 120)
-    assert m.deferred_fill_s > 0 and m.precompute_s == 0  # the chunks were stored after the answer, not before
+    assert m.precompute_s == 0  # the chunks are stored after the call returns, on a background thread
+    assert engine.wait_for_fills(timeout=60) and m.deferred_fill_s > 0
     warm = ask(engine).metrics
     assert (warm.mode, warm.chunks_hit, warm.chunks_missed, warm.fallback) == ("blend", 3, 0, None)
 
@@ -78,3 +79,26 @@ def test_prefill_stores_the_skipped_chunks_before_it_returns():
     assert all(key in engine.store for key in engine.prompt_keys(prompt))
     again = engine.prefill(prompt, "blend")
     assert again.metrics.mode == "blend" and torch.isfinite(again.logits).all()
+
+
+def test_a_cold_request_returns_before_its_chunks_are_stored_and_the_next_one_waits_for_them():
+    import threading
+
+    engine = engine_with("full")
+    gate = threading.Event()
+    fill = engine.chunks.fill
+
+    def slow_fill(*args, **kwargs):
+        gate.wait(30)  # hold the background fill until the cold call has returned
+        return fill(*args, **kwargs)
+
+    engine.chunks.fill = slow_fill
+    cold = ask(engine).metrics
+    assert cold.mode == "full" and cold.deferred_fill_s == 0  # answered; nothing stored inside the call
+    assert not all(
+        key in engine.store for key in engine.prompt_keys(engine.build_prompt(CHUNKS, prefix=PREFIX, suffix=SUFFIX))[1:]
+    )
+    threading.Timer(0.2, gate.set).start()
+    warm = ask(engine).metrics  # waits for the queued chunks instead of computing them again
+    assert (warm.mode, warm.chunks_hit, warm.chunks_missed) == ("blend", 3, 0)
+    assert cold.deferred_fill_s > 0

@@ -28,6 +28,7 @@ from ..store import ChunkStore, CorruptEntryError, TieredStore, build_store
 from .chunk_cache import ChunkCache
 from .chunk_context import NEIGHBOURS, ContextArg, context_parts
 from .decoding import GenerationResult, TextStream, decode
+from .fills import DeferredFills
 from .generation import check_encodable, eos_token_ids
 from .metrics import RequestMetrics
 from .planning import check_blend
@@ -83,6 +84,7 @@ class CacheBlendEngine:
             guard=self.config.guard,
         )
         self._lock = threading.RLock()
+        self._fills = DeferredFills(lambda prefix_ids, ids: self.chunks.fill(prefix_ids, [ids]), self._lock)
 
     @classmethod
     def from_pretrained(
@@ -225,8 +227,10 @@ class CacheBlendEngine:
     def clear_store(self, tiers: Sequence[str] | None = None) -> None:
         """Drop the stored chunk KV: every tier, or only the named ones (`["memory"]` frees this process's
         memory and keeps disk and Redis, which other workers may share). Waits for a request in flight to
-        finish first; the next request recomputes whatever it no longer finds.
+        finish first, and for chunks being stored after cold requests; the next request recomputes whatever
+        it no longer finds.
         """
+        self._fills.wait()
         with self._lock:
             self.chunks.clear(tiers)
 
@@ -252,13 +256,17 @@ class CacheBlendEngine:
         return pre
 
     def _store_deferred(self, prompt: TokenizedPrompt, chunks: Sequence[Sequence[int]], m: RequestMetrics) -> None:
-        """Store the chunks a cold request answered without (the miss policy), so the next request finds them."""
-        if not chunks:
-            return
-        t = time.perf_counter()
-        with self._lock:
-            self.chunks.fill(prompt.prefix_ids, chunks)
-        m.deferred_fill_s = time.perf_counter() - t
+        """Store now the chunks a cold `prefill` answered without (the miss policy), so the next request finds them
+        (`generate` and `stream` leave that to the background, `wait_for_fills`)."""
+        if chunks:
+            self._fills.submit(prompt.prefix_ids, chunks, m)
+            self._fills.wait_for(chunks)
+
+    def wait_for_fills(self, timeout: float | None = None) -> bool:
+        """Wait until the chunks that cold requests were answered without are stored (they are stored on a
+        background thread after the call returns; a request that needs one waits for it by itself). -> False
+        if `timeout` seconds ran out first."""
+        return self._fills.wait(timeout)
 
     def _check_request(self, prompt: TokenizedPrompt, request: Request, method: str) -> None:
         """What a request needs of this engine: a rule this model has the layers for, a prompt that fits."""
@@ -275,6 +283,7 @@ class CacheBlendEngine:
         if request.recompute_ratio is not None:
             blend = blend.with_ratio(request.recompute_ratio)
         policy = self.controller if mode is PrefillMode.BLEND and not pinned else None
+        self._fills.wait_for(prompt.chunk_ids)  # a chunk an earlier cold request is storing: wait, not recompute
         with self._lock:
             # A chunk read layer by layer can turn out damaged after the fusor has started; its tier has dropped
             # it by then, so trying again finds it in another tier or recomputes it. Each retry follows the
@@ -356,8 +365,8 @@ class CacheBlendEngine:
             deferred.extend(pre.deferred)
             return pre
 
-        def after(m: RequestMetrics) -> None:  # after the answer's last token
-            self._store_deferred(prompt, deferred, m)
+        def after(m: RequestMetrics) -> None:  # after the answer's last token: stored off the request's path
+            self._fills.submit(prompt.prefix_ids, deferred, m)
 
         def step(token: int, pos: int, cache: Any) -> torch.Tensor:
             # The lock is taken per forward, never across a yield: a consumer may pause, or resume elsewhere.

@@ -23,7 +23,9 @@ class RequestMetrics:
     wait_s: float = 0.0  # time the fusor sat waiting for loaded KV: the part of load_s compute did not hide
     pipelined: bool = False  # layer-wise loading ran on a thread beside the fusor
     precompute_s: float = 0.0  # prefilling chunks that missed, within this request (part of ttft_s)
-    deferred_fill_s: float = 0.0  # storing missed chunks after the answer (the miss policy's full prefill)
+    # storing missed chunks after the answer (the miss policy's full prefill), on a background thread: 0 until
+    # it is done (`engine.wait_for_fills()`), never part of the request's own time
+    deferred_fill_s: float = 0.0
     fallback: str | None = None  # why the request ran otherwise than asked (e.g. a full prefill for a cold one)
     # the "attention" rule's risk signals of the first blend (engine.guard.first_token_signals), and the ratios a
     # guard escalated through (1.0: every chunk token recomputed, a full prefill's result)
