@@ -54,6 +54,11 @@ DEFAULT_HALF_KL_BOUND = 0.03  # default rule at r = 0.5: measured 0.0245
 DEVIATION_HALF_KL_BOUND = 0.04  # value deviation on layer 1 (the "paper" rule) at r = 0.5: measured 0.029
 GRADUAL_KL_BOUND = 0.09  # gradual filtering on layers 1-3 (the "gradual" rule) at r = 0.15: measured 0.080
 REUSE_OVER_DEFAULT_HALF = 4.0  # reuse is at least this many times further from full than the default at 0.5 (4.6)
+# Contextual chunk KV (each chunk prefilled after its 2 nearest other chunks, `engine.precompute`'s default):
+# measured 0.0136 for full reuse, 0.0127 for the default at 0.15 and 0.0124 at 0.05. Isolated entries (0.114, 0.058,
+# 0.085) fail every one of these bounds.
+CONTEXT_REUSE_KL_BOUND = 0.03
+CONTEXT_DEFAULT_KL_BOUND = 0.025
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +72,7 @@ def engine() -> CacheBlendEngine:
 def references(engine) -> list[tuple[object, Reference]]:
     out = []
     for question in QUESTIONS:
-        engine.precompute(CHUNKS, question)
+        engine.precompute(CHUNKS, question, context=None)  # isolated entries: the bounds above were set on them
         prompt = engine.build_prompt(CHUNKS, question)
         out.append((prompt, reference_answer(engine, prompt, ANSWER_TOKENS)))
     return out
@@ -113,3 +118,20 @@ def test_more_recompute_follows_full_recompute_more_closely(engine, references):
     rule = default_method().rule
     low, high = (mean_kl(engine, references, blend_rule(rule, r)) for r in (0.05, 0.5))
     assert high < low, (low, high)
+
+
+def test_contextual_chunk_kv_brings_reuse_and_the_blend_closer_to_full_recompute(engine, references):
+    isolated_default = mean_kl(engine, references, default_method())
+    try:
+        for question in QUESTIONS:
+            engine.precompute(CHUNKS, question)  # the default: each chunk after its nearest chunks among CHUNKS
+        reuse = mean_kl(engine, references, None)
+        default = mean_kl(engine, references, default_method())
+        cheap = mean_kl(engine, references, default_method().with_ratio(0.05))
+    finally:
+        engine.set_chunk_context(CHUNKS, None)  # the other tests' bounds are for isolated entries
+    assert reuse < CONTEXT_REUSE_KL_BOUND, f"full reuse on contextual chunk KV: mean KL {reuse:.4f}"
+    assert default < CONTEXT_DEFAULT_KL_BOUND, f"default blend on contextual chunk KV: mean KL {default:.4f}"
+    assert cheap < isolated_default, (
+        f"r = 0.05 on contextual KV ({cheap:.4f}) vs 0.15 isolated ({isolated_default:.4f})"
+    )
