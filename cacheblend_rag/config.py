@@ -62,8 +62,10 @@ _CHECKS: dict[str, tuple[tuple[int, ...], str, tuple[float, ...]]] = {
 MISS_POLICIES = ("auto", "blend", "full")
 
 
-# Neighbours a chunk's KV is prefilled after where the corpus is known (contextual chunk KV; 0: none).
-DEFAULT_CONTEXT_NEIGHBOURS = 2
+# Neighbours a chunk's KV is prefilled after where the corpus is known (contextual chunk KV). 0, isolated entries,
+# until the paired fidelity run on the default model shows a win: there it helped on average but broke some cases
+# (docs/benchmarks.md, "Contextual chunk KV"); 2 is the setting measured.
+DEFAULT_CONTEXT_NEIGHBOURS = 0
 
 
 def _check_count(name: str, value: object, low: int, what: str) -> None:
@@ -247,7 +249,8 @@ class EngineConfig:
     memory_codec: str = "native"  # the memory tier (encoded entries are decoded layer by layer when read)
     blend: BlendConfig = field(default_factory=BlendConfig)
     # Contextual chunk KV (docs/how-it-works.md): where the engine is given the corpus (`precompute`, an index), each
-    # chunk's KV is prefilled after its n most similar other chunks, keeping only its own KV. 0: isolated entries.
+    # chunk's KV is prefilled after its n most similar other chunks, keeping only its own KV. 0: isolated entries
+    # (the default for now; 2 is the measured setting).
     context_neighbours: int = DEFAULT_CONTEXT_NEIGHBOURS
     # Signs disk/Redis entries and refuses unsigned or forged ones (give every worker the same key); None: off
     store_hmac_key: bytes | str | None = field(default=None, repr=False)

@@ -106,3 +106,35 @@ def test_nearest_neighbours_leave_out_the_chunk_and_its_copies():
     assert found == [[1, 2]]  # most similar first; neither itself nor its copy
     assert neighbour_context(["near", "mid"]) == ["mid", "near"]  # the nearest sits right before the chunk
     assert nearest_neighbours(pool[:1], pool, 0, query_texts=["a"], pool_texts=texts) == [[]]
+
+
+TOPICS = [
+    "Cats sleep for most of the day and hunt small birds and mice at dusk.",
+    "Rockets burn liquid oxygen and kerosene to lift satellites into orbit.",
+    "A house cat purrs when content and chases mice through the garden at night.",
+    "The launch vehicle's first stage fires its engines to push the payload to orbit.",
+]
+
+
+def test_the_index_gives_each_chunk_its_nearest_chunks_nearest_last():
+    from cacheblend_rag.retrieval import Chunk, ChunkIndex
+
+    index = ChunkIndex.build([Chunk(t, "doc", i, 20) for i, t in enumerate(TOPICS)], show_progress=False)
+    contexts = index.neighbour_contexts(2)
+    assert [c[-1] for c in contexts] == [TOPICS[2], TOPICS[3], TOPICS[0], TOPICS[1]]  # the same topic, right before
+    assert all(len(c) == 2 and TOPICS[i] not in c for i, c in enumerate(contexts))
+    assert index.neighbour_contexts(0) == [[], [], [], []]
+
+
+def test_precompute_takes_the_chunks_as_the_corpus_only_when_neighbours_are_asked_for(tiny_tokenizer):
+    chunks = [random_words(60 + i, 12) for i in range(4)]
+    off = CacheBlendEngine(make_tiny_model("llama"), tiny_tokenizer, config=EngineConfig(chunk_separator=""))
+    assert off.precompute(chunks, prefix="p") == (0, 4) and len(off.chunks.contexts) == 0  # default: isolated
+    on = CacheBlendEngine(make_tiny_model("llama"), tiny_tokenizer,
+                          config=EngineConfig(chunk_separator="", context_neighbours=1))  # fmt: skip
+    assert on.precompute(chunks, prefix="p") == (0, 4) and len(on.chunks.contexts) == 4
+    ids = on.build_prompt(chunks, prefix="p", suffix="q").chunk_ids
+    for i, own in enumerate(ids):  # each chunk after one other chunk of the corpus
+        assert on.chunks.contexts.tokens(own) in [other for j, other in enumerate(ids) if j != i]
+    assert on.precompute(chunks, prefix="p") == (4, 0)  # the same neighbours: the same entries
+    assert on.set_chunk_context(chunks, "keep") == 4

@@ -142,12 +142,9 @@ def test_bytes_loaded_are_the_stored_bytes_whether_or_not_loading_is_pipelined(c
 
 def test_cold_chunks_give_the_same_answer_as_warm_ones():
     chunks = [random_words(51, 15), random_words(52, 15), random_words(53, 15)]
-    cold = CacheBlendEngine(
-        make_tiny_model("qwen3"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
-    )
-    warm = CacheBlendEngine(
-        make_tiny_model("qwen3"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
-    )
+    config = EngineConfig(miss_policy="blend", chunk_separator="", context_neighbours=2)
+    cold = CacheBlendEngine(make_tiny_model("qwen3"), make_tiny_tokenizer(), config=config)
+    warm = CacheBlendEngine(make_tiny_model("qwen3"), make_tiny_tokenizer(), config=config)
     # The same corpus on both: the cold engine only records each chunk's context (its nearest neighbours), the
     # warm one also computes the entries; a miss is prefilled after the same context, so the answers agree.
     cold.set_chunk_context(chunks, prefix=random_words(1, 4))
