@@ -1,0 +1,54 @@
+"""Which context makes one case's chunk KV better or worse? Full KV reuse of one data-set case under several contexts.
+
+Runs on `main` (the public API): each chunk of the case is prefilled after a context and stored
+(`engine.precompute(..., context=...)`), then full KV reuse is teacher-forced along full recompute's answer.
+Contexts: none (isolated), every chunk before it in the prompt (the exact context: reuse must equal full), its
+predecessor, and its nearest neighbours among the case's own chunks (all-MiniLM-L6-v2), nearest first, nearest
+last, and one neighbour. Prints per-token KL(full || reuse) and reuse's first token.
+
+    python research/context_variants_case.py --model qwen2.5-coder-0.5b-instruct --dataset musique --case 0
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag.evaluation import load_dataset
+from cacheblend_rag.evaluation.fidelity import prepare_case, teacher_forced_logits, token_kl
+from cacheblend_rag.retrieval.neighbours import neighbour_texts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--dataset", default="musique")
+    p.add_argument("--case", type=int, default=0)
+    p.add_argument("--data-dir", default="../shared/data")
+    args = p.parse_args()
+    ds = load_dataset(args.dataset, args.data_dir, args.case + 1)
+    spec, case = ds.spec, ds.cases[args.case]
+    engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(), show_progress=False)
+    prompt, ref = prepare_case(engine, spec, case)
+    print(f"{spec.name} {case.id}: {prompt.num_tokens} tokens, reference {ref.text!r}")
+    chunks = list(case.chunks)
+    nearest = neighbour_texts(chunks, 2)
+    contexts = {
+        "isolated": None,
+        "all-before (exact)": [chunks[:j] for j in range(len(chunks))],
+        "predecessor": [[]] + [[c] for c in chunks[:-1]],
+        "2 neighbours, nearest first": [list(n) for n in nearest],
+        "2 neighbours, nearest last": [list(reversed(n)) for n in nearest],
+        "1 neighbour": [[n[0]] for n in nearest],
+    }
+    for name, context in contexts.items():
+        engine.precompute(chunks, case.question, template=spec.template, context=context)
+        pre = engine.prefill(prompt, "reuse")
+        logits = teacher_forced_logits(engine, pre, ref)
+        kl = token_kl(ref, logits)
+        first = engine.tokenizer.decode([int(logits[0].argmax())])
+        print(f"  {name:<28} KL {float(kl.mean()):.4f}  per token {[round(float(x), 3) for x in kl]}  first {first!r}")
+
+
+if __name__ == "__main__":
+    main()
