@@ -44,3 +44,20 @@ def test_cuda_bf16_generation_runs():
         max_new_tokens=5,
     )
     assert out.metrics.prompt_tokens == 51
+
+
+def test_cuda_contextual_chunk_kv_after_its_predecessor_makes_reuse_exact():
+    engine = CacheBlendEngine(
+        make_tiny_model("qwen2"),
+        make_tiny_tokenizer(),
+        config=EngineConfig(miss_policy="full", device="cuda", chunk_separator=""),
+    )
+    a, b = random_words(31, 24), random_words(32, 20)
+    prompt = engine.build_prompt([a, b], prefix=random_words(33, 5), suffix=random_words(34, 6))
+    engine.set_chunk_context([a, b], [[], [a]], prefix=random_words(33, 5))
+    cold = engine.generate(prompt, max_new_tokens=2)  # a full prefill; the chunks are stored in the background
+    assert cold.metrics.mode == "full" and engine.wait_for_fills(timeout=60)
+    full = engine.prefill(prompt, "full").logits
+    warm = engine.prefill(prompt, "reuse")
+    assert warm.metrics.chunks_hit == 2
+    torch.testing.assert_close(warm.logits, full, atol=1e-4, rtol=0)
