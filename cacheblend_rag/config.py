@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
@@ -66,6 +66,22 @@ MISS_POLICIES = ("auto", "blend", "full")
 # until the paired fidelity run on the default model shows a win: there it helped on average but broke some cases
 # (docs/benchmarks.md, "Contextual chunk KV"); 2 is the setting measured.
 DEFAULT_CONTEXT_NEIGHBOURS = 0
+
+
+def mask_url(url: object) -> str:
+    """A URL as it may be shown (repr, errors, logs): any password replaced by `***`
+    (`redis://:secret@host:6379/0` -> `redis://:***@host:6379/0`); anything else unchanged."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    text = str(url)
+    try:
+        parts = urlsplit(text)
+        if parts.password is None:
+            return text
+    except ValueError:  # not a URL at all: show it only up to any '@' (what precedes it may be a secret)
+        return text.rsplit("@", 1)[-1] if "@" in text else text
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 def _check_count(name: str, value: object, low: int, what: str) -> None:
@@ -271,7 +287,9 @@ class EngineConfig:
             if not self.disk_dir:
                 raise ConfigError("disk_dir must be a folder path or None (no disk tier), got ''")
         if self.redis_url is not None and not str(self.redis_url).startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+            raise ConfigError(
+                f"redis_url must start with redis://, rediss:// or unix://, got {mask_url(self.redis_url)!r}"
+            )
         _check_count("context_neighbours", self.context_neighbours, 0, "a number of chunks (0: no context)")
         if self.max_prompt_tokens is not None:
             _check_count("max_prompt_tokens", self.max_prompt_tokens, 1, "a number of tokens, or None")
@@ -295,6 +313,14 @@ class EngineConfig:
         ):
             raise ConfigError("store_hmac_key must be None or a secret of at least 16 bytes (str or bytes)")
         self._check_codecs()
+
+    def __repr__(self) -> str:  # the dataclass's, with a password in redis_url masked and the HMAC key left out
+        shown = (
+            f"{f.name}={mask_url(self.redis_url)!r}" if f.name == "redis_url" and self.redis_url else
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self) if f.repr
+        )  # fmt: skip
+        return f"{type(self).__name__}({', '.join(shown)})"
 
     def store_options(self) -> dict[str, Any]:
         """The keyword arguments of `store.build_store` that make the tiers this config names."""

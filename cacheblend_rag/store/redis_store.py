@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from ..config import mask_url
 from ..errors import ConfigError, CorruptEntryError
 from . import redis_scripts
 from .base import Hit
@@ -139,12 +140,12 @@ class RedisStore:
         from redis.cluster import RedisCluster
 
         if urlsplit(url).path not in ("", "/", "/0"):
-            raise ConfigError(f"a Redis Cluster has database 0 only; drop the /N from {url!r}")
+            raise ConfigError(f"a Redis Cluster has database 0 only; drop the /N from {mask_url(url)!r}")
         try:
             # Connecting here learns the slot map; an unreachable cluster makes the tier an outage until it is up.
             return RedisCluster.from_url(url, cluster_error_retry_attempts=1, **timeouts)
         except (redis.ConnectionError, redis.TimeoutError, redis.RedisError) as exc:
-            raise ConfigError(f"cannot reach the Redis Cluster at {urlsplit(url).netloc}: {exc}") from exc
+            raise ConfigError(f"cannot reach the Redis Cluster at {mask_url(url)}: {exc}") from exc
 
     # -- key layout -----------------------------------------------------------------------------------------
 
