@@ -26,6 +26,11 @@ class PromptError(CacheBlendError, ValueError):
     """The request itself is invalid: no chunks, an empty chunk, a prompt longer than the context."""
 
 
+class NonFiniteKVError(CacheBlendError):
+    """A chunk's KV holds NaN or infinity: the disk and Redis tiers refuse to store it (a quantizing codec would
+    spread one bad value over a whole channel); the request that computed it goes on with its own copy."""
+
+
 class CorruptEntryError(CacheBlendError):
     """Stored bytes are not a valid chunk KV entry for the key they were found under.
 

@@ -216,3 +216,44 @@ def test_the_engine_stores_disk_entries_in_its_kv_codec_and_blends_from_them(tmp
     a = engines["native"].prefill(prompt, "reuse").logits
     b = engines["int8"].prefill(prompt, "reuse").logits
     assert not torch.equal(a, b) and torch.allclose(a, b, atol=0.05 * a.abs().max().item())
+
+
+@pytest.mark.parametrize("codec_name", ["native", "int8", "int4"])
+def test_a_forged_layer_that_decodes_to_nan_is_a_corrupt_entry_not_nan_logits(codec_name):
+    # A forger without the HMAC key can rewrite a layer and its sha256: checksums catch damage, not forgery.
+    from test_store_tiers import make_kv
+
+    from cacheblend_rag.errors import CorruptEntryError
+    from cacheblend_rag.store.codec import get_codec
+    from cacheblend_rag.store.serialize import deserialize_chunk, layer_digest, parse_layout, serialize_chunk
+
+    codec = get_codec(codec_name)
+    kv = make_kv("k" * 64, tokens=8)
+    data = bytearray(serialize_chunk(kv, codec=codec))
+    layout = parse_layout(bytes(data), kv.key, len(data), codec=codec)
+    (k0, k1), (v0, v1) = layout.layer_ranges(0)
+    data[k0:k1] = b"\xff" * (k1 - k0)  # every float NaN; every quantizer scale NaN
+    old, new = layout.layer_sha256[0], layer_digest(bytes(data[k0:k1]), bytes(data[v0:v1]))
+    data = bytearray(bytes(data).replace(old.encode(), new.encode()))
+    with pytest.raises(CorruptEntryError, match="NaN or infinity"):
+        deserialize_chunk(bytes(data), kv.key, codec=codec)
+
+
+@pytest.mark.parametrize("codec_name", ["native", "int8"])
+def test_kv_holding_inf_is_refused_by_the_encoders_and_never_stored(tmp_path, codec_name, caplog):
+    from test_store_tiers import make_kv
+
+    from cacheblend_rag.errors import NonFiniteKVError
+    from cacheblend_rag.store import DiskStore, MemoryStore
+    from cacheblend_rag.store.serialize import serialize_chunk
+
+    kv = make_kv("i" * 64, tokens=8)
+    kv.keys[1, 0, 3, 2] = float("inf")
+    with pytest.raises(NonFiniteKVError, match="NaN or infinity"):
+        serialize_chunk(kv, codec=codec_name)
+    disk = DiskStore(tmp_path / "kv", budget_bytes=1 << 20, codec=codec_name)
+    disk.put(kv)
+    assert kv.key not in disk and "NaN or infinity" in caplog.text
+    memory = MemoryStore(budget_bytes=1 << 20, codec="int8")
+    memory.put(kv)
+    assert kv.key not in memory

@@ -16,7 +16,7 @@ import sqlite3
 import threading
 import time
 
-from ..errors import ConfigError, CorruptEntryError
+from ..errors import ConfigError, CorruptEntryError, NonFiniteKVError
 from .base import Hit
 from .chunk_kv import ChunkKV
 from .codec import TIER_CODEC, KVCodec, get_codec
@@ -200,7 +200,11 @@ class DiskStore:
             self.stats.bytes_read += nbytes
 
     def put(self, kv: ChunkKV) -> None:
-        data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key)
+        try:
+            data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key)
+        except NonFiniteKVError as exc:
+            logger.warning("%s", exc)
+            return
         try:
             with self._bounded():
                 if len(data) > self.budget_bytes:

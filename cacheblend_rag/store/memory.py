@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 
-from ..errors import ConfigError
+from ..errors import ConfigError, NonFiniteKVError
 from .base import ChunkReader, Hit, StoreStats
 from .chunk_kv import ChunkKV
 from .codec import NATIVE, KVCodec, get_codec
 from .lazy import LazyChunkKV
 from .serialize import EntryLayout, parse_layout, serialize_chunk
+
+logger = logging.getLogger(__name__)
 
 
 class _Encoded:
@@ -69,7 +72,11 @@ class MemoryStore:
         return Hit(kv, self.name)
 
     def put(self, kv: ChunkKV) -> None:
-        entry = kv if self.codec is NATIVE else _Encoded(kv, self.codec)  # encoded outside the lock
+        try:
+            entry = kv if self.codec is NATIVE else _Encoded(kv, self.codec)  # encoded outside the lock
+        except NonFiniteKVError as exc:  # an encoding codec refuses NaN / inf; the request keeps its own copy
+            logger.warning("%s", exc)
+            return
         with self._lock:
             old = self._entries.pop(kv.key, None)
             if old is not None:

@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ..config import mask_url
-from ..errors import ConfigError, CorruptEntryError
+from ..errors import ConfigError, CorruptEntryError, NonFiniteKVError
 from . import redis_scripts
 from .base import Hit
 from .chunk_kv import ChunkKV
@@ -291,7 +291,11 @@ class RedisStore:
     def put(self, kv: ChunkKV) -> None:
         if not self.available:
             return  # skip serializing for a server we are not going to ask
-        data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key)
+        try:
+            data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key)
+        except NonFiniteKVError as exc:
+            logger.warning("%s", exc)
+            return
         budget = self.budget_bytes // self.shards
         if len(data) > budget:
             # Storing it would evict everything else and then itself; drop any older copy instead.

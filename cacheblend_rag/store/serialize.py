@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import save as _st_save
 
-from ..errors import CacheBlendError, CorruptEntryError
+from ..errors import CacheBlendError, CorruptEntryError, NonFiniteKVError
 from .chunk_kv import ChunkKV
 from .codec import NATIVE, KVCodec, PayloadSpec
 
@@ -79,6 +79,9 @@ def serialize_chunk(
     `fingerprint` (the model's) is recorded for inspection only: the key already hashes it. With `hmac_key` the
     header is signed, so a reader holding the key can tell entries written by someone without it.
     """
+    if not (bool(torch.isfinite(kv.keys).all()) and bool(torch.isfinite(kv.values).all())):
+        raise NonFiniteKVError(f"chunk {kv.key[:12]}'s KV holds NaN or infinity: not stored (the model overflowed "
+                               f"in {_dtype_str(kv.dtype)}; float32 avoids that)")  # fmt: skip
     # keys/values: [L, Hkv, T, D] -> payloads [L, *payload shape]; safetensors needs CPU, contiguous memory.
     encoded = [codec.encode(*kv.layer(i)) for i in range(kv.num_layers)]
     keys = torch.stack([k for k, _ in encoded]).detach().to("cpu").contiguous()
@@ -162,7 +165,11 @@ class EntryLayout:
             raise CorruptEntryError(f"entry {self.key[:12]}: layer {layer_idx} fails its sha256 check")
         key_payload = _from_bytes(key_bytes, spec.dtype, spec.key_shape)
         value_payload = _from_bytes(value_bytes, spec.dtype, spec.value_shape)
-        return self.codec.decode(key_payload, value_payload, self.shape[1:], self.dtype)
+        k, v = self.codec.decode(key_payload, value_payload, self.shape[1:], self.dtype)
+        # Checksums catch damage, not forgery: a forged scale (NaN, inf) must not turn into NaN logits.
+        if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+            raise CorruptEntryError(f"entry {self.key[:12]}: layer {layer_idx} decodes to NaN or infinity")
+        return k, v
 
 
 def _from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
