@@ -37,7 +37,15 @@ from benchlib.cli import (  # noqa: E402
     run_settings_of,
 )
 from benchlib.fidelity_codecs import codec_differences, codec_markdown  # noqa: E402
-from benchlib.fidelity_context import CONTEXT, ContextPreparer, context_engine  # noqa: E402
+from benchlib.fidelity_context import (  # noqa: E402
+    CONTEXT,
+    CONTEXT_INTRO,
+    ContextPreparer,
+    context_engine,
+    context_verdict,
+    precompute_cost,
+    split_context_rows,
+)
 from benchlib.fidelity_report import fidelity_markdown, summarize_fidelity, write_fidelity_report  # noqa: E402
 from benchlib.fidelity_run import (  # noqa: E402
     DEFAULT_RATIOS,
@@ -80,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
                                prepare=prepare, settings=run_settings_of(args))  # fmt: skip
     files = write_fidelity_report(args.out, records)
     print(fidelity_markdown(summarize_fidelity(records), records))
-    print(codec_markdown(codec_differences(records)))
+    codec_rows, context_rows = split_context_rows(codec_differences(records))
+    print(codec_markdown(codec_rows))
+    print(codec_markdown(context_rows, CONTEXT_INTRO, context_verdict))
+    print("\n".join(precompute_cost(records)))
     report_written(files)
     return 0
 

@@ -173,3 +173,24 @@ def test_every_record_of_a_case_carries_its_reference_digest(engine, tmp_path):
 def test_bench_fidelity_refuses_an_unknown_codec_before_loading_a_model(tmp_path, capsys):
     assert main(["--out", str(tmp_path), "--model", "no-such-model", "--kv-codec", "int8,int3"]) == 2
     assert "unknown codec 'int3'" in capsys.readouterr().err
+
+
+def test_contextual_chunk_kv_is_measured_beside_isolated_and_its_exact_context_gives_exact_reuse(engine, tmp_path):
+    # The contextual variant with each chunk's whole real context before it (what a prompt's full prefill holds):
+    # full reuse on it must equal full recompute, and the paired table must call it closer.
+    from benchlib.fidelity_context import CONTEXT, context_engine, context_verdict, split_context_rows
+
+    def exact_context(ctx_engine, spec, case, prompt):
+        chunks = list(case.chunks)
+        ctx_engine.clear_store()
+        ctx_engine.precompute(chunks, case.question, template=spec.template,
+                              context=[chunks[:j] for j in range(len(chunks))])  # fmt: skip
+        return {"context_tokens": 1.0, "chunk_tokens": 1.0, "precompute_s": 0.0}
+
+    engines = {"native": engine, CONTEXT: context_engine(engine, 2)}
+    records = run_fidelity(engine, [tiny_dataset(3)], fidelity_methods([], [], reuse=True), tmp_path,
+                           codecs=engines, prepare={CONTEXT: exact_context}, show_progress=False)  # fmt: skip
+    ctx = [r for r in records if r["method"] == "reuse+ctx"]
+    assert len(ctx) == 3 and all(r["kl_mean"] < 1e-6 for r in ctx)
+    _, rows = split_context_rows(codec_differences(records))
+    assert rows and context_verdict(rows[-1]) == "closer"

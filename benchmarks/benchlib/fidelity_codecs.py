@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from benchlib.fidelity_run import NATIVE, split_codec
@@ -101,18 +101,30 @@ def _difference(
     )
 
 
-def codec_markdown(rows: Sequence[CodecDifference]) -> str:
-    """The table of `codec_differences`, one per data set and pooled; '' when there is no codec row."""
+CODEC_INTRO = (
+    "### Stored KV codecs: paired difference to the uncompressed store",
+    "Per case, the method with its chunk KV read through the codec minus the same method uncompressed, against the "
+    f"same full-recompute reference. Within noise: the 95% interval includes 0, or KL rises by at most {NOISE_NATS} "
+    "nats.",
+)
+
+
+def noise_verdict(r: CodecDifference) -> str:
+    """A codec's verdict: whether reading KV through it costs fidelity beyond noise."""
+    return "within noise" if r.within_noise else "NOT within noise"
+
+
+def codec_markdown(
+    rows: Sequence[CodecDifference],
+    intro: tuple[str, str] = CODEC_INTRO,
+    verdict_of: Callable[[CodecDifference], str] = noise_verdict,
+) -> str:
+    """The table of `codec_differences`, one per data set and pooled; '' when there is no row. `intro`: the
+    title and the paragraph under it, `verdict_of` the last column (another variant than a codec, e.g.
+    contextual chunk KV, says what it is and how it is judged)."""
     if not rows:
         return ""
-    lines = [
-        "### Stored KV codecs: paired difference to the uncompressed store",
-        "",
-        "Per case, the method with its chunk KV read through the codec minus the same method uncompressed, against "
-        f"the same full-recompute reference. Within noise: the 95% interval includes 0, or KL rises by at most "
-        f"{NOISE_NATS} nats.",
-        "",
-    ]
+    lines = [intro[0], "", intro[1], ""]
     for ds in dict.fromkeys(r.dataset for r in rows):
         mine = [r for r in rows if r.dataset == ds]
         title = "all data sets" if ds == POOLED else ds
@@ -124,7 +136,7 @@ def codec_markdown(rows: Sequence[CodecDifference]) -> str:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in mine:
-            verdict = "within noise" if r.within_noise else "NOT within noise"
+            verdict = verdict_of(r)
             if r.n == 1:  # the interval of one case is that case's difference: no measure of noise at all
                 verdict += " (1 case)"
             lines.append(

@@ -10,10 +10,13 @@ case's own passages alone. The paired table is `fidelity_codecs.codec_difference
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from benchlib.fidelity_codecs import CodecDifference
 from cacheblend_rag.engine import CacheBlendEngine, TokenizedPrompt
 from cacheblend_rag.evaluation.datasets import Case, Dataset, TaskSpec
 from cacheblend_rag.retrieval.embeddings import embed_texts, load_embedder
@@ -70,3 +73,43 @@ class ContextPreparer:
             "context_tokens": sum(context_tokens) / max(len(context_tokens), 1),  # per chunk, mean
             "chunk_tokens": sum(len(ids) for ids in prompt.chunk_ids) / max(len(prompt.chunk_ids), 1),
         }
+
+
+CONTEXT_INTRO = (
+    "### Contextual chunk KV: paired difference to isolated chunk KV",
+    "Per case, the method on chunk KV prefilled after each chunk's nearest passages of the data set's whole pool "
+    "(`+ctx`) minus the same method on chunk KV prefilled alone, against the same full-recompute reference; a "
+    "negative difference is closer to full recompute: 'closer' or 'further' where the 95% interval excludes 0.",
+)
+
+
+def context_verdict(r: CodecDifference) -> str:
+    """Whether contextual KV moved the method closer to full recompute, beyond its interval."""
+    lo, hi = r.kl_diff_ci
+    return "closer" if hi < 0 else "further" if lo > 0 else "no clear change"
+
+
+def split_context_rows(rows: Sequence[CodecDifference]) -> tuple[list[CodecDifference], list[CodecDifference]]:
+    """(the codecs' rows, the contextual rows) of `codec_differences`."""
+    return [r for r in rows if r.codec != CONTEXT], [r for r in rows if r.codec == CONTEXT]
+
+
+def precompute_cost(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Markdown lines: per data set, the tokens a contextual entry is prefilled after per chunk, against the
+    chunk's own tokens, and the precompute seconds per case (one record per case)."""
+    by_set: dict[str, list[Mapping[str, Any]]] = {}
+    seen: set[tuple[str, str]] = set()
+    for r in records:
+        if r.get("codec") == CONTEXT and "precompute_s" in r and (r["dataset"], r["case_id"]) not in seen:
+            seen.add((r["dataset"], r["case_id"]))
+            by_set.setdefault(str(r["dataset"]), []).append(r)
+    if not by_set:
+        return []
+    lines = ["| data set | cases | chunk tokens | context tokens per chunk | prefilled / chunk tokens | "
+             "precompute per case (s) |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for ds, recs in sorted(by_set.items()):
+        chunk = statistics.fmean(float(r["chunk_tokens"]) for r in recs)
+        ctx = statistics.fmean(float(r["context_tokens"]) for r in recs)
+        secs = statistics.fmean(float(r["precompute_s"]) for r in recs)
+        lines.append(f"| {ds} | {len(recs)} | {chunk:.0f} | {ctx:.0f} | {(chunk + ctx) / chunk:.2f}x | {secs:.0f} |")
+    return lines

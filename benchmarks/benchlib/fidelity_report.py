@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib.fidelity_codecs import codec_differences, codec_markdown
+from benchlib.fidelity_context import CONTEXT_INTRO, context_verdict, precompute_cost, split_context_rows
 from benchlib.fidelity_run import NATIVE, split_codec
 from benchlib.records import MODEL_UNKNOWN, run_settings
 from benchlib.report import cases_text, ci_text, comparable_cases, pyplot, save_figure
@@ -290,7 +291,13 @@ def write_fidelity_report(out_dir: str | os.PathLike[str], records: Sequence[Map
     files = {"summary": out / SUMMARY_MD, "json": out / "summary.json"}
     codecs = codec_differences(records)
     text = fidelity_markdown(rows, records) + "\n" + targets_markdown(rows, records)
-    files["summary"].write_text(text + ("\n" + codec_markdown(codecs) + "\n" if codecs else ""))
+    codec_rows, context_rows = split_context_rows(codecs)
+    for table in (codec_markdown(codec_rows), codec_markdown(context_rows, CONTEXT_INTRO, context_verdict)):
+        text += "\n" + table + "\n" if table else ""
+    cost = precompute_cost(records)
+    if cost:
+        text += "\nPrecompute cost of contextual chunk KV:\n\n" + "\n".join(cost) + "\n"
+    files["summary"].write_text(text)
     files["json"].write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
     if codecs:
         files["codecs"] = out / "codecs.json"
