@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .cli_args import build_parser, check_numbers
+from .cli_args import build_parser, check_numbers, cpu_has_bf16, guard_without_margin
 from .cli_calibrate import cmd_calibrate
 from .cli_sources import build_index, check_index_folder, choose_documents, read_sources
 from .errors import CacheBlendError
@@ -29,6 +29,9 @@ def _engine_config(args: argparse.Namespace):
 
     blend = BlendConfig(recompute_ratio=args.ratio) if args.ratio is not None else BlendConfig()
     _check_kv_dir(args)
+    if args.device == "cpu" and str(args.dtype).lower() in ("bfloat16", "bf16") and cpu_has_bf16() is False:
+        print("warning: this CPU has no bf16 matrix instructions (amx_bf16 / avx512_bf16): bfloat16 runs several "
+              "times slower than float32 here; drop --dtype bfloat16", file=sys.stderr)  # fmt: skip
     return EngineConfig(
         device=args.device,
         dtype=args.dtype,
@@ -209,12 +212,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A file name that is not valid UTF-8 reaches Python as lone surrogates: print it escaped, not crash.
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(guard_without_margin(sys.argv[1:] if argv is None else list(argv)))
     try:
         return COMMANDS[args.command](args)
     except CacheBlendError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a clean line, no traceback; what was stored so far stays stored
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

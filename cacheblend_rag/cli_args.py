@@ -116,3 +116,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the packaged model presets")
     return p
+
+
+def guard_without_margin(argv: list[str]) -> list[str]:
+    """`--guard` followed by a question rather than a number takes the default margin: argparse would read the
+    question as the margin (`--guard "What is ...?"`) and refuse it as a float."""
+    out = list(argv)
+    for i, token in enumerate(out):
+        if token == "--guard" and i + 1 < len(out) and not out[i + 1].startswith("-"):
+            try:
+                float(out[i + 1])
+            except ValueError:
+                out[i] = f"--guard={Guard().min_margin}"
+    return out
+
+
+def cpu_has_bf16() -> bool | None:
+    """Whether this CPU has bf16 matrix instructions (AMX or AVX-512 BF16), from /proc/cpuinfo; None if unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return None
+    return None if not flags else any(f in flags.split() for f in ("amx_bf16", "avx512_bf16"))

@@ -214,3 +214,41 @@ def test_profile_then_ask_with_the_controller(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{}")
     assert main([*argv[:-3], "--profile", str(tmp_path / "bad.json"), "What?"]) == 2
     assert "not a cacheblend-rag/loading-profile" in capsys.readouterr().err
+
+
+def test_guard_before_a_question_takes_the_default_margin_and_leaves_the_question():
+    from cacheblend_rag.cli_args import build_parser, guard_without_margin
+    from cacheblend_rag.config import Guard
+
+    argv = ["ask", "--docs", "d", "--guard", "What is the default?", "Q2"]
+    args = build_parser().parse_args(guard_without_margin(argv))
+    assert args.guard == Guard().min_margin and args.questions == ["What is the default?", "Q2"]
+    args = build_parser().parse_args(guard_without_margin(["ask", "--docs", "d", "--guard", "0.05", "Q"]))
+    assert args.guard == 0.05 and args.questions == ["Q"]
+
+
+def test_ctrl_c_ends_with_one_line_and_status_130(monkeypatch, capsys):
+    import cacheblend_rag.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, "models", interrupted)
+    assert cli.main(["models"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "interrupted" and "Traceback" not in err
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch, capsys, tmp_path):
+    import argparse
+
+    import cacheblend_rag.cli as cli
+
+    monkeypatch.setattr(cli, "cpu_has_bf16", lambda: False)
+    args = argparse.Namespace(ratio=None, kv_dir=None, device="cpu", dtype="bfloat16", redis_url=None,
+                              miss_policy="auto", guard=None, context_neighbours=0)  # fmt: skip
+    config = cli._engine_config(args)
+    assert config.dtype == "bfloat16" and "no bf16 matrix instructions" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "cpu_has_bf16", lambda: True)
+    cli._engine_config(args)
+    assert capsys.readouterr().err == ""
