@@ -319,3 +319,28 @@ def test_calibrate_needs_one_source_of_questions(tmp_path, capsys):
     assert "--docs needs --questions FILE" in capsys.readouterr().err
     assert main(["calibrate", "--out", str(tmp_path / "f.json"), "--dataset", "musique", "--ratios", "0", "1"]) == 2
     assert "ratios must be one or more numbers in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "damage, field",
+    [
+        (lambda q: q["fixed"][0].update(first_token=float("nan")), "fixed[0].first_token must be a finite number"),
+        (lambda q: q["fixed"][1].update(first_token=2.0), "fixed[1].first_token must be in [0, 1]"),
+        (lambda q: q["reuse"].update(kl_mean="abc"), "reuse.kl_mean must be a finite number"),
+        (lambda q: q["fixed"][2].pop("compute_share"), "fixed[2].compute_share must be a finite number"),
+        (lambda q: q.update(risk={}), "risk.margin must be a finite number"),
+        (lambda q: q.update(steps="xx"), "steps must be a list"),
+        (lambda q: q["steps"][0].update(agree_prev="yes"), "steps[0].agree_prev must be true or false"),
+    ],
+)
+def test_a_profile_with_a_bad_record_is_refused_whole_naming_file_question_and_field(damage, field, tmp_path):
+    path = tmp_path / "fidelity.json"
+    hand_profile().save(path)
+    data = json.loads(path.read_text())
+    damage(data["questions"][2])
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as err:
+        FidelityProfile.load(path)
+    message = str(err.value)
+    assert str(path) in message and "question 2 ('q2')" in message and field in message
+    assert "nan" not in message.split(field)[0].lower()  # the refusal, never a "nan" figure taken as a result

@@ -45,6 +45,44 @@ DEFAULT_LADDER = (1.0,)
 MAX_PROFILE_BYTES = 64 << 20  # a few hundred bytes per question
 
 
+# Each measured record's fields and their ranges (lo, hi); every value must be a finite number in range.
+_RECORD_FIELDS = {"first_token": (0.0, 1.0), "top1": (0.0, 1.0), "kl_mean": (0.0, math.inf),
+                  "compute_share": (0.0, 1.0)}  # fmt: skip
+_RISK_FIELDS = {"margin": (0.0, 1.0), "kl_reuse": (0.0, math.inf)}
+_STEP_FIELDS = {"ratio": (0.0, 1.0), "kl_prev": (0.0, math.inf)}
+
+
+def _check_numbers(where: str, record: object, fields: dict[str, tuple[float, float]]) -> None:
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where} must be an object with {', '.join(fields)}, got {type(record).__name__}")
+    for name, (lo, hi) in fields.items():
+        value = record.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{where}.{name} must be a finite number, got {value!r}")
+        if not lo <= value <= hi:
+            raise ConfigError(f"{where}.{name} must be in [{lo:g}, {hi:g}], got {value!r}")
+
+
+def check_question(index: int, q: object) -> None:
+    """One question of a fidelity profile, whole: every record present, every number finite and in range."""
+    if not isinstance(q, dict):
+        raise ConfigError(f"question {index} must be an object, got {type(q).__name__}")
+    where = f"question {index} ({str(q.get('id'))[:40]!r})"
+    _check_numbers(f"{where} reuse", q.get("reuse"), _RECORD_FIELDS)
+    fixed, steps = q.get("fixed"), q.get("steps")
+    if not isinstance(fixed, list) or not fixed:
+        raise ConfigError(f"{where} fixed must be a non-empty list of records, got {fixed!r:.60}")
+    for j, rec in enumerate(fixed):
+        _check_numbers(f"{where} fixed[{j}]", rec, {**_RECORD_FIELDS, "ratio": (0.0, 1.0)})
+    _check_numbers(f"{where} risk", q.get("risk"), _RISK_FIELDS)
+    if not isinstance(steps, list):
+        raise ConfigError(f"{where} steps must be a list, got {steps!r:.60}")
+    for j, step in enumerate(steps):
+        _check_numbers(f"{where} steps[{j}]", step, _STEP_FIELDS)
+        if not isinstance(step.get("agree_prev"), bool):
+            raise ConfigError(f"{where} steps[{j}].agree_prev must be true or false, got {step.get('agree_prev')!r}")
+
+
 @dataclass(frozen=True)
 class FidelityProfile:
     """Per-question fidelity records of one model in one dtype (see the module docstring for their content)."""
@@ -66,9 +104,9 @@ class FidelityProfile:
         if not needed <= set(self.ratios):
             raise ConfigError(f"the ratio grid {self.ratios} must hold the base ratio and the ladder {sorted(needed)}")
         Guard(ratios=self.ladder)  # checks the ladder
-        for q in self.questions:
-            parts = {"reuse", "fixed", "risk", "steps"}
-            if not parts <= set(q) or {r["ratio"] for r in q["fixed"]} != set(self.ratios):
+        for i, q in enumerate(self.questions):
+            check_question(i, q)
+            if {r["ratio"] for r in q["fixed"]} != set(self.ratios):
                 raise ConfigError(f"question {q.get('id')!r} of the fidelity profile lacks records of {self.ratios}")
 
     def check_model(self, fingerprint: str, dtype: str) -> None:
@@ -207,5 +245,7 @@ class FidelityProfile:
                 source=str(data.get("source", "")),
                 created=str(data.get("created", "")),
             )
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}; {redo}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ConfigError(f"{path} is missing fields of a fidelity profile ({exc}); {redo}") from exc
