@@ -97,6 +97,9 @@ def apply_fidelity_profile(args: argparse.Namespace, config: EngineConfig) -> tu
     return choice.engine_config(config), AppliedProfile(profile, choice)
 
 
+MAX_QUESTIONS_BYTES = 4 * 1024**2  # far more questions than a calibration measures (each costs a full prefill)
+
+
 def _sample(args: argparse.Namespace) -> tuple[list[SampleQuestion] | None, list[str], str]:
     """(data set questions, or None and the questions over --docs, what the sample is drawn from)."""
     from .controller import SampleQuestion
@@ -113,10 +116,10 @@ def _sample(args: argparse.Namespace) -> tuple[list[SampleQuestion] | None, list
         return items, [], f"data set {data.spec.name}"
     if not args.questions:
         raise CacheBlendError("--docs needs --questions FILE: the questions to calibrate on, one per line")
-    try:
-        lines = Path(args.questions).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CacheBlendError(f"cannot read --questions {args.questions!r} ({exc}); give a UTF-8 text file") from None
+    from .controller.profile import read_small_text_file
+
+    redo = "give a UTF-8 text file of questions, one per line"
+    lines = read_small_text_file(Path(args.questions), "a --questions file", MAX_QUESTIONS_BYTES, redo).splitlines()
     questions = [q.strip() for q in lines if q.strip()][: args.limit]
     if not questions:
         raise CacheBlendError(f"--questions {args.questions!r} holds no question; write one per line")

@@ -231,3 +231,27 @@ def test_precompute_all_says_how_long_it_took(tmp_path, capsys, tiny_model_dir):
 def test_dev_zero_as_docs_is_refused(capsys, no_model_loads):
     assert main(["ask", "--docs", "/dev/zero", "q?"]) == 2
     assert "not a regular file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "folder", "huge", "binary"])
+def test_calibrate_questions_must_be_a_small_utf8_regular_file(kind, tmp_path, capsys):
+    import os
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("Some text about a warranty that lasts two years.")
+    target = tmp_path / "questions"
+    if kind == "fifo":
+        os.mkfifo(target)  # reading it would wait forever for a writer
+    elif kind == "device":
+        target = "/dev/zero"  # endless
+    elif kind == "folder":
+        target.mkdir()
+    elif kind == "huge":
+        target.write_text("What is it?\n" * 400_000)
+    else:
+        target.write_bytes(b"\xff\xfe\x00binary")
+    code = main(["calibrate", "--out", str(tmp_path / "f.json"), "--docs", str(docs), "--questions", str(target)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert "--questions" in err and "Traceback" not in err

@@ -164,8 +164,8 @@ MAX_PROFILE_BYTES = 1 << 20
 
 def read_profile_json(path: Path, what: str, fmt: str, max_bytes: int, redo: str) -> dict[str, Any]:
     """The JSON object of a profile file whose "format" is `fmt`; ConfigError naming `path` and `what` it should
-    be for anything else (see `_read_small_text_file`), with `redo`: how to write one."""
-    text = _read_small_text_file(path, what, max_bytes, redo)
+    be for anything else (see `read_small_text_file`), with `redo`: how to write one."""
+    text = read_small_text_file(path, what, max_bytes, redo)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -177,7 +177,7 @@ def read_profile_json(path: Path, what: str, fmt: str, max_bytes: int, redo: str
     return data
 
 
-def _read_small_text_file(path: Path, what: str, max_bytes: int, redo: str | None = None) -> str:
+def read_small_text_file(path: Path, what: str, max_bytes: int, redo: str | None = None) -> str:
     """The UTF-8 text of the regular file `path`, refused before reading when it is anything else or too large.
     `redo`: how to write one, for the error messages (default: the loading profile's command)."""
     redo = redo or f"write it with `cacheblend-rag profile --out {path}`"
