@@ -46,7 +46,7 @@ def check_index_folder(folder: str, flag: str) -> str:
 
 def choose_documents(args: argparse.Namespace) -> tuple[DocumentFiles, IndexSource]:
     """The files --docs names (sizes checked, nothing read yet) and the record an index of them keeps."""
-    from .models.presets import DEFAULT_PRESET
+    from .models.presets import default_model
     from .retrieval import EMBEDDING_MODEL_NAME, IndexSource, check_document_sizes, find_document_files
 
     files = find_document_files(args.docs, suffixes=args.suffix, globs=args.glob or (), follow_links=args.follow_links)
@@ -63,7 +63,7 @@ def choose_documents(args: argparse.Namespace) -> tuple[DocumentFiles, IndexSour
         follow_links=files.follow_links,
         encoding=args.encoding,
         chunk_tokens=args.chunk_tokens,
-        tokenizer=args.model or DEFAULT_PRESET,
+        tokenizer=args.model or default_model(),  # $CACHEBLEND_RAG_MODEL too: the model that will split it
         embedding_model=EMBEDDING_MODEL_NAME,
         files_sha256=files.digest(),
     )

@@ -255,3 +255,19 @@ def test_calibrate_questions_must_be_a_small_utf8_regular_file(kind, tmp_path, c
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
     assert "--questions" in err and "Traceback" not in err
+
+
+def test_an_index_records_the_model_of_cacheblend_rag_model_when_no_model_is_named(monkeypatch, tmp_path):
+    import argparse
+
+    from cacheblend_rag.cli_sources import choose_documents
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("Some text.")
+    args = argparse.Namespace(docs=str(docs), suffix=None, glob=None, follow_links=False, max_doc_mb=8,
+                              encoding="utf-8", chunk_tokens=512, model=None)  # fmt: skip
+    monkeypatch.setenv("CACHEBLEND_RAG_MODEL", "smollm2-135m-instruct")
+    assert choose_documents(args)[1].tokenizer == "smollm2-135m-instruct"
+    monkeypatch.delenv("CACHEBLEND_RAG_MODEL")
+    assert choose_documents(args)[1].tokenizer == "qwen2.5-coder-0.5b-instruct"
