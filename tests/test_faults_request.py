@@ -159,3 +159,15 @@ def test_the_same_chunks_damaged_in_two_lower_tiers_still_answer(tmp_path):
     assert again.metrics.chunks_missed == len(CHUNKS) and again.metrics.chunks_hit == 0
     assert engine.generate(CHUNKS, prefix=prefix, suffix=suffix, max_new_tokens=6, mode="reuse").metrics.chunks_hit
     assert len(again.token_ids) == len(reference.token_ids)
+
+
+def test_precompute_refuses_a_chunk_longer_than_the_model_can_take_before_computing_it():
+    from cacheblend_rag import CacheBlendEngine, EngineConfig
+    from cacheblend_rag.errors import PromptError
+    from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
+
+    engine = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(),
+                              config=EngineConfig(chunk_separator="", max_prompt_tokens=64))  # fmt: skip
+    with pytest.raises(PromptError, match="chunk 1 has 80 tokens.*limit of 64; split it smaller"):
+        engine.precompute([random_words(1, 10), random_words(2, 80)], prefix=random_words(3, 4))
+    assert len(engine.store) == 0  # nothing computed, not even the short chunk

@@ -216,13 +216,18 @@ class CacheBlendEngine:
             prefix, _ = (template or self.template).render_parts(self.tokenizer, question or "?")
         sep = self.config.chunk_separator
         chunk_ids = tokenize_chunks(self.tokenizer, chunks, sep)
+        prefix_ids = tuple(tokenize_prefix(self.tokenizer, prefix))
+        for i, ids in enumerate(chunk_ids):  # before any compute: no request could ever use such a chunk
+            if len(prefix_ids) + len(ids) >= self.max_tokens:
+                raise PromptError(f"chunk {i} has {len(ids)} tokens: after the {len(prefix_ids)}-token prefix it "
+                                  f"does not fit the model's limit of {self.max_tokens}; split it smaller")  # fmt: skip
         parts = context_parts(chunks, context, self.config.context_neighbours)  # embeds: outside the lock
         with self._lock:
             for ids, texts in zip(chunk_ids, parts or [None] * len(chunk_ids), strict=True):
                 if texts is None:  # "keep"
                     continue
                 self.chunks.contexts.assign(ids, tokenize_chunks(self.tokenizer, texts, sep) if texts else ())
-        return tuple(tokenize_prefix(self.tokenizer, prefix)), chunk_ids
+        return prefix_ids, chunk_ids
 
     def clear_store(self, tiers: Sequence[str] | None = None) -> None:
         """Drop the stored chunk KV: every tier, or only the named ones (`["memory"]` frees this process's
