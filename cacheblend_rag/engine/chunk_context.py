@@ -18,8 +18,12 @@ import hashlib
 import struct
 from array import array
 from collections.abc import Sequence
+from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PromptError
+from .generation import check_encodable
+from .prompt import PromptTemplate, tokenize_chunks, tokenize_prefix
+from .request import check_chunks, check_part, check_text
 
 
 def context_digest(context_ids: Sequence[int]) -> str:
@@ -132,3 +136,35 @@ def context_parts(chunks: Sequence[str], context: ContextArg, n: int) -> list[li
             if not isinstance(t, str) or not t.strip():
                 raise ConfigError(f"a context text must be non-empty text, got {t!r}")
     return [list(p) for p in parts]
+
+
+def corpus_ids(
+    tokenizer: Any, template: PromptTemplate, chunks: Sequence[str], question: str | None, prefix: str | None,
+    separator: str, max_tokens: int,
+) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:  # fmt: skip
+    """A corpus checked and tokenized as requests will see it: (prefix ids, each chunk's ids). PromptError for a
+    chunk that cannot fit the model after the prefix, before anything is computed."""
+    check_chunks(chunks)
+    check_text("question", question, optional=True)
+    check_part("prefix", prefix)
+    check_encodable(chunks, question=question, prefix=prefix)
+    if prefix is None:
+        prefix, _ = template.render_parts(tokenizer, question or "?")
+    prefix_ids = tuple(tokenize_prefix(tokenizer, prefix))
+    chunk_ids = tokenize_chunks(tokenizer, chunks, separator)
+    for i, ids in enumerate(chunk_ids):  # no request could ever use such a chunk
+        if len(prefix_ids) + len(ids) >= max_tokens:
+            raise PromptError(f"chunk {i} has {len(ids)} tokens: after the {len(prefix_ids)}-token prefix it does "
+                              f"not fit the model's limit of {max_tokens}; split it smaller")  # fmt: skip
+    return prefix_ids, chunk_ids
+
+
+def assign_contexts(
+    contexts: ChunkContexts, tokenizer: Any, chunk_ids: Sequence[Sequence[int]], parts: list[list[str]] | None,
+    separator: str,
+) -> None:  # fmt: skip
+    """Record each chunk's context texts (tokenized as chunks are); `parts` None ("keep") changes nothing."""
+    if parts is None:
+        return
+    for ids, texts in zip(chunk_ids, parts, strict=True):
+        contexts.assign(ids, tokenize_chunks(tokenizer, texts, separator) if texts else ())

@@ -26,15 +26,15 @@ from ..models.fingerprint import model_fingerprint
 from ..models.support import max_blend_length
 from ..store import ChunkStore, CorruptEntryError, TieredStore, build_store
 from .chunk_cache import ChunkCache
-from .chunk_context import NEIGHBOURS, ContextArg, context_parts
+from .chunk_context import NEIGHBOURS, ContextArg, assign_contexts, context_parts, corpus_ids
 from .decoding import GenerationResult, TextStream, decode
 from .fills import DeferredFills
-from .generation import check_encodable, eos_token_ids
+from .generation import eos_token_ids
 from .metrics import RequestMetrics
 from .planning import check_blend
 from .prefill import Prefill, Prefiller, RatioPolicy
-from .prompt import PromptTemplate, TokenizedPrompt, tokenize_chunks, tokenize_parts, tokenize_prefix
-from .request import Request, check_chunks, check_part, check_text, request_prompt
+from .prompt import PromptTemplate, TokenizedPrompt, tokenize_parts
+from .request import Request, request_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -208,25 +208,11 @@ class CacheBlendEngine:
         prefix: str | None,
     ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:  # fmt: skip
         """Check and tokenize a corpus, record each chunk's context; -> (prefix ids, chunk ids)."""
-        check_chunks(chunks)
-        check_text("question", question, optional=True)
-        check_part("prefix", prefix)
-        check_encodable(chunks, question=question, prefix=prefix)
-        if prefix is None:
-            prefix, _ = (template or self.template).render_parts(self.tokenizer, question or "?")
-        sep = self.config.chunk_separator
-        chunk_ids = tokenize_chunks(self.tokenizer, chunks, sep)
-        prefix_ids = tuple(tokenize_prefix(self.tokenizer, prefix))
-        for i, ids in enumerate(chunk_ids):  # before any compute: no request could ever use such a chunk
-            if len(prefix_ids) + len(ids) >= self.max_tokens:
-                raise PromptError(f"chunk {i} has {len(ids)} tokens: after the {len(prefix_ids)}-token prefix it "
-                                  f"does not fit the model's limit of {self.max_tokens}; split it smaller")  # fmt: skip
+        prefix_ids, chunk_ids = corpus_ids(self.tokenizer, template or self.template, chunks, question, prefix,
+                                           self.config.chunk_separator, self.max_tokens)  # fmt: skip
         parts = context_parts(chunks, context, self.config.context_neighbours)  # embeds: outside the lock
         with self._lock:
-            for ids, texts in zip(chunk_ids, parts or [None] * len(chunk_ids), strict=True):
-                if texts is None:  # "keep"
-                    continue
-                self.chunks.contexts.assign(ids, tokenize_chunks(self.tokenizer, texts, sep) if texts else ())
+            assign_contexts(self.chunks.contexts, self.tokenizer, chunk_ids, parts, self.config.chunk_separator)
         return prefix_ids, chunk_ids
 
     def clear_store(self, tiers: Sequence[str] | None = None) -> None:
