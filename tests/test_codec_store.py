@@ -206,7 +206,8 @@ def test_the_engine_stores_disk_entries_in_its_kv_codec_and_blends_from_them(tmp
     for name in ("native", "int8"):
         config = EngineConfig(chunk_separator="", memory_budget_bytes=0, disk_dir=str(tmp_path / name), kv_codec=name)
         engines[name] = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=config)
-        ask(engines[name])
+        ask(engines[name])  # cold: answered in full, its chunks stored after the call, in the background
+        engines[name].wait_for_fills()
         engines[name].store.flush()
     disk = {name: engine.store.tiers[1] for name, engine in engines.items()}
     assert disk["int8"].codec is CODECS["int8"] and disk["int8"].nbytes < disk["native"].nbytes
