@@ -133,3 +133,25 @@ def test_profile_engine_measures_compute_and_tiers_on_a_tiny_model():
     assert profile.model == engine.fingerprint and profile.dtype == "float32"
     with pytest.raises(ConfigError, match="at least two distinct values"):
         profile_engine(engine, token_counts=(64,), ratios=(0.15,), chunk_tokens=32)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda d: d["compute"][0].update(slope_s=float("nan")),
+        lambda d: d["compute"][0].update(intercept_s=float("inf")),
+        lambda d: d["compute"][1].update(num_tokens=1e400),
+        lambda d: d["compute"][1].update(num_tokens=2.5),
+        lambda d: d["tiers"]["disk"].update(bytes_per_s=float("nan")),
+        lambda d: d["tiers"]["disk"].update(latency_s=float("nan")),
+    ],
+)
+def test_a_loading_profile_with_a_non_finite_or_absurd_number_is_refused_naming_the_file(damage, tmp_path):
+    path = tmp_path / "loading.json"
+    make_profile().save(path)
+    data = json.loads(path.read_text())
+    damage(data)
+    path.write_text(json.dumps(data))  # json writes NaN / Infinity, as a hand-edited file could hold them
+    with pytest.raises(ConfigError, match="invalid") as err:
+        LoadingProfile.load(path)
+    assert str(path) in str(err.value)

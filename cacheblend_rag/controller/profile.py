@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import stat
 import statistics
@@ -72,12 +73,16 @@ class LoadingProfile:
         if not self.compute:
             raise ConfigError("a loading profile needs at least one compute point; run `cacheblend-rag profile`")
         object.__setattr__(self, "compute", tuple(sorted(self.compute, key=lambda p: p.num_tokens)))
-        for p in self.compute:
-            if p.num_tokens <= 0 or p.slope_s < 0 or p.intercept_s < 0:
-                raise ConfigError(f"invalid compute point in the profile: {p}")
+        for p in self.compute:  # NaN compares false with everything: finiteness is checked first
+            tokens_ok = isinstance(p.num_tokens, int) and not isinstance(p.num_tokens, bool)
+            if not (tokens_ok and 0 < p.num_tokens <= MAX_PROFILE_TOKENS and _finite(p.slope_s, p.intercept_s)
+                    and p.slope_s >= 0 and p.intercept_s >= 0):  # fmt: skip
+                raise ConfigError(f"invalid compute point in the profile (tokens a whole number in "
+                                  f"1..{MAX_PROFILE_TOKENS}, seconds finite and >= 0): {p}")  # fmt: skip
         for name, t in self.tiers.items():
-            if t.bytes_per_s <= 0 or t.latency_s < 0:
-                raise ConfigError(f"invalid read speed for tier {name!r} in the profile: {t}")
+            if not (_finite(t.bytes_per_s, t.latency_s) and t.bytes_per_s > 0 and t.latency_s >= 0):
+                raise ConfigError(f"invalid read speed for tier {name!r} in the profile (finite, bytes_per_s > 0, "
+                                  f"latency_s >= 0): {t}")  # fmt: skip
 
     def _point(self, num_tokens: int) -> tuple[float, float]:
         """(intercept, slope) at `num_tokens`: linear between profiled lengths, proportional outside them."""
@@ -154,9 +159,17 @@ class LoadingProfile:
                 compute=tuple(ComputePoint(**p) for p in data["compute"]),
                 tiers={name: TierSpeed(**t) for name, t in data.get("tiers", {}).items()},
             )
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}; {redo}") from None
         except (KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{path} is missing fields of a loading profile ({exc}); {redo}") from exc
 
+
+def _finite(*values: object) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+
+
+MAX_PROFILE_TOKENS = 10_000_000  # a prompt length no model here reaches; larger is a damaged profile
 
 # A profile holds a few compute points and tier speeds: a few KB. Anything far larger is not one.
 MAX_PROFILE_BYTES = 1 << 20
