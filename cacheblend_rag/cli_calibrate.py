@@ -10,6 +10,8 @@ that choice and the time per question are printed, and the profile is written as
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -193,17 +195,25 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             for i, q in enumerate(questions)
         ]
 
+    header = {"model": engine.fingerprint, "dtype": config.dtype, "source": source, "context": context,
+              "context_neighbours": config.context_neighbours}  # fmt: skip
+    journal = Journal(Path(f"{args.out}.partial.jsonl"), header)
+    if journal.done:
+        print(f"resuming: {len(journal.done)} questions already measured in {journal.path}", file=sys.stderr)
+
     def progress(record: dict) -> None:
+        journal.append(record)  # on disk before the next question: a killed run loses at most the one in flight
         print(f"  {record['id']}: {record['prompt_tokens']} tokens, {record['seconds']:.1f}s", file=sys.stderr)
 
     print(f"measuring {len(items)} questions ({source})", file=sys.stderr)
     t = time.perf_counter()
     profile = measure_fidelity(
         engine, items, ratios=args.ratios, thresholds=args.thresholds, margins=args.margins, base_ratio=args.ratio,
-        ladder=args.ladder, source=source, on_question=progress, context=context,
+        ladder=args.ladder, source=source, on_question=progress, context=context, done=journal.done,
     )  # fmt: skip
     elapsed = time.perf_counter() - t
     profile.save(args.out)
+    journal.path.unlink(missing_ok=True)
     print(f"\n{format_table(profile.table())}\n")
     print(f"chosen: {profile.choose(**_targets(args)).describe()}")
     cut = len(items) - round(len(items) * args.held_back)
@@ -214,3 +224,35 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"{elapsed / len(items):.1f}s per question ({len(items)} in {elapsed:.0f}s); profile written to {args.out}")
     engine.store.flush()
     return 0
+
+
+class Journal:
+    """The records of a calibration measured so far, one JSON line each after a header of what they depend on,
+    appended and synced per question; a rerun with the same header resumes from them, another starts afresh."""
+
+    def __init__(self, path: Path, header: dict) -> None:
+        self.path, self.done = path, {}
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines() if path.is_file() else []
+        if lines and _json_or_none(lines[0]) == {"journal": header}:
+            for line in lines[1:]:  # a line cut by a kill is not JSON: that question is measured again
+                record = _json_or_none(line)
+                if isinstance(record, dict) and isinstance(record.get("id"), str):
+                    self.done[record["id"]] = record
+        else:
+            self._write(json.dumps({"journal": header}) + "\n", mode="w")
+
+    def append(self, record: dict) -> None:
+        self._write(json.dumps(record) + "\n", mode="a")
+
+    def _write(self, text: str, mode: str) -> None:
+        with open(self.path, mode, encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _json_or_none(line: str) -> object:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None

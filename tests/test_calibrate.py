@@ -344,3 +344,40 @@ def test_a_profile_with_a_bad_record_is_refused_whole_naming_file_question_and_f
     message = str(err.value)
     assert str(path) in message and "question 2 ('q2')" in message and field in message
     assert "nan" not in message.split(field)[0].lower()  # the refusal, never a "nan" figure taken as a result
+
+
+def test_a_killed_calibration_resumes_from_its_journal_and_loses_at_most_the_question_in_flight(
+    tmp_path, capsys, tiny_model_dir, monkeypatch
+):
+    import cacheblend_rag.controller.calibration as calibration
+    from cacheblend_rag.cli import main
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"d{i}.txt").write_text(random_words(10 + i, 40))
+    (tmp_path / "questions.txt").write_text("\n".join(random_words(20 + i, 5) for i in range(3)) + "\n")
+    out = tmp_path / "fidelity.json"
+    argv = ["calibrate", "--out", str(out), "--docs", str(docs), "--questions", str(tmp_path / "questions.txt")]
+    argv += ["--model", str(tiny_model_dir), "--chunk-tokens", "16", "--top-k", "2", "--max-new-tokens", "3"]
+    measured = []
+    real = calibration.measure_question
+
+    def killed_at_the_third(engine, sample, **kw):
+        if len(measured) == 2:
+            raise KeyboardInterrupt  # as a kill: the third question never finishes
+        measured.append(sample.id)
+        return real(engine, sample, **kw)
+
+    monkeypatch.setattr(calibration, "measure_question", killed_at_the_third)
+    assert main(argv) == 130 and not out.exists()
+    journal = tmp_path / "fidelity.json.partial.jsonl"
+    assert len(journal.read_text().splitlines()) == 3  # the header and two questions, synced as they finished
+    with journal.open("a") as f:
+        f.write('{"id": "q2", "fixed": [')  # a line cut by the kill: not taken
+    measured.clear()
+    monkeypatch.setattr(calibration, "measure_question", lambda engine, sample, **kw: (
+        measured.append(sample.id), real(engine, sample, **kw))[1])  # fmt: skip
+    assert main(argv) == 0
+    assert measured == ["q2"] and "resuming: 2 questions" in capsys.readouterr().err
+    assert len(FidelityProfile.load(out).questions) == 3 and not journal.exists()

@@ -10,7 +10,7 @@ is replayed from these records (`FidelityProfile.outcome`) instead of being run.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -105,11 +105,14 @@ def measure_fidelity(
     source: str = "",
     on_question: Callable[[dict[str, Any]], None] | None = None,
     context: Any = "neighbours",
+    done: Mapping[str, dict[str, Any]] | None = None,
 ) -> FidelityProfile:
     """A fidelity profile of `engine` (its rule; base ratio: its blend's, unless given) over `sample`.
 
     The grid is extended with the base ratio and the ladder, whose records the guard's replay reads.
-    `on_question` sees each question's record as it is measured (progress)."""
+    `on_question` sees each question's record as it is measured (progress, a journal); `done` holds records of
+    questions measured before (by id, e.g. read back from that journal): they are used as they are, not measured
+    again, where they cover the same ratios."""
     base = engine.config.blend.recompute_ratio if base_ratio is None else float(base_ratio)
     check_grid(ratios, thresholds, base, ladder, margins)
     if not engine.config.blend.uses_attention_pass:
@@ -120,10 +123,12 @@ def measure_fidelity(
     grid = tuple(sorted({*map(float, ratios), base, *map(float, ladder)}))
     questions = []
     for item in sample:
-        record = measure_question(engine, item, ratios=grid, base_ratio=base, ladder=ladder, context=context)
+        record = (done or {}).get(item.id)
+        if record is None or {r.get("ratio") for r in record.get("fixed", ())} != set(grid):
+            record = measure_question(engine, item, ratios=grid, base_ratio=base, ladder=ladder, context=context)
+            if on_question is not None:
+                on_question(record)
         questions.append(record)
-        if on_question is not None:
-            on_question(record)
     return FidelityProfile(
         model=engine.fingerprint,
         dtype=engine.config.dtype,
