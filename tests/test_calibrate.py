@@ -381,3 +381,15 @@ def test_a_killed_calibration_resumes_from_its_journal_and_loses_at_most_the_que
     assert main(argv) == 0
     assert measured == ["q2"] and "resuming: 2 questions" in capsys.readouterr().err
     assert len(FidelityProfile.load(out).questions) == 3 and not journal.exists()
+
+
+def test_a_profile_of_more_questions_than_any_calibration_measures_is_refused_before_choosing(tmp_path):
+    from cacheblend_rag.controller.fidelity_profile import MAX_PROFILE_QUESTIONS
+
+    path = tmp_path / "fidelity.json"
+    hand_profile().save(path)
+    data = json.loads(path.read_text())
+    data["questions"] = data["questions"] * (MAX_PROFILE_QUESTIONS // 4 + 1)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=f"above {MAX_PROFILE_QUESTIONS}.*--limit"):
+        FidelityProfile.load(path)

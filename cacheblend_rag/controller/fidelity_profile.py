@@ -45,6 +45,8 @@ DEFAULT_LADDER = (1.0,)
 MAX_PROFILE_BYTES = 64 << 20  # a few hundred bytes per question
 
 
+MAX_PROFILE_QUESTIONS = 2000  # a calibration sample is tens of questions; far more is not one
+
 # Each measured record's fields and their ranges (lo, hi); every value must be a finite number in range.
 _RECORD_FIELDS = {"first_token": (0.0, 1.0), "top1": (0.0, 1.0), "kl_mean": (0.0, math.inf),
                   "compute_share": (0.0, 1.0)}  # fmt: skip
@@ -104,6 +106,12 @@ class FidelityProfile:
         if not needed <= set(self.ratios):
             raise ConfigError(f"the ratio grid {self.ratios} must hold the base ratio and the ladder {sorted(needed)}")
         Guard(ratios=self.ladder)  # checks the ladder
+        if len(self.questions) > MAX_PROFILE_QUESTIONS:
+            raise ConfigError(
+                f"the fidelity profile holds {len(self.questions)} questions, above {MAX_PROFILE_QUESTIONS}: no "
+                "calibration measures that many (each question is minutes of compute), and choosing over them "
+                "would take minutes and gigabytes; calibrate on a sample (--limit)"
+            )
         for i, q in enumerate(self.questions):
             check_question(i, q)
             if {r["ratio"] for r in q["fixed"]} != set(self.ratios):
