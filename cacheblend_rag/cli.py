@@ -193,7 +193,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     for name, preset in PRESETS.items():
         mark = " (default)" if name == DEFAULT_PRESET else ""
-        aliases = f" [alias: {', '.join(preset.aliases)}]" if preset.aliases else ""
+        aliases = f" [old name, loads this model: {', '.join(preset.aliases)}]" if preset.aliases else ""
         print(f"{name}{mark}{aliases}: {preset.description}")
     return 0
 

