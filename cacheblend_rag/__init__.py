@@ -10,17 +10,9 @@ selection and the blended prefill), `engine/` (one request end to end), `control
 `cli` (the command line), `integration` (what the LangChain and LlamaIndex packages share).
 """
 
+from typing import TYPE_CHECKING
+
 from .config import RULE_NAMES, RULES, BlendConfig, EngineConfig, Guard, PrefillMode, blend_rule
-from .engine import (
-    QA_SHORT_TEMPLATE,
-    CacheBlendEngine,
-    GenerationResult,
-    PromptTemplate,
-    Request,
-    RequestMetrics,
-    TextStream,
-    TokenizedPrompt,
-)
 from .errors import (
     CacheBlendError,
     ConfigError,
@@ -28,7 +20,50 @@ from .errors import (
     PromptError,
     UnsupportedModelError,
 )
-from .store import ChunkKV, MemoryStore
+
+if TYPE_CHECKING:
+    from .engine import (
+        QA_SHORT_TEMPLATE,
+        CacheBlendEngine,
+        GenerationResult,
+        PromptTemplate,
+        Request,
+        RequestMetrics,
+        TextStream,
+        TokenizedPrompt,
+    )
+    from .store import ChunkKV, MemoryStore
+
+# The engine and the store import torch and transformers (seconds): they load on first use, so that the command
+# line's --help, `models` and argument errors answer at once.
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "QA_SHORT_TEMPLATE",
+            "CacheBlendEngine",
+            "GenerationResult",
+            "PromptTemplate",
+            "Request",
+            "RequestMetrics",
+            "TextStream",
+            "TokenizedPrompt",
+        ),
+        ".engine",
+    ),  # fmt: skip
+    "ChunkKV": ".store",
+    "MemoryStore": ".store",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 
