@@ -20,6 +20,7 @@ from .errors import (
     PromptError,
     UnsupportedModelError,
 )
+from .exports import lazy_getattr
 
 if TYPE_CHECKING:
     from .engine import (
@@ -34,11 +35,12 @@ if TYPE_CHECKING:
     )
     from .store import ChunkKV, MemoryStore
 
-# The engine and the store import torch and transformers (seconds): they load on first use, so that the command
-# line's --help, `models` and argument errors answer at once.
-_LAZY = {
-    **dict.fromkeys(
-        (
+# The engine and the store import torch and transformers: they load on first use (`exports`).
+__getattr__ = lazy_getattr(
+    __name__,
+    globals(),
+    {
+        ".engine": (
             "QA_SHORT_TEMPLATE",
             "CacheBlendEngine",
             "GenerationResult",
@@ -47,23 +49,10 @@ _LAZY = {
             "RequestMetrics",
             "TextStream",
             "TokenizedPrompt",
-        ),
-        ".engine",
-    ),  # fmt: skip
-    "ChunkKV": ".store",
-    "MemoryStore": ".store",
-}
-
-
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+        ),  # fmt: skip
+        ".store": ("ChunkKV", "MemoryStore"),
+    },
+)
 
 __version__ = "0.1.0"
 

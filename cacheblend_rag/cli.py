@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from .cli_args import build_parser, check_numbers, cpu_has_bf16, guard_without_margin
 from .cli_calibrate import cmd_calibrate
-from .cli_sources import build_index, check_index_folder, choose_documents, read_sources
+from .cli_sources import build_index, check_index_folder, choose_documents, read_sources, record_index_contexts
 from .errors import CacheBlendError
 
 __all__ = ["build_parser", "main"]
@@ -90,14 +90,12 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if index is None:
         assert sources.record is not None, "documents come with the record of their index"
         index = build_index(args, sources.documents, engine.tokenizer, sources.record, args.index)
-    # Contextual chunk KV: each chunk's entry is prefilled after its nearest chunks in the index (from the vectors
-    # the index holds), whether now (--precompute-all) or when a request first misses it.
-    texts = [c.text for c in index.chunks]
-    contexts = index.neighbour_contexts(config.context_neighbours)
-    engine.set_chunk_context(texts, contexts)
+    # Contextual chunk KV: each chunk's entry is prefilled after its nearest chunks in the index, whether now
+    # (--precompute-all) or when a request first misses it.
+    context = record_index_contexts(engine, index)
     if args.precompute_all:
         t = time.perf_counter()
-        hits, misses = engine.precompute(texts, context=contexts, show_progress=True)
+        hits, misses = engine.precompute([c.text for c in index.chunks], context=context, show_progress=True)
         print(
             f"precomputed the KV of {len(index)} chunks in {time.perf_counter() - t:.1f}s "
             f"({hits} already cached, {misses} computed)",

@@ -144,7 +144,7 @@ def format_table(table: list[Estimate]) -> str:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from .cli import _check_kv_dir
-    from .cli_sources import build_index, read_sources
+    from .cli_sources import build_index, read_sources, record_index_contexts
     from .config import BlendConfig, EngineConfig
     from .controller import Targets, check_grid, measure_fidelity
     from .engine import CacheBlendEngine
@@ -186,8 +186,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if index is None:
             assert sources.record is not None, "documents come with the record of their index"
             index = build_index(args, sources.documents, engine.tokenizer, sources.record, args.index)
-        engine.set_chunk_context([c.text for c in index.chunks], index.neighbour_contexts(config.context_neighbours))
-        context = "keep"  # as `ask` will run: each chunk after its nearest chunks of the whole index
+        context = record_index_contexts(engine, index)  # as `ask` will run: after its nearest chunks of the index
         items = [
             SampleQuestion(
                 f"q{i}", tuple(h.chunk.text for h in index.search(q, k=args.top_k)), q, None, args.max_new_tokens

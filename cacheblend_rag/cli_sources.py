@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from .errors import CacheBlendError
 
 if TYPE_CHECKING:
+    from .engine import CacheBlendEngine
     from .retrieval import ChunkIndex, Document, DocumentFiles, IndexSource, Tokenizer
 
 
@@ -118,3 +119,14 @@ def build_index(
         index.save(out)
         print(f"saved the index to {out}", file=sys.stderr)
     return index
+
+
+def record_index_contexts(engine: CacheBlendEngine, index: ChunkIndex) -> str | None:
+    """With `context_neighbours` set, record every indexed chunk's nearest chunks of the index as its context
+    (from the vectors the index holds) and return "keep", the `precompute` context that builds those entries;
+    else None (isolated entries), touching neither the index's vectors nor the corpus's tokens."""
+    n = engine.config.context_neighbours
+    if not n:
+        return None
+    engine.set_chunk_context([c.text for c in index.chunks], index.neighbour_contexts(n))
+    return "keep"

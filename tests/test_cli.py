@@ -252,3 +252,19 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch, ca
     monkeypatch.setattr(cli, "cpu_has_bf16", lambda: True)
     cli._engine_config(args)
     assert capsys.readouterr().err == ""
+
+
+def test_the_parser_is_built_without_importing_torch_and_every_lazy_export_resolves():
+    import subprocess
+    import sys
+
+    import cacheblend_rag
+    import cacheblend_rag.controller
+
+    code = "import sys; from cacheblend_rag.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"  # --help and argument errors answer before any model machinery loads
+    for package in (cacheblend_rag, cacheblend_rag.controller):
+        assert all(getattr(package, name) is not None for name in package.__all__)
+        with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+            package.nope  # noqa: B018
