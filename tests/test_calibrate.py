@@ -208,6 +208,16 @@ def test_the_held_back_check_chooses_on_the_first_questions_and_measures_on_the_
 # -- the command line ------------------------------------------------------------------------------------------
 
 
+def docs_and_questions(tmp_path):
+    """A folder of four short documents and, beside it, questions.txt: three questions (and a blank line)."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"d{i}.txt").write_text(random_words(10 + i, 40))
+    (tmp_path / "questions.txt").write_text("\n".join(random_words(20 + i, 5) for i in range(3)) + "\n\n")
+    return docs
+
+
 @pytest.fixture
 def tiny_model_dir(tmp_path):
     """A tiny random-weight Llama and its word-level tokenizer, saved as a local checkpoint."""
@@ -237,11 +247,7 @@ def test_calibrate_writes_a_profile_that_ask_applies_with_the_loading_profile_as
     from cacheblend_rag.cli import main
     from cacheblend_rag.controller import ComputePoint, LoadingProfile, TierSpeed
 
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i in range(4):
-        (docs / f"d{i}.txt").write_text(random_words(10 + i, 40))
-    (tmp_path / "questions.txt").write_text("\n".join(random_words(20 + i, 5) for i in range(3)) + "\n\n")
+    docs = docs_and_questions(tmp_path)
     out = tmp_path / "fidelity.json"
     model = ["--model", str(tiny_model_dir), "--chunk-tokens", "16", "--top-k", "2"]
     argv = ["calibrate", "--out", str(out), "--docs", str(docs), "--questions", str(tmp_path / "questions.txt")]
@@ -352,11 +358,7 @@ def test_a_killed_calibration_resumes_from_its_journal_and_loses_at_most_the_que
     import cacheblend_rag.controller.calibration as calibration
     from cacheblend_rag.cli import main
 
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i in range(4):
-        (docs / f"d{i}.txt").write_text(random_words(10 + i, 40))
-    (tmp_path / "questions.txt").write_text("\n".join(random_words(20 + i, 5) for i in range(3)) + "\n")
+    docs = docs_and_questions(tmp_path)
     out = tmp_path / "fidelity.json"
     argv = ["calibrate", "--out", str(out), "--docs", str(docs), "--questions", str(tmp_path / "questions.txt")]
     argv += ["--model", str(tiny_model_dir), "--chunk-tokens", "16", "--top-k", "2", "--max-new-tokens", "3"]

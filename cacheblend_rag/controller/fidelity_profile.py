@@ -35,7 +35,7 @@ from typing import Any
 from ..config import Guard
 from ..errors import ConfigError
 from .fidelity_choice import Estimate, FidelityChoice, HeldBackCheck, Setting, Targets
-from .profile import read_profile_json
+from .profile import finite, read_profile_json
 
 PROFILE_FORMAT = "cacheblend-rag/fidelity-profile/1"
 DEFAULT_RATIOS = (0.05, 0.15, 0.3, 0.5, 1.0)
@@ -60,7 +60,7 @@ def _check_numbers(where: str, record: object, fields: dict[str, tuple[float, fl
         raise ConfigError(f"{where} must be an object with {', '.join(fields)}, got {type(record).__name__}")
     for name, (lo, hi) in fields.items():
         value = record.get(name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not finite(value):
             raise ConfigError(f"{where}.{name} must be a finite number, got {value!r}")
         if not lo <= value <= hi:
             raise ConfigError(f"{where}.{name} must be in [{lo:g}, {hi:g}], got {value!r}")

@@ -75,12 +75,12 @@ class LoadingProfile:
         object.__setattr__(self, "compute", tuple(sorted(self.compute, key=lambda p: p.num_tokens)))
         for p in self.compute:  # NaN compares false with everything: finiteness is checked first
             tokens_ok = isinstance(p.num_tokens, int) and not isinstance(p.num_tokens, bool)
-            if not (tokens_ok and 0 < p.num_tokens <= MAX_PROFILE_TOKENS and _finite(p.slope_s, p.intercept_s)
+            if not (tokens_ok and 0 < p.num_tokens <= MAX_PROFILE_TOKENS and finite(p.slope_s, p.intercept_s)
                     and p.slope_s >= 0 and p.intercept_s >= 0):  # fmt: skip
                 raise ConfigError(f"invalid compute point in the profile (tokens a whole number in "
                                   f"1..{MAX_PROFILE_TOKENS}, seconds finite and >= 0): {p}")  # fmt: skip
         for name, t in self.tiers.items():
-            if not (_finite(t.bytes_per_s, t.latency_s) and t.bytes_per_s > 0 and t.latency_s >= 0):
+            if not (finite(t.bytes_per_s, t.latency_s) and t.bytes_per_s > 0 and t.latency_s >= 0):
                 raise ConfigError(f"invalid read speed for tier {name!r} in the profile (finite, bytes_per_s > 0, "
                                   f"latency_s >= 0): {t}")  # fmt: skip
 
@@ -165,7 +165,8 @@ class LoadingProfile:
             raise ConfigError(f"{path} is missing fields of a loading profile ({exc}); {redo}") from exc
 
 
-def _finite(*values: object) -> bool:
+def finite(*values: object) -> bool:
+    """Whether every value is a real number (not a bool) that is neither NaN nor infinite."""
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
 
 
