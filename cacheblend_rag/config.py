@@ -268,6 +268,10 @@ class EngineConfig:
     # chunk's KV is prefilled after its n most similar other chunks, keeping only its own KV. 0: isolated entries
     # (the default for now; 2 is the measured setting).
     context_neighbours: int = DEFAULT_CONTEXT_NEIGHBOURS
+    # How many requests decode together: each decode step reads the weights once for all of them. Requests past it
+    # wait in arrival order. 1 serves one request at a time. Memory: each decoding request holds its prompt's KV
+    # and room for its answer (docs/configuration.md, "Serving many requests").
+    max_batch_size: int = 8
     # Signs disk/Redis entries and refuses unsigned or forged ones (give every worker the same key); None: off
     store_hmac_key: bytes | str | None = field(default=None, repr=False)
 
@@ -291,6 +295,7 @@ class EngineConfig:
                 f"redis_url must start with redis://, rediss:// or unix://, got {mask_url(self.redis_url)!r}"
             )
         _check_count("context_neighbours", self.context_neighbours, 0, "a number of chunks (0: no context)")
+        _check_count("max_batch_size", self.max_batch_size, 1, "a number of requests (1: one at a time)")
         if self.max_prompt_tokens is not None:
             _check_count("max_prompt_tokens", self.max_prompt_tokens, 1, "a number of tokens, or None")
         if not isinstance(self.chunk_separator, str):

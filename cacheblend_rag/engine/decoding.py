@@ -1,14 +1,15 @@
-"""Decoding after the prefill: the token loop, streamed text deltas, and the final result.
+"""Decoding after the prefill: one request's token loop as a state machine, and the streams callers read.
 
-`decode` is a generator of text deltas that ends with the `GenerationResult`; `TextStream` wraps it for callers
-(iterate for text, `.result` once exhausted). The forward step is passed in, so that the engine decides how a
-step runs (its lock, its device) and this loop stays about tokens and text.
+`TokenLoop` is a request's decoding state: it picks each token from logits, assembles the text, and knows when the
+answer ends (end of turn, a stop string, the budget). It never runs a forward: the scheduler feeds it the logits of
+batched steps, so that any number of requests advance together. Its text deltas and final `GenerationResult` go
+to the caller through a `TextStream` (iterate for text) or an `AsyncTextStream` (`async for`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +17,6 @@ import torch
 
 from .generation import SamplingParams, TextAssembler, TokenPicker
 from .metrics import RequestMetrics
-from .prefill import Prefill
-
-# (token id, its position, the cache to extend) -> logits [vocab] float32 of the next token
-Step = Callable[[int, int, Any], torch.Tensor]
 
 
 @dataclass
@@ -30,11 +27,78 @@ class GenerationResult:
     metrics: RequestMetrics
 
 
-class TextStream:
-    """Iterator over text deltas of one generation; `.result` holds the GenerationResult once exhausted."""
+class TokenLoop:
+    """One request's decoding: `first` after its prefill, then `next` per step, until `done`.
 
-    def __init__(self, events: Generator[str | GenerationResult, None, None]) -> None:
+    `token` is the token the next step must feed (None once done). Each call returns the text it made safe to
+    show (possibly empty); `result()` gives the `GenerationResult` once done, with the rest of the text.
+    """
+
+    def __init__(self, tokenizer: Any, eos_ids: set[int], params: SamplingParams, device: torch.device) -> None:
+        self.params = params
+        self.eos_ids = eos_ids
+        self.picker = TokenPicker(params, device)
+        self.text = TextAssembler(tokenizer, params.stop)
+        self.generated: list[int] = []
+        self.token: int | None = None
+        self.finish: str | None = None
+        self.metrics: RequestMetrics | None = None
+        self._t_decode = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def first(self, logits: torch.Tensor, metrics: RequestMetrics, t0: float) -> str:
+        """The prefill's logits give the first token; `t0` is when the request arrived (TTFT counts from it)."""
+        self.metrics = metrics
+        out = self._accept(self.picker(logits, self.generated))
+        metrics.ttft_s = time.perf_counter() - t0
+        self._t_decode = time.perf_counter()
+        return out
+
+    def next(self, logits: torch.Tensor) -> str:
+        """logits [vocab] float32 of the step that fed `token`."""
+        return self._accept(self.picker(logits, self.generated))
+
+    def _accept(self, token: int) -> str:
+        self.token = None
+        if token in self.eos_ids:
+            self.finish = "stop"
+            return ""
+        self.generated.append(token)
+        delta = self.text.add(token)
+        if self.text.stopped:
+            self.finish = "stop"
+        elif len(self.generated) >= self.params.max_new_tokens:
+            self.finish = "length"
+        else:
+            self.token = token
+        return delta
+
+    def result(self) -> tuple[str, GenerationResult]:
+        """-> (the text held back until the end, the result). Call once `done`."""
+        assert self.finish is not None and self.metrics is not None
+        m = self.metrics
+        m.decode_s = time.perf_counter() - self._t_decode
+        m.generated_tokens = len(self.generated)
+        rest = self.text.flush()
+        return rest, GenerationResult(self.text.text, self.generated, self.finish, m)
+
+
+Event = str | GenerationResult | BaseException  # what a request's channel carries, in order
+
+
+class TextStream:
+    """Iterator over text deltas of one generation; `.result` holds the GenerationResult once exhausted.
+
+    `close()` (or leaving a `with` block, or dropping the stream) cancels the request: the engine stops
+    decoding it at its next step and the others go on.
+    """
+
+    def __init__(self, events: Iterator[Event], cancel: Callable[[], None]) -> None:
         self._events = events
+        self._cancel = cancel
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> TextStream:
@@ -42,7 +106,11 @@ class TextStream:
 
     def close(self) -> None:
         """Stop generating now (a consumer that abandons the stream); `.result` stays None unless finished."""
-        self._events.close()
+        if self.result is None:
+            self._cancel()
+
+    def __del__(self) -> None:
+        self.close()
 
     def __enter__(self) -> TextStream:
         return self
@@ -53,6 +121,8 @@ class TextStream:
     def __next__(self) -> str:
         while True:
             event = next(self._events)  # StopIteration ends the stream
+            if isinstance(event, BaseException):
+                raise event
             if isinstance(event, GenerationResult):
                 self.result = event
                 continue
@@ -67,50 +137,54 @@ class TextStream:
         return self.result
 
 
-def decode(
-    prefill: Callable[[], Prefill],
-    step: Step,
-    tokenizer: Any,
-    eos_ids: set[int],
-    params: SamplingParams,
-    device: torch.device,
-    t0: float,
-    after: Callable[[RequestMetrics], None] | None = None,
-) -> Generator[str | GenerationResult, None, None]:
-    """Prefill (called on the first `next`), then pick tokens until end of turn, a stop string or the budget.
+class AsyncTextStream:
+    """`async for` over text deltas of one generation; `.result` holds the GenerationResult once exhausted.
 
-    `t0` is when the request arrived: the time to first token counts from it. `after` runs after the last text,
-    before the result (`after`: work that must not delay the answer, e.g. storing chunks a cold request skipped).
+    Awaiting a delta parks the task without a thread: the engine's scheduler hands each event to the event loop.
+    `aclose()` cancels the request, as does a task cancelled while it waits.
     """
-    pre = prefill()
-    m = pre.metrics
-    picker = TokenPicker(params, device)
-    text = TextAssembler(tokenizer, params.stop)
-    generated: list[int] = []
-    token = picker(pre.logits, generated)
-    m.ttft_s = time.perf_counter() - t0
-    t_decode = time.perf_counter()
-    finish = "length"
-    pos = pre.num_tokens
-    while True:
-        if token in eos_ids:
-            finish = "stop"
-            break
-        generated.append(token)
-        delta = text.add(token)
-        if text.stopped:
-            finish = "stop"
-            yield delta
-            break
-        yield delta
-        if len(generated) >= params.max_new_tokens:
-            break
-        logits = step(token, pos, pre.cache)
-        pos += 1
-        token = picker(logits, generated)
-    yield text.flush()
-    m.decode_s = time.perf_counter() - t_decode
-    m.generated_tokens = len(generated)
-    if after is not None:
-        after(m)
-    yield GenerationResult(text.text, generated, finish, m)  # the same object: a background fill times itself in it
+
+    def __init__(self, events: AsyncIterator[Event], cancel: Callable[[], None]) -> None:
+        self._events = events
+        self._cancel = cancel
+        self.result: GenerationResult | None = None
+
+    def __aiter__(self) -> AsyncTextStream:
+        return self
+
+    async def aclose(self) -> None:
+        if self.result is None:
+            self._cancel()
+
+    def __del__(self) -> None:
+        if self.result is None:
+            self._cancel()
+
+    async def __aenter__(self) -> AsyncTextStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def __anext__(self) -> str:
+        while True:
+            try:
+                event = await self._events.__anext__()  # StopAsyncIteration ends the stream
+            except BaseException:
+                if self.result is None:
+                    self._cancel()
+                raise
+            if isinstance(event, BaseException):
+                raise event
+            if isinstance(event, GenerationResult):
+                self.result = event
+                continue
+            if event:
+                return event
+
+    async def collect(self) -> GenerationResult:
+        """Run to the end and return the result (what `engine.agenerate` does)."""
+        async for _ in self:
+            pass
+        assert self.result is not None
+        return self.result

@@ -11,9 +11,9 @@ One forward runs at a time (a lock): the model's modules are shared, and on a CP
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,9 +25,10 @@ from ..models.adapter import LayerwiseModel
 from ..models.fingerprint import model_fingerprint
 from ..models.support import max_blend_length
 from ..store import ChunkStore, CorruptEntryError, TieredStore, build_store
+from .batch_decode import BatchDecoder
 from .chunk_cache import ChunkCache
 from .chunk_context import NEIGHBOURS, ContextArg, assign_contexts, context_parts, corpus_ids
-from .decoding import GenerationResult, TextStream, decode
+from .decoding import AsyncTextStream, GenerationResult, TextStream, TokenLoop
 from .fills import DeferredFills
 from .generation import eos_token_ids
 from .metrics import RequestMetrics
@@ -35,6 +36,7 @@ from .planning import check_blend
 from .prefill import Prefill, Prefiller, RatioPolicy
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_parts
 from .request import Request, request_prompt
+from .scheduler import Job, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,15 @@ class CacheBlendEngine:
         )
         self._lock = threading.RLock()
         self._fills = DeferredFills(lambda prefix_ids, ids: self.chunks.fill(prefix_ids, [ids]), self._lock)
+        self.scheduler = Scheduler(
+            BatchDecoder(self.lm),
+            self._lock,
+            prefill=self._prefill,
+            new_loop=lambda request: TokenLoop(self.tokenizer, self.eos_ids, request.sampling, self.device),
+            ready=lambda prompt: self._fills.wait_for(prompt.chunk_ids, timeout=0),
+            finished=self._after_answer,
+            max_batch=self.config.max_batch_size,
+        )
 
     @classmethod
     def from_pretrained(
@@ -347,22 +358,28 @@ class CacheBlendEngine:
         self._check_request(prompt, request, method)
         return prompt, request
 
+    async def agenerate(
+        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Any
+    ) -> GenerationResult:
+        """`generate` for asyncio: awaits the answer without holding a thread; concurrent calls decode together."""
+        prompt, request = self._request("agenerate", chunks, question, options)
+        return await self._astream(prompt, request).collect()
+
+    def astream(
+        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Any
+    ) -> AsyncTextStream:
+        """`stream` for asyncio (`async for delta in engine.astream(...)`); call it inside a running event loop."""
+        prompt, request = self._request("astream", chunks, question, options)
+        return self._astream(prompt, request)
+
     def _stream(self, prompt: TokenizedPrompt, request: Request) -> TextStream:
-        t0 = time.perf_counter()
-        deferred: list[Sequence[int]] = []
+        job = self.scheduler.submit(prompt, request)
+        return TextStream(job.channel.events(), job.cancel)
 
-        def prefill() -> Prefill:
-            pre = self._prefill(prompt, request)
-            deferred.extend(pre.deferred)
-            return pre
+    def _astream(self, prompt: TokenizedPrompt, request: Request) -> AsyncTextStream:
+        job = self.scheduler.submit(prompt, request, asyncio.get_running_loop())
+        return AsyncTextStream(job.channel.async_events(), job.cancel)
 
-        def after(m: RequestMetrics) -> None:  # after the answer's last token: stored off the request's path
-            self._fills.submit(prompt.prefix_ids, deferred, m)
-
-        def step(token: int, pos: int, cache: Any) -> torch.Tensor:
-            # The lock is taken per forward, never across a yield: a consumer may pause, or resume elsewhere.
-            with self._lock:
-                return self._prefiller.forward(torch.tensor([token]), pos, cache)
-
-        events = decode(prefill, step, self.tokenizer, self.eos_ids, request.sampling, self.device, t0, after)
-        return TextStream(events)
+    def _after_answer(self, job: Job, result: GenerationResult) -> None:
+        """After a request's last token: store, off the request's path, the chunks a cold request skipped."""
+        self._fills.submit(job.prompt.prefix_ids, job.deferred, result.metrics)

@@ -151,6 +151,24 @@ class LayerwiseModel:
         )[0]  # [H, A, D]
         return attn.o_proj(out.transpose(0, 1).reshape(query.shape[1], -1))
 
+    def attend_each(
+        self, layer_idx: int, query: torch.Tensor, keys_values: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Attention of one query per request over that request's own keys, then one output projection for all.
+
+        query: [H, B, D] rotated, row b of request b; keys_values[b]: its rotated keys and values [Hkv, N_b, D],
+        the query's own position last (a query sees every key it is given). Returns [B, hidden].
+        """
+        attn = self.layers[layer_idx].self_attn
+        gqa = self.shape.num_heads != self.shape.num_kv_heads
+        rows = [
+            F.scaled_dot_product_attention(
+                query[:, b : b + 1].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=attn.scaling, enable_gqa=gqa
+            )[0, :, 0]  # [H, D]
+            for b, (k, v) in enumerate(keys_values)
+        ]
+        return attn.o_proj(torch.stack(rows).reshape(len(rows), -1))
+
     def attention_weights(
         self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:

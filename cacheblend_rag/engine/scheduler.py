@@ -1,0 +1,209 @@
+"""Serving many requests at once: one queue, one worker thread, decode steps batched across requests.
+
+Every `generate` / `stream` / `agenerate` / `astream` call becomes a `Job` in one queue, whatever thread or event
+loop it comes from. One worker thread serves them all, in turns:
+1. it starts the oldest waiting job, if fewer than `max_batch` are decoding: the job's prefill (one at a time, under
+   the engine's lock), then its first token;
+2. it runs one decode step for every job that is decoding, as one batched forward (`BatchDecoder`), and hands each
+   job its new text.
+So a new request waits for at most one decode step before its prefill starts, and each step reads the weights once
+for the whole batch. Events go to each job's reader through a `Channel` (a queue for a thread, the event loop for
+a task); a slow reader only lets its own events pile up, and a reader that leaves cancels its job, which leaves the
+batch at the next step. The worker exits when nothing is left and starts again with the next job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from .batch_decode import BatchDecoder, DecodeCache
+from .decoding import Event, GenerationResult, TokenLoop
+from .prefill import Prefill
+from .prompt import TokenizedPrompt
+from .request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class Channel:
+    """The events of one job, in order, from the worker to its reader: a thread (`loop` None) or an event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop
+        self._sync: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._async: asyncio.Queue[Event] | None = asyncio.Queue() if loop is not None else None
+
+    def put(self, event: Event) -> bool:
+        """-> False when the reader's event loop is gone (the job has no one left to answer)."""
+        if self._async is None:
+            self._sync.put(event)
+            return True
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._async.put_nowait, event)
+        except RuntimeError:  # the loop was closed
+            return False
+        return True
+
+    def events(self) -> Iterator[Event]:
+        while True:
+            event = self._sync.get()
+            yield event
+            if isinstance(event, (GenerationResult, BaseException)):
+                return
+
+    async def async_events(self) -> AsyncIterator[Event]:
+        assert self._async is not None
+        while True:
+            event = await self._async.get()
+            yield event
+            if isinstance(event, (GenerationResult, BaseException)):
+                return
+
+
+@dataclass(eq=False)
+class Job:
+    prompt: TokenizedPrompt
+    request: Request
+    channel: Channel
+    t0: float = field(default_factory=time.perf_counter)  # arrival: the time to first token counts from here
+    cancelled: bool = False  # its reader left
+    finished: bool = False  # its last event is sent
+    loop: TokenLoop | None = None
+    cache: DecodeCache | None = None
+    deferred: tuple[tuple[int, ...], ...] = ()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Scheduler:
+    """The queue and the worker. The engine gives it its steps:
+
+    - `prefill(prompt, request)`: the request's prefill (takes the engine's lock itself);
+    - `new_loop(request)`: a fresh `TokenLoop` for the request's sampling settings;
+    - `ready(prompt)`: False while one of the prompt's chunks is still being stored by a background fill (the job
+      then waits in the queue, and later jobs may start first);
+    - `finished(job, result)`: runs after a job's last token (stores what a cold request skipped).
+    """
+
+    def __init__(
+        self,
+        decoder: BatchDecoder,
+        lock: threading.RLock,
+        *,
+        prefill: Callable[[TokenizedPrompt, Request], Prefill],
+        new_loop: Callable[[Request], TokenLoop],
+        ready: Callable[[TokenizedPrompt], bool],
+        finished: Callable[[Job, GenerationResult], None],
+        max_batch: int,
+    ) -> None:
+        self.decoder = decoder
+        self.max_batch = max_batch
+        self._lock = lock
+        self._prefill, self._new_loop, self._ready, self._finished = prefill, new_loop, ready, finished
+        self._cond = threading.Condition()
+        self._waiting: list[Job] = []
+        self._active: list[Job] = []
+        self._thread: threading.Thread | None = None
+        self.largest_batch = 0  # the most jobs one step has decoded together (for tests and benchmarks)
+
+    def submit(self, prompt: TokenizedPrompt, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> Job:
+        job = Job(prompt, request, Channel(loop))
+        with self._cond:
+            self._waiting.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cacheblend-scheduler", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return job
+
+    @property
+    def busy(self) -> int:
+        """How many jobs are waiting or decoding."""
+        with self._cond:
+            return len(self._waiting) + len(self._active)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._waiting = [j for j in self._waiting if not j.cancelled]
+                self._active = [j for j in self._active if not (j.cancelled or j.finished)]
+                if not self._waiting and not self._active:
+                    self._thread = None
+                    return
+                job = None
+                if len(self._active) < self.max_batch:
+                    job = next((j for j in self._waiting if self._ready(j.prompt)), None)
+                    if job is not None:
+                        self._waiting.remove(job)
+                batch = list(self._active)
+                if job is None and not batch:
+                    self._cond.wait(0.02)  # only jobs whose chunks a fill is still storing: look again soon
+                    continue
+            if job is not None:
+                self._start(job)
+            if batch:
+                self._step(batch)
+
+    def _start(self, job: Job) -> None:
+        try:
+            pre = self._prefill(job.prompt, job.request)
+            job.deferred = pre.deferred
+            job.loop = self._new_loop(job.request)
+            if not self._send(job, job.loop.first(pre.logits, pre.metrics, job.t0)):
+                return
+            if job.loop.done:
+                self._finish(job)
+                return
+            budget = pre.num_tokens + job.request.sampling.max_new_tokens
+            job.cache = DecodeCache(pre.cache, pre.num_tokens, budget)
+        except Exception as exc:
+            job.channel.put(exc)
+            return
+        with self._cond:
+            self._active.append(job)
+
+    def _step(self, batch: Sequence[Job]) -> None:
+        self.largest_batch = max(self.largest_batch, len(batch))
+        try:
+            with self._lock:
+                logits = self.decoder.step([j.loop.token for j in batch], [j.cache for j in batch])  # type: ignore[misc, union-attr]
+        except Exception as exc:  # a failed step fails the requests in it, never the worker
+            logger.exception("a decode step failed for %d requests", len(batch))
+            for job in batch:
+                job.cancel()
+                job.channel.put(exc)
+            return
+        for row, job in enumerate(batch):
+            try:
+                assert job.loop is not None
+                if self._send(job, job.loop.next(logits[row])) and job.loop.done:
+                    self._finish(job)
+            except Exception as exc:
+                job.cancel()
+                job.channel.put(exc)
+
+    def _send(self, job: Job, delta: str) -> bool:
+        """Hand a job its text; -> False when the job has no reader left."""
+        if delta and not job.channel.put(delta):
+            job.cancel()
+        return not job.cancelled
+
+    def _finish(self, job: Job) -> None:
+        assert job.loop is not None
+        job.finished = True  # leaves the batch
+        job.cache = None
+        rest, result = job.loop.result()
+        if rest:
+            job.channel.put(rest)
+        try:
+            self._finished(job, result)
+        finally:
+            job.channel.put(result)

@@ -1,0 +1,201 @@
+"""Batched decoding gives each request what it gets alone: the step's math, then the engine's answers.
+
+The step is checked against the model's own forward (transformers, one request, `DynamicCache`) at every step, for
+batch sizes 1-8 of prompts of mixed lengths, with requests joining and leaving the batch. The engine is checked by
+answers: many threads and asyncio tasks at once give the answers of the same requests served one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.models.adapter import LayerwiseModel
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
+
+
+class Alone:
+    """One request decoded by the model's own forward: the reference a batched row must equal."""
+
+    def __init__(self, model, ids: torch.Tensor) -> None:
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(input_ids=ids.unsqueeze(0), cache=self.cache, use_cache=True)
+        self.length = ids.numel()
+
+    def step(self, token: int) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=torch.tensor([[token]]),
+                position_ids=torch.tensor([[self.length]]),
+                cache=self.cache,
+                use_cache=True,
+            )
+        self.length += 1
+        return out.logits[0, -1].float()
+
+
+def prompt_cache(model, ids: torch.Tensor, room: int) -> DecodeCache:
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=ids.unsqueeze(0), cache=cache, use_cache=True)
+    return DecodeCache(cache, ids.numel(), ids.numel() + room)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 8])
+def test_a_batched_step_equals_each_request_alone(family, batch):
+    model = make_tiny_model(family)
+    decoder = BatchDecoder(LayerwiseModel(model))
+    g = torch.Generator().manual_seed(batch)
+    lengths = [3 + 7 * b for b in range(batch)]  # mixed lengths
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in lengths]
+    alone = [Alone(model, ids) for ids in prompts]
+    caches = [prompt_cache(model, ids, room=6) for ids in prompts]
+    tokens = [int(ids[-1]) for ids in prompts]
+    for _ in range(6):
+        got = decoder.step(tokens, caches)
+        for b in range(batch):
+            want = alone[b].step(tokens[b])
+            torch.testing.assert_close(got[b], want, atol=1e-4, rtol=1e-4)
+        tokens = [int(row.argmax()) for row in got]
+
+
+def test_requests_join_and_leave_the_batch_mid_answer(family):
+    model = make_tiny_model(family)
+    decoder = BatchDecoder(LayerwiseModel(model))
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (4, 11, 19, 6)]
+    alone = [Alone(model, ids) for ids in prompts]
+    caches = [prompt_cache(model, ids, room=12) for ids in prompts]
+    tokens = {b: int(ids[-1]) for b, ids in enumerate(prompts)}
+    # who is in the batch at each step: 0 alone, 1 joins, 2 joins, 0 leaves, 3 joins, 1 leaves
+    schedule = [[0], [0, 1], [0, 1, 2], [1, 2], [1, 2, 3], [2, 3], [3]]
+    for members in schedule:
+        got = decoder.step([tokens[b] for b in members], [caches[b] for b in members])
+        for row, b in enumerate(members):
+            torch.testing.assert_close(got[row], alone[b].step(tokens[b]), atol=1e-4, rtol=1e-4)
+            tokens[b] = int(got[row].argmax())
+
+
+def test_a_full_decode_cache_says_so():
+    model = make_tiny_model("llama")
+    cache = prompt_cache(model, torch.tensor([5, 6, 7]), room=1)
+    decoder = BatchDecoder(LayerwiseModel(model))
+    decoder.step([3], [cache])
+    with pytest.raises(RuntimeError, match="full"):
+        decoder.step([3], [cache])
+
+
+def engine_for(max_batch: int, tmp_path=None) -> CacheBlendEngine:
+    return CacheBlendEngine(
+        make_tiny_model("qwen2", mute_eos=True),
+        make_tiny_tokenizer(),
+        config=EngineConfig(miss_policy="blend", chunk_separator="", max_batch_size=max_batch),
+    )
+
+
+POOL = [random_words(300 + i, 10) for i in range(6)]
+
+
+def request_args(i: int) -> tuple[list[str], dict]:
+    mode = ("blend", "full", "reuse")[i % 3]
+    chunks = [POOL[i % 6], POOL[(i + 2) % 6]][: 1 + i % 2]
+    args = dict(prefix=random_words(1, 3), suffix=random_words(i, 4), mode=mode, max_new_tokens=4 + i % 5)
+    if i % 4 == 3:
+        args.update(temperature=0.8, seed=i)  # sampling stays per request
+    return chunks, args
+
+
+def test_concurrent_threads_decode_together_and_answer_as_alone():
+    serial_engine = engine_for(1)
+    serial = [serial_engine.generate(c, **a).token_ids for c, a in map(request_args, range(16))]
+    engine = engine_for(8)
+    barrier = threading.Barrier(8)
+
+    def ask(i: int) -> list[int]:
+        if i < 8:
+            barrier.wait()
+        chunks, args = request_args(i)
+        if i % 2:
+            stream = engine.stream(chunks, **args)
+            "".join(stream)
+            return stream.result.token_ids
+        return engine.generate(chunks, **args).token_ids
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        together = list(pool.map(ask, range(16)))
+    assert together == serial
+    assert engine.scheduler.largest_batch > 1  # they really were decoded together
+    assert serial_engine.scheduler.largest_batch == 1
+
+
+def test_asyncio_tasks_overlap_and_answer_as_alone():
+    serial_engine = engine_for(1)
+    serial = [serial_engine.generate(c, **a).text for c, a in map(request_args, range(10))]
+    engine = engine_for(4)
+
+    async def main() -> list[str]:
+        async def streamed(i: int) -> str:
+            chunks, args = request_args(i)
+            parts = [delta async for delta in engine.astream(chunks, **args)]
+            return "".join(parts)
+
+        async def whole(i: int) -> str:
+            chunks, args = request_args(i)
+            return (await engine.agenerate(chunks, **args)).text
+
+        return await asyncio.gather(*((streamed if i % 2 else whole)(i) for i in range(10)))
+
+    assert asyncio.run(main()) == serial
+    assert engine.scheduler.largest_batch > 1
+
+
+def test_an_abandoned_stream_leaves_the_batch_and_never_blocks_the_others():
+    engine = engine_for(4)
+    chunks, args = request_args(0)
+    args["max_new_tokens"] = 40
+    want = engine_for(1).generate(*request_args(1)[:1], **request_args(1)[1]).token_ids
+    left = engine.stream(chunks, **args)
+    next(left)  # read one delta, then never again
+    other = engine.generate(*request_args(1)[:1], **request_args(1)[1])
+    assert other.token_ids == want
+    left.close()
+    assert left.result is None
+    for _ in range(200):  # the worker drops the job at its next step, then stops
+        if engine.scheduler.busy == 0:
+            break
+        threading.Event().wait(0.01)
+    assert engine.scheduler.busy == 0
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
+    engine = engine_for(2)
+    chunks, args = request_args(1)
+    want = engine.generate(chunks, **args).token_ids
+    real = engine.scheduler.decoder.step
+    calls = {"n": 0}
+
+    def flaky(tokens, caches):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("out of memory (simulated)")
+        return real(tokens, caches)
+
+    monkeypatch.setattr(engine.scheduler.decoder, "step", flaky)
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.generate(chunks, **args)
+    assert engine.generate(chunks, **args).token_ids == want
+
+
+def test_max_batch_size_is_checked():
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        EngineConfig(max_batch_size=0)
