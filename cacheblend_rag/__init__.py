@@ -25,6 +25,7 @@ from .exports import lazy_getattr
 if TYPE_CHECKING:
     from .engine import (
         QA_SHORT_TEMPLATE,
+        AsyncTextStream,
         CacheBlendEngine,
         GenerationResult,
         PromptTemplate,
@@ -42,6 +43,7 @@ __getattr__ = lazy_getattr(
     {
         ".engine": (
             "QA_SHORT_TEMPLATE",
+            "AsyncTextStream",
             "CacheBlendEngine",
             "GenerationResult",
             "PromptTemplate",
@@ -60,6 +62,7 @@ __all__ = [
     "QA_SHORT_TEMPLATE",
     "RULES",
     "RULE_NAMES",
+    "AsyncTextStream",
     "BlendConfig",
     "CacheBlendEngine",
     "CacheBlendError",

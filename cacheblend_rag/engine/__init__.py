@@ -1,7 +1,7 @@
 """The request path: prompts made of chunks, the four prefill modes, decoding and per-request metrics."""
 
 from ..models.fingerprint import model_fingerprint
-from .decoding import GenerationResult, TextStream
+from .decoding import AsyncTextStream, GenerationResult, TextStream
 from .engine import CacheBlendEngine
 from .generation import SamplingParams
 from .metrics import RequestMetrics
@@ -11,6 +11,7 @@ from .request import Request
 
 __all__ = [
     "QA_SHORT_TEMPLATE",
+    "AsyncTextStream",
     "CacheBlendEngine",
     "GenerationResult",
     "Prefill",

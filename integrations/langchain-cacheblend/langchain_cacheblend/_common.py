@@ -9,11 +9,13 @@ shared with the LlamaIndex package.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
 from cacheblend_rag import CacheBlendEngine, GenerationResult
+from cacheblend_rag.engine.decoding import AsyncTextStream
 from cacheblend_rag.engine.prompt_text import PromptText
 from cacheblend_rag.errors import PromptError
 from cacheblend_rag.integration import (
@@ -179,15 +181,37 @@ class CacheBlendParams(BaseModel):
         stream = engine.stream(chunks, prefix=prefix, suffix=suffix, **arguments)
         return self._with_timeout(stream), stream, kwargs.get("model") or self.model_name
 
+    async def _astream_request(
+        self, text: str | PromptText | None, stop: list[str] | None, kwargs: dict[str, Any], render: Any = None
+    ) -> tuple[AsyncIterator[str], AsyncTextStream, str]:
+        """`_stream_request` for asyncio: the engine's scheduler serves the request among all others in flight, and
+        the deltas are awaited without a thread. `render(tokenizer)` builds the prompt text when `text` is None.
+        Loading an engine the first time runs on a worker thread, so the event loop never stalls on it."""
+        arguments = self._call_arguments(stop, kwargs)
+        engine = await asyncio.to_thread(self.get_engine, kwargs.get("model"))
+        prompt = render(engine.tokenizer) if text is None else text
+        prefix, chunks, suffix = split_prompt(prompt, kwargs.get("chunks"))
+        stream = engine.astream(chunks, prefix=prefix, suffix=suffix, **arguments)
+        return self._with_async_timeout(stream), stream, kwargs.get("model") or self.model_name
+
+    async def _with_async_timeout(self, deltas: AsyncIterator[str]) -> AsyncIterator[str]:
+        start = time.perf_counter()
+        async for delta in deltas:
+            yield delta
+            if self.timeout is not None and time.perf_counter() - start > self.timeout:
+                raise self._timeout_error()
+
+    def _timeout_error(self) -> TimeoutError:
+        return TimeoutError(
+            f"generation ran past timeout={self.timeout}s; raise timeout, lower max_tokens, or retrieve fewer documents"
+        )
+
     def _with_timeout(self, deltas: Iterator[str]) -> Iterator[str]:
         start = time.perf_counter()
         for delta in deltas:
             yield delta
             if self.timeout is not None and time.perf_counter() - start > self.timeout:
-                raise TimeoutError(
-                    f"generation ran past timeout={self.timeout}s; raise timeout, lower max_tokens, or retrieve "
-                    "fewer documents"
-                )
+                raise self._timeout_error()
 
     def _generation_info(self, result: GenerationResult, model_name: str) -> dict[str, Any]:
         """What a response carries besides its text: the model, why it ended, and the request's blend metrics."""

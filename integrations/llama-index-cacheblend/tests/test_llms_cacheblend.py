@@ -165,3 +165,21 @@ def test_engine_settings_beside_an_engine_passed_in_are_refused() -> None:
         CacheBlendLLM(engine=engine, disk_dir="/tmp/kv")
     with pytest.raises(ConfigError, match="device and dtype are settings of an engine the LLM loads"):
         CacheBlendLLM(engine=engine, dtype="bfloat16")
+
+
+def test_concurrent_async_calls_decode_together_and_match_sync_calls() -> None:
+    llm = tiny_llm()
+    prompts = [f"w{10 + i} w{20 + i}" for i in range(6)]
+    expected = [llm.complete(p, max_new_tokens=5).text for p in prompts]
+
+    async def run() -> tuple[list[str], list[str]]:
+        done = await asyncio.gather(*(llm.acomplete(p, max_new_tokens=5) for p in prompts))
+
+        async def streamed(p: str) -> str:
+            return "".join([r.delta or "" async for r in await llm.astream_complete(p, max_new_tokens=5)])
+
+        return [r.text for r in done], list(await asyncio.gather(*(streamed(p) for p in prompts)))
+
+    completed, streamed = asyncio.run(run())
+    assert completed == streamed == expected
+    assert llm.engine.scheduler.largest_batch > 1

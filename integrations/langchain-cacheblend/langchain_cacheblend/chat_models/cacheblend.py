@@ -8,13 +8,13 @@ requests are computed once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from cacheblend_rag.engine.prompt_text import PromptText
 from cacheblend_rag.errors import PromptError
 from cacheblend_rag.integration import ChatTurn, non_text_error, render_chat
-from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (
     AIMessage,
@@ -107,10 +107,21 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
         for delta in deltas:
             if run_manager is not None:
                 run_manager.on_llm_new_token(delta)
-        result = stream.result
-        info = self._generation_info(result, model_name)
-        message = AIMessage(content=result.text, response_metadata=info, usage_metadata=usage_from(result))
-        return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)], llm_output=info)
+        return self._chat_result(stream.result, model_name)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """Awaited without a thread; concurrent calls (`abatch`, `asyncio.gather`) decode together."""
+        deltas, stream, model_name = await self._astream_request(None, stop, kwargs, self._renderer(messages))
+        async for delta in deltas:
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(delta)
+        return self._chat_result(stream.result, model_name)
 
     def _stream(
         self,
@@ -125,10 +136,36 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
             if run_manager is not None:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        # Usage, model name and metrics once, on the last chunk: merged chunks would add up repeated values.
-        result = stream.result
+        yield self._last_chunk(stream.result, model_name)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        deltas, stream, model_name = await self._astream_request(None, stop, kwargs, self._renderer(messages))
+        async for delta in deltas:
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        yield self._last_chunk(stream.result, model_name)
+
+    @staticmethod
+    def _renderer(messages: list[BaseMessage]):
+        return lambda tokenizer: render_messages(tokenizer, messages)
+
+    def _chat_result(self, result, model_name: str) -> ChatResult:
+        info = self._generation_info(result, model_name)
+        message = AIMessage(content=result.text, response_metadata=info, usage_metadata=usage_from(result))
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)], llm_output=info)
+
+    def _last_chunk(self, result, model_name: str) -> ChatGenerationChunk:
+        """Usage, model name and metrics once, on the last chunk: merged chunks would add up repeated values."""
         info = self._generation_info(result, model_name)
         last = AIMessageChunk(
             content="", response_metadata=info, usage_metadata=usage_from(result), chunk_position="last"
         )
-        yield ChatGenerationChunk(message=last, generation_info=info)
+        return ChatGenerationChunk(message=last, generation_info=info)

@@ -7,10 +7,11 @@ each chunk is prefilled from its cached KV.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
@@ -47,15 +48,39 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        generations: list[list[Generation]] = []
-        totals = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
-        model_name = self.model_name
-        for prompt in prompts:
-            deltas, stream, model_name = self._stream_request(prompt, stop, kwargs)
+        # Every prompt is queued before the first is read, so the engine decodes them together.
+        started = [self._stream_request(prompt, stop, kwargs) for prompt in prompts]
+        results = []
+        for deltas, stream, model_name in started:
             for delta in deltas:
                 if run_manager is not None:
                     run_manager.on_llm_new_token(delta)
-            result = stream.result
+            results.append((stream.result, model_name))
+        return self._llm_result(results)
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        """Awaited without a thread; the prompts, and concurrent calls, decode together."""
+
+        async def one(prompt: str):
+            deltas, stream, model_name = await self._astream_request(prompt, stop, kwargs)
+            async for delta in deltas:
+                if run_manager is not None:
+                    await run_manager.on_llm_new_token(delta)
+            return stream.result, model_name
+
+        return self._llm_result(await asyncio.gather(*(one(p) for p in prompts)))
+
+    def _llm_result(self, results) -> LLMResult:
+        generations: list[list[Generation]] = []
+        totals = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+        model_name = self.model_name
+        for result, model_name in results:
             usage = usage_from(result)
             for key in totals:
                 totals[key] += usage[key]
@@ -76,6 +101,23 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
             if run_manager is not None:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        result = stream.result
+        yield self._last_chunk(stream.result, model_name)
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        deltas, stream, model_name = await self._astream_request(prompt, stop, kwargs)
+        async for delta in deltas:
+            chunk = GenerationChunk(text=delta)
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        yield self._last_chunk(stream.result, model_name)
+
+    def _last_chunk(self, result, model_name: str) -> GenerationChunk:
         info = {**self._generation_info(result, model_name), "usage": dict(usage_from(result))}
-        yield GenerationChunk(text="", generation_info=info)
+        return GenerationChunk(text="", generation_info=info)

@@ -6,6 +6,8 @@ pieces plus the empty last piece that carries the request's metadata.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from langchain_core.documents import Document
 from langchain_core.prompts import ChatPromptTemplate
@@ -63,3 +65,27 @@ async def test_classic_blend_chain_streams_tokens_as_events(engine):
     tokens = [e["data"]["chunk"].content for e in events if e["event"] == "on_chat_model_stream"]
     assert len([t for t in tokens if t]) == TOKENS
     assert "".join(tokens) == chain.invoke(inputs)["output_text"]
+
+
+async def test_abatch_and_gather_decode_together_and_answer_as_serial_calls(engine):
+    questions = [f"w{30 + i} w{40 + i}" for i in range(6)]
+    chat = ChatCacheBlend(engine=engine, max_tokens=5)
+    llm = CacheBlendLLM(engine=engine, max_tokens=5)
+    serial_chat = [chat.invoke(q).content for q in questions]
+    serial_llm = [llm.invoke(q) for q in questions]
+    batched = [m.content for m in await chat.abatch(questions)]
+    gathered = [m.content for m in await asyncio.gather(*(chat.ainvoke(q) for q in questions))]
+    llm_batched = await llm.abatch(questions)
+    assert batched == gathered == serial_chat
+    assert llm_batched == serial_llm
+    assert engine.scheduler.largest_batch > 1  # the calls really overlapped in the engine
+
+
+async def test_concurrent_astreams_add_up_to_their_invoke(engine):
+    chat = ChatCacheBlend(engine=engine, max_tokens=TOKENS)
+    questions = [f"w{50 + i}" for i in range(4)]
+
+    async def streamed(q: str) -> str:
+        return "".join([chunk.content async for chunk in chat.astream(q)])
+
+    assert await asyncio.gather(*(streamed(q) for q in questions)) == [chat.invoke(q).content for q in questions]

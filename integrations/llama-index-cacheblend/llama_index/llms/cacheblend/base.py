@@ -10,7 +10,6 @@ Decoding settings are pydantic fields; the engine is a private attribute, shared
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -27,6 +26,7 @@ from cacheblend_rag.integration import (
     render_chat,
     resolve_model_name,
 )
+from llama_index.core.base.llms.generic_utils import completion_response_to_chat_response
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -38,7 +38,7 @@ from llama_index.core.base.llms.types import (
     TextBlock,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
-from llama_index.core.llms.callbacks import llm_completion_callback
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.prompts import BasePromptTemplate
 
@@ -262,30 +262,45 @@ class CacheBlendLLM(CustomLLM):
 
         return gen()
 
-    # The engine is thread-safe and blocking: async calls run the sync ones (which emit the callback events) in
-    # a worker thread, so the event loop stays free while the model runs.
+    # Async calls go through the engine's scheduler: awaited without a thread, and decoded together with every
+    # other request in flight (`aquery` x N, `asyncio.gather`).
 
+    @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await asyncio.to_thread(self.complete, prompt, formatted, **kwargs)
+        text = self._prompt_text(prompt, formatted)
+        result = await self._engine.agenerate([], prefix="", suffix=text, **self.engine_arguments(kwargs))
+        return self._response(result)
 
+    @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        return to_async_iterator(self.stream_complete(prompt, formatted, **kwargs))
+        text = self._prompt_text(prompt, formatted)
+        stream = self._engine.astream([], prefix="", suffix=text, **self.engine_arguments(kwargs))
 
+        async def gen() -> AsyncIterator[CompletionResponse]:
+            so_far = ""
+            async for delta in stream:
+                so_far += delta
+                yield CompletionResponse(text=so_far, delta=delta)
+            assert stream.result is not None
+            final = self._response(stream.result)  # empty delta: it carries the metrics only
+            final.delta = ""
+            yield final
+
+        return gen()
+
+    @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await asyncio.to_thread(self.chat, messages, **kwargs)
+        assert self.messages_to_prompt is not None
+        response = await self.acomplete(self.messages_to_prompt(messages), formatted=True, **kwargs)
+        return completion_response_to_chat_response(response)
 
+    @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        return to_async_iterator(self.stream_chat(messages, **kwargs))
+        assert self.messages_to_prompt is not None
+        responses = await self.astream_complete(self.messages_to_prompt(messages), formatted=True, **kwargs)
 
+        async def gen() -> ChatResponseAsyncGen:
+            async for response in responses:
+                yield completion_response_to_chat_response(response)
 
-_DONE = object()
-
-
-async def to_async_iterator(items: Iterator[Any]) -> AsyncIterator[Any]:
-    """Iterate a blocking iterator from async code, each step in a worker thread."""
-    while True:
-        # next() with a default: StopIteration must not cross the thread boundary (asyncio turns it into an error)
-        item = await asyncio.to_thread(next, items, _DONE)
-        if item is _DONE:
-            return
-        yield item
+        return gen()

@@ -18,11 +18,10 @@ the framework's usual empty response. This class writes only `get_response` / `a
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Sequence
 from typing import Any
 
-from cacheblend_rag import GenerationResult, PrefillMode, TextStream
+from cacheblend_rag import AsyncTextStream, GenerationResult, PrefillMode, TextStream
 from cacheblend_rag.integration import (
     CONTEXT_PLACEHOLDER,
     check_context_prompt,
@@ -83,34 +82,28 @@ class BlendTokenStream(Generator[str, None, None]):
 
 
 class AsyncBlendTokenStream(AsyncGenerator[str, None]):
-    """The async form of `BlendTokenStream`: each step of the blocking engine runs in a worker thread."""
+    """The async form of `BlendTokenStream`, over the engine's `astream`: awaited without a thread, and decoded
+    together with every other request in flight."""
 
-    _DONE = object()
-
-    def __init__(self, stream: TextStream) -> None:
-        self._tokens = BlendTokenStream(stream)
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        return self._tokens.metadata
-
-    @metadata.setter
-    def metadata(self, value: dict[str, Any]) -> None:
-        self._tokens.metadata = value
-
-    @property
-    def result(self) -> GenerationResult | None:
-        return self._tokens.result
+    def __init__(self, stream: AsyncTextStream) -> None:
+        self._stream = stream
+        self.metadata: dict[str, Any] = {}
+        self.result: GenerationResult | None = None
 
     async def asend(self, value: None) -> str:
-        # next() with a default: StopIteration must not cross the thread boundary (asyncio turns it into an error)
-        item = await asyncio.to_thread(next, self._tokens, self._DONE)
-        if item is self._DONE:
-            raise StopAsyncIteration
-        return item
+        try:
+            return await self._stream.__anext__()
+        except StopAsyncIteration:
+            if self.result is None and self._stream.result is not None:
+                self.result = self._stream.result
+                self.metadata[METRICS_KEY] = self.result.metrics.to_dict()
+            raise
 
     async def athrow(self, typ: Any = None, val: Any = None, tb: Any = None) -> str:  # type: ignore[override]
         raise typ if val is None else val
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
 
 
 def node_text(node: BaseNode | NodeWithScore | str) -> str:
@@ -231,10 +224,9 @@ class BlendSynthesizer(BaseSynthesizer):
         if not request:
             return self._empty_response_agenerator() if self._streaming else self._empty_response
         if self._streaming:
-            # stream() checks its arguments and tokenizes before returning: cheap enough for the event loop
-            return AsyncBlendTokenStream(engine.stream(**request))
-        result = await asyncio.to_thread(lambda: engine.generate(**request))
-        return BlendAnswer(result)
+            # astream() checks its arguments and tokenizes before returning: cheap enough for the event loop
+            return AsyncBlendTokenStream(engine.astream(**request))
+        return BlendAnswer(await engine.agenerate(**request))
 
     def _prepare_response_output(
         self, response_str: RESPONSE_TEXT_TYPE | None, source_nodes: list[NodeWithScore]
