@@ -41,6 +41,7 @@ def _engine_config(args: argparse.Namespace):
         miss_policy=args.miss_policy,
         guard=Guard(min_margin=args.guard) if args.guard is not None else None,
         context_neighbours=args.context_neighbours,
+        decode_weights=args.decode_weights,
     )
 
 

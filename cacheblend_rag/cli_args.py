@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--index", help="folder for the chunk index: loaded when it holds one built from the same "
                      "--docs and settings, else (re)built there; must be new, empty or an index")  # fmt: skip
     _add_runtime_arguments(ask)
+    ask.add_argument("--decode-weights", choices=("native", "int8"), default="native",
+                     help="int8: decode from int8 copies of the weights (CPU; several times faster per token, the "
+                     "first token stays exact, later ones may differ; see docs/benchmarks.md)")  # fmt: skip
     ask.add_argument("--mode", default="blend", choices=MODES, help="how the prompt's KV is built")
     ask.add_argument("--ratio", type=float, help="recompute ratio for blend (default: the engine's, 0.15)")
     ask.add_argument(

@@ -59,6 +59,7 @@ _CHECKS: dict[str, tuple[tuple[int, ...], str, tuple[float, ...]]] = {
 }
 
 
+DECODE_WEIGHTS = ("native", "int8")
 MISS_POLICIES = ("auto", "blend", "full")
 
 
@@ -272,6 +273,10 @@ class EngineConfig:
     # wait in arrival order. 1 serves one request at a time. Memory: each decoding request holds its prompt's KV
     # and room for its answer (docs/configuration.md, "Serving many requests").
     max_batch_size: int = 8
+    # The weights decode steps read: "native" (the model's, exact) or "int8" (CPU only: per-channel int8 copies of
+    # the linear layers, a quarter of the bytes; the prefill and the first token stay exact, later tokens may differ:
+    # docs/benchmarks.md, "Decoding speed").
+    decode_weights: str = "native"
     # Signs disk/Redis entries and refuses unsigned or forged ones (give every worker the same key); None: off
     store_hmac_key: bytes | str | None = field(default=None, repr=False)
 
@@ -296,6 +301,10 @@ class EngineConfig:
             )
         _check_count("context_neighbours", self.context_neighbours, 0, "a number of chunks (0: no context)")
         _check_count("max_batch_size", self.max_batch_size, 1, "a number of requests (1: one at a time)")
+        if self.decode_weights not in DECODE_WEIGHTS:
+            raise ConfigError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}, got {self.decode_weights!r}")
+        if self.decode_weights == "int8" and dev != "cpu":
+            raise ConfigError("decode_weights='int8' runs on the CPU's int8 kernels; use 'native' on a GPU")
         if self.max_prompt_tokens is not None:
             _check_count("max_prompt_tokens", self.max_prompt_tokens, 1, "a number of tokens, or None")
         if not isinstance(self.chunk_separator, str):

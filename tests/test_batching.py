@@ -199,3 +199,39 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
 def test_max_batch_size_is_checked():
     with pytest.raises(ConfigError, match="max_batch_size"):
         EngineConfig(max_batch_size=0)
+
+
+def test_int8_decode_rows_are_batch_invariant_and_close_to_exact(family):
+    from cacheblend_rag.models.int8 import int8_decode_model
+
+    model = make_tiny_model(family)
+    int8 = BatchDecoder(LayerwiseModel(int8_decode_model(model)))
+    exact = BatchDecoder(LayerwiseModel(model))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (4, 9, 15, 6)]
+    tokens = [int(ids[-1]) for ids in prompts]
+    together = int8.step(tokens, [prompt_cache(model, ids, 2) for ids in prompts])
+    for b, ids in enumerate(prompts):  # bit for bit what the row gets alone
+        assert torch.equal(together[b], int8.step([tokens[b]], [prompt_cache(model, ids, 2)])[0])
+    reference = exact.step(tokens, [prompt_cache(model, ids, 2) for ids in prompts])
+    assert float((together - reference).norm() / reference.norm()) < 0.1  # int8 weights: close, not equal
+
+
+def test_an_engine_with_int8_decode_weights_keeps_the_exact_first_token():
+    chunks, args = request_args(0)
+    exact = engine_for(2).generate(chunks, **args)
+    engine = CacheBlendEngine(
+        make_tiny_model("qwen2", mute_eos=True),
+        make_tiny_tokenizer(),
+        config=EngineConfig(miss_policy="blend", chunk_separator="", decode_weights="int8"),
+    )
+    fast = engine.generate(chunks, **args)
+    assert fast.token_ids[0] == exact.token_ids[0]  # from the prefill, which keeps the exact weights
+    assert len(fast.token_ids) == len(exact.token_ids)
+
+
+def test_decode_weights_are_checked():
+    with pytest.raises(ConfigError, match="decode_weights"):
+        EngineConfig(decode_weights="int4")
+    with pytest.raises(ConfigError, match="CPU"):
+        EngineConfig(device="cuda", decode_weights="int8")

@@ -88,7 +88,7 @@ class CacheBlendEngine:
         self._lock = threading.RLock()
         self._fills = DeferredFills(lambda prefix_ids, ids: self.chunks.fill(prefix_ids, [ids]), self._lock)
         self.scheduler = Scheduler(
-            BatchDecoder(self.lm),
+            BatchDecoder(self._decode_model()),
             self._lock,
             prefill=self._prefill,
             new_loop=lambda request: TokenLoop(self.tokenizer, self.eos_ids, request.sampling, self.device),
@@ -96,6 +96,14 @@ class CacheBlendEngine:
             finished=self._after_answer,
             max_batch=self.config.max_batch_size,
         )
+
+    def _decode_model(self) -> LayerwiseModel:
+        """What decode steps run on: the model itself, or int8 copies of its linear layers (`decode_weights`)."""
+        if self.config.decode_weights == "int8":
+            from ..models.int8 import int8_decode_model
+
+            return LayerwiseModel(int8_decode_model(self.model))
+        return self.lm
 
     @classmethod
     def from_pretrained(
