@@ -111,11 +111,15 @@ def markdown(results: dict) -> str:
         "| setting | clients | answers/min | generated tok/s | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | s/token |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def cell(s: dict, k: str, d: int = 2) -> str:
+        return f"{s[k]['mean']:.{d}f} [{s[k]['lo']:.{d}f}, {s[k]['hi']:.{d}f}]"
+
     for row in results["rows"]:
         s = row["summary"]
 
-        def f(k: str, d: int = 2) -> str:
-            return f"{s[k]['mean']:.{d}f} [{s[k]['lo']:.{d}f}, {s[k]['hi']:.{d}f}]"
+        def f(k: str, d: int = 2, s: dict = s) -> str:
+            return cell(s, k, d)
 
         lines.append(f"| {row['setting']} | {row['clients']} | {f('answers_per_min')} | {f('tokens_per_s')} | "
                      f"{f('ttft_p50', 1)} | {f('ttft_p90', 1)} | {f('ttft_p99', 1)} | {f('tpot_s', 3)} |")  # fmt: skip
@@ -178,8 +182,9 @@ def main() -> None:
         p.error(f"unknown settings {unknown}; choose from {', '.join(SETTINGS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = dict(model=model_name(args.model), cpu=cpu_name(), threads=torch.get_num_threads(), chunks=args.chunks,
-                   chunk_tokens=args.chunk_tokens, new_tokens=args.new_tokens, repeats=args.repeats, rows=[])  # fmt: skip
+    results = dict(model=model_name(args.model), cpu=cpu_name(), threads=torch.get_num_threads(),
+                   chunks=args.chunks, chunk_tokens=args.chunk_tokens, new_tokens=args.new_tokens,
+                   repeats=args.repeats, rows=[])  # fmt: skip
     base = CacheBlendEngine.from_pretrained(args.model, show_progress=False)
     pool = chunk_texts(base.tokenizer, args.pool, args.chunk_tokens, Path(args.data_dir) if args.data_dir else None)
     base.precompute(pool, QUESTIONS[0])
