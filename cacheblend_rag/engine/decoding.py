@@ -99,13 +99,16 @@ class TextStream:
     def __init__(self, events: Iterator[Event], cancel: Callable[[], None]) -> None:
         self._events = events
         self._cancel = cancel
+        self._closed = False
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> TextStream:
         return self
 
     def close(self) -> None:
-        """Stop generating now (a consumer that abandons the stream); `.result` stays None unless finished."""
+        """Stop generating now (a consumer that abandons the stream); `.result` stays None unless finished.
+        The stream then ends: `next` raises StopIteration."""
+        self._closed = True
         if self.result is None:
             self._cancel()
 
@@ -120,6 +123,8 @@ class TextStream:
 
     def __next__(self) -> str:
         while True:
+            if self._closed:
+                raise StopIteration
             event = next(self._events)  # StopIteration ends the stream
             if isinstance(event, BaseException):
                 raise event
@@ -147,12 +152,15 @@ class AsyncTextStream:
     def __init__(self, events: AsyncIterator[Event], cancel: Callable[[], None]) -> None:
         self._events = events
         self._cancel = cancel
+        self._closed = False
         self.result: GenerationResult | None = None
 
     def __aiter__(self) -> AsyncTextStream:
         return self
 
     async def aclose(self) -> None:
+        """Stop generating now; the stream then ends."""
+        self._closed = True
         if self.result is None:
             self._cancel()
 
@@ -168,6 +176,8 @@ class AsyncTextStream:
 
     async def __anext__(self) -> str:
         while True:
+            if self._closed:
+                raise StopAsyncIteration
             try:
                 event = await self._events.__anext__()  # StopAsyncIteration ends the stream
             except BaseException:
