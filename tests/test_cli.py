@@ -240,13 +240,10 @@ def test_ctrl_c_ends_with_one_line_and_status_130(monkeypatch, capsys):
 
 
 def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch, capsys, tmp_path):
-    import argparse
-
     import cacheblend_rag.cli as cli
 
     monkeypatch.setattr(cli, "cpu_has_bf16", lambda: False)
-    args = argparse.Namespace(ratio=None, kv_dir=None, device="cpu", dtype="bfloat16", redis_url=None,
-                              miss_policy="auto", guard=None, context_neighbours=0)  # fmt: skip
+    args = cli.build_parser().parse_args(["ask", "--dtype", "bfloat16", "What is it?"])
     config = cli._engine_config(args)
     assert config.dtype == "bfloat16" and "no bf16 matrix instructions" in capsys.readouterr().err
     monkeypatch.setattr(cli, "cpu_has_bf16", lambda: True)

@@ -11,7 +11,6 @@ One forward runs at a time (a lock): the model's modules are shared, and on a CP
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ from ..errors import CacheBlendError, ConfigError, PromptError
 from ..models.adapter import LayerwiseModel
 from ..models.fingerprint import model_fingerprint
 from ..models.support import max_blend_length
-from ..store import ChunkStore, CorruptEntryError, TieredStore, build_store
+from ..store import ChunkStore, TieredStore, build_store
 from .batch_decode import BatchDecoder
 from .chunk_cache import ChunkCache
 from .chunk_context import NEIGHBOURS, ContextArg, assign_contexts, context_parts, corpus_ids
@@ -36,7 +35,7 @@ from .planning import check_blend
 from .prefill import Prefill, Prefiller, RatioPolicy
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_parts
 from .request import Request, request_prompt
-from .scheduler import Job, Scheduler
+from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +92,8 @@ class CacheBlendEngine:
             prefill=self._prefill,
             new_loop=lambda request: TokenLoop(self.tokenizer, self.eos_ids, request.sampling, self.device),
             ready=lambda prompt: self._fills.wait_for(prompt.chunk_ids, timeout=0),
-            finished=self._after_answer,
+            # after a request's last token: store, off its path, the chunks a cold request was answered without
+            finished=lambda job, result: self._fills.submit(job.prompt.prefix_ids, job.deferred, result.metrics),
             max_batch=self.config.max_batch_size,
         )
 
@@ -295,18 +295,7 @@ class CacheBlendEngine:
         policy = self.controller if mode is PrefillMode.BLEND and not pinned else None
         self._fills.wait_for(prompt.chunk_ids)  # a chunk an earlier cold request is storing: wait, not recompute
         with self._lock:
-            # A chunk read layer by layer can turn out damaged after the fusor has started; its tier has dropped
-            # it by then, so trying again finds it in another tier or recomputes it. Each retry follows the
-            # removal of one entry from one tier, so a prompt's entries (prefix and chunks, in every tier) bound
-            # the retries; past that bound the request runs as a full prefill, which reads no stored KV.
-            fresh: set[str] = set()  # chunks prefilled during this request: misses, even when found on a retry
-            for attempt in range((len(prompt.chunk_ids) + 1) * self.store_tiers + 1):
-                try:
-                    return self._prefiller.run(prompt, mode, blend, fresh, policy)
-                except CorruptEntryError as exc:
-                    logger.warning("prefill attempt %d read a damaged chunk (%s); trying again", attempt + 1, exc)
-            logger.warning("the store kept returning damaged chunks; answering with a full prefill")
-            return self._prefiller.run(prompt, PrefillMode.FULL, blend, fresh, None)
+            return self._prefiller.run_retrying(prompt, mode, blend, policy, self.store_tiers)
 
     @property
     def store_tiers(self) -> int:
@@ -338,7 +327,7 @@ class CacheBlendEngine:
         Takes the keyword arguments of `stream`, and collects its stream.
         """
         prompt, request = self._request("generate", chunks, question, options)
-        return self._stream(prompt, request).collect()
+        return self.scheduler.stream(prompt, request).collect()
 
     def stream(
         self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Any
@@ -355,7 +344,7 @@ class CacheBlendEngine:
         Every argument is checked here, before any compute.
         """
         prompt, request = self._request("stream", chunks, question, options)
-        return self._stream(prompt, request)
+        return self.scheduler.stream(prompt, request)
 
     def _request(
         self, method: str, chunks: Sequence[str] | TokenizedPrompt, question: str | None, options: dict[str, Any]
@@ -371,23 +360,11 @@ class CacheBlendEngine:
     ) -> GenerationResult:
         """`generate` for asyncio: awaits the answer without holding a thread; concurrent calls decode together."""
         prompt, request = self._request("agenerate", chunks, question, options)
-        return await self._astream(prompt, request).collect()
+        return await self.scheduler.astream(prompt, request).collect()
 
     def astream(
         self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Any
     ) -> AsyncTextStream:
         """`stream` for asyncio (`async for delta in engine.astream(...)`); call it inside a running event loop."""
         prompt, request = self._request("astream", chunks, question, options)
-        return self._astream(prompt, request)
-
-    def _stream(self, prompt: TokenizedPrompt, request: Request) -> TextStream:
-        job = self.scheduler.submit(prompt, request)
-        return TextStream(job.channel.events(), job.cancel)
-
-    def _astream(self, prompt: TokenizedPrompt, request: Request) -> AsyncTextStream:
-        job = self.scheduler.submit(prompt, request, asyncio.get_running_loop())
-        return AsyncTextStream(job.channel.async_events(), job.cancel)
-
-    def _after_answer(self, job: Job, result: GenerationResult) -> None:
-        """After a request's last token: store, off the request's path, the chunks a cold request skipped."""
-        self._fills.submit(job.prompt.prefix_ids, job.deferred, result.metrics)
+        return self.scheduler.astream(prompt, request)

@@ -12,6 +12,7 @@ while the fusor runs (`pipeline.LayerPrefetcher`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,13 +24,15 @@ from transformers import DynamicCache
 from ..config import BlendConfig, Guard, PrefillMode
 from ..fusion import FusionPlan, FusionResult, LayerLoader, fuse
 from ..models.adapter import LayerwiseModel
-from ..store import ChunkReader
+from ..store import ChunkReader, CorruptEntryError
 from .chunk_cache import ChunkCache
 from .guard import agrees, first_token_signals
 from .metrics import RequestMetrics
 from .pipeline import LayerPrefetcher
 from .planning import blend_plan, cold_cost_share, prefix_and_chunk_masks, question_mask, reuse_plan
 from .prompt import TokenizedPrompt
+
+logger = logging.getLogger(__name__)
 
 
 class RatioDecisionLike(Protocol):
@@ -97,6 +100,25 @@ class Prefiller:
             logits_to_keep=0 if all_logits else 1,
         )
         return out.logits[0].float() if all_logits else out.logits[0, -1].float()
+
+    def run_retrying(
+        self, prompt: TokenizedPrompt, mode: PrefillMode, blend: BlendConfig, policy: RatioPolicy | None, tiers: int
+    ) -> Prefill:
+        """`run`, again when a stored chunk turns out damaged mid-request, then as a full prefill.
+
+        A chunk read layer by layer can turn out damaged after the fusor has started; its tier has dropped it by
+        then, so trying again finds it in another tier or recomputes it. Each retry follows the removal of one
+        entry from one tier, so a prompt's entries (prefix and chunks, in each of the store's `tiers`) bound the
+        retries; past that bound the request runs as a full prefill, which reads no stored KV.
+        """
+        fresh: set[str] = set()  # chunks prefilled during this request: misses, even when found on a retry
+        for attempt in range((len(prompt.chunk_ids) + 1) * tiers + 1):
+            try:
+                return self.run(prompt, mode, blend, fresh, policy)
+            except CorruptEntryError as exc:
+                logger.warning("prefill attempt %d read a damaged chunk (%s); trying again", attempt + 1, exc)
+        logger.warning("the store kept returning damaged chunks; answering with a full prefill")
+        return self.run(prompt, PrefillMode.FULL, blend, fresh, None)
 
     def run(
         self,

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .batch_decode import BatchDecoder, DecodeCache
-from .decoding import Event, GenerationResult, TokenLoop
+from .decoding import AsyncTextStream, Event, GenerationResult, TextStream, TokenLoop
 from .prefill import Prefill
 from .prompt import TokenizedPrompt
 from .request import Request
@@ -123,6 +123,16 @@ class Scheduler:
                 self._thread.start()
             self._cond.notify_all()
         return job
+
+    def stream(self, prompt: TokenizedPrompt, request: Request) -> TextStream:
+        """Queue a request for a reader on this thread (or any other)."""
+        job = self.submit(prompt, request)
+        return TextStream(job.channel.events(), job.cancel)
+
+    def astream(self, prompt: TokenizedPrompt, request: Request) -> AsyncTextStream:
+        """Queue a request for a reader on the running event loop."""
+        job = self.submit(prompt, request, asyncio.get_running_loop())
+        return AsyncTextStream(job.channel.async_events(), job.cancel)
 
     @property
     def busy(self) -> int:
