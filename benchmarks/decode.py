@@ -1,0 +1,121 @@
+"""Decoding speed of one request, and what int8 decode weights cost in fidelity.
+
+For each setting of `decode_weights` ("native" fp32, "int8"): a warm blend request over --chunks chunks of
+--chunk-tokens tokens answers with up to --new-tokens tokens; reports the time to first token, decode tokens/s
+and the time to the last token, median over --repeats. Answers stop early at end of turn, so the decode rate is
+(tokens - 1) / decode time.
+
+Fidelity: along the native answer of each of --cases prompts (teacher forcing), every decode step runs once with
+native and once with int8 weights, each on its own cache from the same prefill; reports the mean
+KL(native || int8) of the next-token distributions and the share of steps whose top-1 token agrees. Writes OUT/results.json and summary.md.
+
+    python benchmarks/decode.py                       # default model, 6 x 512-token chunks, 128 tokens
+    python benchmarks/decode.py --model smollm2-135m-instruct --new-tokens 16 --cases 2 --out /tmp/decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from benchlib.cli import model_name  # noqa: E402
+from benchlib.timing import add_data_dir_argument, chunk_texts  # noqa: E402
+from load import QUESTIONS, cpu_name  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
+from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache  # noqa: E402
+from cacheblend_rag.models.adapter import LayerwiseModel  # noqa: E402
+from cacheblend_rag.models.int8 import int8_decode_model  # noqa: E402
+
+
+def timing(engine: CacheBlendEngine, chunks: list[str], args) -> dict:
+    runs = []
+    for r in range(args.repeats):
+        result = engine.generate(chunks, QUESTIONS[r % len(QUESTIONS)], max_new_tokens=args.new_tokens)
+        m = result.metrics
+        runs.append(dict(ttft_s=m.ttft_s, decode_s=m.decode_s, tokens=m.generated_tokens,
+                         tokens_per_s=(m.generated_tokens - 1) / m.decode_s if m.decode_s else float("nan"),
+                         last_token_s=m.ttft_s + m.decode_s))  # fmt: skip
+    return {k: statistics.median(run[k] for run in runs) for k in runs[0]} | {"runs": runs}
+
+
+def copy_cache(cache: DynamicCache, n: int, room: int) -> DecodeCache:
+    return DecodeCache(cache, n, n + room)
+
+
+def fidelity(engine: CacheBlendEngine, pool: list[str], args) -> dict:
+    """KL(native || int8) per decode step along native's greedy answer (teacher forcing): both start from the same
+    prompt cache, and each keeps the keys and values its own weights compute for the answer's tokens, as in use."""
+    native = BatchDecoder(engine.lm)
+    int8 = BatchDecoder(LayerwiseModel(int8_decode_model(engine.model)))
+    kls, agree = [], []
+    for case in range(args.cases):
+        chunks = [pool[(case * 5 + j * 7) % len(pool)] for j in range(args.chunks)]
+        answer = engine.generate(chunks, QUESTIONS[case % len(QUESTIONS)], max_new_tokens=args.new_tokens).token_ids
+        prompt = engine.build_prompt(chunks, QUESTIONS[case % len(QUESTIONS)])
+        pre = engine.prefill(prompt)
+        a, b = copy_cache(pre.cache, pre.num_tokens, len(answer)), copy_cache(pre.cache, pre.num_tokens, len(answer))
+        for token in answer[:-1]:
+            p = torch.log_softmax(native.step([token], [a])[0], -1)
+            q = torch.log_softmax(int8.step([token], [b])[0], -1)
+            kls.append(float((p.exp() * (p - q)).sum()))
+            agree.append(int(p.argmax() == q.argmax()))
+    return dict(steps=len(kls), kl_mean=statistics.mean(kls), kl_max=max(kls), top1_agree=statistics.mean(agree))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--chunks", type=int, default=6)
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cases", type=int, default=8, help="prompts of the fidelity check (0: skip it)")
+    p.add_argument("--out", default="benchmarks/results/decode")
+    add_data_dir_argument(p)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = CacheBlendEngine.from_pretrained(args.model, show_progress=False)
+    pool = chunk_texts(base.tokenizer, 24, args.chunk_tokens, Path(args.data_dir) if args.data_dir else None)
+    base.precompute(pool, QUESTIONS[0])
+    chunks = pool[: args.chunks]
+    results = dict(model=model_name(args.model), cpu=cpu_name(), threads=torch.get_num_threads(),
+                   prompt_tokens=base.build_prompt(chunks, QUESTIONS[0]).num_tokens, new_tokens=args.new_tokens,
+                   settings={})  # fmt: skip
+    for weights in ("native", "int8"):
+        engine = CacheBlendEngine(base.model, base.tokenizer, config=EngineConfig(decode_weights=weights),
+                                  store=base.store)  # fmt: skip
+        engine.generate(chunks, QUESTIONS[0], max_new_tokens=4)  # warm the path
+        results["settings"][weights] = timing(engine, chunks, args)
+        print(weights, {k: v for k, v in results["settings"][weights].items() if k != "runs"}, flush=True)
+    if args.cases:
+        results["int8_fidelity"] = fidelity(base, pool, args)
+        print("int8 fidelity", results["int8_fidelity"], flush=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    lines = [f"Model {results['model']}, {results['cpu']}, {results['threads']} threads; warm blend (r = 0.15), "
+             f"{results['prompt_tokens']}-token prompt, answers up to {args.new_tokens} tokens, median of "
+             f"{args.repeats}.", "",
+             "| decode weights | TTFT (s) | tokens | decode tokens/s | time to last token (s) |",
+             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for weights, s in results["settings"].items():
+        lines.append(f"| {weights} | {s['ttft_s']:.2f} | {s['tokens']:.0f} | {s['tokens_per_s']:.1f} | "
+                     f"{s['last_token_s']:.1f} |")  # fmt: skip
+    if args.cases:
+        f = results["int8_fidelity"]
+        lines += ["", f"int8 vs native along native's answers ({f['steps']} decode steps, {args.cases} prompts): "
+                  f"mean KL {f['kl_mean']:.5f} nats (max {f['kl_max']:.4f}), "
+                  f"top-1 agreement {f['top1_agree']:.3f}."]  # fmt: skip
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
