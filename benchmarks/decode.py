@@ -7,7 +7,8 @@ and the time to the last token, median over --repeats. Answers stop early at end
 
 Fidelity: along the native answer of each of --cases prompts (teacher forcing), every decode step runs once with
 native and once with int8 weights, each on its own cache from the same prefill; reports the mean
-KL(native || int8) of the next-token distributions and the share of steps whose top-1 token agrees. Writes OUT/results.json and summary.md.
+KL(native || int8) of the next-token distributions and the share of steps whose top-1 token agrees.
+Writes OUT/results.json and summary.md.
 
     python benchmarks/decode.py                       # default model, 6 x 512-token chunks, 128 tokens
     python benchmarks/decode.py --model smollm2-135m-instruct --new-tokens 16 --cases 2 --out /tmp/decode
