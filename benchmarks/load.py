@@ -11,6 +11,7 @@ arrival, queueing included) and time per output token, with the spread over --re
 summary.md and load.png.
 
     python benchmarks/load.py --concurrency 1,4,8 --settings blend-serial,blend-batched,full-batched
+    python benchmarks/load.py --random-weights --model-shape 7b --device cuda --dtype bfloat16 --concurrency 1,8,32
     python benchmarks/load.py --model smollm2-135m-instruct --concurrency 1,2 --chunk-tokens 64 --new-tokens 8 \\
         --per-client 1 --out /tmp/load       # a quick smoke run
 """
@@ -30,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from benchlib.cli import model_name  # noqa: E402
-from benchlib.timing import add_data_dir_argument, chunk_texts  # noqa: E402
+from benchlib.timing import RANDOM_SHAPES, add_data_dir_argument, build_engine, chunk_texts  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
 
@@ -163,6 +164,11 @@ def cpu_name() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="preset or checkpoint (default: the default preset)")
+    p.add_argument("--random-weights", action="store_true", help="random weights of --model-shape (GPU timing)")
+    p.add_argument("--model-shape", default="7b", choices=sorted(RANDOM_SHAPES))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--memory-gb", type=float, default=2.0, help="memory tier budget (the pool must fit to stay warm)")
     p.add_argument("--concurrency", default="1,4,8", help="client counts, comma-separated")
     p.add_argument("--settings", default="blend-serial,blend-batched,full-batched", help=f"of {', '.join(SETTINGS)}")
     p.add_argument("--per-client", type=int, default=1, help="requests each client sends, one after another")
@@ -182,11 +188,19 @@ def main() -> None:
         p.error(f"unknown settings {unknown}; choose from {', '.join(SETTINGS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = dict(model=model_name(args.model), cpu=cpu_name(), threads=torch.get_num_threads(),
+    label = f"random-{args.model_shape}" if args.random_weights else model_name(args.model)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name()
+    results = dict(model=label, cpu=device, device=args.device, dtype=args.dtype, threads=torch.get_num_threads(),
                    chunks=args.chunks, chunk_tokens=args.chunk_tokens, new_tokens=args.new_tokens,
                    repeats=args.repeats, rows=[])  # fmt: skip
-    base = CacheBlendEngine.from_pretrained(args.model, show_progress=False)
-    pool = chunk_texts(base.tokenizer, args.pool, args.chunk_tokens, Path(args.data_dir) if args.data_dir else None)
+    base = build_engine(args, args.dtype, memory_budget_bytes=int(args.memory_gb * 2**30))
+    if args.random_weights:  # one token per word "wN"
+        g = torch.Generator().manual_seed(1)
+        pool = [" ".join(f"w{int(i)}" for i in torch.randint(2, 32000, (args.chunk_tokens,), generator=g))
+                for _ in range(args.pool)]  # fmt: skip
+    else:
+        data = Path(args.data_dir) if args.data_dir else None
+        pool = chunk_texts(base.tokenizer, args.pool, args.chunk_tokens, data)
     base.precompute(pool, QUESTIONS[0])
     for setting in settings:
         spec = SETTINGS[setting]
