@@ -30,7 +30,7 @@ from cacheblend_rag.integration import (
 )
 from langchain_core.language_models import LangSmithParams
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 __all__ = ["CONTEXT_PLACEHOLDER", "CacheBlendParams", "load_engine", "split_prompt", "usage_from"]
 
@@ -75,7 +75,7 @@ class CacheBlendParams(BaseModel):
 
     # The engine is a plain object; unknown settings are errors, not silently ignored. (Each model class sets
     # this again: LangChain's base classes come later in the bases and their config would win.)
-    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", hide_input_in_errors=True)
     _ls_model_type: ClassVar[Literal["chat", "llm"]]  # how LangSmith traces label the model
 
     model: str | None = Field(
@@ -94,7 +94,9 @@ class CacheBlendParams(BaseModel):
     # The chunk KV store of a loaded engine (EngineConfig's fields; None: EngineConfig's default). An engine passed
     # as `engine=` has its own store, so these are refused beside it.
     disk_dir: str | None = Field(default=None, description="Folder of a local disk tier; None: no disk tier.")
-    redis_url: str | None = Field(
+    # A secret: a Redis URL may hold a password. repr, model_dump, LangChain's dumpd/dumps and validation errors
+    # never show it.
+    redis_url: SecretStr | None = Field(
         default=None, description="redis:// URL of a Redis tier shared by workers; None: no Redis tier."
     )
     memory_budget_bytes: int | None = Field(default=None, ge=0, description="In-process tier size (None: 2 GiB).")
@@ -133,7 +135,15 @@ class CacheBlendParams(BaseModel):
         return self
 
     def _engine_settings(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in ENGINE_SETTINGS}
+        settings = {name: getattr(self, name) for name in ENGINE_SETTINGS}
+        if self.redis_url is not None:
+            settings["redis_url"] = self.redis_url.get_secret_value()
+        return settings
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        """What LangChain's serialization writes as a reference to an environment variable, never as its value."""
+        return {"redis_url": "CACHEBLEND_REDIS_URL"}
 
     @property
     def model_name(self) -> str:

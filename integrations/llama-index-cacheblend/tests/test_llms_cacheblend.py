@@ -183,3 +183,14 @@ def test_concurrent_async_calls_decode_together_and_match_sync_calls() -> None:
     completed, streamed = asyncio.run(run())
     assert completed == streamed == expected
     assert llm.engine.scheduler.largest_batch > 1
+
+
+def test_a_redis_password_never_shows_in_repr_dumps_or_errors() -> None:
+    from pydantic import SecretStr
+
+    url = "redis://:S3CRETPW@127.0.0.1:6399/0"
+    llm = CacheBlendLLM.model_construct(model_name="x", redis_url=SecretStr(url))
+    assert "S3CRETPW" not in repr(llm) + str(llm.model_dump()) + llm.model_dump_json()
+    with pytest.raises(ConfigError) as caught:
+        CacheBlendLLM(model_name="smollm2-135m-instruct", redis_url="http://:S3CRETPW@host/0")
+    assert "S3CRETPW" not in str(caught.value)

@@ -85,7 +85,7 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
     `cache_read`. Use `create_blend_documents_chain` to pass retrieved documents as separately cached chunks.
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", hide_input_in_errors=True)
     _ls_model_type = "chat"
 
     @property

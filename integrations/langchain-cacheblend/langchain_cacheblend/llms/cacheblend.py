@@ -34,7 +34,7 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
     (`"cacheblend"`) and its token usage (`"usage"`); `llm_output["token_usage"]` sums the usage of a batch.
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", hide_input_in_errors=True)
     _ls_model_type = "llm"
 
     @property

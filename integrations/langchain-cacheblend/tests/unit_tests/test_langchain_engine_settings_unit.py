@@ -42,3 +42,23 @@ def test_store_settings_beside_an_engine_passed_in_are_refused(engine):
         ChatCacheBlend(engine=engine, disk_dir="/tmp/kv")
     with pytest.raises(ValidationError, match="redis_url must start with redis://"):
         ChatCacheBlend(redis_url="localhost:6379")  # checked where the model is built, before any load
+
+
+def test_a_redis_password_never_shows_in_repr_dumps_or_errors():
+    import json
+
+    import pydantic
+    from langchain_core.load import dumpd, dumps
+
+    from langchain_cacheblend import ChatCacheBlend
+
+    url = "redis://:S3CRETPW@127.0.0.1:6399/0"
+    chat = ChatCacheBlend(model="smollm2-135m-instruct", redis_url=url)  # the engine loads on first use
+    shown = [repr(chat), str(chat), dumps(chat), json.dumps(dumpd(chat), default=str), str(chat.model_dump()),
+             chat.model_dump_json()]  # fmt: skip
+    assert not [text for text in shown if "S3CRETPW" in text]
+    assert chat._engine_settings()["redis_url"] == url  # the engine still gets the real URL
+    for bad in ("http://:S3CRETPW@host/0", 12345):
+        with pytest.raises(pydantic.ValidationError) as caught:
+            ChatCacheBlend(model="smollm2-135m-instruct", redis_url=bad)
+        assert "S3CRETPW" not in str(caught.value) and "12345" not in str(caught.value)

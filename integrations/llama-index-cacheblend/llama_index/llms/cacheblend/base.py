@@ -37,7 +37,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     TextBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.prompts import BasePromptTemplate
@@ -95,6 +95,8 @@ class CacheBlendLLM(CustomLLM):
     (`cacheblend_rag.integration.load_engine`).
     """
 
+    model_config = ConfigDict(arbitrary_types_allowed=True, hide_input_in_errors=True)
+
     model_name: str = Field(
         default="",
         description="Preset name or checkpoint path: what is loaded without `engine`, and the name reported in "
@@ -124,7 +126,8 @@ class CacheBlendLLM(CustomLLM):
     device: str | None = Field(default=None, description="Torch device of a loaded engine (None: 'cpu').")
     dtype: str | None = Field(default=None, description="dtype of a loaded engine (None: 'float32').")
     disk_dir: str | None = Field(default=None, description="Folder of a local disk tier; None: no disk tier.")
-    redis_url: str | None = Field(
+    # A secret: a Redis URL may hold a password; repr, model_dump and validation errors never show it.
+    redis_url: SecretStr | None = Field(
         default=None, description="redis:// URL of a Redis tier shared by workers; None: no Redis tier."
     )
     memory_budget_bytes: int | None = Field(default=None, ge=0, description="In-process tier size (None: 2 GiB).")
@@ -135,6 +138,8 @@ class CacheBlendLLM(CustomLLM):
 
     def __init__(self, engine: CacheBlendEngine | None = None, **kwargs: Any) -> None:
         settings = {name: kwargs.get(name) for name in ENGINE_SETTINGS}
+        if isinstance(settings["redis_url"], SecretStr):
+            settings["redis_url"] = settings["redis_url"].get_secret_value()
         if engine is None:
             engine = load_engine(kwargs.get("model_name") or None, **settings)
         elif any(value is not None for value in settings.values()):
