@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .cli_args import build_parser, check_numbers, cpu_has_bf16, guard_without_margin
+from .cli_args import build_parser, check_kv_dir, check_numbers, cpu_has_bf16, guard_without_margin
 from .cli_calibrate import cmd_calibrate
 from .cli_sources import build_index, check_index_folder, choose_documents, read_sources, record_index_contexts
 from .errors import CacheBlendError
@@ -28,7 +28,7 @@ def _engine_config(args: argparse.Namespace):
     from .config import BlendConfig, EngineConfig, Guard
 
     blend = BlendConfig(recompute_ratio=args.ratio) if args.ratio is not None else BlendConfig()
-    _check_kv_dir(args)
+    check_kv_dir(args)
     if args.device == "cpu" and str(args.dtype).lower() in ("bfloat16", "bf16") and cpu_has_bf16() is False:
         print("warning: this CPU has no bf16 matrix instructions (amx_bf16 / avx512_bf16): bfloat16 runs several "
               "times slower than float32 here; drop --dtype bfloat16", file=sys.stderr)  # fmt: skip
@@ -43,14 +43,6 @@ def _engine_config(args: argparse.Namespace):
         context_neighbours=args.context_neighbours,
         decode_weights=args.decode_weights,
     )
-
-
-def _check_kv_dir(args: argparse.Namespace) -> None:
-    """A --kv-dir that is a file, not writable or damaged: one `error:` line (exit 2) before any model loads."""
-    if args.kv_dir:
-        from .store import check_disk_dir
-
-        check_disk_dir(args.kv_dir)
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -137,7 +129,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .engine import CacheBlendEngine
     from .store import DiskStore, MemoryStore
 
-    _check_kv_dir(args)
+    check_kv_dir(args)
     engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(device=args.device, dtype=args.dtype))
     with tempfile.TemporaryDirectory(prefix="cacheblend-profile-") as scratch:
         # Time the tiers the deployment will use: its disk folder (a scratch namespace inside it) and its Redis.

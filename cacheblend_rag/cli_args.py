@@ -63,8 +63,59 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="share chunk KV through this Redis, e.g. redis://127.0.0.1:6379/0")
 
 
+def add_calibrate_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
+    from .controller.fidelity_profile import DEFAULT_LADDER, DEFAULT_MARGINS, DEFAULT_RATIOS, DEFAULT_THRESHOLDS
+
+    cal = sub.add_parser("calibrate", help="measure fidelity to full recompute on a sample of your questions and "
+                         "choose the recompute ratio / guard for a target", formatter_class=formatter)  # fmt: skip
+    cal.add_argument("--out", required=True, help="where to write the fidelity profile (JSON)")
+    cal.add_argument("--questions", help="text file of questions over --docs, one per line")
+    _add_document_arguments(cal, required=False)
+    cal.add_argument("--index", help="folder for the chunk index of --docs, as for `ask`")
+    cal.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question (with --docs)")
+    cal.add_argument("--dataset", help="instead of --docs: a benchmark data set (musique, wikimqa, ...)")
+    cal.add_argument("--data-dir", help="folder of the data sets (with --dataset)")
+    cal.add_argument("--limit", type=int, default=30, help="questions in the sample")
+    cal.add_argument("--max-new-tokens", type=int, default=32, help="length of full recompute's reference answer "
+                     "(with --docs; a data set has its own)")  # fmt: skip
+    _add_runtime_arguments(cal)
+    cal.add_argument("--ratio", type=float, default=0.15, help="the base ratio a guard starts from")
+    cal.add_argument("--ratios", type=float, nargs="+", default=list(DEFAULT_RATIOS), help="fixed ratios measured")
+    cal.add_argument("--thresholds", type=float, nargs="+", default=list(DEFAULT_THRESHOLDS),
+                     help="the guard's KL trigger: max_kl values (nats) to measure; 0 escalates every "
+                     "request")  # fmt: skip
+    cal.add_argument("--margins", type=float, nargs="+", default=list(DEFAULT_MARGINS),
+                     help="the guard's margin trigger: min_margin values (first-token top-1 minus top-2 "
+                     "probability) to measure")  # fmt: skip
+    cal.add_argument("--ladder", type=float, nargs="+", default=list(DEFAULT_LADDER), help="the guard's ratios")
+    _add_target_arguments(cal)
+    cal.add_argument("--held-back", type=float, default=0.33, help="share of the sample (the last questions) "
+                     "held back to check the choice made on the others")  # fmt: skip
+
+
+def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target-first-token", type=float, default=0.95, help="share of answers whose first "
+                        "token must match full recompute's")  # fmt: skip
+    parser.add_argument("--target-top1", type=float, help="mean share of answer tokens ranked first by both")
+    parser.add_argument("--target-kl", type=float, help="highest mean KL to full recompute, nats")
+
+
+def add_fidelity_arguments(ask: argparse.ArgumentParser) -> None:
+    """`ask`'s options that apply a fidelity profile."""
+    ask.add_argument("--fidelity-profile", help="a fidelity profile (`cacheblend-rag calibrate`): the cheapest "
+                     "ratio / guard meeting the targets; with --profile it is the floor r_min")  # fmt: skip
+    _add_target_arguments(ask)
+
+
+def check_kv_dir(args: argparse.Namespace) -> None:
+    """A --kv-dir that is a file, not writable or damaged: one `error:` line (exit 2) before any model loads."""
+    if args.kv_dir:
+        from .store import check_disk_dir
+
+        check_disk_dir(args.kv_dir)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from .cli_calibrate import add_calibrate_parser, add_fidelity_arguments
 
     p = argparse.ArgumentParser(prog="cacheblend-rag", description="CacheBlend RAG on Hugging Face models")
     sub = p.add_subparsers(dest="command", required=True)
