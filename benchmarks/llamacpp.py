@@ -1,0 +1,89 @@
+"""What a CPU user would run instead: llama.cpp's own prefill and decode on the GGUF file the preset ships.
+
+Runs `llama-bench` (built from llama.cpp's sources, e.g. the copy inside the `llama-cpp-python` source package:
+`cmake -B build -DGGML_NATIVE=ON && cmake --build build --target llama-bench llama-quantize`) on the preset's GGUF
+(Q4_K_M for the default preset) and, with `--llama-quantize`, on copies requantized to q8_0 and f16 (their speed,
+not their quality: they are made from the Q4 weights). Reports prompt tokens/s for a --prompt-tokens prompt,
+decode tokens/s, and the time to the last token of 128- and 256-token answers. Writes OUT/results.json and
+summary.md; compare with `benchmarks/decode.py` on the same machine, the same thread count.
+
+    python benchmarks/llamacpp.py --llama-bench /path/to/build/bin/llama-bench \\
+        --llama-quantize /path/to/build/bin/llama-quantize --prompt-tokens 3139
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from load import cpu_name
+
+from cacheblend_rag.models import DEFAULT_PRESET
+from cacheblend_rag.models.gguf import assemble_preset_file
+from cacheblend_rag.models.presets import find_preset
+
+
+def bench(llama_bench: str, gguf: Path, prompt_tokens: int, new_tokens: int, threads: int, repeats: int) -> dict:
+    cmd = [llama_bench, "-m", str(gguf), "-p", str(prompt_tokens), "-n", str(new_tokens), "-t", str(threads),
+           "-r", str(repeats), "-o", "json"]  # fmt: skip
+    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    prompt = next(r for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
+    gen = next(r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
+    return dict(prompt_tokens_per_s=prompt["avg_ts"], decode_tokens_per_s=gen["avg_ts"], type=prompt.get("type_k"),
+                model_type=prompt.get("model_type"), command=" ".join(cmd))  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-bench", required=True)
+    p.add_argument("--llama-quantize", help="also time q8_0 and f16 copies of the GGUF")
+    p.add_argument("--model", default=DEFAULT_PRESET)
+    p.add_argument("--prompt-tokens", type=int, default=3139)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results/llamacpp")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    preset = find_preset(args.model)
+    if preset is None:
+        p.error(f"{args.model!r} is not a preset")
+    gguf = assemble_preset_file(preset)
+    files = {"shipped": gguf}
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.llama_quantize:
+            for kind in ("q8_0", "f16"):
+                target = Path(scratch) / f"{kind}.gguf"
+                subprocess.run([args.llama_quantize, "--allow-requantize", str(gguf), str(target), kind.upper()],
+                               check=True, capture_output=True)  # fmt: skip
+                files[kind] = target
+        results = dict(model=preset.name, cpu=cpu_name(), threads=args.threads, prompt_tokens=args.prompt_tokens,
+                       rows={})  # fmt: skip
+        for name, path in files.items():
+            row = bench(args.llama_bench, path, args.prompt_tokens, args.new_tokens, args.threads, args.repeats)
+            ttft = args.prompt_tokens / row["prompt_tokens_per_s"]
+            row.update(ttft_s=ttft, last_token_128_s=ttft + 127 / row["decode_tokens_per_s"],
+                       last_token_256_s=ttft + 255 / row["decode_tokens_per_s"])  # fmt: skip
+            results["rows"][name] = row
+            print(name, {k: v for k, v in row.items() if k != "command"}, flush=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    lines = [f"llama.cpp (llama-bench), {preset.name}, {results['cpu']}, {args.threads} threads, "
+             f"{args.prompt_tokens}-token prompt.", "",
+             "| GGUF | prompt tok/s | TTFT (s) | decode tok/s | last token, 128 (s) | last token, 256 (s) |",
+             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for name, r in results["rows"].items():
+        lines.append(f"| {name} | {r['prompt_tokens_per_s']:.1f} | {r['ttft_s']:.1f} | {r['decode_tokens_per_s']:.1f}"
+                     f" | {r['last_token_128_s']:.1f} | {r['last_token_256_s']:.1f} |")  # fmt: skip
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
