@@ -25,7 +25,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from benchlib.cli import model_name  # noqa: E402
+from benchlib.cli import add_out_argument, model_name  # noqa: E402
 from benchlib.timing import add_data_dir_argument, chunk_texts  # noqa: E402
 from load import QUESTIONS, cpu_name  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
@@ -79,7 +79,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cases", type=int, default=8, help="prompts of the fidelity check (0: skip it)")
-    p.add_argument("--out", default="benchmarks/results/decode")
+    add_out_argument(p, "decode", "where the decode results go")
     add_data_dir_argument(p)
     args = p.parse_args()
     out = Path(args.out)

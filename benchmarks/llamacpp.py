@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from benchlib.cli import add_out_argument
 from load import cpu_name
 
 from cacheblend_rag.models import DEFAULT_PRESET
@@ -47,7 +48,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", default="benchmarks/results/llamacpp")
+    add_out_argument(p, "llamacpp", "where llama.cpp's results go")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

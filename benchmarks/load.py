@@ -30,7 +30,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from benchlib.cli import model_name  # noqa: E402
+from benchlib.cli import add_out_argument, model_name  # noqa: E402
 from benchlib.timing import RANDOM_SHAPES, add_data_dir_argument, build_engine, chunk_texts  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
@@ -178,7 +178,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="max_batch_size of the batched settings")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--out", default="benchmarks/results/load")
+    add_out_argument(p, "load", "where the load results go")
     add_data_dir_argument(p)
     args = p.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
