@@ -5,8 +5,10 @@ It composes the parts, each in its own module:
 - `chunk_cache`: chunk KV by key, from the store or prefilled and stored;
 - `planning`: which tokens a prefill recomputes (pure functions to a `FusionPlan`);
 - `prefill`: the four prefill modes and the request's metrics;
-- `decoding`: the token loop and streamed text.
-One forward runs at a time (a lock): the model's modules are shared, and on a CPU parallel forwards only contend.
+- `decoding`: a request's token loop and the streams callers read;
+- `scheduler` and `batch_decode`: one queue for every request, decode steps batched across requests.
+One forward runs at a time (a lock): the model's modules are shared, and on a CPU parallel forwards only contend;
+concurrency comes from batching decode steps, not from parallel forwards.
 """
 
 from __future__ import annotations
