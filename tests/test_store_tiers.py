@@ -414,3 +414,19 @@ def test_every_store_implements_the_whole_protocol_the_same_way(any_store):
     store.put(kv)
     store.clear()
     assert len(store) == 0 and store.open("chunk-a") is None
+
+
+def test_the_disk_folder_stays_within_its_budget_with_the_sqlite_log_and_no_empty_folders(tmp_path):
+    budget = 8 * 2**20
+    store = DiskStore(tmp_path / "kv", budget_bytes=budget, codec=EXACT_CODEC)
+    for i in range(180):  # ~190 KB entries: the budget holds about 40 of them
+        store.put(make_kv(f"chunk-{i}", tokens=1500, seed=i))
+        if i % 3 == 0:
+            store.get(f"chunk-{i // 2}")  # reads and misses, as requests make them
+    files = [p for p in (tmp_path / "kv").rglob("*") if p.is_file()]
+    folders = [p for p in (tmp_path / "kv").rglob("*") if p.is_dir()]
+    total = sum(p.stat().st_size for p in files)
+    wal = tmp_path / "kv" / "cache.db-wal"
+    assert total <= budget + 1.25 * 2**20, (total, wal.stat().st_size if wal.exists() else 0)
+    assert not [f for f in folders if not any(f.iterdir())]  # an emptied value folder is removed
+    assert len(store) > 20

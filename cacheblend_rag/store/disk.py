@@ -68,7 +68,8 @@ def check_disk_dir(directory: str | os.PathLike[str]) -> None:
 
 
 class DiskStore:
-    """Chunk KV in a local directory, at most `budget_bytes` in all (values plus diskcache's ~32 KB index).
+    """Chunk KV in a local directory, at most `budget_bytes` of values and index (diskcache's `cache.db`), plus
+    SQLite's log, which is checkpointed and cut back to 1 MiB (`disk_index.cache_settings`).
 
     `get` moves an entry to the most recently used end; `put` evicts the least recently used entries until the
     directory fits the budget again. A corrupt entry, or an index row this tier could not have written (a file

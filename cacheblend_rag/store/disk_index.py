@@ -45,6 +45,11 @@ def cache_settings(budget_bytes: int) -> dict[str, Any]:
         # diskcache evicts up to `cull_limit` least recently used entries whenever a set leaves the directory
         # over budget; its default of ten can throw out the entry just written when the cache holds few.
         cull_limit=1,
+        # SQLite's write-ahead log lives beside the index and is not in diskcache's volume: checkpoint it every
+        # 256 pages (1 MiB) and cut it back to 1 MiB after each checkpoint, so the folder stays within the budget
+        # plus about 1 MiB.
+        sqlite_wal_autocheckpoint=256,
+        sqlite_journal_size_limit=2**20,
         statistics=0,
         tag_index=0,
     )
