@@ -28,7 +28,6 @@ import torch  # noqa: E402
 from benchlib.cli import add_out_argument, model_name  # noqa: E402
 from benchlib.timing import add_data_dir_argument, chunk_texts  # noqa: E402
 from load import QUESTIONS, cpu_name  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
 from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache  # noqa: E402
@@ -47,10 +46,6 @@ def timing(engine: CacheBlendEngine, chunks: list[str], args) -> dict:
     return {k: statistics.median(run[k] for run in runs) for k in runs[0]} | {"runs": runs}
 
 
-def copy_cache(cache: DynamicCache, n: int, room: int) -> DecodeCache:
-    return DecodeCache(cache, n, n + room)
-
-
 def fidelity(engine: CacheBlendEngine, pool: list[str], args) -> dict:
     """KL(native || int8) per decode step along native's greedy answer (teacher forcing): both start from the same
     prompt cache, and each keeps the keys and values its own weights compute for the answer's tokens, as in use."""
@@ -62,7 +57,8 @@ def fidelity(engine: CacheBlendEngine, pool: list[str], args) -> dict:
         answer = engine.generate(chunks, QUESTIONS[case % len(QUESTIONS)], max_new_tokens=args.new_tokens).token_ids
         prompt = engine.build_prompt(chunks, QUESTIONS[case % len(QUESTIONS)])
         pre = engine.prefill(prompt)
-        a, b = copy_cache(pre.cache, pre.num_tokens, len(answer)), copy_cache(pre.cache, pre.num_tokens, len(answer))
+        room = pre.num_tokens + len(answer)
+        a, b = DecodeCache(pre.cache, pre.num_tokens, room), DecodeCache(pre.cache, pre.num_tokens, room)
         for token in answer[:-1]:
             p = torch.log_softmax(native.step([token], [a])[0], -1)
             q = torch.log_softmax(int8.step([token], [b])[0], -1)

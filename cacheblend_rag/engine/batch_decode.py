@@ -41,10 +41,6 @@ class DecodeCache:
         self.length = length
         self.capacity = capacity
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
     def put(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the next position's key and value ([Hkv, D]) in a layer; -> that layer's keys and values so far."""
         n = self.length

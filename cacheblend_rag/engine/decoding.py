@@ -89,7 +89,31 @@ class TokenLoop:
 Event = str | GenerationResult | BaseException  # what a request's channel carries, in order
 
 
-class TextStream:
+class _Events:
+    """What both streams share: the request's cancel, the `.result` once it arrives, and reading one event."""
+
+    def __init__(self, cancel: Callable[[], None]) -> None:
+        self._cancel = cancel
+        self._closed = False
+        self.result: GenerationResult | None = None
+
+    def _stop(self) -> None:
+        """End the stream now; the request is cancelled unless it finished."""
+        self._closed = True
+        if self.result is None:
+            self._cancel()
+
+    def _take(self, event: Event) -> str:
+        """An event's text ("" for none); the result is kept, an error raised."""
+        if isinstance(event, BaseException):
+            raise event
+        if isinstance(event, GenerationResult):
+            self.result = event
+            return ""
+        return event
+
+
+class TextStream(_Events):
     """Iterator over text deltas of one generation; `.result` holds the GenerationResult once exhausted.
 
     `close()` (or leaving a `with` block, or dropping the stream) cancels the request: the engine stops
@@ -97,10 +121,8 @@ class TextStream:
     """
 
     def __init__(self, events: Iterator[Event], cancel: Callable[[], None]) -> None:
+        super().__init__(cancel)
         self._events = events
-        self._cancel = cancel
-        self._closed = False
-        self.result: GenerationResult | None = None
 
     def __iter__(self) -> TextStream:
         return self
@@ -108,31 +130,23 @@ class TextStream:
     def close(self) -> None:
         """Stop generating now (a consumer that abandons the stream); `.result` stays None unless finished.
         The stream then ends: `next` raises StopIteration."""
-        self._closed = True
-        if self.result is None:
-            self._cancel()
+        self._stop()
 
     def __del__(self) -> None:
-        self.close()
+        self._stop()
 
     def __enter__(self) -> TextStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._stop()
 
     def __next__(self) -> str:
-        while True:
-            if self._closed:
-                raise StopIteration
-            event = next(self._events)  # StopIteration ends the stream
-            if isinstance(event, BaseException):
-                raise event
-            if isinstance(event, GenerationResult):
-                self.result = event
-                continue
-            if event:
-                return event
+        while not self._closed:
+            text = self._take(next(self._events))  # StopIteration ends the stream
+            if text:
+                return text
+        raise StopIteration
 
     def collect(self) -> GenerationResult:
         """Run to the end and return the result (what `engine.generate` does)."""
@@ -142,7 +156,7 @@ class TextStream:
         return self.result
 
 
-class AsyncTextStream:
+class AsyncTextStream(_Events):
     """`async for` over text deltas of one generation; `.result` holds the GenerationResult once exhausted.
 
     Awaiting a delta parks the task without a thread: the engine's scheduler hands each event to the event loop.
@@ -150,19 +164,15 @@ class AsyncTextStream:
     """
 
     def __init__(self, events: AsyncIterator[Event], cancel: Callable[[], None]) -> None:
+        super().__init__(cancel)
         self._events = events
-        self._cancel = cancel
-        self._closed = False
-        self.result: GenerationResult | None = None
 
     def __aiter__(self) -> AsyncTextStream:
         return self
 
     async def aclose(self) -> None:
         """Stop generating now; the stream then ends."""
-        self._closed = True
-        if self.result is None:
-            self._cancel()
+        self._stop()
 
     def __del__(self) -> None:
         if self.result is None:
@@ -172,25 +182,20 @@ class AsyncTextStream:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+        self._stop()
 
     async def __anext__(self) -> str:
-        while True:
-            if self._closed:
-                raise StopAsyncIteration
+        while not self._closed:
             try:
                 event = await self._events.__anext__()  # StopAsyncIteration ends the stream
             except BaseException:
                 if self.result is None:
                     self._cancel()
                 raise
-            if isinstance(event, BaseException):
-                raise event
-            if isinstance(event, GenerationResult):
-                self.result = event
-                continue
-            if event:
-                return event
+            text = self._take(event)
+            if text:
+                return text
+        raise StopAsyncIteration
 
     async def collect(self) -> GenerationResult:
         """Run to the end and return the result (what `engine.agenerate` does)."""

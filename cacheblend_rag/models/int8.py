@@ -52,10 +52,6 @@ class Int8Linear(nn.Module):
             y = y + self.bias
         return y.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
 
-    @property
-    def nbytes(self) -> int:
-        return self.out_features * (self.in_features + 2) + 4 * self.out_features
-
 
 def _swap_linears(module: nn.Module) -> nn.Module:
     for name, child in list(module.named_children()):

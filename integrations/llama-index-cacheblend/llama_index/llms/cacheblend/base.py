@@ -242,6 +242,14 @@ class CacheBlendLLM(CustomLLM):
             additional_kwargs={METRICS_KEY: result.metrics.to_dict()},
         )
 
+    @classmethod
+    def _last_response(cls, result: GenerationResult | None) -> CompletionResponse:
+        """A stream's last response: an empty delta that carries the metrics only."""
+        assert result is not None
+        final = cls._response(result)
+        final.delta = ""
+        return final
+
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         text = self._prompt_text(prompt, formatted)
@@ -260,10 +268,7 @@ class CacheBlendLLM(CustomLLM):
             for delta in stream:
                 so_far += delta
                 yield CompletionResponse(text=so_far, delta=delta)
-            assert stream.result is not None
-            final = self._response(stream.result)  # empty delta: it carries the metrics only
-            final.delta = ""
-            yield final
+            yield self._last_response(stream.result)
 
         return gen()
 
@@ -286,10 +291,7 @@ class CacheBlendLLM(CustomLLM):
             async for delta in stream:
                 so_far += delta
                 yield CompletionResponse(text=so_far, delta=delta)
-            assert stream.result is not None
-            final = self._response(stream.result)  # empty delta: it carries the metrics only
-            final.delta = ""
-            yield final
+            yield self._last_response(stream.result)
 
         return gen()
 
