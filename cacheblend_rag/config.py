@@ -61,6 +61,7 @@ _CHECKS: dict[str, tuple[tuple[int, ...], str, tuple[float, ...]]] = {
 
 DECODE_WEIGHTS = ("native", "int8")
 MISS_POLICIES = ("auto", "blend", "full")
+CAPTURE_POLICIES = ("exact", "all")
 
 
 # Neighbours a chunk's KV is prefilled after where the corpus is known (contextual chunk KV). 0, isolated entries,
@@ -269,6 +270,11 @@ class EngineConfig:
     # chunk's KV is prefilled after its n most similar other chunks, keeping only its own KV. 0: isolated entries
     # (the default for now; 2 is the measured setting).
     context_neighbours: int = DEFAULT_CONTEXT_NEIGHBOURS
+    # What a full prefill (a cold request, mode="full") stores of its chunks' KV, which it holds for free: "exact"
+    # stores the chunks whose KV there is their entry (the one right after the prefix) and prefills the others
+    # after the answer; "all" stores every chunk as that prompt computed it, under keys of their own
+    # (docs/how-it-works.md, "Captured chunk KV").
+    capture: str = "exact"
     # How many requests decode together: each decode step reads the weights once for all of them. Requests past it
     # wait in arrival order. 1 serves one request at a time. Memory: each decoding request holds its prompt's KV
     # and room for its answer (docs/configuration.md, "Serving many requests").
@@ -317,6 +323,13 @@ class EngineConfig:
             raise ConfigError(
                 f"the guard reads the 'attention' rule's first pass, but blend.rule is {self.blend.rule!r}; use "
                 "blend_rule('attention', r) or guard=None"
+            )
+        if self.capture not in CAPTURE_POLICIES:
+            raise ConfigError(f"capture must be one of {', '.join(CAPTURE_POLICIES)}, got {self.capture!r}")
+        if self.capture == "all" and self.context_neighbours:
+            raise ConfigError(
+                "capture='all' keeps each chunk's KV from the prompt it came in, context_neighbours "
+                "builds it after its neighbours: choose one (capture='exact' goes with both)"
             )
         if self.miss_policy not in MISS_POLICIES:
             raise ConfigError(f"miss_policy must be one of {', '.join(MISS_POLICIES)}, got {self.miss_policy!r}")

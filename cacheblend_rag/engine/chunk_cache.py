@@ -4,6 +4,11 @@ A chunk's entry is keyed by (model fingerprint, dtype, prefix tokens, chunk toke
 per-layer raw keys and values, prefilled after the shared prefix (so it has the same attention sink as in a
 prompt) and, where `contexts` records one, after its context (`chunk_context`): only the chunk's own KV is kept.
 
+A full prefill of a prompt holds every chunk's KV after the prefix and the chunks before it; `capture` cuts the
+entries out of it (keys turned back to raw), so a cold request stores what it already computed (`capturable`
+says which, under the engine's `capture` policy). Under capture="all" every entry is keyed as captured: the KV of
+the first prompt that needed the chunk, after whatever preceded it there, never mixed with isolated entries.
+
 Whatever comes back from a store is checked against the shape this model gives that many tokens before a single
 layer is read; anything else is dropped and recomputed, never used.
 """
@@ -19,9 +24,12 @@ from tqdm.auto import tqdm
 
 from ..errors import ConfigError
 from ..fusion import FusionPlan, LayerLoader, fuse
-from ..models.adapter import LayerwiseModel
+from ..models.adapter import LayerwiseModel, unrotate_keys
 from ..store import ChunkKV, ChunkReader, ChunkStore, CorruptEntryError, Hit, TieredStore, chunk_key
 from .chunk_context import ChunkContexts
+from .prompt import TokenizedPrompt
+
+CAPTURED = "captured"  # the context recorded in the keys of capture="all" entries
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +51,10 @@ class ChunkCache:
         store: ChunkStore,
         fingerprint: str,
         dtype: torch.dtype,
+        capture: str = "exact",
     ) -> None:
         self.lm = lm
+        self.capture_policy = capture  # EngineConfig.capture
         self._store = store
         self.fingerprint = fingerprint
         self.dtype = dtype
@@ -61,7 +71,8 @@ class ChunkCache:
 
     def key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
         """The store key of a chunk's KV when it follows `prefix_ids` (and its recorded context, if any)."""
-        return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids, self.contexts.digest(chunk_ids))
+        digest = CAPTURED if self.capture_policy == "all" else self.contexts.digest(chunk_ids)
+        return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids, digest)
 
     def prompt_keys(
         self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], *, with_prefix: bool = True
@@ -96,9 +107,7 @@ class ChunkCache:
         A context that would not fit the model's positions with the prefix and the chunk is cut from its start
         (the nearest neighbour, placed last, is kept)."""
         p = len(prefix_ids)
-        context = self.contexts.tokens(ids)
-        room = max(self.lm.shape.max_positions - p - len(ids), 0)
-        context = context[len(context) - room :] if len(context) > room else context
+        context = self.context_of(prefix_ids, ids)
         all_ids = torch.tensor([*prefix_ids, *context, *ids], dtype=torch.long)
         keep = p + len(context)
         n = all_ids.shape[0]
@@ -111,6 +120,57 @@ class ChunkCache:
         keys = torch.stack([k[:, keep:] for k in result.raw_keys])  # [L, Hkv, T, D]
         values = torch.stack([v[:, keep:] for v in result.values])
         return ChunkKV(self.key(prefix_ids, ids), keys, values)
+
+    def context_of(self, prefix_ids: Sequence[int], ids: Sequence[int]) -> tuple[int, ...]:
+        """The tokens chunk `ids`'s entry is prefilled after, between the prefix and the chunk: its recorded
+        context, cut from its start to what fits the model's positions (the nearest neighbour, placed last, stays)."""
+        if self.capture_policy == "all":
+            return ()  # a chunk no prompt has computed yet: the first context it gets is none
+        context = self.contexts.tokens(ids)
+        room = max(self.lm.shape.max_positions - len(prefix_ids) - len(ids), 0)
+        return context[len(context) - room :] if len(context) > room else context
+
+    def capturable(self, prompt: TokenizedPrompt, chunks: Sequence[Sequence[int]]) -> list[int]:
+        """The positions in `prompt` of those of `chunks` whose entry a full prefill of the prompt computes: under
+        capture="all" every one (at its first place); under "exact" those whose entry is prefilled after exactly
+        the chunks before them here (the first chunk, when it has no context)."""
+        wanted = {tuple(c) for c in chunks}
+        out: list[int] = []
+        before: list[int] = []
+        for j, ids in enumerate(prompt.chunk_ids):
+            same = self.capture_policy == "all" or self.context_of(prompt.prefix_ids, ids) == tuple(before)
+            if ids in wanted and same:
+                out.append(j)
+                wanted.discard(ids)
+            before.extend(ids)
+        return out
+
+    def capture(self, prompt: TokenizedPrompt, layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                positions: Sequence[int]) -> dict[tuple[int, ...], ChunkKV]:  # fmt: skip
+        """The entries of the chunks at `positions` of `prompt`, cut from a full prefill of it.
+
+        `layers`: per layer, the prefill's rotated keys and values [Hkv, N, D] (N >= the prompt's tokens). The keys
+        are turned back to raw (float32 arithmetic); the values are copied as they are. -> {chunk ids: entry}
+        """
+        if not positions:
+            return {}
+        spans = prompt.chunk_spans
+        cos, sin = self.lm.rope(torch.arange(prompt.num_tokens, device=self.lm.device), torch.float32)
+        out: dict[tuple[int, ...], ChunkKV] = {}
+        for j in positions:
+            s, e = spans[j]
+            ids = prompt.chunk_ids[j]
+            keys = torch.stack([unrotate_keys(k[:, s:e].float(), cos[s:e], sin[s:e]).to(self.dtype) for k, _ in layers])
+            values = torch.stack([v[:, s:e] for _, v in layers])
+            out[ids] = ChunkKV(self.key(prompt.prefix_ids, ids), keys, values)
+        return out
+
+    def store_or_fill(self, prefix_ids: Sequence[int], ids: Sequence[int], kv: ChunkKV | None) -> None:
+        """Store chunk `ids`'s entry: `kv` when a full prefill captured it, else prefilled now (if not stored)."""
+        if kv is None:
+            self.fill(prefix_ids, [ids])
+        elif kv.key not in self.store:
+            self.store.put(kv)
 
     def lookup(self, key: str, num_tokens: int) -> Hit | None:
         """The store's hit for `key` if it has this model's dtype and the shape of `num_tokens` tokens.

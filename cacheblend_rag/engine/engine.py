@@ -32,7 +32,6 @@ from .chunk_context import NEIGHBOURS, ContextArg, assign_contexts, context_part
 from .decoding import AsyncTextStream, GenerationResult, TextStream, TokenLoop
 from .fills import DeferredFills
 from .generation import eos_token_ids
-from .metrics import RequestMetrics
 from .planning import check_blend
 from .prefill import Prefill, Prefiller, RatioPolicy
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_parts
@@ -77,7 +76,7 @@ class CacheBlendEngine:
         self.eos_ids = eos_token_ids(self.model, tokenizer)
         limits = [self.lm.shape.max_positions, self.config.max_prompt_tokens, max_blend_length(self.model.config)]
         self.max_tokens = min(x for x in limits if x is not None)
-        self.chunks = ChunkCache(self.lm, store, self.fingerprint, self.dtype)
+        self.chunks = ChunkCache(self.lm, store, self.fingerprint, self.dtype, self.config.capture)
         self._prefiller = Prefiller(
             self.model,
             self.lm,
@@ -87,7 +86,7 @@ class CacheBlendEngine:
             guard=self.config.guard,
         )
         self._lock = threading.RLock()
-        self._fills = DeferredFills(lambda prefix_ids, ids: self.chunks.fill(prefix_ids, [ids]), self._lock)
+        self._fills = DeferredFills(self.chunks.store_or_fill, self._lock)
         self.scheduler = Scheduler(
             BatchDecoder(self._decode_model()),
             self._lock,
@@ -264,15 +263,11 @@ class CacheBlendEngine:
         request = Request(mode=mode, recompute_ratio=recompute_ratio, blend=blend)
         self._check_request(prompt, request, "prefill")
         pre = self._prefill(prompt, request)
-        self._store_deferred(prompt, pre.deferred, pre.metrics)
+        # the chunks a cold prefill answered without are stored now, so the next request finds them (`generate` and
+        # `stream` leave that to the background: `wait_for_fills`)
+        self._fills.submit(prompt.prefix_ids, pre.deferred, pre.metrics)
+        self._fills.wait_for(prompt.chunk_ids)
         return pre
-
-    def _store_deferred(self, prompt: TokenizedPrompt, chunks: Sequence[Sequence[int]], m: RequestMetrics) -> None:
-        """Store now the chunks a cold `prefill` answered without (the miss policy), so the next request finds them
-        (`generate` and `stream` leave that to the background, `wait_for_fills`)."""
-        if chunks:
-            self._fills.submit(prompt.prefix_ids, chunks, m)
-            self._fills.wait_for(chunks)
 
     def wait_for_fills(self, timeout: float | None = None) -> bool:
         """Wait until the chunks that cold requests were answered without are stored (they are stored on a
@@ -297,7 +292,11 @@ class CacheBlendEngine:
         policy = self.controller if mode is PrefillMode.BLEND and not pinned else None
         self._fills.wait_for(prompt.chunk_ids)  # a chunk an earlier cold request is storing: wait, not recompute
         with self._lock:
-            return self._prefiller.run_retrying(prompt, mode, blend, policy, self.store_tiers)
+            pre = self._prefiller.run_retrying(prompt, mode, blend, policy, self.store_tiers)
+        # entries a full prefill computed: stored at once on the fills' thread (no compute, only the store's writes)
+        self._fills.submit(prompt.prefix_ids, pre.captured, pre.metrics, pre.captured)
+        pre.captured = {}  # the fills' thread holds them until stored
+        return pre
 
     @property
     def store_tiers(self) -> int:

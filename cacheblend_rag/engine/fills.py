@@ -1,7 +1,8 @@
 """Storing the chunks a cold request was answered without, after the call returns (the miss policy's fill).
 
-A cold request is answered with a full prefill; its missing chunks are then prefilled again (after their
-context, when they have one) and stored, so that the next request that retrieves them is fast. That work
+A cold request is answered with a full prefill. The missing chunks whose entries that prefill computed are
+stored from it (`ChunkCache.capture`); the others are prefilled (after their context, when they have one) and
+stored after the answer, so that the next request that retrieves them is fast. That work
 belongs to no one's answer: `DeferredFills` runs it on one background thread, one chunk per turn of the engine's
 lock, so requests keep their turns between chunks. A request that needs a chunk still queued waits for it
 (`wait_for`) rather than computing it twice; `wait()` waits for everything (before a process exits).
@@ -13,13 +14,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from ..store import ChunkKV
 from .metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 
-Fill = Callable[[Sequence[int], Sequence[int]], None]  # (prefix ids, chunk ids): store that chunk's KV
+# (prefix ids, chunk ids, its captured entry or None): store that chunk's KV (prefilling it when None)
+Fill = Callable[[Sequence[int], Sequence[int], ChunkKV | None], None]
+Item = tuple[tuple[int, ...], tuple[tuple[int, ...], ...], RequestMetrics, Mapping[tuple[int, ...], ChunkKV]]
 
 
 class DeferredFills:
@@ -29,13 +33,20 @@ class DeferredFills:
     def __init__(self, fill: Fill, lock: threading.RLock) -> None:
         self._fill = fill
         self._lock = lock  # the engine's: one forward at a time
-        self._queue: queue.Queue[tuple[tuple[int, ...], tuple[tuple[int, ...], ...], RequestMetrics]] = queue.Queue()
+        self._queue: queue.Queue[Item] = queue.Queue()
         self._pending: dict[tuple[int, ...], int] = {}  # chunk ids -> queued count
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def submit(self, prefix_ids: Sequence[int], chunks: Iterable[Sequence[int]], metrics: RequestMetrics) -> None:
-        """Queue `chunks` (after `prefix_ids`) to be stored; `metrics.deferred_fill_s` gets the time it took."""
+    def submit(
+        self,
+        prefix_ids: Sequence[int],
+        chunks: Iterable[Sequence[int]],
+        metrics: RequestMetrics,
+        captured: Mapping[tuple[int, ...], ChunkKV] | None = None,
+    ) -> None:
+        """Queue `chunks` (after `prefix_ids`) to be stored, from their `captured` entry where there is one;
+        `metrics.deferred_fill_s` adds the time the others took to prefill and store."""
         chunks = tuple(tuple(c) for c in chunks)
         if not chunks:
             return
@@ -45,7 +56,7 @@ class DeferredFills:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="cacheblend-deferred-fills", daemon=True)
                 self._thread.start()
-        self._queue.put((tuple(prefix_ids), chunks, metrics))
+        self._queue.put((tuple(prefix_ids), chunks, metrics, dict(captured or {})))
 
     def wait_for(self, chunks: Iterable[Sequence[int]], timeout: float | None = None) -> bool:
         """Wait until none of `chunks` is queued or being stored. Never call it holding the engine's lock."""
@@ -66,17 +77,18 @@ class DeferredFills:
 
     def _run(self) -> None:
         while True:
-            prefix_ids, chunks, metrics = self._queue.get()
-            t = time.perf_counter()
+            prefix_ids, chunks, metrics, captured = self._queue.get()
             for c in chunks:
+                t, prefilled = time.perf_counter(), c not in captured
                 try:
                     with self._lock:
-                        self._fill(prefix_ids, c)
+                        self._fill(prefix_ids, c, captured.pop(c, None))  # dropped once stored
                 except Exception as exc:  # a fill is an optimisation: report it and go on
                     logger.warning("storing a chunk after a cold request failed (%s: %s); the next request that "
                                    "retrieves it computes it", type(exc).__name__, exc)  # fmt: skip
                 finally:
-                    metrics.deferred_fill_s = time.perf_counter() - t  # before the waiters are told
+                    if prefilled:  # a captured entry only costs its store's write
+                        metrics.deferred_fill_s += time.perf_counter() - t  # before the waiters are told
                     with self._cond:
                         self._pending[c] -= 1
                         if not self._pending[c]:

@@ -17,14 +17,15 @@ class RequestMetrics:
     compute_share: float = 0.0  # token-layers recomputed / token-layers of a full prefill
     chunks_hit: int = 0
     chunks_missed: int = 0  # not in the store: prefilled on the spot and stored
+    chunks_captured: int = 0  # missed chunks stored from this request's own full prefill (no second prefill)
     hits_by_tier: dict[str, int] = field(default_factory=dict)  # chunk hits per store tier (memory, disk, redis)
     bytes_loaded: int = 0  # read from store tiers, as their codecs stored it (int8 on disk: about a quarter of fp32)
     load_s: float = 0.0  # store lookups, reading, checking and assembling loaded KV (overlapped when pipelined)
     wait_s: float = 0.0  # time the fusor sat waiting for loaded KV: the part of load_s compute did not hide
     pipelined: bool = False  # layer-wise loading ran on a thread beside the fusor
     precompute_s: float = 0.0  # prefilling chunks that missed, within this request (part of ttft_s)
-    # storing missed chunks after the answer (the miss policy's full prefill), on a background thread: 0 until
-    # it is done (`engine.wait_for_fills()`), never part of the request's own time
+    # prefilling and storing the missed chunks the full prefill did not capture, after the answer, on a background
+    # thread: 0 until it is done (`engine.wait_for_fills()`), never part of the request's own time
     deferred_fill_s: float = 0.0
     fallback: str | None = None  # why the request ran otherwise than asked (e.g. a full prefill for a cold one)
     # the "attention" rule's risk signals of the first blend (engine.guard.first_token_signals), and the ratios a

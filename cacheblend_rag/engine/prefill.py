@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from ..config import BlendConfig, Guard, PrefillMode
 from ..fusion import FusionPlan, FusionResult, LayerLoader, fuse
 from ..models.adapter import LayerwiseModel
-from ..store import ChunkReader, CorruptEntryError
+from ..store import ChunkKV, ChunkReader, CorruptEntryError
 from .chunk_cache import ChunkCache
 from .guard import agrees, first_token_signals
 from .metrics import RequestMetrics
@@ -63,6 +63,8 @@ class Prefill:
     metrics: RequestMetrics
     # chunks (token ids) that were not stored and were answered by a full prefill: store them after the answer
     deferred: tuple[tuple[int, ...], ...] = ()
+    # entries cut from this request's full prefill (`ChunkCache.capture`), to store at once
+    captured: dict[tuple[int, ...], ChunkKV] = field(default_factory=dict)
 
 
 class Prefiller:
@@ -136,8 +138,10 @@ class Prefiller:
         t0 = time.perf_counter()
 
         if mode is PrefillMode.FULL or not prompt.chunk_ids:
-            # Without chunks there is nothing to reuse or blend: every mode is a full prefill.
-            return self._full(prompt, m, t0)
+            # Without chunks there is nothing to reuse or blend: every mode is a full prefill. It reads no stored
+            # KV, and stores the chunks it computed as their entries (the capture policy's), at no cost.
+            missing = self.chunks.missing(prompt.prefix_ids, prompt.chunk_ids) if prompt.chunk_ids else []
+            return self._full(prompt, m, t0, self.chunks.capturable(prompt, missing))
         if mode is not PrefillMode.PREFIX and self.miss_policy != "blend":
             cold = self._answer_cold_in_full(prompt, mode, blend, m, t0)
             if cold is not None:
@@ -171,36 +175,41 @@ class Prefiller:
         m.compute_share = sum(m.recomputed_per_layer) / (n * num_layers)
         return Prefill(cache, result.logits, n, m)
 
-    def _full(self, prompt: TokenizedPrompt, m: RequestMetrics, t0: float) -> Prefill:
-        """The model's own prefill of the whole prompt: exact, and reads nothing from the store."""
+    def _full(self, prompt: TokenizedPrompt, m: RequestMetrics, t0: float, capture: Sequence[int] = ()) -> Prefill:
+        """The model's own prefill of the whole prompt: exact, and reads nothing from the store. The entries of
+        the chunks at positions `capture` are cut from it (`Prefill.captured`)."""
         n, num_layers = prompt.num_tokens, self.lm.shape.num_layers
         m.mode = PrefillMode.FULL.value
         cache = DynamicCache(config=self.model.config)
         logits = self.forward(prompt.input_ids(), 0, cache)
+        layers = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+        captured = self.chunks.capture(prompt, layers, capture)
         m.compute_s = time.perf_counter() - t0
         m.recomputed_tokens = n
         m.recomputed_per_layer = [n] * num_layers
         m.compute_share = 1.0
-        return Prefill(cache, logits, n, m)
+        m.chunks_captured = len(captured)
+        return Prefill(cache, logits, n, m, captured=captured)
 
     def _answer_cold_in_full(
         self, prompt: TokenizedPrompt, mode: PrefillMode, blend: BlendConfig, m: RequestMetrics, t0: float
     ) -> Prefill | None:
         """A full prefill when prefilling the request's missing chunks first would cost more than it (the miss
-        policy); the missing chunks are then stored after the answer (`Prefill.deferred`). None: go on cached."""
+        policy). The missing chunks that prefill computes as their entries are stored from it (`Prefill.captured`);
+        the others are prefilled and stored after the answer (`Prefill.deferred`). None: go on cached."""
         missing = self.chunks.missing(prompt.prefix_ids, prompt.chunk_ids)
         if not missing:
             return None
         share = cold_cost_share(prompt, missing, blend if mode is PrefillMode.BLEND else None, self.lm.shape.num_layers)
         if self.miss_policy == "auto" and share < 1.0:
             return None
-        pre = self._full(prompt, m, t0)
+        pre = self._full(prompt, m, t0, self.chunks.capturable(prompt, missing))
         gone = set(missing)
         m.chunks_missed = sum(tuple(ids) in gone for ids in prompt.chunk_ids)
         m.chunks_hit = len(prompt.chunk_ids) - m.chunks_missed
         m.cold_tokens = sum(len(ids) for ids in missing)
         m.fallback = f"full prefill: {len(missing)} of {len(prompt.chunk_ids)} chunks not stored yet"
-        pre.deferred = tuple(missing)
+        pre.deferred = tuple(ids for ids in missing if ids not in pre.captured)
         return pre
 
     def _gather(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .adapter import LayerwiseModel, causal_mask, rotate_keys
+from .adapter import LayerwiseModel, causal_mask, rotate_keys, unrotate_keys
 from .presets import DEFAULT_PRESET, PRESETS, ModelPreset, default_model
 from .support import check_supported, max_blend_length, model_family
 
@@ -28,4 +28,5 @@ __all__ = [
     "max_blend_length",
     "model_family",
     "rotate_keys",
+    "unrotate_keys",
 ]

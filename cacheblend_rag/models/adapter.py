@@ -35,6 +35,15 @@ def rotate_keys(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos.unsqueeze(0) + rotate_half(x) * sin.unsqueeze(0)
 
 
+def unrotate_keys(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Undo `rotate_keys`: keys rotated at the positions of `cos`, `sin` ([T, D]) -> raw keys [H, T, D].
+
+    RoPE turns each pair of channels by an angle; turning it back by minus that angle is exact in real numbers,
+    and within a few units of the last place in floating point (pass float32 keys and cos, sin for stored KV).
+    """
+    return x * cos.unsqueeze(0) - rotate_half(x) * sin.unsqueeze(0)
+
+
 def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
     """Boolean attention mask from true positions: query i may see key j iff pos(j) <= pos(i).
 
@@ -97,9 +106,9 @@ class LayerwiseModel:
         """input_ids: [T] -> hidden: [T, hidden]"""
         return self.base.embed_tokens(input_ids)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] -> cos, sin: [T, D] in the model's dtype, from the model's own rotary module."""
-        dummy = torch.empty(0, dtype=self.dtype, device=self.device)
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> cos, sin: [T, D] in `dtype` (default: the model's), from the model's own rotary module."""
+        dummy = torch.empty(0, dtype=dtype or self.dtype, device=self.device)
         cos, sin = self.base.rotary_emb(dummy, positions.unsqueeze(0))
         return cos[0], sin[0]
 

@@ -1,0 +1,99 @@
+"""Captured chunk KV: a full prefill stores the chunks it computed, so a cold request prefills nothing twice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.models import rotate_keys, unrotate_keys
+from cacheblend_rag.testing import make_tiny_model, random_words
+
+PREFIX = random_words(40, 5)
+
+
+def engine_with(family: str, tokenizer, **config) -> CacheBlendEngine:
+    config = EngineConfig(chunk_separator="", **config)
+    return CacheBlendEngine(make_tiny_model(family), tokenizer, config=config)
+
+
+def three_chunks(engine: CacheBlendEngine):
+    chunks = [random_words(41, 20), random_words(42, 16), random_words(43, 24)]
+    return chunks, engine.build_prompt(chunks, prefix=PREFIX, suffix=random_words(44, 6))
+
+
+def entry(engine: CacheBlendEngine, prompt, j: int):
+    kv = engine.store.get(engine.chunk_key(prompt.prefix_ids, prompt.chunk_ids[j]))
+    assert kv is not None, f"chunk {j} is not stored"
+    return kv.keys, kv.values
+
+
+def test_unrotating_a_rotated_key_gives_the_raw_key_back(family, tiny_tokenizer):
+    engine = engine_with(family, tiny_tokenizer)
+    raw = torch.randn(2, 300, engine.lm.shape.head_dim)
+    cos, sin = engine.lm.rope(torch.arange(1000, 1300), torch.float32)
+    torch.testing.assert_close(unrotate_keys(rotate_keys(raw, cos, sin), cos, sin), raw, atol=1e-5, rtol=0)
+
+
+def test_captured_kv_equals_a_prefill_after_the_same_context(family, tiny_tokenizer):
+    capturing = engine_with(family, tiny_tokenizer, capture="all", miss_policy="full")
+    chunks, prompt = three_chunks(capturing)
+    cold = capturing.generate(prompt, max_new_tokens=2)
+    capturing.wait_for_fills()
+    assert cold.metrics.mode == "full" and cold.metrics.chunks_captured == 3
+    # the same entries prefilled apart, each after the chunks before it in that prompt
+    separate = engine_with(family, tiny_tokenizer, miss_policy="blend")
+    separate.precompute(chunks, prefix=PREFIX, context=[[], chunks[:1], chunks[:2]])
+    for j in range(3):
+        for got, want in zip(entry(capturing, prompt, j), entry(separate, prompt, j), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    # so full KV reuse of the prompt that captured them is a full prefill
+    full = capturing.prefill(prompt, "full").logits
+    reuse = capturing.prefill(prompt, "reuse")
+    assert reuse.metrics.chunks_hit == 3
+    torch.testing.assert_close(reuse.logits, full, atol=1e-4, rtol=0)
+
+
+def test_exact_capture_stores_the_first_chunk_from_the_prompt_and_fills_the_rest_alone(family, tiny_tokenizer):
+    engine = engine_with(family, tiny_tokenizer, miss_policy="full")
+    assert engine.config.capture == "exact"
+    chunks, prompt = three_chunks(engine)
+    cold = engine.generate(prompt, max_new_tokens=2)
+    assert cold.metrics.chunks_missed == 3 and cold.metrics.chunks_captured == 1
+    engine.wait_for_fills()
+    # every entry is the isolated one a precompute builds, the first cut from the full prefill
+    isolated = engine_with(family, tiny_tokenizer, miss_policy="blend")
+    isolated.precompute(chunks, prefix=PREFIX)
+    for j in range(3):
+        assert engine.chunk_key(prompt.prefix_ids, prompt.chunk_ids[j]) == isolated.chunk_key(
+            prompt.prefix_ids, prompt.chunk_ids[j]
+        )
+        for got, want in zip(entry(engine, prompt, j), entry(isolated, prompt, j), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_a_full_request_stores_what_it_computed_and_fills_nothing(family, tiny_tokenizer):
+    engine = engine_with(family, tiny_tokenizer, miss_policy="blend")
+    chunks, prompt = three_chunks(engine)
+    # B's entry is prefilled after A: in this prompt the full prefill computes it exactly so
+    engine.set_chunk_context(chunks, [[], chunks[:1], []], prefix=PREFIX)
+    full = engine.prefill(prompt, "full")
+    assert full.metrics.chunks_captured == 2
+    keys = [engine.chunk_key(prompt.prefix_ids, ids) for ids in prompt.chunk_ids]
+    assert [k in engine.store for k in keys] == [True, True, False]  # C's entry is isolated: not in this prompt
+
+
+def test_capture_all_keys_its_entries_apart_from_isolated_ones(family, tiny_tokenizer):
+    isolated = engine_with(family, tiny_tokenizer)
+    captured = engine_with(family, tiny_tokenizer, capture="all")
+    _, prompt = three_chunks(isolated)
+    for ids in prompt.chunk_ids:
+        assert isolated.chunk_key(prompt.prefix_ids, ids) != captured.chunk_key(prompt.prefix_ids, ids)
+
+
+def test_capture_settings_are_checked():
+    with pytest.raises(ConfigError, match="capture must be one of exact, all"):
+        EngineConfig(capture="everything")
+    with pytest.raises(ConfigError, match="choose one"):
+        EngineConfig(capture="all", context_neighbours=2)
