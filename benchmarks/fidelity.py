@@ -38,9 +38,12 @@ from benchlib.cli import (  # noqa: E402
 )
 from benchlib.fidelity_codecs import codec_differences, codec_markdown  # noqa: E402
 from benchlib.fidelity_context import (  # noqa: E402
+    CAPTURED,
     CONTEXT,
     CONTEXT_INTRO,
+    CapturePreparer,
     ContextPreparer,
+    capture_engine,
     context_engine,
     context_verdict,
     precompute_cost,
@@ -55,7 +58,7 @@ from benchlib.fidelity_run import (  # noqa: E402
     parse_codecs,
     run_fidelity,
 )
-from benchlib.records import load_records  # noqa: E402
+from benchlib.records import load_records, take_records  # noqa: E402
 
 from cacheblend_rag.config import RULE_NAMES  # noqa: E402
 from cacheblend_rag.evaluation import load_dataset  # noqa: E402
@@ -82,6 +85,15 @@ def run(args: argparse.Namespace) -> int:
                 ds.spec.name: load_dataset(n, args.data_dir, None) for n, ds in zip(names, datasets, strict=True)
             }
             prepare[CONTEXT] = ContextPreparer(full_sets, args.context_neighbours)
+        elif args.chunk_context == "captured":
+            engines[CAPTURED] = capture_engine(engine)
+            prepare[CAPTURED] = CapturePreparer()
+        if args.take_records:
+            wanted = {m.name for m in methods} | {"full"}
+            cases = {(ds.spec.name, c.id) for ds in datasets for c in ds.cases}
+            taken = take_records(args.take_records, args.out, run_settings_of(args), RESULTS_FILE,
+                                 lambda r: r["method"] in wanted and (r["dataset"], r["case_id"]) in cases)  # fmt: skip
+            print(f"took {taken} records of {args.take_records}", file=sys.stderr)
         codec_ratios = parse_ratios(args.codec_ratios) if args.codec_ratios else None
         coded = [m for m in methods if m.ratio is None or codec_ratios is None or m.ratio in codec_ratios]
         records = run_fidelity(engine, datasets, methods, args.out, codecs=engines, codec_methods=coded,
@@ -107,10 +119,13 @@ def main(argv: list[str] | None = None) -> int:
                    "comma-separated (the uncompressed 'native' is always measured): " + ", ".join(CODECS))  # fmt: skip
     p.add_argument("--codec-ratios", help="with --kv-codec: the ratios measured through the other codecs "
                    "(default: every ratio; full reuse always)")  # fmt: skip
-    p.add_argument("--chunk-context", choices=["none", "neighbours"], default="none", help="neighbours: measure "
-                   "every method (or --codec-ratios' ones) again on contextual chunk KV ('+ctx'), each chunk prefilled "
-                   "after its nearest passages of the data set's whole pool")  # fmt: skip
+    p.add_argument("--chunk-context", choices=["none", "neighbours", "captured"], default="none", help="neighbours: "
+                   "measure every method (or --codec-ratios' ones) again on contextual chunk KV ('+ctx'), each chunk "
+                   "prefilled after its nearest passages of the data set's whole pool; captured: on chunk KV cut from "
+                   "an earlier request's full prefill of the same passages in another order ('+cap')")  # fmt: skip
     p.add_argument("--context-neighbours", type=int, default=2, help="with --chunk-context: neighbours per chunk")
+    p.add_argument("--take-records", metavar="DIR", help="copy DIR's records of this run's methods and cases (same "
+                   "model, dtype, device) instead of measuring them again: e.g. only '+cap' is new")  # fmt: skip
     p.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
     add_out_argument(p, "fidelity", "output folder")
     p.add_argument("--report-only", action="store_true", help="only rebuild summary.md and figures from OUT")

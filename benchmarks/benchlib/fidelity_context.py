@@ -1,15 +1,20 @@
 """Contextual chunk KV in the fidelity benchmark: every method measured again on chunk KV prefilled after each
-chunk's nearest neighbours, searched in the data set's whole passage pool.
+chunk's nearest neighbours, searched in the data set's whole passage pool, or captured from an earlier request.
 
 `fidelity.py --chunk-context neighbours` adds, beside each method on isolated chunk KV (`attention@0.15`), the
 same method on contextual KV (`attention@0.15+ctx`), against the same full-recompute reference. The neighbours
 of a case's chunk are its `n` most similar passages among every case's passages of the set (all-MiniLM-L6-v2
 cosine, the chunk's own text left out), as a user's index over the whole corpus would give them, never the
 case's own passages alone. The paired table is `fidelity_codecs.codec_differences` with "ctx" as the variant.
+
+`--chunk-context captured` measures chunk KV as `EngineConfig(capture="all")` keeps it (`attention@0.15+cap`): each
+chunk's entry cut from the full prefill of an earlier request that retrieved the same passages in another order
+(a seeded shuffle per case), so a chunk's cached context is the passages that came before it there, not here.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -23,6 +28,8 @@ from cacheblend_rag.retrieval.embeddings import embed_texts, load_embedder
 from cacheblend_rag.retrieval.neighbours import nearest_neighbours, neighbour_context
 
 CONTEXT = "ctx"  # the variant name: `attention@0.15+ctx`
+CAPTURED = "cap"  # `attention@0.15+cap`
+CONTEXT_VARIANTS = (CONTEXT, CAPTURED)
 
 
 class PoolNeighbours:
@@ -75,11 +82,54 @@ class ContextPreparer:
         }
 
 
+def capture_engine(engine: CacheBlendEngine) -> CacheBlendEngine:
+    """An engine on `engine`'s model (shared) with its own store, keeping chunk KV as full prefills capture it."""
+    config = replace(engine.config, capture="all", miss_policy="full", context_neighbours=0)
+    return CacheBlendEngine(engine.model, engine.tokenizer, config=config, template=engine.template)
+
+
+def earlier_order(case_id: str, n: int) -> list[int]:
+    """The order an earlier request retrieved a case's n passages in: a shuffle seeded by the case, never the
+    prompt's own order (when n > 1)."""
+    rng = random.Random(f"captured:{case_id}")
+    order = list(range(n))
+    while n > 1 and order == sorted(order):
+        rng.shuffle(order)
+    return order
+
+
+class CapturePreparer:
+    """Fills a capture engine's store with a case's chunk KV cut from the full prefill of an earlier request
+    (the same passages in `earlier_order`, the same question), timed."""
+
+    def __call__(self, engine: CacheBlendEngine, spec: TaskSpec, case: Case, prompt: TokenizedPrompt) -> dict[str, Any]:
+        engine.clear_store()
+        order = earlier_order(case.id, len(prompt.chunk_ids))
+        earlier = TokenizedPrompt(prompt.prefix_ids, tuple(prompt.chunk_ids[i] for i in order), prompt.suffix_ids)
+        t = time.perf_counter()
+        pre = engine.prefill(earlier, "full")
+        precompute_s = time.perf_counter() - t
+        before, seen = {}, 0
+        for i in order:
+            before[i] = seen  # tokens before chunk i in the earlier prompt
+            seen += len(prompt.chunk_ids[i])
+        return {
+            "capture_order": order,
+            "captured_chunks": pre.metrics.chunks_captured,
+            "precompute_s": precompute_s,
+            "context_tokens": sum(before.values()) / max(len(order), 1),  # per chunk, mean
+            "chunk_tokens": sum(len(ids) for ids in prompt.chunk_ids) / max(len(order), 1),
+            # chunks whose captured context is their real one here: the same passages before them, in order
+            "same_context": sum(order[:k] == list(range(i)) for k, i in enumerate(order)),
+        }
+
+
 CONTEXT_INTRO = (
     "### Contextual chunk KV: paired difference to isolated chunk KV",
     "Per case, the method on chunk KV prefilled after each chunk's nearest passages of the data set's whole pool "
-    "(`+ctx`) minus the same method on chunk KV prefilled alone, against the same full-recompute reference; a "
-    "negative difference is closer to full recompute: 'closer' or 'further' where the 95% interval excludes 0.",
+    "(`ctx`) or cut from an earlier request's full prefill of the same passages in another order (`cap`), minus "
+    "the same method on chunk KV prefilled alone, against the same full-recompute reference; a negative "
+    "difference is closer to full recompute: 'closer' or 'further' where the 95% interval excludes 0.",
 )
 
 
@@ -91,7 +141,7 @@ def context_verdict(r: CodecDifference) -> str:
 
 def split_context_rows(rows: Sequence[CodecDifference]) -> tuple[list[CodecDifference], list[CodecDifference]]:
     """(the codecs' rows, the contextual rows) of `codec_differences`."""
-    return [r for r in rows if r.codec != CONTEXT], [r for r in rows if r.codec == CONTEXT]
+    return [r for r in rows if r.codec not in CONTEXT_VARIANTS], [r for r in rows if r.codec in CONTEXT_VARIANTS]
 
 
 def precompute_cost(records: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -100,6 +150,7 @@ def precompute_cost(records: Sequence[Mapping[str, Any]]) -> list[str]:
     by_set: dict[str, list[Mapping[str, Any]]] = {}
     seen: set[tuple[str, str]] = set()
     for r in records:
+        # captured entries cost no precompute: the earlier request's full prefill computed them anyway
         if r.get("codec") == CONTEXT and "precompute_s" in r and (r["dataset"], r["case_id"]) not in seen:
             seen.add((r["dataset"], r["case_id"]))
             by_set.setdefault(str(r["dataset"]), []).append(r)

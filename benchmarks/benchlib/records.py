@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +75,32 @@ def check_run_settings(out: Path, settings: Mapping[str, Any]) -> None:
             raise CacheBlendError(f"{out} holds results of another setup ({details}); use another --out")
     merged = {**old, **settings}
     path.write_text(json.dumps(merged, indent=2) + "\n")
+
+
+def take_records(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    settings: Mapping[str, Any],
+    filename: str,
+    keep: Callable[[Mapping[str, Any]], bool],
+) -> int:
+    """Append to `out`'s records those of `src` for which `keep(record)` is true and that `out` lacks (by data set,
+    case and method), when `src` ran the same setup (`settings`). -> how many were taken.
+
+    A new variant measured beside methods another run already measured (e.g. `fidelity.py --take-records`) then
+    computes only what is new; pairing still checks each record's reference answer where the reader does."""
+    theirs = run_settings(src)
+    differ = {k: (theirs.get(k), v) for k, v in settings.items() if theirs.get(k) != v}
+    if differ:
+        details = ", ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in differ.items())
+        raise CacheBlendError(f"{src} holds results of another setup ({details}); its records cannot be taken")
+    target = Path(out)
+    target.mkdir(parents=True, exist_ok=True)
+    check_run_settings(target, settings)
+    have = {(r["dataset"], r["case_id"], r["method"]) for r in load_records(target, repair=True, filename=filename)}
+    taken = 0
+    for r in load_records(src, filename=filename):
+        if (r["dataset"], r["case_id"], r["method"]) not in have and keep(r):
+            append_record(target / filename, r)
+            taken += 1
+    return taken
