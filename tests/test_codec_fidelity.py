@@ -21,7 +21,7 @@ from fidelity import main
 from test_fidelity import tiny_dataset
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.errors import CacheBlendError, ConfigError
 from cacheblend_rag.store.codec import CODECS, NATIVE, PayloadSpec
 from cacheblend_rag.store.memory import MemoryStore
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
@@ -194,3 +194,39 @@ def test_contextual_chunk_kv_is_measured_beside_isolated_and_its_exact_context_g
     assert len(ctx) == 3 and all(r["kl_mean"] < 1e-6 for r in ctx)
     _, rows = split_context_rows(codec_differences(records))
     assert rows and context_verdict(rows[-1]) == "closer"
+
+
+def test_captured_chunk_kv_is_measured_beside_isolated_and_its_own_prompt_gives_exact_reuse(engine, tmp_path):
+    # Captured from a full prefill of the very prompt measured, every chunk's KV is that prefill's: full reuse must
+    # equal full recompute. From the earlier request's shuffled order, each chunk is captured once and some differ.
+    from benchlib.fidelity_context import CAPTURED, CapturePreparer, capture_engine, earlier_order
+
+    def run(out, preparer):
+        engines = {"native": engine, CAPTURED: capture_engine(engine)}
+        return run_fidelity(engine, [tiny_dataset(2)], fidelity_methods([], [], reuse=True), tmp_path / out,
+                            codecs=engines, prepare={CAPTURED: preparer}, show_progress=False)  # fmt: skip
+
+    records = run("same", CapturePreparer(order=lambda case_id, n: list(range(n))))
+    cap = [r for r in records if r["method"] == "reuse+cap"]
+    assert len(cap) == 2 and all(r["kl_mean"] < 1e-6 and r["captured_chunks"] == r["same_context"] for r in cap)
+    records = run("shuffled", CapturePreparer())
+    for r in (r for r in records if r["method"] == "reuse+cap"):
+        assert r["capture_order"] == earlier_order(r["case_id"], len(r["capture_order"]))
+        assert r["capture_order"] != sorted(r["capture_order"]) and r["captured_chunks"] == len(r["capture_order"])
+        assert r["same_context"] < r["captured_chunks"] and r["kl_mean"] > 1e-4
+
+
+def test_records_of_another_run_are_taken_only_from_the_same_setup(tmp_path):
+    from benchlib.records import append_record, check_run_settings, load_records, take_records
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    setup = {"model": "m", "dtype": "float32", "device": "cpu"}
+    check_run_settings(src, setup)
+    for method in ("full", "reuse", "paper@0.15"):
+        append_record(src / "r.jsonl", {"dataset": "d", "case_id": "1", "method": method})
+    assert take_records(src, out, setup, "r.jsonl", lambda r: r["method"] != "paper@0.15") == 2
+    assert take_records(src, out, setup, "r.jsonl", lambda r: True) == 1  # what `out` has is not taken twice
+    assert [r["method"] for r in load_records(out, filename="r.jsonl")] == ["full", "reuse", "paper@0.15"]
+    with pytest.raises(CacheBlendError, match="another setup"):
+        take_records(src, tmp_path / "other", {**setup, "dtype": "bfloat16"}, "r.jsonl", lambda r: True)

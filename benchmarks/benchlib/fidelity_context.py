@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -100,11 +100,14 @@ def earlier_order(case_id: str, n: int) -> list[int]:
 
 class CapturePreparer:
     """Fills a capture engine's store with a case's chunk KV cut from the full prefill of an earlier request
-    (the same passages in `earlier_order`, the same question), timed."""
+    (the same passages in the order `order(case id, n)` gives, `earlier_order` by default; the same question)."""
+
+    def __init__(self, order: Callable[[str, int], list[int]] = earlier_order) -> None:
+        self.order = order
 
     def __call__(self, engine: CacheBlendEngine, spec: TaskSpec, case: Case, prompt: TokenizedPrompt) -> dict[str, Any]:
         engine.clear_store()
-        order = earlier_order(case.id, len(prompt.chunk_ids))
+        order = self.order(case.id, len(prompt.chunk_ids))
         earlier = TokenizedPrompt(prompt.prefix_ids, tuple(prompt.chunk_ids[i] for i in order), prompt.suffix_ids)
         t = time.perf_counter()
         pre = engine.prefill(earlier, "full")
