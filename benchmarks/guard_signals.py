@@ -22,6 +22,8 @@ figures (`benchlib.guard_study`):
     python benchmarks/guard_signals.py
     python benchmarks/guard_signals.py --records benchmarks/results/guard-1.5b/fidelity.jsonl --probes none \
         --ratios 0.15 --out benchmarks/results/guard-1.5b          # a run that measured only the default ratio
+    python benchmarks/guard_signals.py --records benchmarks/results/fidelity-captured/fidelity.jsonl --probes none \
+        --variant cap --out benchmarks/results/guard-captured      # the blends on captured chunk KV
 """
 
 from __future__ import annotations
@@ -116,13 +118,15 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: %(default)s)")  # fmt: skip
     p.add_argument("--ratios", default="0.05,0.15", help="the fixed ratios every case needs, the base 0.15 among "
                    "them (default: %(default)s; 0.15 alone for a run that measured only the default)")  # fmt: skip
+    p.add_argument("--variant", default="native", help="the chunk KV the blends read: 'native' (isolated entries), "
+                   "or a fidelity.py variant such as 'cap' (captured) or 'ctx' (neighbours)")  # fmt: skip
     args = p.parse_args(argv)
     grid = tuple(sorted({float(x) for x in args.ratios.split(",") if x.strip()}))
     if BASE not in grid:
         p.error(f"--ratios must include the base blend's {BASE}")
     records, probes = read_jsonl(args.records), read_jsonl([args.probes])
-    full_ladder = load_cases(records, probes, grid=grid)
-    both_ladders = load_cases(records, probes, grid=(*grid, 0.5)) if 0.5 not in grid else {}
+    full_ladder = load_cases(records, probes, grid=grid, variant=args.variant)
+    both_ladders = load_cases(records, probes, grid=(*grid, 0.5), variant=args.variant) if 0.5 not in grid else {}
     if not full_ladder:
         print(f"error: no case has full, reuse, attention at {args.ratios} and risk signals; run "
               "benchmarks/fidelity.py and benchmarks/guard_probe.py first (see --help)", file=sys.stderr)  # fmt: skip

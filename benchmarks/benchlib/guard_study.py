@@ -47,15 +47,22 @@ def method_name(ratio: float) -> str:
 
 
 def load_cases(
-    records: Iterable[Mapping[str, Any]], probes: Iterable[Mapping[str, Any]] = (), grid: Sequence[float] = GRID
+    records: Iterable[Mapping[str, Any]],
+    probes: Iterable[Mapping[str, Any]] = (),
+    grid: Sequence[float] = GRID,
+    variant: str = "native",
 ) -> dict[str, list[dict]]:
-    """dataset -> one {method: record} per case that has full, reuse and every blend of `grid` (uncompressed
-    store) and the base blend's risk signals, in case order. `probes` (`benchmarks/guard_probe.py`) add the
-    signals to base-blend records that lack them, when the probe saw the same prompt."""
+    """dataset -> one {method: record} per case that has full, reuse and every blend of `grid` (read through the
+    store `variant`: "native", or e.g. "cap" for `attention@0.15+cap`, named without the suffix) and the base
+    blend's risk signals, in case order. `probes` (`benchmarks/guard_probe.py`) add the signals to base-blend
+    records that lack them, when the probe saw the same prompt."""
     by_case: dict[tuple[str, str], dict[str, Mapping[str, Any]]] = defaultdict(dict)
+    suffix = "" if variant == "native" else f"+{variant}"
     for r in records:
-        if "error" not in r and r.get("codec", "native") == "native":
-            by_case[(r["dataset"], r["case_id"])][r["method"]] = r
+        if "error" in r:
+            continue
+        if r["method"] == "full" or r.get("codec", "native") == variant:
+            by_case[(r["dataset"], r["case_id"])][r["method"].removesuffix(suffix)] = r
     base = method_name(BASE)
     for p in probes:
         methods = by_case.get((p["dataset"], p["case_id"]), {})
