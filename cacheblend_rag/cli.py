@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .cli_args import build_parser, check_kv_dir, check_numbers, cpu_has_bf16, guard_without_margin
+from .cli_args import build_parser, check_kv_dir, check_numbers, cpu_has_bf16, guard_from_args
 from .cli_calibrate import cmd_calibrate
 from .cli_sources import build_index, check_index_folder, choose_documents, read_sources, record_index_contexts
 from .errors import CacheBlendError
@@ -25,7 +25,7 @@ __all__ = ["build_parser", "main"]
 
 
 def _engine_config(args: argparse.Namespace):
-    from .config import BlendConfig, EngineConfig, Guard
+    from .config import BlendConfig, EngineConfig
 
     blend = BlendConfig(recompute_ratio=args.ratio) if args.ratio is not None else BlendConfig()
     check_kv_dir(args)
@@ -39,7 +39,7 @@ def _engine_config(args: argparse.Namespace):
         disk_dir=args.kv_dir,
         redis_url=args.redis_url,
         miss_policy=args.miss_policy,
-        guard=Guard(min_margin=args.guard) if args.guard is not None else None,
+        guard=guard_from_args(args),
         context_neighbours=args.context_neighbours,
         decode_weights=args.decode_weights,
     )
@@ -111,9 +111,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
         )
-        for piece in stream:
-            print(piece, end="", flush=True)
-        print()
+        try:
+            for piece in stream:
+                print(piece, end="", flush=True)
+        finally:
+            print(flush=True)  # the answer's line ends, even when Ctrl-C cuts it short
         assert stream.result is not None, "a finished stream holds its result"
         print(f"   {stream.result.metrics.summary()}")
     engine.wait_for_fills()  # chunks cold questions were answered without: stored after each answer, in the background
@@ -203,14 +205,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A file name that is not valid UTF-8 reaches Python as lone surrogates: print it escaped, not crash.
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")
-    args = build_parser().parse_args(guard_without_margin(sys.argv[1:] if argv is None else list(argv)))
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         return COMMANDS[args.command](args)
     except CacheBlendError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: a clean line, no traceback; what was stored so far stays stored
-        print("\ninterrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (128 + SIGINT, as shells report it)
+        sys.stdout.flush()
+        print("interrupted", file=sys.stderr, flush=True)
         return 130
 
 

@@ -138,10 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a question whose chunks are not stored yet: full prefill then store them (full), prefill each chunk "
         "then blend (blend), or whichever costs less compute (auto)",
     )
-    ask.add_argument("--guard", type=float, nargs="?", const=Guard().min_margin, metavar="MIN_MARGIN",
-                     help="the fidelity guard: a blend whose first token is a near tie (top-1 minus top-2 "
-                     f"probability below MIN_MARGIN, {Guard().min_margin:g} if not given) is recomputed in "
+    ask.add_argument("--guard", action="store_true", help="turn on the fidelity guard: a blend whose first token "
+                     "is a near tie (top-1 minus top-2 probability below --guard-margin) is recomputed in "
                      "full")  # fmt: skip
+    # Default None, so a margin given without --guard can be refused; the value used is Guard's default.
+    ask.add_argument("--guard-margin", type=float, metavar="M", help="with --guard: the first-token margin below "
+                     f"which a blend is recomputed in full, in [0, 1] (default: {Guard().min_margin:g})")  # fmt: skip
     ask.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question")
     ask.add_argument("--max-new-tokens", type=int, default=128, help="longest answer, in tokens")
     ask.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
@@ -172,17 +174,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def guard_without_margin(argv: list[str]) -> list[str]:
-    """`--guard` followed by a question rather than a number takes the default margin: argparse would read the
-    question as the margin (`--guard "What is ...?"`) and refuse it as a float."""
-    out = list(argv)
-    for i, token in enumerate(out):
-        if token == "--guard" and i + 1 < len(out) and not out[i + 1].startswith("-"):
-            try:
-                float(out[i + 1])
-            except ValueError:
-                out[i] = f"--guard={Guard().min_margin}"
-    return out
+def guard_from_args(args: argparse.Namespace) -> Guard | None:
+    """`ask`'s guard: None without --guard; --guard-margin alone is refused (it would silently do nothing)."""
+    if args.guard_margin is not None and not args.guard:
+        raise CacheBlendError("--guard-margin sets the threshold of the fidelity guard, which is off: add --guard")
+    if not args.guard:
+        return None
+    margin = args.guard_margin
+    if margin is None:
+        return Guard()
+    if not 0.0 <= margin <= 1.0:  # also refuses nan
+        raise CacheBlendError(f"--guard-margin must be a probability in [0, 1] (e.g. 0.05), got {margin}")
+    return Guard(min_margin=margin)
 
 
 def cpu_has_bf16() -> bool | None:

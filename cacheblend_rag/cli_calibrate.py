@@ -44,7 +44,7 @@ def apply_fidelity_profile(args: argparse.Namespace, config: EngineConfig) -> tu
 
     if args.ratio is not None:
         raise ConfigError("--ratio pins r and --fidelity-profile chooses it: give one of them")
-    if args.guard is not None:
+    if args.guard or args.guard_margin is not None:
         raise ConfigError("--guard sets the guard and --fidelity-profile chooses it: give one of them")
     profile = FidelityProfile.load(args.fidelity_profile)
     if profile.dtype != config.dtype:

@@ -296,6 +296,8 @@ def test_ask_refuses_a_fidelity_profile_of_another_model_or_with_a_pinned_ratio(
     assert "--ratio pins r and --fidelity-profile chooses it" in capsys.readouterr().err
     assert main([*ask, "--guard"]) == 2
     assert "--guard sets the guard and --fidelity-profile chooses it" in capsys.readouterr().err
+    assert main([*ask, "--guard", "--guard-margin", "0.05"]) == 2
+    assert "--guard sets the guard and --fidelity-profile chooses it" in capsys.readouterr().err
 
 
 def test_ask_guard_escalates_a_near_tie_and_says_why(tmp_path, capsys, tiny_model_dir, engines_built):
@@ -306,14 +308,14 @@ def test_ask_guard_escalates_a_near_tie_and_says_why(tmp_path, capsys, tiny_mode
         (tmp_path / "docs" / f"d{i}.txt").write_text(random_words(40 + i, 30))
     ask = ["ask", "--docs", str(tmp_path / "docs"), "--model", str(tiny_model_dir), "--chunk-tokens", "16"]
     ask += ["--max-new-tokens", "1", "--miss-policy", "blend", random_words(3, 4)]
-    assert main([*ask, "--guard", "1"]) == 0  # every first token is below a margin of 1: always escalates
+    assert main([*ask, "--guard", "--guard-margin", "1"]) == 0  # every first token is below a margin of 1
     assert engines_built[-1]["config"].guard == Guard(min_margin=1.0)
     assert "[guard: first-token margin" in capsys.readouterr().out
     assert main([*ask, "--guard"]) == 0
     assert engines_built[-1]["config"].guard == Guard(min_margin=0.1)
     assert main(ask) == 0 and engines_built[-1]["config"].guard is None
-    assert main([*ask, "--guard", "1.5"]) == 2
-    assert "guard min_margin must be a probability in [0, 1]" in capsys.readouterr().err
+    assert main([*ask, "--guard", "--guard-margin", "1.5"]) == 2
+    assert "--guard-margin must be a probability in [0, 1]" in capsys.readouterr().err
 
 
 def test_calibrate_needs_one_source_of_questions(tmp_path, capsys):

@@ -216,15 +216,25 @@ def test_profile_then_ask_with_the_controller(tmp_path, capsys):
     assert "not a cacheblend-rag/loading-profile" in capsys.readouterr().err
 
 
-def test_guard_before_a_question_takes_the_default_margin_and_leaves_the_question():
-    from cacheblend_rag.cli_args import build_parser, guard_without_margin
+def test_guard_is_a_switch_and_its_margin_a_separate_option(capsys):
+    from cacheblend_rag.cli import _engine_config, build_parser
     from cacheblend_rag.config import Guard
 
-    argv = ["ask", "--docs", "d", "--guard", "What is the default?", "Q2"]
-    args = build_parser().parse_args(guard_without_margin(argv))
-    assert args.guard == Guard().min_margin and args.questions == ["What is the default?", "Q2"]
-    args = build_parser().parse_args(guard_without_margin(["ask", "--docs", "d", "--guard", "0.05", "Q"]))
-    assert args.guard == 0.05 and args.questions == ["Q"]
+    def guard(*options):
+        args = build_parser().parse_args(["ask", "--docs", "d", *options, "What is the default?", "Q2"])
+        assert args.questions == ["What is the default?", "Q2"]  # --guard never takes the first question
+        return _engine_config(args).guard
+
+    assert guard() is None
+    assert guard("--guard") == Guard() and Guard().min_margin == 0.1
+    assert guard("--guard", "--guard-margin", "0.05") == Guard(min_margin=0.05)
+    assert guard("--guard-margin", "0.05", "--guard") == Guard(min_margin=0.05)
+    assert main(["ask", "--docs", "d", "--guard-margin", "0.05", "Q"]) == 2
+    assert "the fidelity guard, which is off: add --guard" in capsys.readouterr().err
+    assert main(["ask", "--docs", "d", "--guard", "--guard-margin", "1.5", "Q"]) == 2
+    assert "--guard-margin must be a probability in [0, 1]" in capsys.readouterr().err
+    args = build_parser().parse_args(["ask", "--guard", "0.05"])  # a word after the switch is a question
+    assert args.guard is True and args.guard_margin is None and args.questions == ["0.05"]
 
 
 def test_ctrl_c_ends_with_one_line_and_status_130(monkeypatch, capsys):
@@ -236,7 +246,24 @@ def test_ctrl_c_ends_with_one_line_and_status_130(monkeypatch, capsys):
     monkeypatch.setitem(cli.COMMANDS, "models", interrupted)
     assert cli.main(["models"]) == 130
     err = capsys.readouterr().err
-    assert err.strip() == "interrupted" and "Traceback" not in err
+    assert err == "interrupted\n" and "Traceback" not in err
+
+
+def test_ctrl_c_during_an_answer_ends_the_answer_line(monkeypatch, capsys, tmp_path, tiny_model_dir):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(random_words(1, 30))
+
+    def stream(self, *args, **kwargs):
+        yield "Part of an answer"
+        raise KeyboardInterrupt  # what Ctrl-C raises in the main thread while tokens are decoded
+
+    monkeypatch.setattr(CacheBlendEngine, "stream", stream)
+    argv = ["ask", "--docs", str(docs), "--model", str(tiny_model_dir), "--chunk-tokens", "16", "--top-k", "1"]
+    assert main([*argv, random_words(2, 4), random_words(3, 4)]) == 130
+    captured = capsys.readouterr()
+    assert captured.out.endswith("A: Part of an answer\n") and captured.out.count("A: ") == 1  # no later question
+    assert captured.err.endswith("\ninterrupted\n") and "Traceback" not in captured.err
 
 
 def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch, capsys, tmp_path):
