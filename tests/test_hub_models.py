@@ -82,3 +82,37 @@ def test_cached_unsupported_family_is_refused_from_its_config(tmp_path: Path, of
 def test_missing_path_that_cannot_be_a_hub_id_is_not_found(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="not an existing file or folder, and not a Hugging Face hub id"):
         load_model(str(tmp_path / "no" / "such" / "folder"))
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Downloads on, but the hub is a closed port on this machine: the probe is refused at once, and nothing
+    outside this machine is ever asked."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # discard port: refused
+
+
+def test_uncached_hub_id_with_the_hub_unreachable_fails_at_once_saying_what_to_do(
+    tmp_path: Path, unreachable_hub: None
+) -> None:
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(ModelNotFoundError) as info:
+        load_model("some-org/some-model", cache_dir=tmp_path)
+    assert time.perf_counter() - start < 5  # not the hub client's retries (about 30 s)
+    message = str(info.value)
+    assert "'some-org/some-model' is not in" in message and "cannot be reached" in message
+    assert "hf download some-org/some-model" in message and "local folder" in message
+
+
+def test_cached_hub_id_loads_from_the_cache_when_the_hub_is_unreachable(tmp_path: Path, unreachable_hub: None) -> None:
+    snapshot = _snapshot(tmp_path, "tiny-org/tiny-llama")
+    make_tiny_model("llama", seed=3, num_layers=2).save_pretrained(snapshot)
+    make_tiny_tokenizer().save_pretrained(snapshot)
+    with pytest.warns(UserWarning, match="hub cannot be reached .* read from the local cache"):
+        model, _ = load_model("tiny-org/tiny-llama", cache_dir=tmp_path)
+    assert model.config.model_type == "llama"

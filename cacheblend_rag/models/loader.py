@@ -3,7 +3,10 @@
 Scope: turning what a user names into an eval-mode `PreTrainedModel` on the asked device and dtype, plus its
 tokenizer. Presets, folders and GGUF files never touch the network. Any other name is a hub id, loaded as
 `transformers` loads it (downloaded into the Hugging Face cache on first use), unless `local_files_only=True`
-or `HF_HUB_OFFLINE=1` forbid downloads: then it must already be cached. A preset's first use converts its
+or `HF_HUB_OFFLINE=1` forbid downloads: then it must already be cached. Before a download is tried, the hub is
+asked once, with a short timeout, whether it can be reached at all: when it cannot, the id is read from the local
+cache only, so an offline machine gets its cached model, or a clear error, at once rather than after the hub
+client's retries (about 30 s). A preset's first use converts its
 packaged GGUF into a float32 safetensors copy under `cache_home()` (`gguf.py`, ~35 s for the 0.5B on 2 cores);
 every later load reads that copy (~3 s). Whether a model can be blended at all is `support.py`'s call.
 """
@@ -48,6 +51,9 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------- settings
+
+# Seconds the hub may take to answer one request before a hub id is read from the local cache only.
+HUB_PROBE_TIMEOUT_S = 3.0
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -103,6 +109,7 @@ class _Source:
     cache_dir: str | None = None  # the Hugging Face cache of a hub id (None: HF_HUB_CACHE)
     revision: str | None = None  # branch, tag or commit of a hub id (None: "main")
     local_files_only: bool = True  # a folder is always local; a hub id may be downloaded when this is False
+    hub_unreachable: str | None = None  # why the hub could not be reached (downloads were on): cache only
 
     def kwargs(self) -> dict[str, Any]:
         return {"cache_dir": self.cache_dir, "revision": self.revision, "local_files_only": self.local_files_only}
@@ -115,6 +122,15 @@ class _Source:
                 f"save_pretrained, a .gguf file, a hub id, or one of the presets: {', '.join(PRESETS)}"
             )
         where = f"cache_dir={self.cache_dir!r}" if self.cache_dir else "the Hugging Face cache (HF_HUB_CACHE)"
+        if self.hub_unreachable is not None:
+            from huggingface_hub import constants
+
+            return ModelNotFoundError(
+                f"hub model {self.name!r} is not in {where} and the hub ({constants.ENDPOINT}) cannot be reached "
+                f"({self.hub_unreachable}): download it once on a machine with network access (`hf download "
+                f"{self.name}`) into this cache, or pass a local folder with config.json or a .gguf file; presets "
+                f"work offline: {', '.join(PRESETS)}"
+            )
         if self.local_files_only:
             return ModelNotFoundError(
                 f"hub model {self.name!r} is not cached in {where} and downloads are off (local_files_only=True "
@@ -184,6 +200,18 @@ def _downloads_off(local_files_only: bool) -> bool:
     return local_files_only or env or is_offline_mode()
 
 
+def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """None when the hub (`HF_ENDPOINT`) answers one request within `timeout` seconds, whatever its status; else
+    why not. One try: the hub client's own requests retry for about 30 s before giving up."""
+    from huggingface_hub import constants, get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception as err:  # no name, no route, refused, timed out, a proxy's error: the client's own types vary
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def _hub_source(
     source: str, cache_dir: str | os.PathLike[str] | None, revision: str | None, local_files_only: bool
 ) -> _Source:
@@ -199,12 +227,15 @@ def _hub_source(
             f"({err}); pass a local folder with config.json, a .gguf file, a hub id such as "
             f"'Qwen/Qwen2.5-7B-Instruct', or one of the presets: {', '.join(PRESETS)}"
         ) from err
+    downloads_off = _downloads_off(local_files_only)
+    unreachable = None if downloads_off else hub_unreachable()
     return _Source(
         source,
         is_hub_id=True,
         cache_dir=None if cache_dir is None else os.fspath(cache_dir),
         revision=revision,
-        local_files_only=_downloads_off(local_files_only),
+        local_files_only=downloads_off or unreachable is not None,
+        hub_unreachable=unreachable,
     )
 
 
@@ -287,6 +318,9 @@ def load_model(
         else:
             hub = _hub_source(source, cache_dir, revision, local_files_only)
             model, tokenizer = _load_source(hub, torch_dtype)
+            if hub.hub_unreachable is not None:
+                warnings.warn(f"the Hugging Face hub cannot be reached ({hub.hub_unreachable}): {source!r} was "
+                              "read from the local cache, as it was last downloaded", stacklevel=2)  # fmt: skip
 
     model.to(torch_device)
     model.eval()
