@@ -171,3 +171,15 @@ def test_precompute_refuses_a_chunk_longer_than_the_model_can_take_before_comput
     with pytest.raises(PromptError, match="chunk 1 has 80 tokens.*limit of 64; split it smaller"):
         engine.precompute([random_words(1, 10), random_words(2, 80)], prefix=random_words(3, 4))
     assert len(engine.store) == 0  # nothing computed, not even the short chunk
+
+
+def test_the_answer_methods_name_every_request_option_for_editors_and_type_checkers():
+    import typing
+
+    from cacheblend_rag.engine import RequestOptions
+    from cacheblend_rag.engine.request import ALIASES, REQUEST_DEFAULTS
+
+    assert set(RequestOptions.__annotations__) == {*REQUEST_DEFAULTS, *ALIASES}  # one list, no option left out
+    for method in ("generate", "stream", "agenerate", "astream"):
+        hint = typing.get_type_hints(getattr(CacheBlendEngine, method), include_extras=True)["options"]
+        assert typing.get_args(hint) == (RequestOptions,), (method, hint)

@@ -7,7 +7,7 @@ from .generation import SamplingParams
 from .metrics import RequestMetrics
 from .prefill import Prefill, RatioPolicy
 from .prompt import QA_SHORT_TEMPLATE, PromptTemplate, TokenizedPrompt, tokenize_parts
-from .request import Request
+from .request import Request, RequestOptions
 
 __all__ = [
     "QA_SHORT_TEMPLATE",
@@ -19,6 +19,7 @@ __all__ = [
     "RatioPolicy",
     "RequestMetrics",
     "Request",
+    "RequestOptions",
     "SamplingParams",
     "TextStream",
     "TokenizedPrompt",

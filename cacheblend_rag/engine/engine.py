@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
 from ..config import BlendConfig, EngineConfig, PrefillMode, torch_dtype
 from ..errors import CacheBlendError, ConfigError, PromptError
@@ -35,7 +36,7 @@ from .generation import eos_token_ids
 from .planning import check_blend
 from .prefill import Prefill, Prefiller, RatioPolicy
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_parts
-from .request import Request, request_prompt
+from .request import Request, RequestOptions, request_prompt
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -321,7 +322,7 @@ class CacheBlendEngine:
     # -- generation ---------------------------------------------------------------------------------------------
 
     def generate(
-        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Any
+        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Unpack[RequestOptions]
     ) -> GenerationResult:
         """Answer a question over chunks (or a prebuilt prompt) and return the text with the request's metrics.
 
@@ -331,24 +332,21 @@ class CacheBlendEngine:
         return self.scheduler.stream(prompt, request).collect()
 
     def stream(
-        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Any
+        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Unpack[RequestOptions]
     ) -> TextStream:
         """Yield the answer's text as it is produced; `.result` holds the `GenerationResult` at the end.
 
-        Keyword arguments (all optional; see `Request`):
-        - `mode`: "blend" (default), "full", "prefix" or "reuse"; `blend` replaces the engine's `BlendConfig` for
-          this request (e.g. `blend_rule("gradual", 0.15)`); `recompute_ratio` overrides the blend ratio;
-        - decoding: `max_new_tokens` (or `max_tokens`), greedy at `temperature` 0, else `top_p` / `top_k` /
-          `seed`; `stop`: strings that end the answer (None: none);
-        - the prompt: chunks + question (rendered by `template`), chunks + explicit `prefix` / `suffix`, or a
-          prebuilt `TokenizedPrompt` in place of the chunks.
-        Every argument is checked here, before any compute.
+        Keyword arguments: `RequestOptions` (all optional): the prefill `mode`, `recompute_ratio` or another
+        `blend` rule; decoding (`max_new_tokens`, greedy at `temperature` 0, else `top_p` / `top_k` / `seed`;
+        `stop` strings); the prompt: chunks + question (rendered by `template`), chunks + explicit `prefix` /
+        `suffix`, or a prebuilt `TokenizedPrompt` in place of the chunks. Every argument is checked here, before
+        any compute.
         """
         prompt, request = self._request("stream", chunks, question, options)
         return self.scheduler.stream(prompt, request)
 
     def _request(
-        self, method: str, chunks: Sequence[str] | TokenizedPrompt, question: str | None, options: dict[str, Any]
+        self, method: str, chunks: Sequence[str] | TokenizedPrompt, question: str | None, options: Mapping[str, Any]
     ) -> tuple[TokenizedPrompt, Request]:
         """The checked request of one `generate` / `stream` call and its tokenized prompt."""
         request = Request.from_options(method, options)
@@ -357,14 +355,14 @@ class CacheBlendEngine:
         return prompt, request
 
     async def agenerate(
-        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Any
+        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Unpack[RequestOptions]
     ) -> GenerationResult:
         """`generate` for asyncio: awaits the answer without holding a thread; concurrent calls decode together."""
         prompt, request = self._request("agenerate", chunks, question, options)
         return await self.scheduler.astream(prompt, request).collect()
 
     def astream(
-        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Any
+        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Unpack[RequestOptions]
     ) -> AsyncTextStream:
         """`stream` for asyncio (`async for delta in engine.astream(...)`); call it inside a running event loop."""
         prompt, request = self._request("astream", chunks, question, options)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from ..config import BlendConfig, PrefillMode
 from ..errors import CacheBlendError, ConfigError, PromptError
@@ -35,6 +35,25 @@ REQUEST_DEFAULTS: dict[str, Any] = {
 }
 # Other names of the same settings that users of the frameworks write.
 ALIASES = {"max_tokens": "max_new_tokens"}
+
+
+class RequestOptions(TypedDict, total=False):
+    """The keyword arguments of `generate`, `stream`, `agenerate` and `astream`, as a type checker and an editor see
+    them (`**options: Unpack[RequestOptions]`); every one is optional, with its default in `REQUEST_DEFAULTS`."""
+
+    mode: PrefillMode | str  # "blend" (default), "full", "prefix" or "reuse"
+    recompute_ratio: float | None  # blend only: overrides the ratio of the engine's (or `blend`'s) rule
+    blend: BlendConfig | None  # blend only: another rule for this request, e.g. blend_rule("gradual", 0.15)
+    max_new_tokens: int  # the answer's budget (128)
+    max_tokens: int  # the same, as the frameworks name it
+    temperature: float  # 0: greedy (default); above 0: sampled with top_p / top_k / seed
+    top_p: float
+    top_k: int
+    stop: Sequence[str] | str | None  # strings that end the answer (None or (): none)
+    seed: int | None  # a sampled answer's random seed
+    template: PromptTemplate | None  # renders the question (None: the engine's template)
+    prefix: str | PromptText | None  # explicit text before the chunks, instead of a question
+    suffix: str | PromptText | None  # explicit text after the chunks
 
 
 @dataclass(frozen=True)
