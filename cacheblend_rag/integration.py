@@ -20,6 +20,10 @@ that does not depend on the framework lives here, so both packages behave the sa
   are tokenized the same way by the engine.
 - **Per-call arguments** are `CALL_ARGUMENTS`, the engine's names (`max_tokens` is accepted for
   `max_new_tokens`); `call_arguments` merges a model object's settings with a call's and refuses unknown ones.
+- **A model object's settings** use the same names: `max_new_tokens`, with `max_tokens` accepted for it where the
+  object is built too (`setting_aliases`).
+- **Response metadata** is `metrics_metadata(metrics, detailed=...)`: the request's `RequestMetrics` without the
+  per-layer list (`DETAILED_METRICS`) unless a model object's `detailed_metrics` asks for it.
 - **The model's name** is `resolve_model_name(requested, engine)`, and `load_engine` shares one engine per
   (model, `ENGINE_SETTINGS`: device, dtype, store tiers and budgets) across every model object of a process,
   whichever framework built it; store settings beside an engine passed in are refused (`check_no_store_settings`).
@@ -44,6 +48,7 @@ __all__ = [
     "ALIASES",
     "CALL_ARGUMENTS",
     "CONTEXT_PLACEHOLDER",
+    "DETAILED_METRICS",
     "ENGINE_SETTINGS",
     "ROLES",
     "STORE_SETTINGS",
@@ -55,10 +60,12 @@ __all__ = [
     "engine_config",
     "has_chat_template",
     "load_engine",
+    "metrics_metadata",
     "non_text_error",
     "question_free_prefix",
     "render_chat",
     "resolve_model_name",
+    "setting_aliases",
     "split_at_context",
 ]
 
@@ -212,6 +219,34 @@ def call_arguments(
         args["recompute_ratio"] = None
     Request.from_options("a call", args)  # one check, one message per mistake, as the engine's
     return args
+
+
+def setting_aliases(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A model object's constructor arguments with `ALIASES` (`max_tokens`) under the engine's names
+    (`max_new_tokens`); both names at once raise ValueError, since one would be dropped unseen."""
+    out = dict(settings)
+    for alias, name in ALIASES.items():
+        if alias in out:
+            if name in out:
+                raise ValueError(f"{alias} and {name} set the same thing (the longest answer, in tokens); pass one")
+            out[name] = out.pop(alias)
+    return out
+
+
+# -- response metadata -----------------------------------------------------------------------------------------
+
+# RequestMetrics fields left out of a response's metadata unless detailed metrics are asked for: one number per
+# layer, where the totals (recomputed_tokens, compute_share) say what a reader needs.
+DETAILED_METRICS = ("recomputed_per_layer",)
+
+
+def metrics_metadata(metrics: Any, *, detailed: bool = False) -> dict[str, Any]:
+    """A request's `RequestMetrics.to_dict()` for a response's metadata: compact unless `detailed`."""
+    d = metrics.to_dict()
+    if not detailed:
+        for name in DETAILED_METRICS:
+            d.pop(name, None)
+    return d
 
 
 # -- the engine and its name -----------------------------------------------------------------------------------

@@ -25,7 +25,9 @@ from cacheblend_rag.integration import (
     check_no_store_settings,
     engine_config,
     load_engine,
+    metrics_metadata,
     resolve_model_name,
+    setting_aliases,
     split_at_context,
 )
 from langchain_core.language_models import LangSmithParams
@@ -108,7 +110,9 @@ class CacheBlendParams(BaseModel):
     recompute_ratio: float | None = Field(
         default=None, description="Share of chunk tokens recomputed in blend mode (None: the engine's, 0.15)."
     )
-    max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
+    # The engine's name, as in LlamaIndex's CacheBlendLLM; LangChain's standard `max_tokens` is accepted for it,
+    # when the model is built, per call, and as an attribute.
+    max_new_tokens: int = Field(default=256, ge=1, description="Most tokens to generate (alias: max_tokens).")
     temperature: float = Field(default=0.0, ge=0.0, description="0 decodes greedily.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="0 turns top-k off.")
@@ -124,6 +128,26 @@ class CacheBlendParams(BaseModel):
         description="Accepted so code written for hosted models runs unchanged. Local generation fails only "
         "deterministically (bad input, out of memory), so calls are never retried.",
     )
+    detailed_metrics: bool = Field(
+        default=False,
+        description="Also put the per-layer detail of each request (recomputed_per_layer) in the response "
+        "metadata's 'cacheblend' entry; off: the totals only.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _max_tokens_alias(cls, data: Any) -> Any:
+        """`max_tokens=` (LangChain's standard name) sets `max_new_tokens`."""
+        return setting_aliases(data) if isinstance(data, dict) else data
+
+    @property
+    def max_tokens(self) -> int:
+        """LangChain's standard name of `max_new_tokens`."""
+        return self.max_new_tokens
+
+    @max_tokens.setter
+    def max_tokens(self, value: int) -> None:
+        self.max_new_tokens = value
 
     @model_validator(mode="after")
     def _check_engine_settings(self) -> CacheBlendParams:
@@ -165,7 +189,7 @@ class CacheBlendParams(BaseModel):
     def _defaults(self) -> dict[str, Any]:
         """This model's settings under the engine's names (`cacheblend_rag.integration.CALL_ARGUMENTS`)."""
         return {
-            "max_new_tokens": self.max_tokens,
+            "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -213,7 +237,8 @@ class CacheBlendParams(BaseModel):
 
     def _timeout_error(self) -> TimeoutError:
         return TimeoutError(
-            f"generation ran past timeout={self.timeout}s; raise timeout, lower max_tokens, or retrieve fewer documents"
+            f"generation ran past timeout={self.timeout}s; raise timeout, lower max_new_tokens, or retrieve fewer "
+            "documents"
         )
 
     def _with_timeout(self, deltas: Iterator[str]) -> Iterator[str]:
@@ -225,7 +250,8 @@ class CacheBlendParams(BaseModel):
 
     def _generation_info(self, result: GenerationResult, model_name: str) -> dict[str, Any]:
         """What a response carries besides its text: the model, why it ended, and the request's blend metrics."""
-        return {"model_name": model_name, "finish_reason": result.finish_reason, "cacheblend": result.metrics.to_dict()}
+        metrics = metrics_metadata(result.metrics, detailed=self.detailed_metrics)
+        return {"model_name": model_name, "finish_reason": result.finish_reason, "cacheblend": metrics}
 
     def _call_params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The settings of a call, for traces (LangSmith params) and caching keys."""
@@ -233,7 +259,7 @@ class CacheBlendParams(BaseModel):
             "model": kwargs.get("model") or self.model_name,
             "mode": kwargs.get("mode", self.mode),
             "recompute_ratio": kwargs.get("recompute_ratio", self.recompute_ratio),
-            "max_tokens": kwargs.get("max_tokens", self.max_tokens),
+            "max_new_tokens": kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
             "temperature": kwargs.get("temperature", self.temperature),
             "top_p": kwargs.get("top_p", self.top_p),
             "top_k": kwargs.get("top_k", self.top_k),
@@ -251,7 +277,7 @@ class CacheBlendParams(BaseModel):
             ls_model_name=params["model"],
             ls_model_type=self._ls_model_type,
             ls_temperature=params["temperature"],
-            ls_max_tokens=params["max_tokens"],
+            ls_max_tokens=params["max_new_tokens"],
         )
         if params["stop"]:
             ls["ls_stop"] = params["stop"]

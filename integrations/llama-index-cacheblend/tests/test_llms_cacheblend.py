@@ -194,3 +194,29 @@ def test_a_redis_password_never_shows_in_repr_dumps_or_errors() -> None:
     with pytest.raises(ConfigError) as caught:
         CacheBlendLLM(model_name="smollm2-135m-instruct", redis_url="http://:S3CRETPW@host/0")
     assert "S3CRETPW" not in str(caught.value)
+
+
+def test_max_new_tokens_is_the_setting_and_max_tokens_its_alias() -> None:
+    # One name in both integrations (the engine's); LangChain's max_tokens is accepted for it.
+    engine = tiny_llm().engine
+    llm = CacheBlendLLM(engine=engine, max_tokens=3)
+    assert llm.max_new_tokens == llm.max_tokens == llm.metadata.num_output == 3
+    assert "max_tokens" not in llm.model_dump()
+    assert llm.complete("w5").additional_kwargs[METRICS_KEY]["generated_tokens"] == 3
+    llm.max_tokens = 2
+    assert llm.max_new_tokens == 2 and llm.complete("w5").additional_kwargs[METRICS_KEY]["generated_tokens"] == 2
+    with pytest.raises(ValueError, match="max_tokens and max_new_tokens set the same thing"):
+        CacheBlendLLM(engine=engine, max_tokens=3, max_new_tokens=4)
+
+
+def test_metrics_are_compact_unless_detailed_metrics() -> None:
+    llm = tiny_llm()
+    layers = llm.engine.lm.shape.num_layers
+    compact = llm.complete("w5").additional_kwargs[METRICS_KEY]
+    assert "recomputed_per_layer" not in compact
+    assert {"recomputed_tokens", "compute_share", "ttft_s", "chunks_hit"} <= set(compact)
+    assert "recomputed_per_layer" not in list(llm.stream_complete("w5"))[-1].additional_kwargs[METRICS_KEY]
+    detailed = CacheBlendLLM(engine=llm.engine, max_new_tokens=2, detailed_metrics=True)
+    assert len(detailed.complete("w5").additional_kwargs[METRICS_KEY]["recomputed_per_layer"]) == layers
+    last = list(detailed.stream_complete("w5"))[-1]
+    assert len(last.additional_kwargs[METRICS_KEY]["recomputed_per_layer"]) == layers

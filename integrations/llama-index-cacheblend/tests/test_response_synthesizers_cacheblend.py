@@ -249,3 +249,19 @@ def test_plain_text_llm_gets_the_frameworks_plain_prompt(llm: CacheBlendLLM) -> 
     assert prefix == "Context information is below.\n---------------------\n"  # LlamaIndex's DEFAULT_TEXT_QA_PROMPT
     assert suffix.endswith(f"Query: {QUESTION}\nAnswer: ")
     assert "<|im_start|>" not in prefix + suffix
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_response_metrics_follow_the_llms_detailed_metrics(streaming: bool) -> None:
+    llm = tiny_llm()
+    detailed = CacheBlendLLM(engine=llm.engine, max_new_tokens=2, detailed_metrics=True)
+    nodes = as_nodes("w10 w11 w12", "w13 w14 w15")
+
+    def metrics(model: CacheBlendLLM) -> dict:
+        response = BlendSynthesizer(llm=model, streaming=streaming).synthesize("w20", nodes)
+        if streaming:
+            list(response.response_gen)  # the metrics arrive after the last token
+        return response.metadata[METRICS_KEY]
+
+    assert "recomputed_per_layer" not in metrics(llm) and metrics(llm)["recomputed_tokens"] > 0
+    assert len(metrics(detailed)["recomputed_per_layer"]) == llm.engine.lm.shape.num_layers

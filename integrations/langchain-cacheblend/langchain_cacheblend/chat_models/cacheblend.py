@@ -76,7 +76,7 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
         ```python
         from langchain_cacheblend import ChatCacheBlend
 
-        chat = ChatCacheBlend(model="smollm2-135m-instruct", max_tokens=64)
+        chat = ChatCacheBlend(model="smollm2-135m-instruct", max_new_tokens=64)
         chat.invoke("What is CacheBlend?")
         ```
 

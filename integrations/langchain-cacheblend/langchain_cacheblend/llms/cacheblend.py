@@ -26,7 +26,7 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
         ```python
         from langchain_cacheblend import CacheBlendLLM
 
-        llm = CacheBlendLLM(model="smollm2-135m-instruct", max_tokens=32, stop=["\\n\\n"])
+        llm = CacheBlendLLM(model="smollm2-135m-instruct", max_new_tokens=32, stop=["\\n\\n"])
         llm.invoke("The capital of France is")
         ```
 

@@ -99,8 +99,44 @@ def test_prompt_and_chunks_must_come_together(engine):
 def test_unknown_settings_are_errors(engine):
     with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'.*'temperature'"):
         ChatCacheBlend(engine=engine).invoke("w5", temprature=0.5)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        ChatCacheBlend(engine=engine, max_new_tokens=3)
+    with pytest.raises(ValueError, match="no_such_setting"):
+        ChatCacheBlend(engine=engine, no_such_setting=3)
+
+
+def _metrics(model, **kwargs):
+    """The 'cacheblend' metadata of one call on "w5", for the chat model and the LLM alike."""
+    if isinstance(model, ChatCacheBlend):
+        return model.invoke("w5", **kwargs).response_metadata["cacheblend"]
+    return model.generate(["w5"], **kwargs).generations[0][0].generation_info["cacheblend"]
+
+
+@pytest.mark.parametrize("model_class", [ChatCacheBlend, CacheBlendLLM])
+def test_max_new_tokens_is_the_setting_and_max_tokens_its_alias(engine, model_class):
+    # One name in both integrations (the engine's); LangChain's standard max_tokens keeps working everywhere.
+    model = model_class(engine=engine, max_new_tokens=3)
+    assert model.max_new_tokens == model.max_tokens == 3 and model._get_ls_params()["ls_max_tokens"] == 3
+    assert _metrics(model)["generated_tokens"] == 3
+    alias = model_class(engine=engine, max_tokens=4)
+    assert alias.max_new_tokens == 4 and "max_tokens" not in alias.model_dump()
+    alias.max_tokens = 2
+    assert alias.max_new_tokens == 2 and _metrics(alias)["generated_tokens"] == 2
+    assert _metrics(alias, max_new_tokens=1)["generated_tokens"] == _metrics(alias, max_tokens=1)["generated_tokens"]
+    with pytest.raises(ValueError, match="max_tokens and max_new_tokens set the same thing"):
+        model_class(engine=engine, max_tokens=4, max_new_tokens=5)
+
+
+def test_response_metadata_is_compact_unless_detailed_metrics(engine):
+    layers = engine.lm.shape.num_layers
+    compact = ChatCacheBlend(engine=engine, max_new_tokens=2).invoke("w5").response_metadata["cacheblend"]
+    assert "recomputed_per_layer" not in compact
+    assert {"recomputed_tokens", "compute_share", "ttft_s", "chunks_hit"} <= set(compact)
+    chat = ChatCacheBlend(engine=engine, max_new_tokens=2, detailed_metrics=True)
+    assert len(chat.invoke("w5").response_metadata["cacheblend"]["recomputed_per_layer"]) == layers
+    streamed = list(chat.stream("w5"))[-1].response_metadata["cacheblend"]
+    assert len(streamed["recomputed_per_layer"]) == layers
+    assert "recomputed_per_layer" not in _metrics(CacheBlendLLM(engine=engine, max_new_tokens=2))
+    detailed = _metrics(CacheBlendLLM(engine=engine, max_new_tokens=2, detailed_metrics=True))
+    assert len(detailed["recomputed_per_layer"]) == layers
 
 
 def test_non_text_content_is_refused(engine):

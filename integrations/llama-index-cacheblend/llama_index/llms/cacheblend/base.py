@@ -22,9 +22,11 @@ from cacheblend_rag.integration import (
     check_no_store_settings,
     has_chat_template,
     load_engine,
+    metrics_metadata,
     non_text_error,
     render_chat,
     resolve_model_name,
+    setting_aliases,
 )
 from llama_index.core.base.llms.generic_utils import completion_response_to_chat_response
 from llama_index.core.base.llms.types import (
@@ -42,7 +44,8 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.prompts import BasePromptTemplate
 
-# Key of the engine's RequestMetrics.to_dict() in CompletionResponse.additional_kwargs and Response.metadata.
+# Key of the request's metrics (`cacheblend_rag.integration.metrics_metadata`) in CompletionResponse.additional_kwargs
+# and Response.metadata.
 METRICS_KEY = "cacheblend_metrics"
 
 
@@ -102,7 +105,7 @@ class CacheBlendLLM(CustomLLM):
         description="Preset name or checkpoint path: what is loaded without `engine`, and the name reported in "
         "metadata (default: the engine's checkpoint name, or the default preset).",
     )
-    max_new_tokens: int = Field(default=256, gt=0, description="Most tokens generated per call.")
+    max_new_tokens: int = Field(default=256, gt=0, description="Most tokens generated per call (alias: max_tokens).")
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 decodes greedily.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (with temperature > 0).")
     top_k: int = Field(default=0, ge=0, description="Sample among the k likeliest tokens; 0 means no limit.")
@@ -112,6 +115,11 @@ class CacheBlendLLM(CustomLLM):
         default=0,
         ge=0,
         description="Tokens of prompt plus output the engine accepts; taken from the engine when left at 0.",
+    )
+    detailed_metrics: bool = Field(
+        default=False,
+        description="Also put the per-layer detail of each request (recomputed_per_layer) in the metrics of a "
+        "response; off: the totals only.",
     )
     is_chat_model: bool = Field(
         default=True,
@@ -137,6 +145,7 @@ class CacheBlendLLM(CustomLLM):
     _engine: CacheBlendEngine = PrivateAttr()
 
     def __init__(self, engine: CacheBlendEngine | None = None, **kwargs: Any) -> None:
+        kwargs = setting_aliases(kwargs)  # max_tokens= (LangChain's name) sets max_new_tokens
         settings = {name: kwargs.get(name) for name in ENGINE_SETTINGS}
         if isinstance(settings["redis_url"], SecretStr):
             settings["redis_url"] = settings["redis_url"].get_secret_value()
@@ -183,6 +192,19 @@ class CacheBlendLLM(CustomLLM):
     def engine(self) -> CacheBlendEngine:
         """The shared engine, for precomputing chunks or calling it directly."""
         return self._engine
+
+    @property
+    def max_tokens(self) -> int:
+        """Another name of `max_new_tokens` (LangChain's)."""
+        return self.max_new_tokens
+
+    @max_tokens.setter
+    def max_tokens(self, value: int) -> None:
+        self.max_new_tokens = value
+
+    def metrics_of(self, result: GenerationResult) -> dict[str, Any]:
+        """A request's metrics as responses carry them: compact unless `detailed_metrics`."""
+        return metrics_metadata(result.metrics, detailed=self.detailed_metrics)
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -234,19 +256,17 @@ class CacheBlendLLM(CustomLLM):
         assert self.completion_to_prompt is not None
         return self.completion_to_prompt(prompt)
 
-    @staticmethod
-    def _response(result: GenerationResult) -> CompletionResponse:
+    def _response(self, result: GenerationResult) -> CompletionResponse:
         return CompletionResponse(
             text=result.text,
             raw={"token_ids": result.token_ids, "finish_reason": result.finish_reason},
-            additional_kwargs={METRICS_KEY: result.metrics.to_dict()},
+            additional_kwargs={METRICS_KEY: self.metrics_of(result)},
         )
 
-    @classmethod
-    def _last_response(cls, result: GenerationResult | None) -> CompletionResponse:
+    def _last_response(self, result: GenerationResult | None) -> CompletionResponse:
         """A stream's last response: an empty delta that carries the metrics only."""
         assert result is not None
-        final = cls._response(result)
+        final = self._response(result)
         final.delta = ""
         return final
 

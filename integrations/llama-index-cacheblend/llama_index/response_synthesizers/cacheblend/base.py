@@ -60,8 +60,9 @@ class BlendTokenStream(Generator[str, None, None]):
     points `metadata` at the StreamingResponse's own metadata, so the metrics appear there after the last token.
     """
 
-    def __init__(self, stream: TextStream) -> None:
+    def __init__(self, stream: TextStream, metrics: Callable[[GenerationResult], dict[str, Any]]) -> None:
         self._stream = stream
+        self._metrics = metrics  # the LLM's: compact unless its detailed_metrics
         self.metadata: dict[str, Any] = {}
         self.result: GenerationResult | None = None
 
@@ -78,15 +79,16 @@ class BlendTokenStream(Generator[str, None, None]):
     def _finish(self) -> None:
         if self.result is None and self._stream.result is not None:
             self.result = self._stream.result
-            self.metadata[METRICS_KEY] = self.result.metrics.to_dict()
+            self.metadata[METRICS_KEY] = self._metrics(self.result)
 
 
 class AsyncBlendTokenStream(AsyncGenerator[str, None]):
     """The async form of `BlendTokenStream`, over the engine's `astream`: awaited without a thread, and decoded
     together with every other request in flight."""
 
-    def __init__(self, stream: AsyncTextStream) -> None:
+    def __init__(self, stream: AsyncTextStream, metrics: Callable[[GenerationResult], dict[str, Any]]) -> None:
         self._stream = stream
+        self._metrics = metrics
         self.metadata: dict[str, Any] = {}
         self.result: GenerationResult | None = None
 
@@ -96,7 +98,7 @@ class AsyncBlendTokenStream(AsyncGenerator[str, None]):
         except StopAsyncIteration:
             if self.result is None and self._stream.result is not None:
                 self.result = self._stream.result
-                self.metadata[METRICS_KEY] = self.result.metrics.to_dict()
+                self.metadata[METRICS_KEY] = self._metrics(self.result)
             raise
 
     async def athrow(self, typ: Any = None, val: Any = None, tb: Any = None) -> str:  # type: ignore[override]
@@ -213,7 +215,7 @@ class BlendSynthesizer(BaseSynthesizer):
         if not request:
             return self._empty_response_generator() if self._streaming else self._empty_response
         if self._streaming:
-            return BlendTokenStream(engine.stream(**request))
+            return BlendTokenStream(engine.stream(**request), self._blend_llm.metrics_of)
         return BlendAnswer(engine.generate(**request))
 
     async def aget_response(
@@ -225,7 +227,7 @@ class BlendSynthesizer(BaseSynthesizer):
             return self._empty_response_agenerator() if self._streaming else self._empty_response
         if self._streaming:
             # astream() checks its arguments and tokenizes before returning: cheap enough for the event loop
-            return AsyncBlendTokenStream(engine.astream(**request))
+            return AsyncBlendTokenStream(engine.astream(**request), self._blend_llm.metrics_of)
         return BlendAnswer(await engine.agenerate(**request))
 
     def _prepare_response_output(
@@ -236,7 +238,7 @@ class BlendSynthesizer(BaseSynthesizer):
         if response.metadata is None:
             response.metadata = {}
         if isinstance(response_str, BlendAnswer):
-            response.metadata[METRICS_KEY] = response_str.result.metrics.to_dict()
+            response.metadata[METRICS_KEY] = self._blend_llm.metrics_of(response_str.result)
         elif isinstance(response_str, BlendTokenStream | AsyncBlendTokenStream):
             response_str.metadata = response.metadata  # filled in when the stream ends
         return response
