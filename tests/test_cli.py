@@ -28,7 +28,7 @@ def test_an_old_preset_name_is_refused_naming_the_coder_preset(capsys, no_model_
 
 
 def test_every_option_has_help_and_shows_its_default():
-    from cacheblend_rag.cli_args import build_parser
+    from cacheblend_rag.cli.args import build_parser
 
     commands = build_parser()._subparsers._group_actions[0].choices
     for name in ("ask", "index", "profile"):
@@ -226,13 +226,14 @@ def test_profile_then_ask_with_the_controller(tmp_path, capsys):
 
 
 def test_guard_is_a_switch_and_its_margin_a_separate_option(capsys):
-    from cacheblend_rag.cli import _engine_config, build_parser
+    from cacheblend_rag.cli import build_parser
+    from cacheblend_rag.cli.ask import engine_config
     from cacheblend_rag.config import Guard
 
     def guard(*options):
         args = build_parser().parse_args(["ask", "--docs", "d", *options, "What is the default?", "Q2"])
         assert args.questions == ["What is the default?", "Q2"]  # --guard never takes the first question
-        return _engine_config(args).guard
+        return engine_config(args).guard
 
     assert guard() is None
     assert guard("--guard") == Guard() and Guard().min_margin == 0.1
@@ -276,14 +277,15 @@ def test_ctrl_c_during_an_answer_ends_the_answer_line(monkeypatch, capsys, tmp_p
 
 
 def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch, capsys, tmp_path):
-    import cacheblend_rag.cli as cli
+    import cacheblend_rag.cli.ask as ask
+    from cacheblend_rag.cli import build_parser
 
-    monkeypatch.setattr(cli, "cpu_has_bf16", lambda: False)
-    args = cli.build_parser().parse_args(["ask", "--dtype", "bfloat16", "What is it?"])
-    config = cli._engine_config(args)
+    monkeypatch.setattr(ask, "cpu_has_bf16", lambda: False)
+    args = build_parser().parse_args(["ask", "--dtype", "bfloat16", "What is it?"])
+    config = ask.engine_config(args)
     assert config.dtype == "bfloat16" and "no bf16 matrix instructions" in capsys.readouterr().err
-    monkeypatch.setattr(cli, "cpu_has_bf16", lambda: True)
-    cli._engine_config(args)
+    monkeypatch.setattr(ask, "cpu_has_bf16", lambda: True)
+    ask.engine_config(args)
     assert capsys.readouterr().err == ""
 
 

@@ -260,7 +260,7 @@ def test_calibrate_questions_must_be_a_small_utf8_regular_file(kind, tmp_path, c
 def test_an_index_records_the_model_of_cacheblend_rag_model_when_no_model_is_named(monkeypatch, tmp_path):
     import argparse
 
-    from cacheblend_rag.cli_sources import choose_documents
+    from cacheblend_rag.cli.sources import choose_documents
 
     docs = tmp_path / "docs"
     docs.mkdir()

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import math
 
-from .config import DEFAULT_CONTEXT_NEIGHBOURS, Guard
-from .errors import CacheBlendError
-from .retrieval.sources import DEFAULT_MAX_DOCUMENT_BYTES
+from ..config import DEFAULT_CONTEXT_NEIGHBOURS, Guard
+from ..errors import CacheBlendError
+from ..retrieval.sources import DEFAULT_MAX_DOCUMENT_BYTES
 
 MODES = ("full", "prefix", "reuse", "blend")
 
@@ -64,7 +64,7 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_calibrate_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    from .controller.fidelity_profile import DEFAULT_LADDER, DEFAULT_MARGINS, DEFAULT_RATIOS, DEFAULT_THRESHOLDS
+    from ..controller.fidelity_profile import DEFAULT_LADDER, DEFAULT_MARGINS, DEFAULT_RATIOS, DEFAULT_THRESHOLDS
 
     cal = sub.add_parser("calibrate", help="measure fidelity to full recompute on a sample of your questions and "
                          "choose the recompute ratio / guard for a target", formatter_class=formatter)  # fmt: skip
@@ -111,7 +111,7 @@ def check_model_name(model: str | None) -> None:
     """An old preset name given to --model: one `error:` line (exit 2) naming the preset, before anything loads."""
     if model is None:
         return
-    from .models.presets import find_preset, retired_name_message
+    from ..models.presets import find_preset, retired_name_message
 
     preset = find_preset(model)
     if preset is not None and preset.name != model:
@@ -121,7 +121,7 @@ def check_model_name(model: str | None) -> None:
 def check_kv_dir(args: argparse.Namespace) -> None:
     """A --kv-dir that is a file, not writable or damaged: one `error:` line (exit 2) before any model loads."""
     if args.kv_dir:
-        from .store import check_disk_dir
+        from ..store import check_disk_dir
 
         check_disk_dir(args.kv_dir)
 

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli_args import check_kv_dir, check_model_name, check_numbers
-from .errors import CacheBlendError
+from ..errors import CacheBlendError
+from .args import check_kv_dir, check_model_name, check_numbers
 
 if TYPE_CHECKING:
-    from .config import EngineConfig
-    from .controller import Estimate, FidelityChoice, FidelityProfile, SampleQuestion
+    from ..config import EngineConfig
+    from ..controller import Estimate, FidelityChoice, FidelityProfile, SampleQuestion
 
 
 def _targets(args: argparse.Namespace) -> dict[str, float | None]:
@@ -39,8 +39,8 @@ class AppliedProfile:
 def apply_fidelity_profile(args: argparse.Namespace, config: EngineConfig) -> tuple[EngineConfig, AppliedProfile]:
     """`ask --fidelity-profile`: the engine config with the chosen ratio and guard (checked before any model
     loads, except the model fingerprint: `AppliedProfile.profile.check_model` once the engine is built)."""
-    from .controller import FidelityProfile
-    from .errors import ConfigError
+    from ..controller import FidelityProfile
+    from ..errors import ConfigError
 
     if args.ratio is not None:
         raise ConfigError("--ratio pins r and --fidelity-profile chooses it: give one of them")
@@ -59,12 +59,12 @@ MAX_QUESTIONS_BYTES = 4 * 1024**2  # far more questions than a calibration measu
 
 def _sample(args: argparse.Namespace) -> tuple[list[SampleQuestion] | None, list[str], str]:
     """(data set questions, or None and the questions over --docs, what the sample is drawn from)."""
-    from .controller import SampleQuestion
+    from ..controller import SampleQuestion
 
     if bool(args.dataset) == bool(args.docs or args.index):
         raise CacheBlendError("give either --dataset NAME (with --data-dir) or --docs DIR with --questions FILE")
     if args.dataset:
-        from .evaluation import load_dataset
+        from ..evaluation import load_dataset
 
         data = load_dataset(args.dataset, args.data_dir, limit=args.limit)
         items = [
@@ -73,7 +73,7 @@ def _sample(args: argparse.Namespace) -> tuple[list[SampleQuestion] | None, list
         return items, [], f"data set {data.spec.name}"
     if not args.questions:
         raise CacheBlendError("--docs needs --questions FILE: the questions to calibrate on, one per line")
-    from .controller.profile import read_small_text_file
+    from ..controller.profile import read_small_text_file
 
     redo = "give a UTF-8 text file of questions, one per line"
     lines = read_small_text_file(Path(args.questions), "a --questions file", MAX_QUESTIONS_BYTES, redo).splitlines()
@@ -98,11 +98,11 @@ def format_table(table: list[Estimate]) -> str:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from .cli_sources import build_index, read_sources, record_index_contexts
-    from .config import BlendConfig, EngineConfig
-    from .controller import Targets, check_grid, measure_fidelity
-    from .engine import CacheBlendEngine
-    from .retrieval import MIN_CHUNK_TOKENS
+    from ..config import BlendConfig, EngineConfig
+    from ..controller import Targets, check_grid, measure_fidelity
+    from ..engine import CacheBlendEngine
+    from ..retrieval import MIN_CHUNK_TOKENS
+    from .sources import build_index, read_sources, record_index_contexts
 
     # Arguments, paths and the sample first: loading the model takes seconds, a typo should not.
     check_numbers(
@@ -134,7 +134,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     context = "neighbours"  # a sample's own chunks are its corpus, unless an index gives the whole one
     print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     if items is None:
-        from .controller import SampleQuestion
+        from ..controller import SampleQuestion
 
         assert sources is not None
         index = sources.index

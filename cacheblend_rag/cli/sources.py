@@ -14,11 +14,11 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import CacheBlendError
+from ..errors import CacheBlendError
 
 if TYPE_CHECKING:
-    from .engine import CacheBlendEngine
-    from .retrieval import ChunkIndex, Document, DocumentFiles, IndexSource, Tokenizer
+    from ..engine import CacheBlendEngine
+    from ..retrieval import ChunkIndex, Document, DocumentFiles, IndexSource, Tokenizer
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Sources:
 
 def check_index_folder(folder: str, flag: str) -> str:
     """The state of an index folder ("new" or "index"); CacheBlendError for a file or a folder of other things."""
-    from .retrieval.index import index_folder_state
+    from ..retrieval.index import index_folder_state
 
     state = index_folder_state(folder)
     if state == "file":
@@ -47,8 +47,8 @@ def check_index_folder(folder: str, flag: str) -> str:
 
 def choose_documents(args: argparse.Namespace) -> tuple[DocumentFiles, IndexSource]:
     """The files --docs names (sizes checked, nothing read yet) and the record an index of them keeps."""
-    from .models.presets import default_model
-    from .retrieval import EMBEDDING_MODEL_NAME, IndexSource, check_document_sizes, find_document_files
+    from ..models.presets import default_model
+    from ..retrieval import EMBEDDING_MODEL_NAME, IndexSource, check_document_sizes, find_document_files
 
     files = find_document_files(args.docs, suffixes=args.suffix, globs=args.glob or (), follow_links=args.follow_links)
     if files.skipped_links:
@@ -74,7 +74,7 @@ def choose_documents(args: argparse.Namespace) -> tuple[DocumentFiles, IndexSour
 def read_sources(args: argparse.Namespace) -> Sources:
     """`ask`'s chunks: the saved index of --index when it fits --docs, else --docs' documents. Read (and
     checked) before any model loads."""
-    from .retrieval import ChunkIndex, IndexFormatError, read_documents
+    from ..retrieval import ChunkIndex, IndexFormatError, read_documents
 
     state = check_index_folder(args.index, "--index") if args.index else "new"
     if not args.docs:
@@ -110,7 +110,7 @@ def build_index(
 ) -> ChunkIndex:
     """Split the documents with the model's tokenizer and index the chunks (FAISS + all-MiniLM-L6-v2); saved in
     `out` with their record when given."""
-    from .retrieval import ChunkIndex, split_documents
+    from ..retrieval import ChunkIndex, split_documents
 
     chunks = split_documents(documents, tokenizer, chunk_tokens=args.chunk_tokens, show_progress=True)
     index = ChunkIndex.build(chunks, show_progress=True, source=record)

@@ -1,31 +1,27 @@
-"""Command line: `cacheblend-rag ask --docs DIR "question"` and friends.
+"""`cacheblend-rag ask --docs DIR "question"`: answer questions over a folder of text files.
 
 `ask` reads the text files of a folder, splits them into chunks, indexes them (FAISS + all-MiniLM-L6-v2),
 retrieves the top-k chunks for each question and answers with the chosen prefill mode on the chosen model,
 printing the answer and the request's metrics. A chunk's KV is computed by the first request that retrieves it
 (and counted in that request's TTFT); later questions in one call, or later calls with --kv-dir / --redis-url,
-show chunk hits. The arguments are in `cli_args.py`, where the chunks come from in `cli_sources.py`.
+show chunk hits. Where the chunks come from is in `sources.py`.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
-import os
 import sys
 import time
-from collections.abc import Sequence
 
-from .cli_args import build_parser, check_kv_dir, check_model_name, check_numbers, cpu_has_bf16, guard_from_args
-from .cli_calibrate import cmd_calibrate
-from .cli_sources import build_index, check_index_folder, choose_documents, read_sources, record_index_contexts
-from .errors import CacheBlendError
+from .args import check_kv_dir, check_model_name, check_numbers, cpu_has_bf16, guard_from_args
+from .sources import build_index, read_sources, record_index_contexts
 
-__all__ = ["build_parser", "main"]
+__all__ = ["cmd_ask", "engine_config"]
 
 
-def _engine_config(args: argparse.Namespace):
-    from .config import BlendConfig, EngineConfig
+def engine_config(args: argparse.Namespace):
+    """The EngineConfig `ask`'s options name, checked before any model loads."""
+    from ..config import BlendConfig, EngineConfig
 
     blend = BlendConfig(recompute_ratio=args.ratio) if args.ratio is not None else BlendConfig()
     check_model_name(args.model)
@@ -47,8 +43,8 @@ def _engine_config(args: argparse.Namespace):
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    from .engine import CacheBlendEngine
-    from .retrieval import MIN_CHUNK_TOKENS
+    from ..engine import CacheBlendEngine
+    from ..retrieval import MIN_CHUNK_TOKENS
 
     # Arguments, paths and documents first: loading the model takes seconds, a typo should not.
     check_numbers(
@@ -60,17 +56,17 @@ def cmd_ask(args: argparse.Namespace) -> int:
         ("--min-ratio", args.min_ratio, 0),
         ("--max-doc-mb", args.max_doc_mb, 0),
     )
-    config = _engine_config(args)
+    config = engine_config(args)
     fidelity, min_ratio = None, args.min_ratio
     if args.fidelity_profile:
-        from .cli_calibrate import apply_fidelity_profile
+        from .calibrate import apply_fidelity_profile
 
         # The fidelity choice sets r and the guard; with a loading profile it is the floor: r = max(it, r_load).
         config, fidelity = apply_fidelity_profile(args, config)
         min_ratio = fidelity.choice.min_ratio
     controller = None
     if args.profile:
-        from .controller import LoadingController, LoadingProfile
+        from ..controller import LoadingController, LoadingProfile
 
         # --ratio, when given, pins r: the engine then uses it as is and the controller stays out of the way.
         controller = LoadingController(LoadingProfile.load(args.profile), min_ratio=min_ratio)
@@ -122,102 +118,3 @@ def cmd_ask(args: argparse.Namespace) -> int:
     engine.wait_for_fills()  # chunks cold questions were answered without: stored after each answer, in the background
     engine.store.flush()  # chunk KV written to disk/Redis in the background must land before the process exits
     return 0
-
-
-def cmd_profile(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from .config import EngineConfig
-    from .controller import profile_engine
-    from .engine import CacheBlendEngine
-    from .store import DiskStore, MemoryStore
-
-    check_model_name(args.model)
-    check_kv_dir(args)
-    engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(device=args.device, dtype=args.dtype))
-    with tempfile.TemporaryDirectory(prefix="cacheblend-profile-") as scratch:
-        # Time the tiers the deployment will use: its disk folder (a scratch namespace inside it) and its Redis.
-        disk_dir = os.path.join(args.kv_dir, ".profile") if args.kv_dir else scratch
-        tiers: dict = {"memory": MemoryStore(), "disk": DiskStore(disk_dir)}
-        if args.redis_url:
-            from .store import RedisStore
-
-            tiers["redis"] = RedisStore(args.redis_url, namespace=f"cacheblend-profile-{os.getpid()}")
-        try:
-            profile = profile_engine(
-                engine,
-                token_counts=args.token_counts,
-                ratios=args.ratios,
-                chunk_tokens=args.chunk_tokens,
-                tiers=tiers,
-                repeats=args.repeats,
-            )
-        finally:
-            for name, store in tiers.items():
-                if name != "memory":  # the profile's own entries in disk / Redis
-                    store.clear()
-    profile.save(args.out)
-    print(f"profile of {args.model or 'the default preset'} ({args.dtype}, {args.device}) written to {args.out}")
-    for point in profile.compute:
-        print(
-            f"  {point.num_tokens:6d} tokens: blend compute {point.intercept_s * 1000:7.0f} ms + "
-            f"{point.slope_s * 1000:7.0f} ms x r  (r=0.15: {point.at(0.15) * 1000:.0f} ms)"
-        )
-    for name, speed in profile.tiers.items():
-        print(f"  {name:<7} reads {speed.bytes_per_s / 1e6:8.0f} MB/s, {speed.latency_s * 1000:.1f} ms per chunk")
-    return 0
-
-
-def cmd_index(args: argparse.Namespace) -> int:
-    from .models import load_model
-    from .retrieval import MIN_CHUNK_TOKENS, read_documents
-
-    # The documents first: a wrong path or encoding is reported before the model loads.
-    check_numbers(("--chunk-tokens", args.chunk_tokens, MIN_CHUNK_TOKENS), ("--max-doc-mb", args.max_doc_mb, 0))
-    check_model_name(args.model)
-    check_index_folder(args.out, "--out")
-    files, record = choose_documents(args)
-    documents = read_documents(files, encoding=args.encoding)
-    _, tokenizer = load_model(args.model) if args.model else load_model()
-    index = build_index(args, documents, tokenizer, record, args.out)
-    print(f"indexed {len(index)} chunks from {args.docs} into {args.out}")
-    return 0
-
-
-def cmd_models(args: argparse.Namespace) -> int:
-    from .models import DEFAULT_PRESET, PRESETS
-
-    for name, preset in PRESETS.items():
-        mark = " (default)" if name == DEFAULT_PRESET else ""
-        print(f"{name}{mark}: {preset.description}")
-    return 0
-
-
-COMMANDS = {
-    "ask": cmd_ask,
-    "calibrate": cmd_calibrate,
-    "profile": cmd_profile,
-    "index": cmd_index,
-    "models": cmd_models,
-}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    for stream in (sys.stdout, sys.stderr):
-        # A file name that is not valid UTF-8 reaches Python as lone surrogates: print it escaped, not crash.
-        if isinstance(stream, io.TextIOWrapper):
-            stream.reconfigure(errors="backslashreplace")
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
-    try:
-        return COMMANDS[args.command](args)
-    except CacheBlendError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (128 + SIGINT, as shells report it)
-        sys.stdout.flush()
-        print("interrupted", file=sys.stderr, flush=True)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
