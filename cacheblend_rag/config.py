@@ -62,6 +62,9 @@ _CHECKS: dict[str, tuple[tuple[int, ...], str, tuple[float, ...]]] = {
 DECODE_WEIGHTS = ("native", "int8")
 MISS_POLICIES = ("auto", "blend", "full")
 CAPTURE_POLICIES = ("exact", "all")
+# The codecs `kv_codec` and `memory_codec` may name: those of `store.codec.CODECS` (a test keeps the two equal),
+# listed here so that the settings import nothing of the store.
+CODEC_NAMES = ("native", "fp16", "bf16", "int8", "int4")
 
 
 # Neighbours a chunk's KV is prefilled after where the corpus is known (contextual chunk KV). 0, isolated entries,
@@ -358,8 +361,6 @@ class EngineConfig:
         )  # fmt: skip
 
     def _check_codecs(self) -> None:
-        from .store.codec import CODECS
-
         for name in ("kv_codec", "memory_codec"):
-            if getattr(self, name) not in CODECS:
-                raise ConfigError(f"{name} must be one of {sorted(CODECS)}, got {getattr(self, name)!r}")
+            if getattr(self, name) not in CODEC_NAMES:
+                raise ConfigError(f"{name} must be one of {sorted(CODEC_NAMES)}, got {getattr(self, name)!r}")

@@ -198,6 +198,21 @@ def test_config_names_the_codec_field_value_and_choices():
         EngineConfig(memory_codec="zstd")
 
 
+def test_the_settings_name_the_codecs_the_store_ships():
+    import subprocess
+    import sys
+
+    from cacheblend_rag.config import CODEC_NAMES
+
+    assert CODEC_NAMES == tuple(CODECS)  # config lists them so that it need not import the store
+    code = (
+        "import sys, cacheblend_rag.config\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('cacheblend_rag.store', 'torch'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_the_engine_stores_disk_entries_in_its_kv_codec_and_blends_from_them(tmp_path):
     def ask(engine):
         return engine.generate(CHUNKS, prefix=random_words(1, 4), suffix=random_words(2, 5), max_new_tokens=4)
