@@ -275,8 +275,9 @@ class EngineConfig:
     context_neighbours: int = DEFAULT_CONTEXT_NEIGHBOURS
     # What a full prefill (a cold request, mode="full") stores of its chunks' KV, which it holds for free: "exact"
     # stores the chunks whose KV there is their entry (the one right after the prefix) and prefills the others
-    # after the answer; "all" stores every chunk as that prompt computed it, under keys of their own
-    # (docs/how-it-works.md, "Captured chunk KV").
+    # after the answer; "all" also stores every later chunk as that prompt computed it, after the chunks before it
+    # there, under a key of its own, which a chunk after the first of a prompt reads before its own entry
+    # (docs/configuration.md, "Captured chunk KV").
     capture: str = "exact"
     # How many requests decode together: each decode step reads the weights once for all of them. Requests past it
     # wait in arrival order. 1 serves one request at a time. Memory: each decoding request holds its prompt's KV

@@ -23,8 +23,8 @@ def three_chunks(engine: CacheBlendEngine):
     return chunks, engine.build_prompt(chunks, prefix=PREFIX, suffix=random_words(44, 6))
 
 
-def entry(engine: CacheBlendEngine, prompt, j: int):
-    kv = engine.store.get(engine.chunk_key(prompt.prefix_ids, prompt.chunk_ids[j]))
+def entry(engine: CacheBlendEngine, prompt, j: int, captured: bool = False):
+    kv = engine.store.get(engine.chunk_key(prompt.prefix_ids, prompt.chunk_ids[j], captured=captured))
     assert kv is not None, f"chunk {j} is not stored"
     return kv.keys, kv.values
 
@@ -45,8 +45,8 @@ def test_captured_kv_equals_a_prefill_after_the_same_context(family, tiny_tokeni
     # the same entries prefilled apart, each after the chunks before it in that prompt
     separate = engine_with(family, tiny_tokenizer, miss_policy="blend")
     separate.precompute(chunks, prefix=PREFIX, context=[[], chunks[:1], chunks[:2]])
-    for j in range(3):
-        for got, want in zip(entry(capturing, prompt, j), entry(separate, prompt, j), strict=True):
+    for j in range(3):  # the first chunk's entry is its own (isolated), the others' their captured ones
+        for got, want in zip(entry(capturing, prompt, j, captured=j > 0), entry(separate, prompt, j), strict=True):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     # so full KV reuse of the prompt that captured them is a full prefill
     full = capturing.prefill(prompt, "full").logits
@@ -85,11 +85,35 @@ def test_a_full_request_stores_what_it_computed_and_fills_nothing(family, tiny_t
 
 
 def test_capture_all_keys_its_entries_apart_from_isolated_ones(family, tiny_tokenizer):
-    isolated = engine_with(family, tiny_tokenizer)
-    captured = engine_with(family, tiny_tokenizer, capture="all")
-    _, prompt = three_chunks(isolated)
+    engine = engine_with(family, tiny_tokenizer, capture="all")
+    _, prompt = three_chunks(engine)
     for ids in prompt.chunk_ids:
-        assert isolated.chunk_key(prompt.prefix_ids, ids) != captured.chunk_key(prompt.prefix_ids, ids)
+        assert engine.chunk_key(prompt.prefix_ids, ids) != engine.chunk_key(prompt.prefix_ids, ids, captured=True)
+    own = [engine.chunk_key(prompt.prefix_ids, ids) for ids in prompt.chunk_ids]
+    captured = [engine.chunk_key(prompt.prefix_ids, ids, captured=True) for ids in prompt.chunk_ids]
+    assert engine.prompt_keys(prompt, with_prefix=False) == [own[0], *captured[1:]]  # the first chunk reads its own
+
+
+def test_the_first_chunk_of_a_prompt_never_reads_kv_captured_after_other_chunks(family, tiny_tokenizer):
+    # Captured in the order C, A, B: A's and B's entries were computed after other chunks. Asked in the order
+    # A, B, C, the first chunk A (real context: the prefix alone) is a miss of its own, isolated, entry and is
+    # prefilled alone; B reads its captured entry; C, captured first, reads its own entry.
+    engine = engine_with(family, tiny_tokenizer, capture="all", miss_policy="blend")
+    chunks, prompt = three_chunks(engine)
+    earlier = engine.build_prompt([chunks[2], chunks[0], chunks[1]], prefix=PREFIX, suffix=random_words(45, 6))
+    assert engine.prefill(earlier, "full").metrics.chunks_captured == 3
+    reuse = engine.prefill(prompt, "reuse")
+    assert (reuse.metrics.chunks_missed, reuse.metrics.chunks_hit) == (1, 2)
+    isolated = engine_with(family, tiny_tokenizer, miss_policy="blend")
+    isolated.precompute(chunks[:1], prefix=PREFIX)
+    for got, want in zip(entry(engine, prompt, 0), entry(isolated, prompt, 0), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    # a chunk after the first with no captured entry reads its own (C, captured first, in second place here)
+    later = engine.build_prompt([chunks[0], chunks[2]], prefix=PREFIX, suffix=random_words(46, 6))
+    assert engine.prefill(later, "reuse").metrics.chunks_hit == 2
+    # and a full prefill of that prompt captures C's entry after A, beside its own
+    assert engine.prefill(later, "full").metrics.chunks_captured == 1
+    assert engine.chunk_key(prompt.prefix_ids, prompt.chunk_ids[2], captured=True) in engine.store
 
 
 def test_capture_settings_are_checked():

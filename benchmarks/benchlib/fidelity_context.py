@@ -10,6 +10,8 @@ case's own passages alone. The paired table is `fidelity_codecs.codec_difference
 `--chunk-context captured` measures chunk KV as `EngineConfig(capture="all")` keeps it (`attention@0.15+cap`): each
 chunk's entry cut from the full prefill of an earlier request that retrieved the same passages in another order
 (a seeded shuffle per case), so a chunk's cached context is the passages that came before it there, not here.
+The prompt's first chunk reads its own (isolated) entry, as the engine does: when the earlier request had it
+elsewhere, it is prefilled alone during the measured request (in its TTFT, not in its compute share).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class ContextPreparer:
 
 def capture_engine(engine: CacheBlendEngine) -> CacheBlendEngine:
     """An engine on `engine`'s model (shared) with its own store, keeping chunk KV as full prefills capture it."""
-    config = replace(engine.config, capture="all", miss_policy="full", context_neighbours=0)
+    config = replace(engine.config, capture="all", miss_policy="blend", context_neighbours=0)
     return CacheBlendEngine(engine.model, engine.tokenizer, config=config, template=engine.template)
 
 
@@ -119,6 +121,7 @@ class CapturePreparer:
         return {
             "capture_order": order,
             "captured_chunks": pre.metrics.chunks_captured,
+            "first_chunk_stored": order[0] == 0,  # else the measured request prefills its own entry
             "precompute_s": precompute_s,
             "context_tokens": sum(before.values()) / max(len(order), 1),  # per chunk, mean
             "chunk_tokens": sum(len(ids) for ids in prompt.chunk_ids) / max(len(order), 1),

@@ -6,8 +6,9 @@ prompt) and, where `contexts` records one, after its context (`chunk_context`): 
 
 A full prefill of a prompt holds every chunk's KV after the prefix and the chunks before it; `capture` cuts the
 entries out of it (keys turned back to raw), so a cold request stores what it already computed (`capturable`
-says which, under the engine's `capture` policy). Under capture="all" every entry is keyed as captured: the KV of
-the first prompt that needed the chunk, after whatever preceded it there, never mixed with isolated entries.
+says which, under the engine's `capture` policy). Under capture="all" a chunk after the first of a prompt is read
+from its captured entry (the KV a full prefill gave it, after the chunks before it there; a key of its own), else
+from its own entry; the first chunk of a prompt, whose real context is the prefix alone, always reads its own.
 
 Whatever comes back from a store is checked against the shape this model gives that many tokens before a single
 layer is read; anything else is dropped and recomputed, never used.
@@ -69,18 +70,27 @@ class ChunkCache:
     def store(self, store: ChunkStore) -> None:
         self._store = store
 
-    def key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
-        """The store key of a chunk's KV when it follows `prefix_ids` (and its recorded context, if any)."""
-        digest = CAPTURED if self.capture_policy == "all" else self.contexts.digest(chunk_ids)
+    def key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], *, captured: bool = False) -> str:
+        """The store key of a chunk's KV when it follows `prefix_ids` (and its recorded context, if any); with
+        `captured`, of its captured entry (capture="all")."""
+        digest = CAPTURED if captured else self.contexts.digest(chunk_ids)
         return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids, digest)
+
+    def read_keys(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], position: int) -> tuple[str, ...]:
+        """The keys a chunk at `position` of a prompt is read from, best first: under capture="all", a chunk
+        after the first reads its captured entry, else its own; every other chunk reads its own entry."""
+        own = self.key(prefix_ids, chunk_ids)
+        if self.capture_policy == "all" and position > 0:
+            return (self.key(prefix_ids, chunk_ids, captured=True), own)
+        return (own,)
 
     def prompt_keys(
         self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], *, with_prefix: bool = True
     ) -> list[str]:
         """The store keys a prompt's KV is read from: the prefix's (if any, and `with_prefix`), then each
-        chunk's, in order."""
+        chunk's best entry (`read_keys`), in order."""
         keys = [self.key((), prefix_ids)] if prefix_ids and with_prefix else []
-        return keys + [self.key(prefix_ids, ids) for ids in chunk_ids]
+        return keys + [self.read_keys(prefix_ids, ids, j)[0] for j, ids in enumerate(chunk_ids)]
 
     def layer_loader(self, parts: Sequence[ChunkReader], total: int) -> LayerLoader:
         """Loads layer l of the given KV parts laid end to end, padded with zeros up to `total` tokens."""
@@ -124,24 +134,24 @@ class ChunkCache:
     def context_of(self, prefix_ids: Sequence[int], ids: Sequence[int]) -> tuple[int, ...]:
         """The tokens chunk `ids`'s entry is prefilled after, between the prefix and the chunk: its recorded
         context, cut from its start to what fits the model's positions (the nearest neighbour, placed last, stays)."""
-        if self.capture_policy == "all":
-            return ()  # a chunk no prompt has computed yet: the first context it gets is none
         context = self.contexts.tokens(ids)
         room = max(self.lm.shape.max_positions - len(prefix_ids) - len(ids), 0)
         return context[len(context) - room :] if len(context) > room else context
 
-    def capturable(self, prompt: TokenizedPrompt, chunks: Sequence[Sequence[int]]) -> list[int]:
-        """The positions in `prompt` of those of `chunks` whose entry a full prefill of the prompt computes: under
-        capture="all" every one (at its first place); under "exact" those whose entry is prefilled after exactly
-        the chunks before them here (the first chunk, when it has no context)."""
-        wanted = {tuple(c) for c in chunks}
+    def capturable(self, prompt: TokenizedPrompt) -> list[int]:
+        """The positions of `prompt` whose best entry (`read_keys`) is not stored and a full prefill of the prompt
+        computes exactly: the first chunk's own entry when it has no context; under capture="all", every later
+        chunk's captured entry; under "exact", a later chunk whose own entry is prefilled after just the chunks
+        before it here. Each chunk once, at its first place. Reads no KV."""
         out: list[int] = []
+        seen: set[tuple[int, ...]] = set()
         before: list[int] = []
         for j, ids in enumerate(prompt.chunk_ids):
-            same = self.capture_policy == "all" or self.context_of(prompt.prefix_ids, ids) == tuple(before)
-            if ids in wanted and same:
-                out.append(j)
-                wanted.discard(ids)
+            if ids not in seen and self.read_keys(prompt.prefix_ids, ids, j)[0] not in self.store:
+                captured = self.capture_policy == "all" and j > 0
+                if captured or self.context_of(prompt.prefix_ids, ids) == tuple(before):
+                    out.append(j)
+            seen.add(ids)
             before.extend(ids)
         return out
 
@@ -162,7 +172,7 @@ class ChunkCache:
             ids = prompt.chunk_ids[j]
             keys = torch.stack([unrotate_keys(k[:, s:e].float(), cos[s:e], sin[s:e]).to(self.dtype) for k, _ in layers])
             values = torch.stack([v[:, s:e] for _, v in layers])
-            out[ids] = ChunkKV(self.key(prompt.prefix_ids, ids), keys, values)
+            out[ids] = ChunkKV(self.read_keys(prompt.prefix_ids, ids, j)[0], keys, values)
         return out
 
     def store_or_fill(self, prefix_ids: Sequence[int], ids: Sequence[int], kv: ChunkKV | None) -> None:
@@ -197,15 +207,22 @@ class ChunkCache:
         return None
 
     def get_or_prefill(
-        self, prefix: ChunkReader | None, prefix_ids: Sequence[int], ids: Sequence[int], *, lazy: bool
+        self,
+        prefix: ChunkReader | None,
+        prefix_ids: Sequence[int],
+        ids: Sequence[int],
+        *,
+        lazy: bool,
+        position: int = 0,
     ) -> Loaded:
         """The chunk's KV, the tier it came from (None if it was prefilled now) and the bytes read from that tier.
 
-        `prefix` is the KV of `prefix_ids`. With `lazy` (pipelined loading), a chunk found on disk or in Redis
+        `prefix` is the KV of `prefix_ids`; `position` the chunk's place in the prompt (`read_keys`); a chunk
+        prefilled now gets its own entry. With `lazy` (pipelined loading), a chunk found on disk or in Redis
         comes back unread: its layers are fetched while the fusor runs. Without it, the chunk is read whole now,
         and one that turns out damaged is recomputed here (its tier has dropped it and counted a miss).
         """
-        hit = self.find(prefix_ids, ids)
+        hit = self.find(prefix_ids, ids, position)
         if hit is not None:
             if lazy:
                 return Loaded(hit.kv, hit.tier, hit.kv.nbytes)
@@ -216,16 +233,22 @@ class ChunkCache:
                                exc)  # fmt: skip
         return Loaded(self.prefill_and_store(prefix, prefix_ids, ids), None, 0)
 
-    def find(self, prefix_ids: Sequence[int], ids: Sequence[int]) -> Hit | None:
-        """The stored entry of chunk `ids` after `prefix_ids`, or None (a miss; nothing is computed)."""
-        return self.lookup(self.key(prefix_ids, ids), len(ids))
+    def find(self, prefix_ids: Sequence[int], ids: Sequence[int], position: int = 0) -> Hit | None:
+        """The stored entry chunk `ids` after `prefix_ids` is read from at `position` of a prompt (`read_keys`), or
+        None (a miss; nothing is computed)."""
+        for key in self.read_keys(prefix_ids, ids, position):
+            hit = self.lookup(key, len(ids))
+            if hit is not None:
+                return hit
+        return None
 
     def missing(self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
-        """The distinct chunks (in prompt order) that have no stored entry after `prefix_ids`. Reads no KV."""
+        """The distinct chunks (in prompt order) with no entry they can be read from at their place after
+        `prefix_ids`. Reads no KV."""
         out: list[tuple[int, ...]] = []
-        for ids in chunk_ids:
+        for j, ids in enumerate(chunk_ids):
             ids = tuple(ids)
-            if ids not in out and self.key(prefix_ids, ids) not in self.store:
+            if ids not in out and not any(key in self.store for key in self.read_keys(prefix_ids, ids, j)):
                 out.append(ids)
         return out
 

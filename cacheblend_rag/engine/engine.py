@@ -179,9 +179,10 @@ class CacheBlendEngine:
                 f"{self.max_tokens}; retrieve fewer or shorter chunks, or lower max_new_tokens"
             )
 
-    def chunk_key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
-        """The store key of a chunk's KV when it follows `prefix_ids` (model fingerprint, dtype and tokens)."""
-        return self.chunks.key(prefix_ids, chunk_ids)
+    def chunk_key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], *, captured: bool = False) -> str:
+        """The store key of a chunk's KV when it follows `prefix_ids` (model fingerprint, dtype, tokens, context);
+        with `captured`, of its captured entry (`EngineConfig.capture="all"`)."""
+        return self.chunks.key(prefix_ids, chunk_ids, captured=captured)
 
     def prompt_keys(self, prompt: TokenizedPrompt, *, with_prefix: bool = True) -> list[str]:
         """The store keys this engine reads a prompt's KV from: the prefix's (if any, and `with_prefix`), then

@@ -140,8 +140,7 @@ class Prefiller:
         if mode is PrefillMode.FULL or not prompt.chunk_ids:
             # Without chunks there is nothing to reuse or blend: every mode is a full prefill. It reads no stored
             # KV, and stores the chunks it computed as their entries (the capture policy's), at no cost.
-            missing = self.chunks.missing(prompt.prefix_ids, prompt.chunk_ids) if prompt.chunk_ids else []
-            return self._full(prompt, m, t0, self.chunks.capturable(prompt, missing))
+            return self._full(prompt, m, t0, self.chunks.capturable(prompt) if prompt.chunk_ids else [])
         if mode is not PrefillMode.PREFIX and self.miss_policy != "blend":
             cold = self._answer_cold_in_full(prompt, mode, blend, m, t0)
             if cold is not None:
@@ -203,7 +202,7 @@ class Prefiller:
         share = cold_cost_share(prompt, missing, blend if mode is PrefillMode.BLEND else None, self.lm.shape.num_layers)
         if self.miss_policy == "auto" and share < 1.0:
             return None
-        pre = self._full(prompt, m, t0, self.chunks.capturable(prompt, missing))
+        pre = self._full(prompt, m, t0, self.chunks.capturable(prompt))
         gone = set(missing)
         m.chunks_missed = sum(tuple(ids) in gone for ids in prompt.chunk_ids)
         m.chunks_hit = len(prompt.chunk_ids) - m.chunks_missed
@@ -221,9 +220,10 @@ class Prefiller:
         parts: list[ChunkReader] = [prefix_kv] if prefix_kv is not None else []
         bytes_by_tier: dict[str, int] = {}
         seen: set[str] = set()  # a chunk repeated in one prompt is prefilled once: one miss, then hits
-        for ids in prompt.chunk_ids[:n_chunks]:
+        for j, ids in enumerate(prompt.chunk_ids[:n_chunks]):
             t = time.perf_counter()
-            kv, tier, stored_bytes = self.chunks.get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=self.pipelined)
+            kv, tier, stored_bytes = self.chunks.get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=self.pipelined,
+                                                                position=j)  # fmt: skip
             if tier is None:
                 fresh.add(kv.key)
             repeat = kv.key in seen
