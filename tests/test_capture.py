@@ -121,3 +121,20 @@ def test_capture_settings_are_checked():
         EngineConfig(capture="everything")
     with pytest.raises(ConfigError, match="choose one"):
         EngineConfig(capture="all", context_neighbours=2)
+
+
+def test_a_guard_escalation_to_a_full_recompute_adds_the_captured_entries(family, tiny_tokenizer):
+    from cacheblend_rag import Guard
+
+    always = Guard(min_margin=1.0, ratios=(1.0,))  # every request is a near tie: straight to r = 1
+    engine = engine_with(family, tiny_tokenizer, capture="all", miss_policy="blend", guard=always)
+    chunks, prompt = three_chunks(engine)
+    engine.precompute(chunks, prefix=PREFIX)  # own entries only
+    blended = engine.prefill(prompt, "blend")
+    assert blended.metrics.escalations == [1.0] and blended.metrics.chunks_captured == 2  # the two after the first
+    separate = engine_with(family, tiny_tokenizer, miss_policy="blend")
+    separate.precompute(chunks, prefix=PREFIX, context=[[], chunks[:1], chunks[:2]])
+    for j in (1, 2):
+        for got, want in zip(entry(engine, prompt, j, captured=True), entry(separate, prompt, j), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert engine.prefill(prompt, "blend").metrics.chunks_captured == 0  # stored: nothing to add

@@ -172,7 +172,12 @@ class Prefiller:
         m.pipelined = self.pipelined
         m.compute_s = time.perf_counter() - t_found - wait_s
         m.compute_share = sum(m.recomputed_per_layer) / (n * num_layers)
-        return Prefill(cache, result.logits, n, m)
+        captured: dict[tuple[int, ...], ChunkKV] = {}
+        if m.escalations and m.escalations[-1] >= 1.0:  # the guard recomputed every token: a full prefill's KV
+            layers = list(zip(result.keys, result.values, strict=True))
+            captured = self.chunks.capture(prompt, layers, self.chunks.capturable(prompt))
+            m.chunks_captured = len(captured)
+        return Prefill(cache, result.logits, n, m, captured=captured)
 
     def _full(self, prompt: TokenizedPrompt, m: RequestMetrics, t0: float, capture: Sequence[int] = ()) -> Prefill:
         """The model's own prefill of the whole prompt: exact, and reads nothing from the store. The entries of
