@@ -9,16 +9,11 @@ bootstrap intervals. Runs on the current code:
 
 import dataclasses
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_guard_gate import QUESTIONS  # noqa: E402
-from test_quality_gate import ANSWER_TOKENS, CHUNKS  # noqa: E402
-
-from cacheblend_rag import CacheBlendEngine, EngineConfig, blend_rule  # noqa: E402
-from cacheblend_rag.evaluation import bootstrap_ci  # noqa: E402
-from cacheblend_rag.evaluation.fidelity import measure, reference_answer  # noqa: E402
+from cacheblend_rag import CacheBlendEngine, EngineConfig, blend_rule
+from cacheblend_rag.evaluation import bootstrap_ci
+from cacheblend_rag.evaluation.fidelity import measure, reference_answer
+from cacheblend_rag.testing import GATE_ANSWER_TOKENS, GATE_PASSAGES, GATE_QUESTIONS
 
 RULES = ("attention", "paper", "gradual", "epic")
 RATIO = 0.15
@@ -31,11 +26,11 @@ coded = {  # engines on the same model whose memory tier keeps chunk KV through 
 }
 native: dict[str, list[float]] = {rule: [] for rule in RULES}
 diffs: dict[tuple[str, str], list[float]] = {(codec, rule): [] for codec in coded for rule in RULES}
-for question in QUESTIONS:
+for question in GATE_QUESTIONS:
     for each in (engine, *coded.values()):
-        each.precompute(CHUNKS, question)
-    prompt = engine.build_prompt(CHUNKS, question)
-    reference = reference_answer(engine, prompt, ANSWER_TOKENS)
+        each.precompute(GATE_PASSAGES, question)
+    prompt = engine.build_prompt(GATE_PASSAGES, question)
+    reference = reference_answer(engine, prompt, GATE_ANSWER_TOKENS)
     for rule in RULES:
         base = measure(engine, prompt, reference, blend_rule(rule, RATIO))["kl_mean"]
         native[rule].append(base)

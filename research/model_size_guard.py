@@ -24,12 +24,12 @@ sys.path[:0] = [str(BENCHMARKS), str(Path(__file__).parent)]
 
 from benchlib.guard_study import load_cases, profile  # noqa: E402
 from benchlib.records import load_records  # noqa: E402
+from model_size_first_token import answers, text_by_case  # noqa: E402
 
 from cacheblend_rag.config import Guard  # noqa: E402
 from cacheblend_rag.controller.fidelity_choice import Setting  # noqa: E402
 from cacheblend_rag.evaluation import bootstrap_ci  # noqa: E402
 from cacheblend_rag.testing import default_preset_tokenizer  # noqa: E402
-from model_size_first_token import answers, text_by_case  # noqa: E402
 
 RESULTS = BENCHMARKS / "results"
 GRID = (0.15,)

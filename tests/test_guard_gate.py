@@ -18,23 +18,11 @@ from test_quality_gate import ANSWER_TOKENS, CHUNKS
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, Guard
 from cacheblend_rag.evaluation.fidelity import measure, reference_answer
+from cacheblend_rag.testing import GATE_QUESTIONS
 
 pytestmark = pytest.mark.real_model
 
-QUESTIONS = [
-    "Who founded the school of navigators, and why did he leave the capital?",
-    "What is the cheese vessa named after, and where does that river flow?",
-    "What do the winners of the ice rowing championship receive, and which export is it made of?",
-    "Which city did Queen Amsel move her court to, and in what year?",
-    "What does the school founded by Amsel's brother teach today?",
-    "Where are Zorbania's copper mines, and what prize is made of copper?",
-    "Who quarrelled with Queen Amsel, and where did he go?",
-    "On which lake is the ice rowing championship held, and in which season?",
-    "What did the bridge laws require, and in which city are the stone bridges?",
-    "Which river runs through the capital of Zorbania?",
-    "Why did sailors from three kingdoms come to Pell?",
-    "What are the three main exports of the kingdom whose capital is Quillton?",
-]
+QUESTIONS = GATE_QUESTIONS
 
 # Measured when set: the default blend and the guarded default both keep full recompute's first token on 12 of 12
 # questions (full KV reuse too: these passages are easy for the model, so the bound is a regression gate); the

@@ -14,31 +14,13 @@ import pytest
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, blend_rule
 from cacheblend_rag.evaluation.fidelity import Reference, measure, reference_answer
+from cacheblend_rag.testing import GATE_ANSWER_TOKENS, GATE_PASSAGES, GATE_QUESTIONS
 
 pytestmark = pytest.mark.real_model
 
-# Five passages that refer to one another (a later passage names people and things of an earlier one), so that
-# the KV a chunk gets when prefilled alone really differs from its KV in the whole prompt.
-CHUNKS = [
-    "The kingdom of Zorbania lies in the northern mountains. Its capital is Quillton, a city of stone bridges "
-    "built along the river Vess. Quillton has been the capital since the year 1204, when Queen Amsel moved her "
-    "court there from the coast.",
-    "Queen Amsel is remembered for two things: the bridge laws, which made every guild pay for one bridge, and "
-    "her quarrel with her brother Tovin. He wanted the court to stay by the sea, and left for the island of Pell "
-    "when she refused.",
-    "On Pell, Tovin founded a school of navigators. Its maps were the best of the age, and sailors from three "
-    "kingdoms came to study there. The school still exists, although it now teaches mostly astronomy.",
-    "Zorbania's main exports are wool, copper and a blue cheese called vessa, named after the river. Most of "
-    "its farms are small and family-owned, and the copper mines are in the eastern valleys near the border.",
-    "The national sport of Zorbania is ice rowing, played on frozen lakes in winter. The yearly championship is "
-    "held on Lake Marn and draws crowds from all over the kingdom. The winners receive a copper oar.",
-]
-QUESTIONS = [
-    "Who founded the school of navigators, and why did he leave the capital?",
-    "What is the cheese vessa named after, and where does that river flow?",
-    "What do the winners of the ice rowing championship receive, and which export is it made of?",
-]
-ANSWER_TOKENS = 24
+CHUNKS = GATE_PASSAGES
+QUESTIONS = GATE_QUESTIONS[:3]
+ANSWER_TOKENS = GATE_ANSWER_TOKENS
 
 # Bounds on the mean over the three questions of the per-token KL(full || method), in nats, with the values
 # measured when they were set (full KV reuse: 0.114). The default rule is "attention" (the question's attention in
