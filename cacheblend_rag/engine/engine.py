@@ -35,7 +35,7 @@ from .fills import DeferredFills
 from .generation import eos_token_ids
 from .planning import check_blend
 from .prefill import Prefill, Prefiller, RatioPolicy
-from .prompt import PromptTemplate, TokenizedPrompt, tokenize_parts
+from .prompt import PromptTemplate, TokenizedPrompt, tokenize_request
 from .request import Request, RequestOptions, request_prompt
 from .scheduler import Scheduler
 
@@ -160,15 +160,8 @@ class CacheBlendEngine:
         suffix: str | None = None,
     ) -> TokenizedPrompt:
         """Tokenize a request. Either a question (rendered with the template) or an explicit prefix/suffix."""
-        if question is not None:
-            if prefix is not None or suffix is not None:
-                raise PromptError("give either a question (the template renders it) or prefix/suffix, not both")
-            if not question.strip():
-                raise PromptError("the question is empty")
-            prefix, suffix = (template or self.template).render_parts(self.tokenizer, question)
-        elif suffix is None:
-            raise PromptError("give a question, or a suffix (the text after the chunks)")
-        return tokenize_parts(self.tokenizer, prefix or "", chunks, suffix, separator=self.config.chunk_separator)
+        return tokenize_request(self.tokenizer, template or self.template, chunks, question, prefix, suffix,
+                                self.config.chunk_separator)  # fmt: skip
 
     def check_length(self, prompt: TokenizedPrompt, max_new_tokens: int = 0) -> None:
         """PromptError when the prompt and its answer budget do not fit the model's context."""

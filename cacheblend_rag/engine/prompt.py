@@ -160,3 +160,24 @@ def tokenize_parts(
         chunk_ids=tokenize_chunks(tokenizer, chunks, separator),
         suffix_ids=encode(tokenizer, suffix),
     )
+
+
+def tokenize_request(
+    tokenizer: Any,
+    template: PromptTemplate,
+    chunks: Sequence[str],
+    question: str | None,
+    prefix: str | PromptText | None,
+    suffix: str | PromptText | None,
+    separator: str,
+) -> TokenizedPrompt:
+    """A request's prompt: chunks with either a question (rendered by `template`) or an explicit prefix/suffix."""
+    if question is not None:
+        if prefix is not None or suffix is not None:
+            raise PromptError("give either a question (the template renders it) or prefix/suffix, not both")
+        if not question.strip():
+            raise PromptError("the question is empty")
+        prefix, suffix = template.render_parts(tokenizer, question)
+    elif suffix is None:
+        raise PromptError("give a question, or a suffix (the text after the chunks)")
+    return tokenize_parts(tokenizer, prefix or "", chunks, suffix, separator=separator)
