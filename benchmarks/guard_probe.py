@@ -1,6 +1,6 @@
 """Record the base blend's risk signals on cases the fidelity benchmark has already measured.
 
-The guard decides from signals of the base blend alone (`cacheblend_rag.engine.guard.first_token_signals`). On a
+The guard decides from signals of the base blend alone (`cacheblend_rag.guard.first_token_signals`). On a
 case whose fidelity records already hold full recompute, full reuse and the base blend (`benchmarks/fidelity.py`,
 deterministic on one machine and model), the signal study and a guard that escalates straight to full recompute
 need only those signals: one chunk prefill and one blend per case, a quarter of a fidelity run's compute. Appends

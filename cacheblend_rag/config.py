@@ -7,13 +7,13 @@ of the engine's calls, never module state.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
 from .errors import ConfigError
+from .guard import Guard  # the guard's policy lives with its signals and loop; re-exported here
 
 
 class PrefillMode(str, Enum):
@@ -164,58 +164,6 @@ def blend_rule(name: str, recompute_ratio: float = 0.15) -> BlendConfig:
     return BlendConfig(recompute_ratio=recompute_ratio, rule=name)
 
 
-@dataclass(frozen=True)
-class Guard:
-    """When a blend escalates, and to what. A request is risky when the blend's first token is a near tie (its
-    top-1 minus top-2 probability is below `min_margin`) or when recomputing moved the first token far from full
-    KV reuse (KL(blend || reuse) above `max_kl`); it is then blended again at each ratio of `ratios` in turn, until
-    the new blend agrees with the previous one (same first token, KL at most `max_kl`). A ratio of 1.0 (the
-    default ladder's end) is exact: a full prefill's KV and logits. Which trigger and threshold keep a fidelity
-    target at the least compute is measured in docs/benchmarks.md, "The fidelity guard"."""
-
-    # first-token top-1 minus top-2 probability below which a request escalates (0: off); 0.1 is the least of the
-    # margins measured that kept 0.95 of full recompute's first tokens over the benchmark cases
-    min_margin: float = 0.1
-    max_kl: float = math.inf  # nats: first-token KL(blend || reuse) above which a request escalates (inf: off)
-    ratios: tuple[float, ...] = (1.0,)  # the escalation ladder, increasing
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_kl, bool) or not isinstance(self.max_kl, (int, float)) or not self.max_kl >= 0:
-            raise ConfigError(f"guard max_kl must be a number >= 0 (nats; inf: off), got {self.max_kl!r}")
-        margin = self.min_margin
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin <= 1:
-            raise ConfigError(f"guard min_margin must be a probability in [0, 1] (0: off), got {margin!r}")
-        ratios = tuple(self.ratios)
-        if not ratios or any(isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1 for r in ratios):
-            raise ConfigError(f"guard ratios must be one or more numbers in (0, 1], got {self.ratios!r}")
-        if list(ratios) != sorted(set(ratios)):
-            raise ConfigError(f"guard ratios must increase, got {ratios}")
-        object.__setattr__(self, "ratios", tuple(float(r) for r in ratios))
-
-    def reason(self, signals: dict[str, Any]) -> str | None:
-        """Why a blend with these risk signals escalates (`engine.guard.first_token_signals`), or None."""
-        if signals["margin"] < self.min_margin:
-            return f"first-token margin {signals['margin']:.3f} < {self.min_margin:g}"
-        if signals["kl_reuse"] > self.max_kl:
-            return f"first-token KL to reuse {signals['kl_reuse']:.3f} > {self.max_kl:g}"
-        return None
-
-    def is_risky(self, signals: dict[str, Any]) -> bool:
-        """Whether a blend with these signals escalates."""
-        return self.reason(signals) is not None
-
-    def ladder(self, ratio: float) -> tuple[float, ...]:
-        """The ratios above `ratio` this guard escalates through."""
-        return tuple(r for r in self.ratios if r > ratio)
-
-    def describe(self) -> str:
-        """e.g. 'margin < 0.1 -> r=1'."""
-        triggers = [f"margin < {self.min_margin:g}"] if self.min_margin > 0 else []
-        triggers += [f"KL to reuse > {self.max_kl:g}"] if math.isfinite(self.max_kl) else []
-        ladder = ", ".join(f"{r:g}" for r in self.ratios)
-        return f"{' or '.join(triggers) or 'never'} -> r={ladder}"
-
-
 _DTYPES = {
     "float32": "float32",
     "fp32": "float32",
@@ -260,7 +208,7 @@ class EngineConfig:
     # with a full prefill and stores the missing chunks after the answer; "auto" does the latter only when the
     # missing chunks would cost more to prefill than the whole prompt (docs/benchmarks.md, "Cold requests").
     miss_policy: str = "auto"
-    # The fidelity guard of the "attention" rule (engine.guard.Guard): escalates a request whose blend looks risky
+    # The fidelity guard of the "attention" rule (`guard.Guard`): escalates a request whose blend looks risky
     # to a larger recompute budget. None: off.
     guard: Guard | None = None
     # How chunk KV is stored (docs/configuration.md, "Stored KV: codecs and bytes per token"): one of "native"

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, Guard, blend_rule
-from cacheblend_rag.engine.guard import agrees, first_token_signals, kl
 from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.guard import agrees, escalate, first_token_signals, kl
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 CHUNKS = [random_words(s, 30) for s in (701, 702, 703)]
@@ -130,3 +130,22 @@ def test_escalation_stops_when_two_blends_agree():
     relaxed = engine_with(Guard(max_kl=1e9, ratios=(0.4, 0.6, 0.8, 1.0)), engine.model, engine.tokenizer)
     steps = relaxed.prefill(prompt, "blend").metrics.escalations
     assert steps in ([], [0.4], [0.4, 0.6], [0.4, 0.6, 0.8], [0.4, 0.6, 0.8, 1.0])  # stops at the first agreement
+
+
+def test_escalate_climbs_the_ladder_above_the_ratio_until_two_blends_agree():
+    from types import SimpleNamespace
+
+    a, b = torch.tensor([2.0, 0.0, 0.0]), torch.tensor([0.0, 2.0, 0.0])
+    firsts = {0.3: a, 0.5: b, 0.8: b, 1.0: a}  # the blend at each ratio: its first token's logits
+    calls = []
+
+    def blend_at(r):
+        calls.append(r)
+        return SimpleNamespace(logits=firsts[r])
+
+    guard = Guard(ratios=(0.1, 0.3, 0.5, 0.8, 1.0))
+    result, steps = escalate(guard, SimpleNamespace(logits=b), 0.15, blend_at)
+    assert steps == calls == [0.3, 0.5, 0.8] and result.logits is b  # 0.8 agrees with 0.5: it stops there
+    result, steps = escalate(Guard(ratios=(0.3, 1.0)), SimpleNamespace(logits=b), 0.15, blend_at)
+    assert steps == [0.3, 1.0] and result.logits is a  # the ladder ends without agreement
+    assert escalate(guard, SimpleNamespace(logits=b), 1.0, blend_at)[1] == []  # nothing above r = 1

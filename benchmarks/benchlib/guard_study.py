@@ -3,7 +3,7 @@
 `benchmarks/fidelity.py --rules attention --ratios 0.05,0.15,0.5` records, per case, full recompute (the
 reference), full KV reuse and the blends at each ratio, each with its first token, its first-token KL to the
 methods measured before it (`first_kl`) and, for the "attention" rule, the risk signals of
-`cacheblend_rag.engine.guard`. This module turns them into:
+`cacheblend_rag.guard`. This module turns them into:
 - the signal table: each signal's Spearman correlation with KL(full || blend) and its ROC AUC for "blend's first
   token differs from full's" and for "blend is further from full than reuse";
 - one `FidelityProfile` per data set (the same records `cacheblend-rag calibrate` writes), so that every guard

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..config import Guard
-from ..engine.guard import kl
+from ..guard import kl
 from ..errors import ConfigError
 from .fidelity_profile import DEFAULT_LADDER, DEFAULT_MARGINS, DEFAULT_RATIOS, DEFAULT_THRESHOLDS, FidelityProfile
 

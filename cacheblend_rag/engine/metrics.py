@@ -28,7 +28,7 @@ class RequestMetrics:
     # thread: 0 until it is done (`engine.wait_for_fills()`), never part of the request's own time
     deferred_fill_s: float = 0.0
     fallback: str | None = None  # why the request ran otherwise than asked (e.g. a full prefill for a cold one)
-    # the "attention" rule's risk signals of the first blend (engine.guard.first_token_signals), and the ratios a
+    # the "attention" rule's risk signals of the first blend (guard.first_token_signals), and the ratios a
     # guard escalated through (1.0: every chunk token recomputed, a full prefill's result)
     risk: dict[str, Any] | None = None
     escalations: list[float] = field(default_factory=list)

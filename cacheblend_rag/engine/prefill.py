@@ -23,10 +23,10 @@ from transformers import DynamicCache
 
 from ..config import BlendConfig, Guard, PrefillMode
 from ..fusion import FusionPlan, FusionResult, LayerLoader, fuse
+from ..guard import escalate, first_token_signals
 from ..models.adapter import LayerwiseModel
 from ..store import ChunkKV, ChunkReader, CorruptEntryError
 from .chunk_cache import ChunkCache
-from .guard import agrees, first_token_signals
 from .metrics import RequestMetrics
 from .pipeline import LayerPrefetcher
 from .planning import blend_plan, cold_cost_share, prefix_and_chunk_masks, question_mask, reuse_plan
@@ -261,7 +261,8 @@ class Prefiller:
         one, every loaded token is used as is (prefix caching when `parts` stop after the first chunk, full KV
         reuse when they cover all). The "attention" rule first runs a full-reuse pass that records how much the
         question attends to each chunk token, then recomputes the top ones over that pass's KV, records the
-        risk signals of the result (`guard.first_token_signals`) and, with a guard, escalates a risky one.
+        risk signals of the result (`guard.first_token_signals`) and, with a guard, escalates a risky one
+        (`guard.escalate`).
         Returns the result, the time spent loading KV (reading, checking, assembling) and the part of it the
         fusor waited for (all of it without pipelining; with it, only what compute did not hide).
         """
@@ -297,13 +298,10 @@ class Prefiller:
         m.risk = first_token_signals(result.logits, probe.logits, scores.cpu(), chunks, recomputed)
         m.guard_reason = guard.reason(m.risk) if guard is not None else None
         if guard is not None and m.guard_reason is not None:
-            for ratio in guard.ladder(blend.recompute_ratio):
-                previous = result
-                result, _ = blend_at(blend.with_ratio(ratio))
-                m.escalations.append(ratio)
-                m.recompute_ratio = ratio
-                if agrees(result.logits, previous.logits, guard.max_kl):  # type: ignore[arg-type]
-                    break
+            result, steps = escalate(guard, result, blend.recompute_ratio, lambda r: blend_at(blend.with_ratio(r))[0])
+            m.escalations.extend(steps)
+            if steps:
+                m.recompute_ratio = steps[-1]
         result.recomputed_per_layer = spent
         return result, load_s, wait_s
 
