@@ -12,32 +12,19 @@ redraws them from the records).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from benchlib.cli import checked_datasets, dataset_benchmark, load_engine, report_written, run_guarded, run_settings_of
+from benchlib.methods import DEFAULT_METHODS, parse_methods
+from benchlib.quality import run_quality, write_and_show
 
-from benchlib.cli import (  # noqa: E402
-    add_engine_arguments,
-    add_out_argument,
-    dataset_names,
-    load_engine,
-    report_written,
-    require_eval_deps,
-    run_guarded,
-    run_settings_of,
-)
-from benchlib.methods import DEFAULT_METHODS, parse_methods  # noqa: E402
-from benchlib.quality import run_quality, write_and_show  # noqa: E402
-
-from cacheblend_rag.errors import CacheBlendError  # noqa: E402
-from cacheblend_rag.evaluation import load_dataset  # noqa: E402
+from cacheblend_rag.errors import CacheBlendError
+from cacheblend_rag.evaluation import load_dataset
 
 
 def run(args: argparse.Namespace) -> int:
     # Check names, files, numbers and packages before the model loads (that takes a while).
-    require_eval_deps()
-    names = dataset_names(args.datasets, args.limit)
+    names = checked_datasets(args)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise CacheBlendError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     methods = parse_methods(args.methods)
@@ -53,13 +40,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--datasets", default="musique,wikimqa,multi_news,samsum", help="comma-separated")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated: full, prefix, reuse, blend@R "
-                   "(the engine's rule), RULE@R (a named rule, e.g. gradual@0.15), mapreduce, maprerank")  # fmt: skip
-    p.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
-    add_out_argument(p, "quality", "output folder (results.jsonl, summary, PNGs)")
-    add_engine_arguments(p, "musique/, wikimqa/, multi_news/, samsum/")
+    p = dataset_benchmark(
+        __doc__, "quality", datasets="musique,wikimqa,multi_news,samsum", datasets_help="comma-separated",
+        methods=DEFAULT_METHODS, methods_help="comma-separated: full, prefix, reuse, blend@R (the engine's rule), "
+        "RULE@R (a named rule, e.g. gradual@0.15), mapreduce, maprerank",
+        out_help="output folder (results.jsonl, summary, PNGs)", folders="musique/, wikimqa/, multi_news/, samsum/",
+    )  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, help="answer budget for every data set (default: 32 for QA, "
                    "128 for summaries)")  # fmt: skip
     p.add_argument("--samsum-shots", type=int, default=10, help="validation examples per SAMSum case")

@@ -15,24 +15,12 @@ server (`benchlib/throughput.py` has the details). Writes OUT/results.json, summ
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from benchlib.cli import (  # noqa: E402
-    add_engine_arguments,
-    add_out_argument,
-    dataset_names,
-    load_engine,
-    report_written,
-    require_eval_deps,
-    run_guarded,
-    run_settings_of,
-)
-from benchlib.throughput import run_throughput  # noqa: E402
-from benchlib.throughput_report import throughput_markdown, write_throughput_report  # noqa: E402
-from benchlib.throughput_settings import (  # noqa: E402
+from benchlib.cli import checked_datasets, dataset_benchmark, load_engine, report_written, run_guarded, run_settings_of
+from benchlib.throughput import run_throughput
+from benchlib.throughput_report import throughput_markdown, write_throughput_report
+from benchlib.throughput_settings import (
     DEFAULT_RATES,
     DEFAULT_THROUGHPUT_METHODS,
     ThroughputSettings,
@@ -40,18 +28,17 @@ from benchlib.throughput_settings import (  # noqa: E402
     parse_throughput_methods,
 )
 
-from cacheblend_rag.errors import CacheBlendError  # noqa: E402
-from cacheblend_rag.evaluation import load_dataset  # noqa: E402
-from cacheblend_rag.evaluation.datasets import SPECS  # noqa: E402
+from cacheblend_rag.errors import CacheBlendError
+from cacheblend_rag.evaluation import load_dataset
+from cacheblend_rag.evaluation.datasets import SPECS
 
 
 def run(args: argparse.Namespace) -> int:
     # Names, numbers, files and packages are checked before the model loads.
-    require_eval_deps()
+    names = checked_datasets(args)
     if args.report_only:
         report_written(write_throughput_report(args.out))
         return 0
-    names = dataset_names(args.datasets, args.limit)
     if args.store_mb is not None and args.store_mb <= 0:
         raise CacheBlendError(f"--store-mb must be > 0, got {args.store_mb}")
     not_qa = [n for n in names if SPECS[n].task != "qa"]
@@ -72,15 +59,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--datasets", default="musique,wikimqa", help="comma-separated QA data sets")
-    p.add_argument("--methods", default=DEFAULT_THROUGHPUT_METHODS, help="comma-separated: full, prefix, reuse, "
-                   "blend@R, RULE@R")  # fmt: skip
+    p = dataset_benchmark(
+        __doc__, "throughput", datasets="musique,wikimqa", datasets_help="comma-separated QA data sets",
+        methods=DEFAULT_THROUGHPUT_METHODS, methods_help="comma-separated: full, prefix, reuse, blend@R, RULE@R",
+        out_help="output folder", folders="musique/ and wikimqa/",
+    )  # fmt: skip
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES), help="request rates (req/s), "
                    "comma-separated")  # fmt: skip
     p.add_argument("--mode", default="replay", choices=["replay", "live"], help="replay: one pass per method, "
                    "exact FIFO queue computed per rate; live: real arrivals, one pass per method and rate")  # fmt: skip
-    p.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
     p.add_argument("--repeats", type=int, default=4, help="times each question is asked")
     p.add_argument("--top-k", type=int, default=6, help="chunks retrieved per request")
     p.add_argument("--chunk-tokens", type=int, default=512, help="chunk size of the chunk database")
@@ -89,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-slo", type=float, help="TTFT target (s): report the highest rate whose p90 meets it")
     p.add_argument("--store-mb", type=float, help="memory store budget per method (default: the engine's)")
     p.add_argument("--seed", type=int, default=0, help="chunk orders, request order and arrival gaps")
-    add_out_argument(p, "throughput", "output folder")
     p.add_argument("--report-only", action="store_true", help="only rebuild summary.md and the figure from OUT")
-    add_engine_arguments(p, "musique/ and wikimqa/")
     return run_guarded(run, p.parse_args(argv))
 
 

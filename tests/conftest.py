@@ -27,6 +27,17 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any attempt to load a model fails the test: the CLI must refuse bad input before it loads one."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(refuse))
+    monkeypatch.setattr("cacheblend_rag.models.load_model", refuse)
+
+
 @pytest.fixture(params=["llama", "qwen2", "qwen3"])
 def family(request) -> str:
     return request.param

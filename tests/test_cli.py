@@ -49,17 +49,6 @@ def test_ask_without_docs_or_index_is_a_clear_error(capsys):
 
 
 @pytest.fixture
-def no_model_loads(monkeypatch):
-    """Any attempt to load a model fails the test: the CLI must refuse bad input before it loads one."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the arguments were checked")
-
-    monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(refuse))
-    monkeypatch.setattr("cacheblend_rag.models.load_model", refuse)
-
-
-@pytest.fixture
 def tiny_model_dir(tmp_path):
     """A tiny random-weight Llama and its word-level tokenizer, saved as a local checkpoint."""
     folder = tmp_path / "tiny-model"

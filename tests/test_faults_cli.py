@@ -13,19 +13,7 @@ import sys
 import pytest
 
 from cacheblend_rag.cli import main
-from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
-
-
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    """Any attempt to load a model fails the test: the CLI must refuse bad input before it loads one."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the arguments were checked")
-
-    monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(refuse))
-    monkeypatch.setattr("cacheblend_rag.models.load_model", refuse)
 
 
 @pytest.fixture(scope="module")

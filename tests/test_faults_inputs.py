@@ -213,11 +213,7 @@ def test_a_crafted_llama_index_is_refused_before_faiss_reads_it(tmp_path, monkey
 
 
 @pytest.mark.parametrize("problem", ["a file", "a garbled cache.db"])
-def test_a_bad_kv_dir_is_an_error_line_and_exit_code_2_before_a_model_loads(tmp_path, capsys, monkeypatch, problem):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before --kv-dir was checked")
-
-    monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(refuse))
+def test_a_bad_kv_dir_is_an_error_line_and_exit_code_2_before_a_model_loads(tmp_path, capsys, no_model_loads, problem):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text(random_words(3, 30))
     kv = tmp_path / "kv"

@@ -7,3 +7,9 @@ Imported as `from benchlib.quality import ...`: a script's own folder is on `sys
 `benchmarks/` from pytest's `pythonpath` option. The library's own measures (data sets, scoring, the fidelity
 measure) are `cacheblend_rag.evaluation`.
 """
+
+import os
+
+# The benchmarks read models from the local cache only, never the network: set before anything imports
+# huggingface_hub (which reads it once), so a script that imports `benchlib` first needs nothing of its own.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -72,6 +72,37 @@ def add_engine_arguments(parser: argparse.ArgumentParser, folders: str, *, dtype
     parser.add_argument("--dtype", default="float32", help=dtype_help)
 
 
+def dataset_benchmark(
+    doc: str,
+    name: str,
+    *,
+    datasets: str,
+    datasets_help: str,
+    methods: str,
+    methods_help: str,
+    out_help: str,
+    folders: str,
+) -> argparse.ArgumentParser:
+    """The command line a benchmark over data sets starts from: the script's docstring as its description,
+    --datasets, --methods, --limit (first N cases), --out (benchmarks/results/NAME) and the engine arguments.
+    The script adds its own, then runs `run_guarded(run, parser.parse_args(argv))`; its run begins with
+    `checked_datasets(args)`."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--datasets", default=datasets, help=datasets_help)
+    p.add_argument("--methods", default=methods, help=methods_help)
+    p.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
+    add_out_argument(p, name, out_help)
+    add_engine_arguments(p, folders)
+    return p
+
+
+def checked_datasets(args: argparse.Namespace) -> list[str]:
+    """What a benchmark over data sets checks first, before any model loads: the evaluation packages
+    (`require_eval_deps`), --limit and --datasets. The canonical data set names."""
+    require_eval_deps()
+    return dataset_names(args.datasets, args.limit)
+
+
 def load_engine(args: argparse.Namespace) -> CacheBlendEngine:
     """The engine of --model/--device/--dtype, its load time reported on stderr."""
     t = time.perf_counter()

@@ -24,18 +24,17 @@ the controller picked (`Guard.ladder`).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from ..config import Guard
 from ..errors import ConfigError
 from .fidelity_choice import Estimate, FidelityChoice, HeldBackCheck, Setting, Targets
-from .profile import finite, read_profile_json
+from .profile import finite
+from .profile_io import load_profile_json, write_profile_json
 
 PROFILE_FORMAT = "cacheblend-rag/fidelity-profile/1"
 DEFAULT_RATIOS = (0.05, 0.15, 0.3, 0.5, 1.0)
@@ -227,34 +226,27 @@ class FidelityProfile:
             "questions": list(self.questions),
         }
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FidelityProfile:
+        return cls(
+            model=str(data["model"]),
+            dtype=str(data["dtype"]),
+            rule=str(data["rule"]),
+            base_ratio=float(data["base_ratio"]),
+            ratios=tuple(float(r) for r in data["ratios"]),
+            ladder=tuple(float(r) for r in data["ladder"]),
+            thresholds=tuple(float(t) for t in data["thresholds"]),
+            margins=tuple(float(m) for m in data.get("margins", ())),
+            questions=tuple(dict(q) for q in data["questions"]),
+            source=str(data.get("source", "")),
+            created=str(data.get("created", "")),
+        )
+
     def save(self, path: str | os.PathLike[str]) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n")
-        tmp.replace(path)  # never leave a half-written profile behind
+        write_profile_json(path, self.to_json(), indent=1)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> FidelityProfile:
         """Read a profile written by `save`; ConfigError, naming the path, for anything that is not one."""
-        path = Path(path)
         redo = f"write it with `cacheblend-rag calibrate --out {path}`"
-        data = read_profile_json(path, "a fidelity profile", PROFILE_FORMAT, MAX_PROFILE_BYTES, redo)
-        try:
-            return cls(
-                model=str(data["model"]),
-                dtype=str(data["dtype"]),
-                rule=str(data["rule"]),
-                base_ratio=float(data["base_ratio"]),
-                ratios=tuple(float(r) for r in data["ratios"]),
-                ladder=tuple(float(r) for r in data["ladder"]),
-                thresholds=tuple(float(t) for t in data["thresholds"]),
-                margins=tuple(float(m) for m in data.get("margins", ())),
-                questions=tuple(dict(q) for q in data["questions"]),
-                source=str(data.get("source", "")),
-                created=str(data.get("created", "")),
-            )
-        except ConfigError as exc:
-            raise ConfigError(f"{path}: {exc}; {redo}") from None
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ConfigError(f"{path} is missing fields of a fidelity profile ({exc}); {redo}") from exc
+        return load_profile_json(path, "a fidelity profile", PROFILE_FORMAT, MAX_PROFILE_BYTES, redo, cls.from_json)

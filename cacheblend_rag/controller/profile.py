@@ -13,20 +13,19 @@ Two measurements, both on the machine and model that will serve (paper §5.1):
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import stat
 import statistics
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from .profile_io import load_profile_json, write_profile_json
+from .profile_io import read_small_text_file as read_small_text_file  # re-exported: the CLI reads through it
 
 if TYPE_CHECKING:
     from ..engine import CacheBlendEngine
@@ -135,34 +134,27 @@ class LoadingProfile:
             "tiers": {name: asdict(t) for name, t in self.tiers.items()},
         }
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LoadingProfile:
+        return cls(
+            model=str(data["model"]),
+            dtype=str(data["dtype"]),
+            device=str(data["device"]),
+            created=str(data.get("created", "")),
+            compute=tuple(ComputePoint(**p) for p in data["compute"]),
+            tiers={name: TierSpeed(**t) for name, t in data.get("tiers", {}).items()},
+        )
+
     def save(self, path: str | os.PathLike[str]) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        tmp.replace(path)  # never leave a half-written profile behind
+        write_profile_json(path, self.to_json(), indent=2)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> LoadingProfile:
         """Read a profile written by `save`. ConfigError, naming the path, for anything that is not one: a
         missing path, a folder, a FIFO or device (never read: it could block or never end), a file above
         MAX_PROFILE_BYTES, binary or malformed content."""
-        path = Path(path)
         redo = f"write it with `cacheblend-rag profile --out {path}`"
-        data = read_profile_json(path, "a loading profile", PROFILE_FORMAT, MAX_PROFILE_BYTES, redo)
-        try:
-            return cls(
-                model=str(data["model"]),
-                dtype=str(data["dtype"]),
-                device=str(data["device"]),
-                created=str(data.get("created", "")),
-                compute=tuple(ComputePoint(**p) for p in data["compute"]),
-                tiers={name: TierSpeed(**t) for name, t in data.get("tiers", {}).items()},
-            )
-        except ConfigError as exc:
-            raise ConfigError(f"{path}: {exc}; {redo}") from None
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise ConfigError(f"{path} is missing fields of a loading profile ({exc}); {redo}") from exc
+        return load_profile_json(path, "a loading profile", PROFILE_FORMAT, MAX_PROFILE_BYTES, redo, cls.from_json)
 
 
 def finite(*values: object) -> bool:
@@ -174,56 +166,6 @@ MAX_PROFILE_TOKENS = 10_000_000  # a prompt length no model here reaches; larger
 
 # A profile holds a few compute points and tier speeds: a few KB. Anything far larger is not one.
 MAX_PROFILE_BYTES = 1 << 20
-
-
-def read_profile_json(path: Path, what: str, fmt: str, max_bytes: int, redo: str) -> dict[str, Any]:
-    """The JSON object of a profile file whose "format" is `fmt`; ConfigError naming `path` and `what` it should
-    be for anything else (see `read_small_text_file`), with `redo`: how to write one."""
-    text = read_small_text_file(path, what, max_bytes, redo)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not {what} (invalid JSON: {exc}); {redo}") from None
-    except RecursionError:
-        raise ConfigError(f"{path} is not {what} (JSON nested too deeply); {redo}") from None
-    if not isinstance(data, dict) or data.get("format") != fmt:
-        raise ConfigError(f"{path} is not a {fmt} file; {redo}")
-    return data
-
-
-def read_small_text_file(path: Path, what: str, max_bytes: int, redo: str | None = None) -> str:
-    """The UTF-8 text of the regular file `path`, refused before reading when it is anything else or too large.
-    `redo`: how to write one, for the error messages (default: the loading profile's command)."""
-    redo = redo or f"write it with `cacheblend-rag profile --out {path}`"
-    try:
-        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer. fstat then tells what it is.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise ConfigError(f"no {what} at {path}; {redo}") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot open {what} {path} ({exc.strerror}); {redo}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file"
-            raise ConfigError(f"{path} is {kind}, not {what}; {redo}")
-        if info.st_size > max_bytes:
-            raise ConfigError(
-                f"{path} is {info.st_size} bytes, above the {max_bytes} bytes limit for {what}; it is not one, {redo}"
-            )
-        parts, size = [], 0
-        while size <= max_bytes and (part := os.read(fd, max_bytes + 1 - size)):
-            parts.append(part)
-            size += len(part)
-        data = b"".join(parts)
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:  # grew while being read
-        raise ConfigError(f"{path} is above the {max_bytes} bytes limit for {what}; {redo}")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path} is not {what} (binary, not UTF-8 text); {redo}") from None
 
 
 # -- measuring ---------------------------------------------------------------------------------------------

@@ -34,25 +34,21 @@ def select_recompute_tokens(deviation: torch.Tensor, count: int) -> torch.Tensor
     return torch.sort(top).values
 
 
-def keep_counts(num_reused: int, ratios: Sequence[float]) -> tuple[int, ...]:
-    """Number of reused tokens kept after each check layer for the given ratio schedule.
-
-    Rounded up, so that any ratio above zero recomputes at least one token, and made non-increasing.
-    """
-    counts: list[int] = []
-    for r in ratios:
-        if not 0.0 <= r <= 1.0:
-            raise ConfigError(f"ratios must be in [0, 1], got {r}")
-        c = min(num_reused, math.ceil(r * num_reused - 1e-9))
-        counts.append(c if not counts else min(c, counts[-1]))
-    return tuple(counts)
-
-
 def budget(num_reused: int, ratio: float) -> int:
     """Reused tokens recomputed at ratio r: rounded up, so any r above zero recomputes at least one token."""
     if not 0.0 <= ratio <= 1.0:
         raise ConfigError(f"ratio must be in [0, 1], got {ratio}")
     return min(num_reused, math.ceil(ratio * num_reused - 1e-9))
+
+
+def keep_counts(num_reused: int, ratios: Sequence[float]) -> tuple[int, ...]:
+    """Number of reused tokens kept after each check layer for the given ratio schedule: each ratio's `budget`,
+    made non-increasing."""
+    counts: list[int] = []
+    for r in ratios:
+        c = budget(num_reused, r)
+        counts.append(c if not counts else min(c, counts[-1]))
+    return tuple(counts)
 
 
 def anchor_counts(chunk_lengths: Sequence[int], ratio: float) -> tuple[int, ...]:
@@ -61,7 +57,7 @@ def anchor_counts(chunk_lengths: Sequence[int], ratio: float) -> tuple[int, ...]
     total = budget(sum(chunk_lengths), ratio)
     counts, used = [], 0
     for n in chunk_lengths:
-        c = min(n, math.ceil(ratio * n - 1e-9), total - used)
+        c = min(budget(n, ratio), total - used)
         counts.append(max(c, 0))
         used += counts[-1]
     return tuple(counts)
