@@ -293,7 +293,7 @@ def test_interrupted_first_conversion_leaves_no_half_folder(tmp_path: Path, monk
             (Path(folder) / "model.safetensors").write_bytes(b"half")
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(gguf, "load_gguf", lambda path, dtype: (_DiesWhileSaving(), None))
+    monkeypatch.setattr(gguf, "load_gguf", lambda path, dtype, **_: (_DiesWhileSaving(), None))
     with pytest.raises(KeyboardInterrupt):
         load_model("fake-model", cache_dir=tmp_path / "cache", show_progress=False)
     # No hf/ (the next load would trust it), no hidden temp folder, no joined GGUF.
@@ -370,9 +370,10 @@ def real_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.real_model
-def test_smollm2_second_load_comes_from_safetensors_cache(real_cache: Path) -> None:
+def test_smollm2_second_load_comes_from_safetensors_cache(real_cache: Path, capfd: pytest.CaptureFixture) -> None:
     name = "smollm2-135m-instruct"
     first, tokenizer = load_model(name, cache_dir=real_cache, show_progress=False)
+    assert "GGUF" not in capfd.readouterr().err  # the conversion is quiet: no dequantizing bar, no notice
     hf_dir = real_cache / "models" / name / "hf"
     assert (hf_dir / "config.json").is_file()
     assert list(hf_dir.glob("*.safetensors"))

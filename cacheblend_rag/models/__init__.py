@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..exports import lazy_getattr
+from .cpu import cpu_has_bf16
 from .presets import DEFAULT_PRESET, PRESETS, ModelPreset, default_model
 from .support import check_supported, max_blend_length, model_family
 
@@ -30,6 +31,7 @@ __all__ = [
     "LayerwiseModel",
     "ModelPreset",
     "causal_mask",
+    "cpu_has_bf16",
     "default_model",
     "check_supported",
     "load_model",

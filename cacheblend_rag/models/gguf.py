@@ -8,6 +8,7 @@ that folder (`loader.load_model`). A plain `.gguf` a user names is loaded here t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -15,6 +16,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -200,16 +203,34 @@ def _strip_quantization(model: PreTrainedModel) -> None:
         del model.config.quantization_config
 
 
-def load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+@contextmanager
+def _dequantizer_bar(enabled: bool) -> Iterator[None]:
+    # transformers dequantizes GGUF tensors under a plain tqdm bar that its progress-bar switch does not reach:
+    # while `enabled` is False, that module's tqdm is a silent one.
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    if not enabled:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
+def load_gguf(
+    path: Path, dtype: torch.dtype, *, show_progress: bool = True
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # No config pre-check here, unlike `loader.load_pretrained`: reading a GGUF's metadata alone costs as much as
     # ~10 s (the vocabulary is parsed element by element), and from_pretrained reads it again anyway.
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, dtype=dtype, attn_implementation="sdpa", local_files_only=True, **_gguf_kwargs(path.name)
-    )
+    with _dequantizer_bar(show_progress):
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, dtype=dtype, attn_implementation="sdpa", local_files_only=True, **_gguf_kwargs(path.name)
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     _strip_quantization(model)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     return model, tokenizer
 
 
@@ -225,7 +246,7 @@ def convert_preset(preset: ModelPreset, hf_dir: Path, cache_dir: Path | None, sh
     try:
         # float32 whatever the caller asked for: the dequantized values are exact in it, and the copy
         # serves every later dtype.
-        model, tokenizer = load_gguf(gguf, torch.float32)
+        model, tokenizer = load_gguf(gguf, torch.float32, show_progress=show_progress)
         tmp_dir = Path(tempfile.mkdtemp(dir=hf_dir.parent, prefix=".hf-", suffix=".tmp"))
         try:
             model.save_pretrained(tmp_dir)  # safetensors is the only format transformers 5 writes

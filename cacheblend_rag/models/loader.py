@@ -25,6 +25,7 @@ import torch
 
 from cacheblend_rag.config import torch_dtype as config_torch_dtype
 from cacheblend_rag.errors import ConfigError, ModelNotFoundError
+from cacheblend_rag.models.cpu import warn_if_slow_bf16
 from cacheblend_rag.models.gguf import (
     assemble_preset_file,
     cache_home,
@@ -87,7 +88,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 @contextmanager
 def _progress_bars(enabled: bool) -> Iterator[None]:
-    # transformers' own bars follow this switch; the legacy GGUF dequantizer's bar does not and still shows.
+    # transformers' own bars follow this switch; the GGUF dequantizer's does not (`gguf.load_gguf` silences it).
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
@@ -283,7 +284,8 @@ def load_model(
         revision: branch, tag or commit of a hub id (default "main"); ignored for presets, folders and files.
         local_files_only: never download: a hub id must already be in the cache (as with `HF_HUB_OFFLINE=1`).
             Presets, folders and GGUF files never download anything.
-        show_progress: show the join and conversion progress on a preset's first use.
+        show_progress: show the join and conversion progress on a preset's first use, and the dequantizing
+            progress of a `.gguf` file.
 
     Raises:
         ConfigError: bad dtype or device (checked before anything is read).
@@ -294,6 +296,7 @@ def load_model(
     """
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
+    warn_if_slow_bf16(torch_device, torch_dtype)
 
     name_or_path = default_model() if name_or_path is None else name_or_path
     source = os.fspath(name_or_path)
@@ -306,7 +309,7 @@ def load_model(
             model, tokenizer = _load_preset(preset, torch_dtype, cache_dir, show_progress)
         elif path.is_file() and path.suffix.lower() == ".gguf":
             # Loaded as is, every time: a user's GGUF is not converted into the cache.
-            model, tokenizer = load_gguf(path.resolve(), torch_dtype)
+            model, tokenizer = load_gguf(path.resolve(), torch_dtype, show_progress=show_progress)
         elif path.exists() and not path.is_dir():
             raise ModelNotFoundError(
                 f"{source!r} is a file but not a .gguf; pass a .gguf file, a folder with config.json, "
