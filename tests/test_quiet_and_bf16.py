@@ -71,3 +71,11 @@ def test_no_warning_with_bf16_instructions_unknown_support_or_float32(tiny_folde
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         CacheBlendEngine.from_pretrained(str(tiny_folder), config=EngineConfig(dtype=dtype), show_progress=False)
+
+
+def test_a_model_converted_to_bf16_by_the_engine_warns_once(monkeypatch) -> None:
+    monkeypatch.setattr(cpu, "cpu_has_bf16", lambda: False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(dtype="bfloat16"))
+    assert [str(w.message) for w in caught if "bf16 instructions" in str(w.message)] == [cpu.SLOW_BF16_WARNING]

@@ -24,6 +24,7 @@ from typing_extensions import Unpack
 from ..config import BlendConfig, EngineConfig, PrefillMode, torch_dtype
 from ..errors import CacheBlendError, ConfigError, PromptError
 from ..models.adapter import LayerwiseModel
+from ..models.cpu import warn_if_slow_bf16
 from ..models.fingerprint import model_fingerprint
 from ..models.support import max_blend_length
 from ..store import ChunkStore, TieredStore, build_store
@@ -63,6 +64,8 @@ class CacheBlendEngine:
         device, dtype = torch.device(self.config.device), torch_dtype(self.config.dtype)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {self.config.device!r} asked for, but no CUDA device is present; use 'cpu'")
+        if getattr(model, "dtype", None) != dtype:  # converted here (`load_model` warns for the models it loads)
+            warn_if_slow_bf16(device, dtype)
         self.model = model.to(device=device, dtype=dtype).eval()
         self.tokenizer = tokenizer
         self.lm = LayerwiseModel(self.model)
