@@ -25,13 +25,23 @@ end
 """
 FORGET_VANISHED = _FORGET + "return false\n"
 
+# A read moves the entry to the most recently used end. That is a write, which a Redis at `maxmemory` under
+# `noeviction` refuses (OOM): `pcall` lets the read answer anyway, leaving the entry's LRU place as it was.
+_TOUCH = """
+  local clock = redis.pcall('INCR', KEYS[5])
+  if type(clock) == 'number' then
+    redis.pcall('ZADD', KEYS[2], 'XX', clock, ARGV[1])
+  end
+"""
+
 # KEYS: value, lru, sizes, bytes, clock. ARGV: chunk key.
 GET = (
     """
 local v = redis.call('GET', KEYS[1])
 if v then
-  redis.call('ZADD', KEYS[2], 'XX', redis.call('INCR', KEYS[5]), ARGV[1])
-  return v
+"""
+    + _TOUCH
+    + """  return v
 end
 """
     + FORGET_VANISHED
@@ -42,8 +52,9 @@ OPEN = (
     """
 local n = redis.call('STRLEN', KEYS[1])
 if n > 0 then
-  redis.call('ZADD', KEYS[2], 'XX', redis.call('INCR', KEYS[5]), ARGV[1])
-  return {n, redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)}
+"""
+    + _TOUCH
+    + """  return {n, redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)}
 end
 """
     + FORGET_VANISHED
