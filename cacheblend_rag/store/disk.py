@@ -23,6 +23,7 @@ from .codec import TIER_CODEC, KVCodec, get_codec
 from .disk_files import import_diskcache, safe_bytes_disk
 from .disk_folder import claim_folder, write_marker
 from .disk_index import cache_settings, check_index, guarded_cache, open_error
+from .disk_pause import WritePause
 from .lazy import LazyChunkKV
 from .serialize import header_length, parse_layout, serialize_chunk
 from .stats import TierStats, UnreadHits
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 _TIMEOUT_S = 5.0
 # `clear` deletes every entry, 100 rows a transaction: a large store legitimately takes longer than one call.
 _CLEAR_TIMEOUT_S = 120.0
+# How long a full or read-only folder goes without a write attempt before the next one (`disk_pause`).
+_WRITE_PAUSE_S = 60.0
 
 
 def _expanded(directory: str | os.PathLike[str]) -> str:
@@ -83,6 +86,11 @@ class DiskStore:
     The folder must be new, empty, or a store (see `disk_folder`); anything else, or an unusable folder (a file,
     not writable, a damaged index), is a ConfigError at construction.
 
+    A folder that fills up or turns read-only while the tier is open (a write failing with ENOSPC, EROFS or
+    SQLite's "full" / "readonly") pauses the tier's writes for `write_pause_s` seconds (`disk_pause`): puts are
+    skipped and counted in `stats.skipped`, reads still serve what is stored, and each pause costs one failed
+    write, not one per put and per read.
+
     With `hmac_key`, entries are signed when written and entries without a valid signature are refused (misses).
     Entries are encoded with `codec` (`codec.py`); one written with another codec is a miss.
     """
@@ -96,11 +104,14 @@ class DiskStore:
         codec: str | KVCodec = TIER_CODEC,
         name: str = "disk",
         timeout_s: float = _TIMEOUT_S,
+        write_pause_s: float = _WRITE_PAUSE_S,
     ) -> None:
         if budget_bytes < 0:
             raise ConfigError(f"budget_bytes must be >= 0, got {budget_bytes}")
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+        if not write_pause_s >= 0:
+            raise ConfigError(f"write_pause_s must be >= 0 seconds, got {write_pause_s}")
         diskcache = import_diskcache()
         self.name = name
         self.directory = _expanded(directory)
@@ -113,6 +124,7 @@ class DiskStore:
         self._cache = _open_cache(self.directory, budget_bytes, timeout_s)
         self._inline_limit: int = self._cache.disk.min_file_size  # values this long and longer are kept as files
         self._unread = UnreadHits()
+        self._pause = WritePause(self.directory, write_pause_s)
         # Failures of the backend itself, as opposed to bad data in it.
         self._backend_errors: tuple[type[BaseException], ...] = (OSError, sqlite3.Error, diskcache.Timeout)
 
@@ -167,7 +179,7 @@ class DiskStore:
                         f"entry {key[:12]} keeps {inline} bytes inside the index, where this tier keeps only "
                         f"values under {self._inline_limit} bytes"
                     )
-                handle = None if inline is None else self._cache.get(key, read=True)
+                handle = None if inline is None else self._read(key)
             if handle is None:
                 with self._lock:
                     self.stats.misses += 1
@@ -195,12 +207,33 @@ class DiskStore:
             return None
         return LazyChunkKV(layout, reader, close=close)
 
+    def _read(self, key: str) -> object:
+        """The entry's bytes or open value file, moved to the most recently used end unless writes are paused."""
+        if not self._pause.paused:
+            try:
+                return self._cache.get(key, read=True)
+            except self._backend_errors as exc:
+                if not self._pause.failed(exc):
+                    raise
+                self._count_error("LRU update", key, exc, miss=False)
+        return self._cache.peek(key)
+
+    def _skipped(self) -> bool:
+        """True (counted) when writes are paused: the caller makes none."""
+        if not self._pause.paused:
+            return False
+        with self._lock:
+            self.stats.skipped += 1
+        return True
+
     def _count_hit(self, nbytes: int) -> None:
         with self._lock:
             self.stats.hits += 1
             self.stats.bytes_read += nbytes
 
     def put(self, kv: ChunkKV) -> None:
+        if self._skipped():
+            return
         try:
             data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key)
         except NonFiniteKVError as exc:
@@ -221,6 +254,9 @@ class DiskStore:
                     self.stats.evictions += max(0, before - len(self._cache))
         except self._backend_errors as exc:
             self._count_error("put", kv.key, exc)
+            self._pause.failed(exc)
+            return
+        self._pause.succeeded()
 
     def _evict_to_budget(self) -> None:
         """Evict least recently used entries one by one until the directory fits the budget.
@@ -241,11 +277,14 @@ class DiskStore:
         self._delete(key)
 
     def _delete(self, key: str) -> None:
+        if self._skipped():
+            return
         try:
             with self._bounded():
                 self._cache.delete(key)
         except self._backend_errors as exc:
             self._count_error("delete", key, exc)
+            self._pause.failed(exc)
 
     def clear(self) -> None:
         try:
@@ -285,9 +324,9 @@ class DiskStore:
                 self.stats.hits -= 1
         self._delete(key)
 
-    def _count_error(self, op: str, key: str, exc: BaseException) -> None:
+    def _count_error(self, op: str, key: str, exc: BaseException, *, miss: bool | None = None) -> None:
         logger.warning("disk tier %s: %s of chunk %s failed: %s", self.directory, op, key[:12], exc)
         with self._lock:
             self.stats.errors += 1
-            if op == "get":
+            if op == "get" if miss is None else miss:
                 self.stats.misses += 1

@@ -185,6 +185,23 @@ def guarded_cache() -> type:
                     self._disk.remove(written)
                 raise
 
+        def peek(self, key: str) -> Any:
+            """`get(key, read=True)` without moving the entry to the most recently used end, which is a write
+            (refused by a full or read-only folder): its bytes, an open value file, or None."""
+            db_key, raw = self._disk.put(key)
+            select = (
+                "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = ?"
+                " AND (expire_time IS NULL OR expire_time > ?)"
+            )
+            rows = self._sql(select, (db_key, raw, time.time())).fetchall()
+            if not rows:
+                return None
+            ((mode, filename, value),) = rows
+            try:
+                return self._disk.fetch(mode, filename, value, True)
+            except OSError:  # the file went with its entry, deleted by another process since the select
+                return None
+
         def inline_length(self, key: str) -> int | None:
             """Bytes of `key`'s value kept inside the index (0 for one kept in a file); None: no such entry.
 

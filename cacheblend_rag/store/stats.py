@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 class TierStats(StoreStats):
     corrupt: int = 0  # entries that failed to decode, were dropped and counted as misses
     errors: int = 0  # operations the backend failed (I/O error, Redis unreachable); each one is a miss or a lost put
+    skipped: int = 0  # writes not tried while the tier pauses them (a full or read-only disk folder): lost puts
 
     def refused_hit(self, nbytes: int) -> None:
         """A hit `open` counted was refused before a layer of it was read: a corrupt miss after all."""
