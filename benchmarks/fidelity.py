@@ -39,10 +39,12 @@ from benchlib.cli import (  # noqa: E402
 from benchlib.fidelity_codecs import codec_differences, codec_markdown  # noqa: E402
 from benchlib.fidelity_context import (  # noqa: E402
     CAPTURED,
+    CAPTURED_MIXED,
     CONTEXT,
     CONTEXT_INTRO,
     CapturePreparer,
     ContextPreparer,
+    MixedCapturePreparer,
     capture_engine,
     context_engine,
     context_verdict,
@@ -88,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
         elif args.chunk_context == "captured":
             engines[CAPTURED] = capture_engine(engine)
             prepare[CAPTURED] = CapturePreparer()
+        elif args.chunk_context == "captured-mixed":
+            engines[CAPTURED_MIXED] = capture_engine(engine)
+            pools = {ds.spec.name: [c for case in load_dataset(n, args.data_dir, None).cases for c in case.chunks]
+                     for n, ds in zip(names, datasets, strict=True)}  # fmt: skip
+            prepare[CAPTURED_MIXED] = MixedCapturePreparer(pools)
         if args.take_records:
             wanted = {m.name for m in methods} | {"full"}
             cases = {(ds.spec.name, c.id) for ds in datasets for c in ds.cases}
@@ -119,10 +126,12 @@ def main(argv: list[str] | None = None) -> int:
                    "comma-separated (the uncompressed 'native' is always measured): " + ", ".join(CODECS))  # fmt: skip
     p.add_argument("--codec-ratios", help="with --kv-codec: the ratios measured through the other codecs "
                    "(default: every ratio; full reuse always)")  # fmt: skip
-    p.add_argument("--chunk-context", choices=["none", "neighbours", "captured"], default="none", help="neighbours: "
+    p.add_argument("--chunk-context", choices=["none", "neighbours", "captured", "captured-mixed"], default="none",
+                   help="neighbours: "
                    "measure every method (or --codec-ratios' ones) again on contextual chunk KV ('+ctx'), each chunk "
                    "prefilled after its nearest passages of the data set's whole pool; captured: on chunk KV cut from "
-                   "an earlier request's full prefill of the same passages in another order ('+cap')")  # fmt: skip
+                   "an earlier request's full prefill of the same passages in another order ('+cap'); captured-mixed: "
+                   "from two earlier requests of half the passages each among other cases' ('+capmix')")  # fmt: skip
     p.add_argument("--context-neighbours", type=int, default=2, help="with --chunk-context: neighbours per chunk")
     p.add_argument("--take-records", metavar="DIR", help="copy DIR's records of this run's methods and cases (same "
                    "model, dtype, device) instead of measuring them again: e.g. only '+cap' is new")  # fmt: skip

@@ -230,3 +230,21 @@ def test_records_of_another_run_are_taken_only_from_the_same_setup(tmp_path):
     assert [r["method"] for r in load_records(out, filename="r.jsonl")] == ["full", "reuse", "paper@0.15"]
     with pytest.raises(CacheBlendError, match="another setup"):
         take_records(src, tmp_path / "other", {**setup, "dtype": "bfloat16"}, "r.jsonl", lambda r: True)
+
+
+def test_captured_among_other_cases_passages_is_measured_and_each_chunk_is_captured(engine, tmp_path):
+    # Two earlier requests of half the case each, among passages of other cases: every chunk of the case gets a
+    # stored entry, and the measured prompt reads them (no full prefill: the variant engine blends its misses).
+    from benchlib.fidelity_context import CAPTURED_MIXED, MixedCapturePreparer, capture_engine
+
+    data = tiny_dataset(3)
+    pools = {data.spec.name: [c for case in data.cases for c in case.chunks]}
+    engines = {"native": engine, CAPTURED_MIXED: capture_engine(engine)}
+    records = run_fidelity(engine, [data], fidelity_methods([], [], reuse=True), tmp_path, codecs=engines,
+                           prepare={CAPTURED_MIXED: MixedCapturePreparer(pools)}, show_progress=False)  # fmt: skip
+    mixed = [r for r in records if r["method"] == "reuse+capmix"]
+    assert len(mixed) == 3
+    for r in mixed:
+        halves = r["captured_halves"]
+        assert sorted(halves[0] + halves[1]) == [0, 1, 2] and r["captured_chunks"] >= 3
+        assert r["kl_mean"] > 1e-4  # captured after other text than the measured prompt's

@@ -12,6 +12,9 @@ chunk's entry cut from the full prefill of an earlier request that retrieved the
 (a seeded shuffle per case), so a chunk's cached context is the passages that came before it there, not here.
 The prompt's first chunk reads its own (isolated) entry, as the engine does: when the earlier request had it
 elsewhere, it is prefilled alone during the measured request (in its TTFT, not in its compute share).
+`--chunk-context captured-mixed` (`+capmix`) is the harder case: two earlier requests, each with half of the
+case's passages and as many passages of other cases of the set, shuffled, so a chunk was captured mostly after
+text that is not in the measured prompt.
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from typing import Any
 
 from benchlib.fidelity_codecs import CodecDifference
 from cacheblend_rag.engine import CacheBlendEngine, TokenizedPrompt
+from cacheblend_rag.engine.prompt import tokenize_chunks
 from cacheblend_rag.evaluation.datasets import Case, Dataset, TaskSpec
 from cacheblend_rag.retrieval.embeddings import embed_texts, load_embedder
 from cacheblend_rag.retrieval.neighbours import nearest_neighbours, neighbour_context
 
 CONTEXT = "ctx"  # the variant name: `attention@0.15+ctx`
 CAPTURED = "cap"  # `attention@0.15+cap`
-CONTEXT_VARIANTS = (CONTEXT, CAPTURED)
+CAPTURED_MIXED = "capmix"  # `attention@0.15+capmix`
+CONTEXT_VARIANTS = (CONTEXT, CAPTURED, CAPTURED_MIXED)
 
 
 class PoolNeighbours:
@@ -130,10 +135,38 @@ class CapturePreparer:
         }
 
 
+class MixedCapturePreparer:
+    """Fills a capture engine's store from two earlier requests, each with half of the case's passages (a seeded
+    split) and as many passages of other cases of the same set (`pools`: set name -> every case's passages),
+    shuffled: each chunk is captured among passages the measured prompt does not have."""
+
+    def __init__(self, pools: Mapping[str, Sequence[str]]) -> None:
+        self.pools = pools
+
+    def __call__(self, engine: CacheBlendEngine, spec: TaskSpec, case: Case, prompt: TokenizedPrompt) -> dict[str, Any]:
+        engine.clear_store()
+        rng = random.Random(f"captured-mixed:{case.id}")
+        own = list(range(len(prompt.chunk_ids)))
+        rng.shuffle(own)
+        others = [c for c in self.pools[spec.name] if c not in set(case.chunks)]
+        halves, captured, t = [own[::2], own[1::2]], 0, time.perf_counter()
+        for half in halves:
+            if not half:
+                continue
+            strangers = tokenize_chunks(engine.tokenizer, rng.sample(others, min(len(half), len(others))),
+                                        engine.config.chunk_separator)  # fmt: skip
+            parts = [prompt.chunk_ids[i] for i in half] + list(strangers)
+            rng.shuffle(parts)
+            earlier = TokenizedPrompt(prompt.prefix_ids, tuple(parts), prompt.suffix_ids)
+            captured += engine.prefill(earlier, "full").metrics.chunks_captured
+        return {"captured_halves": halves, "captured_chunks": captured, "precompute_s": time.perf_counter() - t}
+
+
 CONTEXT_INTRO = (
     "### Contextual chunk KV: paired difference to isolated chunk KV",
     "Per case, the method on chunk KV prefilled after each chunk's nearest passages of the data set's whole pool "
-    "(`ctx`) or cut from an earlier request's full prefill of the same passages in another order (`cap`), minus "
+    "(`ctx`), or cut from an earlier request's full prefill of the same passages in another order (`cap`) or of "
+    "half of them among passages of other cases (`capmix`), minus "
     "the same method on chunk KV prefilled alone, against the same full-recompute reference; a negative "
     "difference is closer to full recompute: 'closer' or 'further' where the 95% interval excludes 0.",
 )
