@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
+from .checks import check_count, check_ratio
 from .errors import ConfigError
 from .guard import Guard  # the guard's policy lives with its signals and loop; re-exported here
 
@@ -89,19 +90,6 @@ def mask_url(url: object) -> str:
     return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
-def _check_count(name: str, value: object, low: int, what: str) -> None:
-    """An integer setting (a bool, a float, NaN or a string such as '1GB' is refused) of at least `low`."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer >= {low} ({what}), got {value!r} ({type(value).__name__})")
-    if value < low:
-        raise ConfigError(f"{name} must be >= {low} ({what}), got {value}")
-
-
-def _check_ratio(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
-        raise ConfigError(f"{name} must be in [0, 1], got {value!r}")
-
-
 @dataclass(frozen=True)
 class BlendConfig:
     """Selective KV recompute: how many reused chunk tokens a blend recomputes, and which (the rule).
@@ -116,7 +104,7 @@ class BlendConfig:
     rule: str = "attention"  # which chunk tokens: one of RULE_NAMES
 
     def __post_init__(self) -> None:
-        _check_ratio("recompute_ratio", self.recompute_ratio)
+        check_ratio("recompute_ratio", self.recompute_ratio)
         object.__setattr__(self, "recompute_ratio", float(self.recompute_ratio))
         if self.rule not in RULES:
             raise ConfigError(f"rule must be one of {', '.join(RULE_NAMES)}, got {self.rule!r}")
@@ -244,7 +232,7 @@ class EngineConfig:
         if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("memory_budget_bytes", "disk_budget_bytes", "redis_budget_bytes"):
-            _check_count(name, getattr(self, name), 0, "a number of bytes, e.g. 2 * 1024**3 for 2 GiB")
+            check_count(name, getattr(self, name), 0, "a number of bytes, e.g. 2 * 1024**3 for 2 GiB")
         for name in ("disk_dir", "redis_url"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
@@ -257,14 +245,14 @@ class EngineConfig:
             raise ConfigError(
                 f"redis_url must start with redis://, rediss:// or unix://, got {mask_url(self.redis_url)!r}"
             )
-        _check_count("context_neighbours", self.context_neighbours, 0, "a number of chunks (0: no context)")
-        _check_count("max_batch_size", self.max_batch_size, 1, "a number of requests (1: one at a time)")
+        check_count("context_neighbours", self.context_neighbours, 0, "a number of chunks (0: no context)")
+        check_count("max_batch_size", self.max_batch_size, 1, "a number of requests (1: one at a time)")
         if self.decode_weights not in DECODE_WEIGHTS:
             raise ConfigError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}, got {self.decode_weights!r}")
         if self.decode_weights == "int8" and dev != "cpu":
             raise ConfigError("decode_weights='int8' runs on the CPU's int8 kernels; use 'native' on a GPU")
         if self.max_prompt_tokens is not None:
-            _check_count("max_prompt_tokens", self.max_prompt_tokens, 1, "a number of tokens, or None")
+            check_count("max_prompt_tokens", self.max_prompt_tokens, 1, "a number of tokens, or None")
         if not isinstance(self.chunk_separator, str):
             raise ConfigError(f"chunk_separator must be a string, got {type(self.chunk_separator).__name__}")
         if not isinstance(self.blend, BlendConfig):

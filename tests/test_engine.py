@@ -16,7 +16,8 @@ from cacheblend_rag import (
     PromptTemplate,
     blend_rule,
 )
-from cacheblend_rag.engine.generation import SamplingParams, TextAssembler
+from cacheblend_rag.engine.generation import TextAssembler
+from cacheblend_rag.engine.request import SamplingParams
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 
@@ -225,7 +226,7 @@ def test_empty_question_and_missing_suffix_are_errors(engine):
     "kwargs, match",
     [
         (dict(recompute_ratio=-0.1), r"recompute_ratio must be in \[0, 1\], got -0.1"),
-        (dict(recompute_ratio=True), r"recompute_ratio must be in \[0, 1\], got True"),
+        (dict(recompute_ratio=True), r"recompute_ratio must be a number, got True \(bool\)"),
         (dict(recompute_ratio=float("nan")), r"recompute_ratio must be in \[0, 1\], got nan"),
         (dict(rule="weighted-deviation"), "rule must be one of attention, paper, gradual, epic"),
     ],

@@ -3,11 +3,10 @@
 from ..models.fingerprint import model_fingerprint
 from .decoding import AsyncTextStream, GenerationResult, TextStream
 from .engine import CacheBlendEngine
-from .generation import SamplingParams
 from .metrics import RequestMetrics
 from .prefill import Prefill, RatioPolicy
 from .prompt import QA_SHORT_TEMPLATE, PromptTemplate, TokenizedPrompt, tokenize_parts
-from .request import Request, RequestOptions
+from .request import Request, RequestOptions, SamplingParams
 
 __all__ = [
     "QA_SHORT_TEMPLATE",

@@ -21,9 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError, PromptError
-from .generation import check_encodable
 from .prompt import PromptTemplate, tokenize_chunks, tokenize_prefix
-from .request import check_chunks, check_part, check_text
+from .request import check_chunks, check_encodable, check_part, check_text
 
 
 def context_digest(context_ids: Sequence[int]) -> str:

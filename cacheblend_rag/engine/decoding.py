@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from .generation import SamplingParams, TextAssembler, TokenPicker
+from .generation import TextAssembler, TokenPicker
 from .metrics import RequestMetrics
+from .request import SamplingParams
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 from typing_extensions import Unpack
 
 from ..config import BlendConfig, EngineConfig, PrefillMode, torch_dtype
-from ..errors import CacheBlendError, ConfigError, PromptError
+from ..errors import ConfigError
 from ..models.adapter import LayerwiseModel
 from ..models.cpu import warn_if_slow_bf16
 from ..models.fingerprint import model_fingerprint
@@ -37,7 +37,7 @@ from .generation import eos_token_ids
 from .planning import check_blend
 from .prefill import Prefill, Prefiller, RatioPolicy
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_request
-from .request import Request, RequestOptions, request_prompt
+from .request import Request, RequestOptions, calling, check_length, request_prompt
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -168,12 +168,7 @@ class CacheBlendEngine:
 
     def check_length(self, prompt: TokenizedPrompt, max_new_tokens: int = 0) -> None:
         """PromptError when the prompt and its answer budget do not fit the model's context."""
-        total = prompt.num_tokens + max_new_tokens
-        if total > self.max_tokens:
-            raise PromptError(
-                f"prompt of {prompt.num_tokens} tokens + {max_new_tokens} new tokens exceeds the model's limit of "
-                f"{self.max_tokens}; retrieve fewer or shorter chunks, or lower max_new_tokens"
-            )
+        check_length(prompt, max_new_tokens, self.max_tokens)
 
     def chunk_key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], *, captured: bool = False) -> str:
         """The store key of a chunk's KV when it follows `prefix_ids` (model fingerprint, dtype, tokens, context);
@@ -275,11 +270,9 @@ class CacheBlendEngine:
 
     def _check_request(self, prompt: TokenizedPrompt, request: Request, method: str) -> None:
         """What a request needs of this engine: a rule this model has the layers for, a prompt that fits."""
-        try:
+        with calling(method):
             check_blend(request.blend or self.config.blend, self.lm.shape.num_layers, "blend")
             self.check_length(prompt, request.sampling.max_new_tokens if method != "prefill" else 0)
-        except CacheBlendError as exc:
-            raise type(exc)(f"{method}(): {exc}") from None
 
     def _prefill(self, prompt: TokenizedPrompt, request: Request) -> Prefill:
         mode = request.mode

@@ -1,20 +1,25 @@
-"""One request's options, checked once before any compute: how to prefill, how to decode, how to build the prompt.
+"""Every check of one request's arguments, made once before any compute: how to prefill, how to decode, and the
+prompt's chunks and text.
 
 `Request.from_options(method, options)` reads the keyword arguments of `engine.generate` / `engine.stream` (and the
-framework integrations' per-call arguments): an unknown name, a wrong type or a value out of range is one
-`ConfigError` / `PromptError` that names the method the caller called. The engine then passes the `Request` down to
-the prefill and the decoding loop, which check nothing again.
+framework integrations' per-call arguments), with its `SamplingParams`; `request_prompt` checks the chunks, the
+question, the prefix and the suffix and builds the prompt; `check_length` says whether it fits the model's context.
+A wrong name, type or value is one `ConfigError` / `PromptError` that names the method the caller called
+(`calling`). Numbers are checked by `cacheblend_rag.checks`, shared with the engine's settings. What the engine
+checks against its model (a rule's layers, the context length) is `CacheBlendEngine._check_request`, which calls
+these; the prefill and the decoding loop check nothing again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
+from ..checks import check_count, check_ratio, check_real
 from ..config import BlendConfig, PrefillMode
 from ..errors import CacheBlendError, ConfigError, PromptError
-from .generation import SamplingParams, check_encodable, check_ratio_arg
 from .prompt import PromptTemplate, TokenizedPrompt
 from .prompt_text import PromptText
 
@@ -56,6 +61,45 @@ class RequestOptions(TypedDict, total=False):
     suffix: str | PromptText | None  # explicit text after the chunks
 
 
+MAX_SEED = 2**64 - 1  # torch generators take 64-bit seeds
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings, checked on creation (before any compute)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    stop: tuple[str, ...] | str | None = ()  # None or (): no stop strings; a str: one stop string
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        check_count("max_new_tokens", self.max_new_tokens, 1)
+        check_real("temperature", self.temperature, lambda t: t >= 0, ">= 0 (0 is greedy)")
+        check_real("top_p", self.top_p, lambda p: 0 < p <= 1, "in (0, 1]")
+        # an int temperature (1) is a real number: transformers' warpers want a float
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        check_count("top_k", self.top_k, 0, "0 turns it off")
+        if self.seed is not None:
+            check_count("seed", self.seed, 0, "or None")
+            if self.seed > MAX_SEED:
+                raise ConfigError(f"seed must be at most 2**64 - 1 (a 64-bit generator seed), got {self.seed}")
+        if self.stop is None:
+            stops: tuple[object, ...] = ()
+        elif isinstance(self.stop, str):
+            stops = (self.stop,)
+        elif isinstance(self.stop, (list, tuple)):
+            stops = tuple(self.stop)
+        else:
+            raise ConfigError(f"stop must be a string, a list of strings or None, got {type(self.stop).__name__}")
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ConfigError(f"stop strings must be non-empty strings, got {list(stops)!r}")
+        object.__setattr__(self, "stop", stops)
+
+
 @dataclass(frozen=True)
 class Request:
     """A request's settings. Build it with `from_options`; the fields are checked on creation."""
@@ -70,7 +114,8 @@ class Request:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", PrefillMode.parse(self.mode))
-        check_ratio_arg(self.recompute_ratio)
+        if self.recompute_ratio is not None:  # a bool is refused, not read as 0 or 1
+            check_ratio("recompute_ratio", self.recompute_ratio)
         if self.blend is not None and not isinstance(self.blend, BlendConfig):
             kind = type(self.blend).__name__
             raise ConfigError(f"blend must be a BlendConfig (e.g. blend_rule('gradual', 0.15)), got {kind}")
@@ -99,7 +144,7 @@ class Request:
                 raise ConfigError(f"{method}() got both {given[name]!r} and {key!r}, which set the same thing")
             given[name] = key
             args[name] = value
-        try:
+        with calling(method):
             sampling = SamplingParams(
                 args.pop("max_new_tokens"),
                 args.pop("temperature"),
@@ -109,8 +154,15 @@ class Request:
                 args.pop("seed"),
             )
             return cls(sampling=sampling, **args)
-        except CacheBlendError as exc:
-            raise type(exc)(f"{method}(): {exc}") from None
+
+
+@contextmanager
+def calling(method: str) -> Iterator[None]:
+    """Prefixes an error raised inside with `method(): `, so that it points at the call the user wrote."""
+    try:
+        yield
+    except CacheBlendError as exc:
+        raise type(exc)(f"{method}(): {exc}") from None
 
 
 def check_text(name: str, value: object, *, optional: bool = False) -> None:
@@ -140,6 +192,35 @@ def check_chunks(chunks: object) -> Sequence[str]:
     return chunks
 
 
+def check_encodable(chunks: Sequence[object] | object, **parts: object) -> None:
+    """PromptError for text UTF-8 cannot encode (a lone surrogate such as "\\ud800"), naming where it is.
+
+    Tokenizers fail on such text with an unhelpful TypeError; this says which chunk or part holds it.
+    """
+    named = [(f"chunk {i}", c) for i, c in enumerate(chunks)] if isinstance(chunks, (list, tuple)) else []
+    named += [(f"the {name}", text) for name, text in parts.items()]
+    for where, text in named:
+        if not isinstance(text, str):
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise PromptError(
+                f"{where} holds {text[exc.start]!r} at character {exc.start}, which is not valid Unicode text "
+                f"({exc.reason}); remove it, or decode the source with errors='replace'"
+            ) from None
+
+
+def check_length(prompt: TokenizedPrompt, max_new_tokens: int, limit: int) -> None:
+    """PromptError when the prompt and its answer budget do not fit a model's context of `limit` tokens."""
+    total = prompt.num_tokens + max_new_tokens
+    if total > limit:
+        raise PromptError(
+            f"prompt of {prompt.num_tokens} tokens + {max_new_tokens} new tokens exceeds the model's limit of "
+            f"{limit}; retrieve fewer or shorter chunks, or lower max_new_tokens"
+        )
+
+
 def request_prompt(
     build_prompt: Callable[..., TokenizedPrompt],
     method: str,
@@ -154,10 +235,8 @@ def request_prompt(
             raise PromptError(f"{method}(): a prebuilt prompt already has its question; pass no question, prefix "
                               "or suffix with it")  # fmt: skip
         return chunks
-    try:
+    with calling(method):
         check_chunks(chunks)
         check_text("question", question, optional=True)
         check_encodable(chunks, question=question, prefix=request.prefix, suffix=request.suffix)
         return build_prompt(chunks, question, template=request.template, prefix=request.prefix, suffix=request.suffix)
-    except CacheBlendError as exc:
-        raise type(exc)(f"{method}(): {exc}") from None

@@ -1,0 +1,38 @@
+"""The number checks shared by the settings (`config`) and a request's arguments (`engine.request`).
+
+It imports nothing but `errors`, so that `config` can use it without loading the engine, the store or torch.
+Each check raises a `ConfigError` that names the setting, the value given and, where it helps, what the number
+counts; a bool is never read as a number (True is not 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from .errors import ConfigError
+
+
+def check_count(name: str, value: object, minimum: int, hint: str = "") -> None:
+    """An integer of at least `minimum` (a bool, a float, NaN or a string such as '1GB' is refused).
+
+    `hint` says what the number counts, shown in parentheses, e.g. "a number of bytes".
+    """
+    what = f" ({hint})" if hint else ""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer >= {minimum}{what}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}{what}, got {value}")
+
+
+def check_real(name: str, value: object, ok: Callable[[float], bool], rule: str) -> None:
+    """A finite int or float for which `ok` holds; `rule` says which values those are, e.g. "in (0, 1]"."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or not ok(value):
+        raise ConfigError(f"{name} must be {rule}, got {value!r}")
+
+
+def check_ratio(name: str, value: object) -> None:
+    """A share: a real number in [0, 1]."""
+    check_real(name, value, lambda r: 0 <= r <= 1, "in [0, 1]")
