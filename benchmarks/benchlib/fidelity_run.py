@@ -23,10 +23,10 @@ import torch
 from benchlib.records import append_record, check_run_settings, load_records
 from cacheblend_rag.config import BlendConfig, blend_rule
 from cacheblend_rag.engine import CacheBlendEngine, TokenizedPrompt
-from cacheblend_rag.guard import kl
 from cacheblend_rag.errors import CacheBlendError, ConfigError
 from cacheblend_rag.evaluation.datasets import Case, Dataset, TaskSpec
 from cacheblend_rag.evaluation.fidelity import Reference, measure_with_logits, prepare_case
+from cacheblend_rag.guard import kl
 from cacheblend_rag.store.codec import CODECS
 
 RESULTS_FILE = "fidelity.jsonl"

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..config import Guard
-from ..guard import kl
 from ..errors import ConfigError
+from ..guard import kl
 from .fidelity_profile import DEFAULT_LADDER, DEFAULT_MARGINS, DEFAULT_RATIOS, DEFAULT_THRESHOLDS, FidelityProfile
 
 if TYPE_CHECKING:
