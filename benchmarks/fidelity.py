@@ -50,6 +50,7 @@ from benchlib.fidelity_context import (  # noqa: E402
     context_verdict,
     precompute_cost,
     split_context_rows,
+    variant_cases,
 )
 from benchlib.fidelity_report import fidelity_markdown, summarize_fidelity, write_fidelity_report  # noqa: E402
 from benchlib.fidelity_run import (  # noqa: E402
@@ -105,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         coded = [m for m in methods if m.ratio is None or codec_ratios is None or m.ratio in codec_ratios]
         records = run_fidelity(engine, datasets, methods, args.out, codecs=engines, codec_methods=coded,
                                prepare=prepare, settings=run_settings_of(args))  # fmt: skip
+    records = variant_cases(records)  # every method on the same cases
     files = write_fidelity_report(args.out, records)
     print(fidelity_markdown(summarize_fidelity(records), records))
     codec_rows, context_rows = split_context_rows(codec_differences(records))

@@ -172,6 +172,14 @@ CONTEXT_INTRO = (
 )
 
 
+def variant_cases(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The records of the cases a context variant was measured on, when there is one (else all): a run that took
+    the isolated methods' records of more cases (`--take-records`) then compares every method on the same cases,
+    in its tables and figures alike."""
+    cases = {(r["dataset"], r["case_id"]) for r in records if r.get("codec") in CONTEXT_VARIANTS}
+    return [r for r in records if (r["dataset"], r["case_id"]) in cases] if cases else list(records)
+
+
 def context_verdict(r: CodecDifference) -> str:
     """Whether contextual KV moved the method closer to full recompute, beyond its interval."""
     lo, hi = r.kl_diff_ci
