@@ -147,10 +147,10 @@ class ChunkCache:
         seen: set[tuple[int, ...]] = set()
         before: list[int] = []
         for j, ids in enumerate(prompt.chunk_ids):
-            if ids not in seen and self.read_keys(prompt.prefix_ids, ids, j)[0] not in self.store:
-                captured = self.capture_policy == "all" and j > 0
-                if captured or self.context_of(prompt.prefix_ids, ids) == tuple(before):
-                    out.append(j)
+            # whether this prompt computes the entry exactly (in memory) before asking the store whether it has it
+            exact = (self.capture_policy == "all" and j > 0) or self.context_of(prompt.prefix_ids, ids) == tuple(before)
+            if ids not in seen and exact and self.read_keys(prompt.prefix_ids, ids, j)[0] not in self.store:
+                out.append(j)
             seen.add(ids)
             before.extend(ids)
         return out
