@@ -31,8 +31,7 @@ from load import QUESTIONS, cpu_name  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
 from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache  # noqa: E402
-from cacheblend_rag.models.adapter import LayerwiseModel  # noqa: E402
-from cacheblend_rag.models.int8 import int8_decode_model  # noqa: E402
+from cacheblend_rag.models.int8 import int8_decode_lm  # noqa: E402
 
 
 def timing(engine: CacheBlendEngine, chunks: list[str], args) -> dict:
@@ -50,7 +49,7 @@ def fidelity(engine: CacheBlendEngine, pool: list[str], args) -> dict:
     """KL(native || int8) per decode step along native's greedy answer (teacher forcing): both start from the same
     prompt cache, and each keeps the keys and values its own weights compute for the answer's tokens, as in use."""
     native = BatchDecoder(engine.lm)
-    int8 = BatchDecoder(LayerwiseModel(int8_decode_model(engine.model)))
+    int8 = BatchDecoder(int8_decode_lm(engine.model))
     kls, agree = [], []
     for case in range(args.cases):
         chunks = [pool[(case * 5 + j * 7) % len(pool)] for j in range(args.chunks)]

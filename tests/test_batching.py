@@ -202,10 +202,10 @@ def test_max_batch_size_is_checked():
 
 
 def test_int8_decode_rows_are_batch_invariant_and_close_to_exact(family):
-    from cacheblend_rag.models.int8 import int8_decode_model
+    from cacheblend_rag.models.int8 import int8_decode_lm
 
     model = make_tiny_model(family)
-    int8 = BatchDecoder(LayerwiseModel(int8_decode_model(model)))
+    int8 = BatchDecoder(int8_decode_lm(model))
     exact = BatchDecoder(LayerwiseModel(model))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (4, 9, 15, 6)]
@@ -215,6 +215,23 @@ def test_int8_decode_rows_are_batch_invariant_and_close_to_exact(family):
         assert torch.equal(together[b], int8.step([tokens[b]], [prompt_cache(model, ids, 2)])[0])
     reference = exact.step(tokens, [prompt_cache(model, ids, 2) for ids in prompts])
     assert float((together - reference).norm() / reference.norm()) < 0.1  # int8 weights: close, not equal
+
+
+def test_fused_int8_products_give_the_outputs_of_the_products_they_replace(family):
+    from cacheblend_rag.models.int8 import int8_decode_lm, int8_decode_model
+
+    model = make_tiny_model(family)
+    fused = BatchDecoder(int8_decode_lm(model))
+    plain = BatchDecoder(LayerwiseModel(int8_decode_model(model)))
+    assert fused.lm.fused_qkv is not None and plain.lm.fused_qkv is None
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (5, 11, 3)]
+    tokens = [int(ids[-1]) for ids in prompts]
+    a, b = [prompt_cache(model, ids, 3) for ids in prompts], [prompt_cache(model, ids, 3) for ids in prompts]
+    for _ in range(3):  # three steps: the keys and values each writes are the same too
+        want, got = plain.step(tokens, a), fused.step(tokens, b)
+        assert torch.equal(got, want)
+        tokens = [int(t) for t in want.argmax(-1)]
 
 
 def test_an_engine_with_int8_decode_weights_keeps_the_exact_first_token():

@@ -77,9 +77,8 @@ class BatchDecoder:
         cos, sin = lm.rope(positions)  # [B, D]
         for layer_idx in range(lm.shape.num_layers):
             x = lm.normed_input(layer_idx, hidden)
-            raw_k, v = lm.project_kv(layer_idx, x)  # [Hkv, B, D]
+            q, raw_k, v = lm.project_qkv(layer_idx, x, cos, sin)  # [H, B, D], [Hkv, B, D] x 2
             k = rotate_keys(raw_k, cos, sin)
-            q = lm.project_q(layer_idx, x, cos, sin)  # [H, B, D]
             per_request = [c.put(layer_idx, k[:, b], v[:, b]) for b, c in enumerate(caches)]
             hidden = lm.finish_layer(layer_idx, hidden, lm.attend_each(layer_idx, q, per_request))
         for c in caches:

@@ -105,9 +105,9 @@ class CacheBlendEngine:
     def _decode_model(self) -> LayerwiseModel:
         """What decode steps run on: the model itself, or int8 copies of its linear layers (`decode_weights`)."""
         if self.config.decode_weights == "int8":
-            from ..models.int8 import int8_decode_model
+            from ..models.int8 import int8_decode_lm
 
-            return LayerwiseModel(int8_decode_model(self.model))
+            return int8_decode_lm(self.model)
         return self.lm
 
     @classmethod

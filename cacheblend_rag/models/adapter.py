@@ -11,6 +11,7 @@ which makes them position-free: `rotate_keys` places them at any position, exact
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,9 +65,14 @@ class ModelShape:
 
 
 class LayerwiseModel:
-    """Step-by-step forward over the modules of a `*ForCausalLM` of a supported family."""
+    """Step-by-step forward over the modules of a `*ForCausalLM` of a supported family.
 
-    def __init__(self, model: nn.Module) -> None:
+    `fused_qkv`, one module per layer, maps a layer's normed input to its queries, keys and values side by side
+    (the three projections' outputs concatenated, in that order): `project_qkv` then runs one product instead of
+    three. Left out, the layer's own q/k/v projections run.
+    """
+
+    def __init__(self, model: nn.Module, fused_qkv: Sequence[nn.Module] | None = None) -> None:
         check_supported(model.config)
         base = getattr(model, "model", None)
         if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
@@ -91,6 +97,9 @@ class LayerwiseModel:
             hidden_size=cfg.hidden_size,
             max_positions=cfg.max_position_embeddings,
         )
+        if fused_qkv is not None and len(fused_qkv) != len(base.layers):
+            raise ValueError(f"fused_qkv has {len(fused_qkv)} modules for {len(base.layers)} layers")
+        self.fused_qkv = None if fused_qkv is None else list(fused_qkv)
 
     @property
     def device(self) -> torch.device:
@@ -134,6 +143,22 @@ class LayerwiseModel:
             q = attn.q_norm(q)
         return rotate_keys(q.transpose(0, 1), cos, sin)
 
+    def project_qkv(
+        self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: normed input [A, hidden]; cos, sin: [A, D] -> rotated queries [H, A, D], raw keys, values [Hkv, A, D]"""
+        if self.fused_qkv is None:
+            raw_k, v = self.project_kv(layer_idx, x)
+            return self.project_q(layer_idx, x, cos, sin), raw_k, v
+        attn = self.layers[layer_idx].self_attn
+        s = self.shape
+        t, d = x.shape[0], s.head_dim
+        q, k, v = self.fused_qkv[layer_idx](x).split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], -1)
+        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+        if self.has_qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return rotate_keys(q.transpose(0, 1), cos, sin), k.transpose(0, 1), v.transpose(0, 1)
+
     def attend(
         self,
         layer_idx: int,
@@ -169,14 +194,25 @@ class LayerwiseModel:
         the query's own position last (a query sees every key it is given). Returns [B, hidden].
         """
         attn = self.layers[layer_idx].self_attn
-        gqa = self.shape.num_heads != self.shape.num_kv_heads
-        rows = [
-            F.scaled_dot_product_attention(
-                query[:, b : b + 1].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=attn.scaling, enable_gqa=gqa
-            )[0, :, 0]  # [H, D]
-            for b, (k, v) in enumerate(keys_values)
-        ]
+        if query.device.type == "cpu":  # one query: two small products beat the fused kernel's set-up on a CPU
+            rows = [self._attend_one(query[:, b], k, v, attn.scaling) for b, (k, v) in enumerate(keys_values)]
+        else:
+            gqa = self.shape.num_heads != self.shape.num_kv_heads
+            rows = [
+                F.scaled_dot_product_attention(
+                    query[:, b : b + 1].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=attn.scaling, enable_gqa=gqa
+                )[0, :, 0]  # [H, D]
+                for b, (k, v) in enumerate(keys_values)
+            ]
         return attn.o_proj(torch.stack(rows).reshape(len(rows), -1))
+
+    @staticmethod
+    def _attend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query per head [H, D] over keys, values [Hkv, N, D] -> [H, D]; query heads share KV heads in groups."""
+        hkv, d = keys.shape[0], keys.shape[2]
+        scores = torch.matmul(query.reshape(hkv, -1, d), keys.transpose(1, 2)) * scale  # [Hkv, groups, N]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        return torch.matmul(probs, values).view(query.shape)
 
     def attention_weights(
         self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor

@@ -12,6 +12,10 @@ multiplied back afterwards: a batched row equals the same row decoded alone, bit
 
 `int8_decode_model(model)` builds a copy of a causal LM's decoder layers and LM head with every linear layer in
 int8, sharing the embeddings, the rotary module and the final norm (the prefill keeps the exact weights).
+`int8_decode_lm(model)` wraps it for the engine's decode steps with each layer's products fused: queries, keys and
+values in one product, the MLP's gate and up projections in another (4 products per layer instead of 7). Weights
+are quantized per output channel and every input row on its own, so a fused product gives exactly the outputs of
+the products it replaces: fusing changes the step's time, not its numbers.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import warnings
 
 import torch
 from torch import nn
+
+from .adapter import LayerwiseModel
 
 
 class Int8Linear(nn.Module):
@@ -53,6 +59,34 @@ class Int8Linear(nn.Module):
         return y.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
 
 
+def _stacked(linears: list[nn.Linear]) -> nn.Linear:
+    """One linear layer whose outputs are those of `linears`, side by side."""
+    with_bias = [lin.bias is not None for lin in linears]
+    if any(with_bias) and not all(with_bias):
+        raise ValueError("fused projections must all have a bias or none")
+    w = torch.cat([lin.weight.detach() for lin in linears])
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=all(with_bias), dtype=w.dtype, device=w.device)
+    fused.weight.data.copy_(w)
+    if fused.bias is not None:
+        fused.bias.data.copy_(torch.cat([lin.bias.detach() for lin in linears]))
+    return fused
+
+
+class Int8GatedMLP(nn.Module):
+    """A gated MLP (`down(act(gate(x)) * up(x))`, Llama / Mistral / Qwen) with gate and up in one int8 product."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.gate_up = Int8Linear(_stacked([mlp.gate_proj, mlp.up_proj]))
+        self.down = Int8Linear(mlp.down_proj)
+        self.act_fn = mlp.act_fn
+        self.split = mlp.gate_proj.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split([self.split, self.gate_up.out_features - self.split], dim=-1)
+        return self.down(self.act_fn(gate) * up)
+
+
 def _swap_linears(module: nn.Module) -> nn.Module:
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
@@ -65,7 +99,7 @@ def _swap_linears(module: nn.Module) -> nn.Module:
 class _DecodeModel(nn.Module):
     """The attribute layout `LayerwiseModel` reads (`.model.layers`, `.lm_head`, ...) over int8 copies."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, fuse: bool) -> None:
         super().__init__()
         self.config = model.config
         base = model.model
@@ -73,11 +107,38 @@ class _DecodeModel(nn.Module):
         self.model.embed_tokens = base.embed_tokens
         self.model.rotary_emb = base.rotary_emb
         self.model.norm = base.norm
-        self.model.layers = nn.ModuleList(_swap_linears(copy.deepcopy(layer)) for layer in base.layers)
+        self.model.layers = nn.ModuleList(_int8_layer(layer, fuse) for layer in base.layers)
         self.lm_head = Int8Linear(model.lm_head)
+        self.fused_qkv = (
+            nn.ModuleList(
+                Int8Linear(_stacked([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]))
+                for layer in base.layers
+            )
+            if fuse
+            else None
+        )
+
+
+def _int8_layer(layer: nn.Module, fuse: bool) -> nn.Module:
+    """An int8 copy of a decoder layer; with `fuse`, its MLP runs gate and up as one product."""
+    copied = _swap_linears(copy.deepcopy(layer))
+    if fuse:
+        copied.mlp = Int8GatedMLP(layer.mlp)
+    return copied
 
 
 @torch.no_grad()
-def int8_decode_model(model: nn.Module) -> nn.Module:
-    """A model with `model`'s embeddings, rotary module and final norm, and int8 copies of its layers and LM head."""
-    return _DecodeModel(model).eval()
+def int8_decode_model(model: nn.Module, fuse: bool = False) -> nn.Module:
+    """A model with `model`'s embeddings, rotary module and final norm, and int8 copies of its layers and LM head.
+
+    With `fuse`, each layer's MLP runs gate and up as one product and the model carries `fused_qkv`, one int8
+    product per layer for queries, keys and values (what `int8_decode_lm` hands to `LayerwiseModel`).
+    """
+    return _DecodeModel(model, fuse).eval()
+
+
+@torch.no_grad()
+def int8_decode_lm(model: nn.Module) -> LayerwiseModel:
+    """What the engine's decode steps run on under `decode_weights="int8"`: int8 copies with fused products."""
+    decode = int8_decode_model(model, fuse=True)
+    return LayerwiseModel(decode, fused_qkv=decode.fused_qkv)
