@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import sqlite3
-import threading
 import time
 
 from ..errors import ConfigError, CorruptEntryError, NonFiniteKVError
@@ -26,7 +25,7 @@ from .disk_index import cache_settings, check_index, guarded_cache, open_error
 from .disk_pause import WritePause
 from .lazy import LazyChunkKV
 from .serialize import header_length, parse_layout, serialize_chunk
-from .stats import TierStats, UnreadHits
+from .stats import CountedTier
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ def check_disk_dir(directory: str | os.PathLike[str]) -> None:
     _open_cache(_expanded(directory), 0, _TIMEOUT_S).close()  # type: ignore[attr-defined]
 
 
-class DiskStore:
+class DiskStore(CountedTier):
     """Chunk KV in a local directory, at most `budget_bytes` of values and index (diskcache's `cache.db`), plus
     SQLite's log, which is checkpointed and cut back to 1 MiB (`disk_index.cache_settings`).
 
@@ -113,17 +112,14 @@ class DiskStore:
         if not write_pause_s >= 0:
             raise ConfigError(f"write_pause_s must be >= 0 seconds, got {write_pause_s}")
         diskcache = import_diskcache()
-        self.name = name
         self.directory = _expanded(directory)
+        super().__init__(name, f"disk tier {self.directory}", logger)
         self.budget_bytes = budget_bytes
         self.hmac_key = hmac_key
         self.timeout_s = timeout_s
         self.codec = get_codec(codec, "disk codec")
-        self.stats = TierStats()
-        self._lock = threading.Lock()
         self._cache = _open_cache(self.directory, budget_bytes, timeout_s)
         self._inline_limit: int = self._cache.disk.min_file_size  # values this long and longer are kept as files
-        self._unread = UnreadHits()
         self._pause = WritePause(self.directory, write_pause_s)
         # Failures of the backend itself, as opposed to bad data in it.
         self._backend_errors: tuple[type[BaseException], ...] = (OSError, sqlite3.Error, diskcache.Timeout)
@@ -163,10 +159,7 @@ class DiskStore:
         lazy = self._read_header(key)
         if lazy is None:
             return None
-        self._count_hit(lazy.layout.total_bytes)
-        lazy.when_corrupt(lambda exc: self._drop_corrupt(key, exc, was_hit=True))
-        self._unread.handed_out(key, lazy)
-        return Hit(lazy, self.name)
+        return self._hand_out(key, lazy)
 
     def _read_header(self, key: str) -> LazyChunkKV | None:
         """The entry with only its header read and checked; None (counted) on a miss or a bad entry."""
@@ -181,8 +174,7 @@ class DiskStore:
                     )
                 handle = None if inline is None else self._read(key)
             if handle is None:
-                with self._lock:
-                    self.stats.misses += 1
+                self._count_miss()
                 return None
             if type(handle) is bytes:  # a small value kept inside SQLite: already in memory
                 data = memoryview(handle)
@@ -226,11 +218,6 @@ class DiskStore:
             self.stats.skipped += 1
         return True
 
-    def _count_hit(self, nbytes: int) -> None:
-        with self._lock:
-            self.stats.hits += 1
-            self.stats.bytes_read += nbytes
-
     def put(self, kv: ChunkKV) -> None:
         if self._skipped():
             return
@@ -267,14 +254,6 @@ class DiskStore:
         while self._cache.volume() > self.budget_bytes and len(self._cache) > 0:
             with self._cache._transact() as (sql, cleanup):
                 self._cache._cull(time.time(), sql, cleanup, limit=1)
-
-    def discard(self, key: str) -> None:
-        """Delete `key`'s entry. If it is a hit `open` handed out unread, that hit is counted as a corrupt miss."""
-        refused = self._unread.refused(key)
-        if refused is not None:
-            with self._lock:
-                self.stats.refused_hit(refused.layout.total_bytes)
-        self._delete(key)
 
     def _delete(self, key: str) -> None:
         if self._skipped():
@@ -313,20 +292,6 @@ class DiskStore:
         except self._backend_errors:
             return 0
 
-    def _drop_corrupt(self, key: str, exc: CorruptEntryError, *, was_hit: bool = False) -> None:
-        """Count a corrupt entry as a miss (taking back the hit `open` counted for it) and delete its row."""
-        logger.warning("disk tier %s: dropping a corrupt entry (%s); it will be recomputed", self.directory, exc)
-        self._unread.forget(key)
-        with self._lock:
-            self.stats.corrupt += 1
-            self.stats.misses += 1
-            if was_hit:
-                self.stats.hits -= 1
-        self._delete(key)
-
     def _count_error(self, op: str, key: str, exc: BaseException, *, miss: bool | None = None) -> None:
         logger.warning("disk tier %s: %s of chunk %s failed: %s", self.directory, op, key[:12], exc)
-        with self._lock:
-            self.stats.errors += 1
-            if op == "get" if miss is None else miss:
-                self.stats.misses += 1
+        self._count_failure(miss=op == "get" if miss is None else miss)

@@ -13,7 +13,6 @@ recomputes what they lack.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import zlib
 from collections.abc import Sequence
@@ -28,7 +27,7 @@ from .chunk_kv import ChunkKV
 from .codec import TIER_CODEC, KVCodec, get_codec
 from .lazy import LazyChunkKV
 from .serialize import deserialize_chunk, header_length, parse_layout, serialize_chunk
-from .stats import TierStats, UnreadHits
+from .stats import CountedTier
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ def split_cluster_flag(url: str) -> tuple[str, bool]:
     return urlunsplit(parts._replace(query=rest)), flags[-1].lower() in ("1", "true", "yes")
 
 
-class RedisStore:
+class RedisStore(CountedTier):
     """Chunk KV in Redis, at most `budget_bytes` of values under `namespace`, least recently used out.
 
     All processes using one namespace share entries and one budget (the last `put` enforces its own
@@ -101,7 +100,10 @@ class RedisStore:
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        self.name = name
+        # For log lines: where, without any password the URL may carry.
+        where = urlsplit(url)
+        self.where = (where.hostname or where.path) + (f":{where.port}" if where.port else "") + where.path
+        super().__init__(name, f"Redis tier at {self.where}", logger)
         self.budget_bytes = budget_bytes
         self.namespace = namespace
         self.cluster = cluster
@@ -109,8 +111,6 @@ class RedisStore:
         self.hmac_key = hmac_key
         self.codec = get_codec(codec, "redis codec")
         self.backoff_s = backoff_s
-        self.stats = TierStats()
-        self._unread = UnreadHits()
         # No retries: redis-py's default retries with back-off would turn one outage into seconds per call.
         # The client connects lazily, so a server that is down at start-up is just an outage on the first call.
         timeouts = {"socket_connect_timeout": connect_timeout_s, "socket_timeout": read_timeout_s}
@@ -118,9 +118,6 @@ class RedisStore:
             self._client = self._cluster_client(redis, url, timeouts)
         else:
             self._client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **timeouts)
-        # For log lines: where, without any password the URL may carry.
-        where = urlsplit(url)
-        self.where = (where.hostname or where.path) + (f":{where.port}" if where.port else "") + where.path
         self._outage_errors: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
         self._redis_error: type[BaseException] = redis.RedisError
         scripts = {
@@ -131,7 +128,6 @@ class RedisStore:
             "clear": redis_scripts.CLEAR,
         }
         self._scripts = {op: self._client.register_script(script) for op, script in scripts.items()}
-        self._lock = threading.Lock()
         self._down_until = 0.0  # time.monotonic() before which the server is not asked again
         self._in_outage = False
 
@@ -203,8 +199,7 @@ class RedisStore:
             return default
         except self._redis_error as exc:
             # The server answered with an error (out of memory, a wrong key type, ...): this call fails, the tier stays.
-            with self._lock:
-                self.stats.errors += 1
+            self._count_failure(miss=False)
             logger.warning("Redis tier at %s: %s failed: %s", self.where, op, exc)
             return default
         if self._in_outage:
@@ -217,17 +212,14 @@ class RedisStore:
     def get(self, key: str) -> ChunkKV | None:
         data = self._call("get", lambda: self._scripts["get"](keys=self._keys(key), args=[key]), None)
         if data is None:
-            with self._lock:
-                self.stats.misses += 1
+            self._count_miss()
             return None
         try:
             kv = deserialize_chunk(data, key, codec=self.codec, hmac_key=self.hmac_key)
         except CorruptEntryError as exc:
             self._drop_corrupt(key, exc)
             return None
-        with self._lock:
-            self.stats.hits += 1
-            self.stats.bytes_read += len(data)
+        self._count_hit(len(data))
         return kv
 
     def open(self, key: str) -> Hit | None:
@@ -239,8 +231,7 @@ class RedisStore:
         args = [key, _HEAD_BYTES]
         found = self._call("open", lambda: self._scripts["open"](keys=self._keys(key), args=args), None)
         if not found:
-            with self._lock:
-                self.stats.misses += 1
+            self._count_miss()
             return None
         value_key = self.value_key(key)
         try:
@@ -252,8 +243,7 @@ class RedisStore:
                 start = len(head)
                 more = self._call("open", lambda: self._client.getrange(value_key, start, need - 1), None)
                 if more is None:
-                    with self._lock:
-                        self.stats.misses += 1
+                    self._count_miss()
                     return None  # the failure is logged and counted by _call
                 head += more
             layout = parse_layout(head, key, total, codec=self.codec, hmac_key=self.hmac_key)
@@ -267,26 +257,7 @@ class RedisStore:
                 pipe.getrange(value_key, start, end - 1)
             return pipe.execute()
 
-        with self._lock:
-            self.stats.hits += 1
-            self.stats.bytes_read += total
-        lazy = LazyChunkKV(layout, read_ranges)
-        lazy.when_corrupt(lambda exc: self._drop_corrupt(key, exc, was_hit=True))
-        self._unread.handed_out(key, lazy)
-        return Hit(lazy, self.name)
-
-    def _drop_corrupt(self, key: str, exc: CorruptEntryError, *, was_hit: bool = False) -> None:
-        """Count a corrupt entry as a miss (taking back the hit `open` counted for it) and delete it."""
-        logger.warning(
-            "Redis tier at %s: dropping a corrupt or unreadable entry (%s); it will be recomputed", self.where, exc
-        )
-        self._unread.forget(key)
-        with self._lock:
-            self.stats.corrupt += 1
-            self.stats.misses += 1
-            if was_hit:
-                self.stats.hits -= 1
-        self._delete(key)
+        return self._hand_out(key, LazyChunkKV(layout, read_ranges))
 
     def put(self, kv: ChunkKV) -> None:
         if not self.available:
@@ -308,14 +279,6 @@ class RedisStore:
             with self._lock:
                 self.stats.puts += 1
                 self.stats.evictions += int(evicted)
-
-    def discard(self, key: str) -> None:
-        """Delete `key`'s entry. If it is a hit `open` handed out unread, that hit is counted as a corrupt miss."""
-        refused = self._unread.refused(key)
-        if refused is not None:
-            with self._lock:
-                self.stats.refused_hit(refused.layout.total_bytes)
-        self._delete(key)
 
     def _delete(self, key: str) -> None:
         self._call("discard", lambda: self._scripts["discard"](keys=self._keys(key)[:4], args=[key]), None)

@@ -1,15 +1,23 @@
-"""Counters of the tiers that hold serialized entries (disk, Redis), which can also meet bad data and outages."""
+"""What the tiers that hold serialized entries (disk, Redis) count the same way, and the base class that counts it.
+
+Both can meet bad data and outages, both hand out hits read layer by layer, and both count a hit the caller refuses
+unread as a corrupt miss. `CountedTier` holds that bookkeeping once; each tier adds only how it reads, writes and
+deletes entries and how it logs a failed call.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .base import StoreStats
+from .base import Hit, StoreStats
 
 if TYPE_CHECKING:
+    from ..errors import CorruptEntryError
     from .lazy import LazyChunkKV
 
 
@@ -52,3 +60,65 @@ class UnreadHits:
         with self._lock:
             reader = self._readers.pop(key, None)
         return reader if reader is not None and reader.bytes_read == 0 else None
+
+
+class CountedTier(ABC):
+    """The `stats`, unread-hit tracking and `discard` of a tier of serialized entries (disk, Redis).
+
+    A subclass implements `_delete` (which logs and counts its own failures, never raises) and the reads and
+    writes; it counts through `_count_hit`, `_count_miss` and `_count_failure`, hands a lazily read hit out
+    through `_hand_out`, and drops a damaged entry through `_drop_corrupt`.
+    """
+
+    def __init__(self, name: str, label: str, logger: logging.Logger) -> None:
+        self.name = name
+        self.stats = TierStats()
+        self._label = label  # "disk tier <folder>", "Redis tier at <host>": how log lines name the tier
+        self._logger = logger
+        self._lock = threading.Lock()  # guards `stats`
+        self._unread = UnreadHits()
+
+    @abstractmethod
+    def _delete(self, key: str) -> None:
+        """Delete `key`'s entry; a failure is logged and counted, never raised."""
+
+    def discard(self, key: str) -> None:
+        """Delete `key`'s entry. If it is a hit `open` handed out unread, that hit is counted as a corrupt miss."""
+        refused = self._unread.refused(key)
+        if refused is not None:
+            with self._lock:
+                self.stats.refused_hit(refused.layout.total_bytes)
+        self._delete(key)
+
+    def _count_hit(self, nbytes: int) -> None:
+        with self._lock:
+            self.stats.hits += 1
+            self.stats.bytes_read += nbytes
+
+    def _count_miss(self) -> None:
+        with self._lock:
+            self.stats.misses += 1
+
+    def _count_failure(self, *, miss: bool) -> None:
+        """One call the backend failed: a miss (a read) or a lost write."""
+        with self._lock:
+            self.stats.errors += 1
+            self.stats.misses += int(miss)
+
+    def _hand_out(self, key: str, lazy: LazyChunkKV) -> Hit:
+        """Count `lazy` as a hit and hand it out; damage found in a layer later takes the hit back."""
+        self._count_hit(lazy.layout.total_bytes)
+        lazy.when_corrupt(lambda exc: self._drop_corrupt(key, exc, was_hit=True))
+        self._unread.handed_out(key, lazy)
+        return Hit(lazy, self.name)
+
+    def _drop_corrupt(self, key: str, exc: CorruptEntryError, *, was_hit: bool = False) -> None:
+        """Count a corrupt entry as a miss (taking back the hit `open` counted for it) and delete it."""
+        self._logger.warning("%s: dropping a corrupt entry (%s); it will be recomputed", self._label, exc)
+        self._unread.forget(key)
+        with self._lock:
+            self.stats.corrupt += 1
+            self.stats.misses += 1
+            if was_hit:
+                self.stats.hits -= 1
+        self._delete(key)
