@@ -7,11 +7,12 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import load
 import pytest
 import quality as quality_script
 import report as report_script
 import sweep
-from benchlib import cli, quality, timing
+from benchlib import cli, load_report, quality, timing
 from benchlib.report import comparable_cases
 
 DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -93,7 +94,7 @@ def test_quality_figure_compares_only_methods_measured_on_the_same_cases(tmp_pat
 @pytest.mark.parametrize(
     "name, folder",
     [("quality", "quality"), ("report", "quality"), ("fidelity", "fidelity"), ("throughput", "throughput"),
-     ("sweep", "sweep"), ("ttft", "ttft"), ("tiers", "tiers"), ("controller", "controller")],
+     ("sweep", "sweep"), ("ttft", "ttft"), ("tiers", "tiers"), ("controller", "controller"), ("load", "load")],
 )  # fmt: skip
 def test_every_benchmark_writes_under_benchmarks_results_by_default(name, folder, capsys, monkeypatch):
     import importlib
@@ -191,3 +192,74 @@ def test_interleaved_tier_ttft_times_each_setup_from_its_own_tier(tiny_engine, t
     wrong = {"mislabelled": (engines["disk"][0], "memory")}
     with pytest.raises(AssertionError, match="mislabelled: expected 2 hits in memory"):
         timing.interleaved_tier_ttft(wrong, prompt, 0.5, repeats=1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--arrivals", "poisson", "--rates", "0,1"], "--rates must be comma-separated rates > 0"),
+        (["--cold-share", "1.5"], "--cold-share must be comma-separated shares in [0, 1]"),
+        (["--concurrency", "two"], "--concurrency must be comma-separated client counts"),
+        (["--settings", "blend-turbo"], "unknown settings ['blend-turbo']"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+    ],
+)
+def test_load_checks_its_arguments_before_loading_a_model(args, message, no_model_loads, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load.main(["--model", "smollm2-135m-instruct", *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_load_interval_is_students_t_over_the_repeats():
+    lo, hi = load_report.t_interval([1.0, 2.0, 3.0])  # mean 2, sd 1, t(0.975, 2) = 4.303
+    assert (lo, hi) == pytest.approx((2 - 4.303 / 3**0.5, 2 + 4.303 / 3**0.5))
+    assert load_report.t_interval([5.0]) is None  # one repeat: no interval
+    assert load_report.t_quantile_975(1) == 12.706 and load_report.t_quantile_975(60) == pytest.approx(2.000, abs=1e-3)
+
+
+def test_load_cold_requests_get_chunks_no_other_request_has():
+    pool = [f"passage {i}" for i in range(6)]
+    fresh = iter(range(100))
+    first = load.plan_requests(pool, 8, 3, 0.25, seed=0, fresh=fresh)
+    again = load.plan_requests(pool, 8, 3, 0.25, seed=0, fresh=fresh)
+    assert [r.cold for r in first] == [r.cold for r in again] and sum(r.cold for r in first) == 2  # same ones
+    cold = [c for r in first + again if r.cold for c in r.chunks]
+    assert len(set(cold)) == len(cold) == 12 and not set(cold) & set(pool)
+    assert all(set(r.chunks) <= set(pool) for r in first if not r.cold)
+
+
+@pytest.mark.parametrize("arrivals", ["closed", "poisson"])
+def test_load_end_to_end_with_repeats_cold_requests_and_the_serial_check(arrivals, tmp_path, monkeypatch, capsys):
+    """benchmarks/load.py on a tiny random-weight model: both arrival processes, a mixed warm/cold stream, 95%
+    intervals over 2 repeats, and batched greedy answers equal to the same requests served alone. No timing is
+    compared."""
+    monkeypatch.setitem(timing.RANDOM_SHAPES, "tiny", TINY_SHAPE)
+    load_args = ["--concurrency", "1,4"] if arrivals == "closed" else ["--rates", "600,1200", "--requests", "4"]
+    argv = ["--random-weights", "--model-shape", "tiny", "--chunks", "2", "--chunk-tokens", "8", "--pool", "4",
+            "--new-tokens", "3", "--arrivals", arrivals, *load_args, "--repeats", "2", "--cold-share", "0,0.5",
+            "--settings", "blend-serial,blend-batched", "--check-serial", "--out", str(tmp_path)]  # fmt: skip
+    assert load.main(argv) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    key = "clients" if arrivals == "closed" else "rate_per_min"
+    loads = [1, 4] if arrivals == "closed" else [600.0, 1200.0]
+    assert [(r["setting"], r["cold_share"], r[key]) for r in results["rows"]] == [
+        (s, share, x) for s in ("blend-serial", "blend-batched") for share in (0.0, 0.5) for x in loads
+    ]
+    for row in results["rows"]:
+        assert len(row["runs"]) == 2
+        s = row["summary"]["tokens_per_s"]
+        assert s["ci95"][0] <= s["mean"] <= s["ci95"][1]
+        for run in row["runs"]:
+            assert run["cold_requests"] == round(row["cold_share"] * run["requests"])
+            warm = 1 - run["cold_requests"] / run["requests"]
+            assert run["hit_share"] == pytest.approx(warm), "warm requests find every chunk, cold ones none"
+        if row["setting"] == "blend-batched":
+            assert row["serial_check"] == {"differing": 0, "checked": row["runs"][0]["requests"]}
+        else:
+            assert "serial_check" not in row  # served one at a time already
+    summary = (tmp_path / "summary.md").read_text()
+    assert "95% t interval over the repeats" in summary and "| blend-batched, 50% cold |" in summary
+    busiest = "4 clients" if arrivals == "closed" else "1200 requests/min"
+    assert f"- blend-batched, 50% cold, {busiest}: differing answers: 0 of 4" in summary
+    assert "differing answers: 0 of 4" in capsys.readouterr().out
+    assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
