@@ -2,7 +2,8 @@
 
 The step is checked against the model's own forward (transformers, one request, `DynamicCache`) at every step, for
 batch sizes 1-8 of prompts of mixed lengths, with requests joining and leaving the batch. The engine is checked by
-answers: many threads and asyncio tasks at once give the answers of the same requests served one at a time.
+answers: many threads and asyncio tasks at once give the answers of the same requests served one at a time, on tiny
+models and, for 16 concurrent greedy requests, on SmolLM2-135M.
 """
 
 from __future__ import annotations
@@ -252,3 +253,38 @@ def test_decode_weights_are_checked():
         EngineConfig(decode_weights="int4")
     with pytest.raises(ConfigError, match="CPU"):
         EngineConfig(device="cuda", decode_weights="int8")
+
+
+PASSAGES = [
+    "The kingdom of Zorbania lies in the northern mountains. Its capital is Quillton, on the river Vess.",
+    "Zorbania exports wool, copper and a blue cheese called vessa. The copper mines are in the east.",
+    "The national sport of Zorbania is ice rowing. The yearly championship is held on Lake Marn.",
+    "Queen Ilsa the Second founded the university of Quillton in 1388. It teaches law and medicine.",
+]
+ASKED = ["What is the capital?", "What does Zorbania export?", "Where is the championship?", "Who founded it?"]
+
+
+@pytest.mark.real_model
+def test_sixteen_concurrent_greedy_answers_on_a_real_model_equal_each_served_alone():
+    """16 threads at once on SmolLM2-135M: every greedy answer, token for token, is the one the same request gets
+    with max_batch_size=1 (the load benchmark's --check-serial, on a model whose logits have near ties)."""
+    engine = CacheBlendEngine.from_pretrained(
+        "smollm2-135m-instruct", config=EngineConfig(max_batch_size=16), show_progress=False
+    )
+    alone = CacheBlendEngine(engine.model, engine.tokenizer, config=EngineConfig(max_batch_size=1), store=engine.store)
+    engine.precompute(PASSAGES)  # warm: every request blends stored chunks, alone or not
+    requests = [([PASSAGES[i % 4], PASSAGES[(i + 1 + i // 4) % 4]], ASKED[i // 4]) for i in range(16)]
+    serial = [alone.generate(chunks, q, max_new_tokens=12).token_ids for chunks, q in requests]
+    barrier = threading.Barrier(16)
+
+    def ask(i: int) -> list[int]:
+        barrier.wait()
+        stream = engine.stream(*requests[i], max_new_tokens=12)
+        "".join(stream)
+        return stream.result.token_ids
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        together = list(pool.map(ask, range(16)))
+    differing = [i for i in range(16) if together[i] != serial[i]]
+    assert not differing, f"{len(differing)} of 16 answers differ from the request served alone: {differing}"
+    assert engine.scheduler.largest_batch > 1  # they really were decoded together
