@@ -8,6 +8,7 @@ write attempt while its folder stays full or read-only (it pauses its writes, `d
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -19,18 +20,17 @@ import textwrap
 import time
 from pathlib import Path
 
+import diskcache
 import pytest
 from test_store_tiers import make_kv, same
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
 from cacheblend_rag.store import DiskStore, disk_files
-from cacheblend_rag.store.disk_index import guarded_cache
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 EXACT_CODEC = "native"  # bit-exact entries, so an answer over stored chunks matches one over recomputed chunks
 BIG = 1024  # tokens: above diskcache's 32 KiB threshold, so the entry is a value file
 MB = 1024**2
-_SQL_WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE")
 
 
 def engine_on(store=None, **config) -> CacheBlendEngine:
@@ -54,8 +54,9 @@ class WriteFaults:
     counts them.
 
     The lowest writes the tier makes: a value file (`disk_files.write_value_file`, an OSError with `errno`) and a
-    statement that changes `cache.db` (a sqlite3.OperationalError with SQLite's own message). Reads pass, and so
-    does everything in other folders.
+    transaction on `cache.db` (diskcache's `Cache.transact`, in which the tier makes every change to its index),
+    which fails inside with SQLite's own message (a sqlite3.OperationalError). Reads pass, and so does everything
+    in other folders.
     """
 
     def __init__(self, monkeypatch, kind: str, folder: Path) -> None:
@@ -73,24 +74,18 @@ class WriteFaults:
                 raise OSError(code, os.strerror(code))
             return write_file(directory, filename, data)
 
-        class Connection:
-            def __init__(self, con, directory) -> None:
-                self._con, self._directory = con, directory
+        transact = diskcache.Cache.transact
 
-            def execute(self, statement, *args):
-                verb = statement.lstrip().split(None, 1)[0].upper()
-                if faults.failing and self._directory == folder and verb in _SQL_WRITES:
+        @contextlib.contextmanager
+        def failing_transact(cache, retry=False):
+            with transact(cache, retry):
+                if faults.failing and cache.directory == folder:
                     faults.attempts += 1
                     raise sqlite3.OperationalError(sql_message)
-                return self._con.execute(statement, *args)
+                yield
 
-            def __getattr__(self, name):
-                return getattr(self._con, name)
-
-        cls = guarded_cache()
-        connection = cls.__dict__["_con"]
         monkeypatch.setattr(disk_files, "write_value_file", write_value_file)
-        monkeypatch.setattr(cls, "_con", property(lambda cache: Connection(connection.fget(cache), cache.directory)))
+        monkeypatch.setattr(diskcache.Cache, "transact", failing_transact)
 
     def start(self) -> None:
         self.failing = True

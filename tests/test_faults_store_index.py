@@ -14,6 +14,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import diskcache
 import pytest
 from test_faults import ask, warm_disk_engine
 from test_store_tiers import make_kv, same
@@ -98,6 +99,44 @@ def test_a_row_the_index_refuses_leaves_no_value_file_behind(tmp_path):
     for i in range(3):
         store.put(make_kv(f"chunk-{i}", tokens=BIG, seed=i))
     assert store.stats.errors == 3 and list((tmp_path / "kv").rglob("*.val")) == []
+
+
+def test_a_view_planted_in_place_of_the_index_table_while_the_store_is_open_makes_misses_not_hangs(tmp_path):
+    """The tier's own reads of `cache.db` are interrupted after `timeout_s`; its writes refuse the planted view."""
+    store = DiskStore(tmp_path / "kv", budget_bytes=10 * MB, timeout_s=0.5, codec=EXACT_CODEC)
+    store.put(make_kv("chunk-a", tokens=BIG))
+    endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c)"
+    sql(
+        tmp_path / "kv",
+        "DROP TABLE Cache",
+        f"CREATE VIEW Cache AS {endless} SELECT 'chunk-a' AS key, 1 AS raw, x AS value FROM c WHERE x < 0",
+    )
+    assert within(20, lambda: store.get("chunk-a")) is None  # the view's scan never ends by itself
+    within(20, lambda: store.put(make_kv("chunk-b", tokens=BIG)))
+    assert store.stats.misses == 1 and store.stats.errors == 2 and store.stats.puts == 1
+
+
+def test_a_write_rolled_back_after_its_value_file_was_written_leaves_the_old_entry_and_no_new_file(
+    tmp_path, monkeypatch
+):
+    """Value files follow their transaction: the one written for a row that was not committed is deleted, and the
+    one that row would have replaced stays, with its entry."""
+    store = DiskStore(tmp_path / "kv", budget_bytes=10 * MB, codec=EXACT_CODEC)
+    old = make_kv("chunk-a", tokens=BIG)
+    store.put(old)
+    (old_file,) = (tmp_path / "kv").rglob("*.val")
+    set_row = diskcache.Cache.set
+
+    def set_then_fail(cache, *args, **kwargs):  # the row is written, then its transaction fails (as at commit)
+        set_row(cache, *args, **kwargs)
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(diskcache.Cache, "set", set_then_fail)
+    store.put(make_kv("chunk-a", tokens=BIG, seed=1))
+    store.put(make_kv("chunk-b", tokens=BIG, seed=2))
+    monkeypatch.undo()
+    assert list((tmp_path / "kv").rglob("*.val")) == [old_file]
+    assert same(store.get("chunk-a"), old) and "chunk-b" not in store and store.stats.errors == 2
 
 
 # ---------------------------------------------------------------- oversized values

@@ -157,6 +157,22 @@ def test_disk_eviction_keeps_budget_and_drops_least_recently_used(tmp_path):
     assert store.stats.evictions == 1
 
 
+def test_disk_put_over_budget_evicts_least_recently_used_one_at_a_time_and_no_more(tmp_path):
+    """The tier evicts for itself, one entry at a time (diskcache's own cull removes ten at once): a put that
+    outweighs several entries evicts just enough of the least recently used ones, never the entry it stores."""
+    entry = len(serialize_chunk(make_kv("x", tokens=BIG_TOKENS)))
+    budget = 32 * 1024 + 6 * entry + entry // 2  # the index plus six and a half entries
+    store = DiskStore(tmp_path, budget_bytes=budget, codec=EXACT_CODEC)
+    for i, name in enumerate("abcdef"):
+        store.put(make_kv(name, tokens=BIG_TOKENS, seed=i))
+    store.put(make_kv("a", tokens=BIG_TOKENS, seed=9))  # stored again: now the most recently used
+    assert len(store) == 6 and store.stats.evictions == 0
+    store.put(make_kv("big", tokens=4 * BIG_TOKENS))  # four entries' worth: b, c, d and e make room
+    assert store.nbytes <= budget
+    assert [name for name in ("a", "b", "c", "d", "e", "f", "big") if name in store] == ["a", "f", "big"]
+    assert store.stats.evictions == 4 and same(store.get("a"), make_kv("a", tokens=BIG_TOKENS, seed=9))
+
+
 def test_disk_entry_larger_than_budget_is_not_kept(tmp_path):
     store = DiskStore(tmp_path, budget_bytes=64 * 1024, codec=EXACT_CODEC)
     store.put(make_kv("small"))

@@ -3,25 +3,23 @@
 Several processes on one machine may share a directory (diskcache coordinates them through SQLite). Values are
 the bytes of `serialize_chunk`; the directory never holds pickles, and a pickled value planted in it is refused
 rather than loaded. What the tier distrusts, and where it is checked: the folder it is given (`disk_folder`: an
-empty or new folder, or a store), the index `cache.db` (`disk_index`: planted schema objects and settings, calls
+empty or new folder, or a store), the index `cache.db` (`disk_index`: planted schema objects and settings, reads
 bounded in time) and the value files it names (`disk_files`: no symlink, FIFO or name outside the folder).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sqlite3
-import time
 
 from ..errors import ConfigError, CorruptEntryError, NonFiniteKVError
 from .base import Hit
 from .chunk_kv import ChunkKV
 from .codec import TIER_CODEC, KVCodec, get_codec
-from .disk_files import import_diskcache, safe_bytes_disk
+from .disk_files import import_diskcache
 from .disk_folder import claim_folder, write_marker
-from .disk_index import cache_settings, check_index, guarded_cache, open_error
+from .disk_index import GuardedIndex, check_index, open_error
 from .disk_pause import WritePause
 from .lazy import LazyChunkKV
 from .serialize import header_length, parse_layout, serialize_chunk
@@ -29,10 +27,8 @@ from .stats import CountedTier
 
 logger = logging.getLogger(__name__)
 
-# How long one call may take, waiting on a SQLite lock held by another process included, before it is an error.
+# How long one call may wait on a SQLite lock held by another process, or work on one read, before it is an error.
 _TIMEOUT_S = 5.0
-# `clear` deletes every entry, 100 rows a transaction: a large store legitimately takes longer than one call.
-_CLEAR_TIMEOUT_S = 120.0
 # How long a full or read-only folder goes without a write attempt before the next one (`disk_pause`).
 _WRITE_PAUSE_S = 60.0
 
@@ -42,53 +38,47 @@ def _expanded(directory: str | os.PathLike[str]) -> str:
     return os.path.expandvars(os.path.expanduser(os.fspath(directory)))
 
 
-def _open_cache(directory: str, budget_bytes: int, timeout_s: float) -> object:
-    """diskcache's Cache over `directory`, or one ConfigError naming the folder, the reason and the fix."""
+def _open_index(directory: str, budget_bytes: int, timeout_s: float) -> GuardedIndex:
+    """The guarded diskcache index over `directory`, or one ConfigError naming the folder, the reason and the fix."""
     diskcache = import_diskcache()
     needs_marker = claim_folder(directory)
     try:
         check_index(directory, timeout_s)
-        cache = guarded_cache()(directory, timeout_s=timeout_s, disk=safe_bytes_disk(), **cache_settings(budget_bytes))
+        index = GuardedIndex(directory, budget_bytes, timeout_s)
     except (OSError, sqlite3.Error, diskcache.Timeout) as exc:
         raise open_error(directory, exc) from exc
     if needs_marker:
         try:
             write_marker(directory)
         except ConfigError:
-            cache.close()
+            index.close()
             raise
-    return cache
+    return index
 
 
 def check_disk_dir(directory: str | os.PathLike[str]) -> None:
-    """Open and close the disk tier's folder once, so a folder it refuses is reported before a model loads.
-
-    The same checks as `DiskStore`: a new or empty folder (made a store), or a store; anything else is a
-    ConfigError naming the folder, why, and what to do.
-    """
-    _open_cache(_expanded(directory), 0, _TIMEOUT_S).close()  # type: ignore[attr-defined]
+    """Open and close the disk tier's folder once, so a folder it refuses is reported before a model loads: the
+    same checks as `DiskStore` (a new or empty folder, made a store, or a store; else a ConfigError with the fix)."""
+    _open_index(_expanded(directory), 0, _TIMEOUT_S).close()
 
 
 class DiskStore(CountedTier):
     """Chunk KV in a local directory, at most `budget_bytes` of values and index (diskcache's `cache.db`), plus
     SQLite's log, which is checkpointed and cut back to 1 MiB (`disk_index.cache_settings`).
 
-    `get` moves an entry to the most recently used end; `put` evicts the least recently used entries until the
-    directory fits the budget again. A corrupt entry, or an index row this tier could not have written (a file
-    name outside the folder, a symlink, a FIFO, text, a pickle, an inline value larger than it keeps inline), is
-    deleted, logged and counted as a miss; an I/O or SQLite failure, or a call still running after `timeout_s`
-    (a lock held by another process, a trigger planted in the index), is logged and counted in `stats.errors`,
+    `get` moves an entry to the most recently used end; `put` evicts the least recently used entries, one at a
+    time, until the directory fits the budget again. A corrupt entry, or an index row this tier could not have
+    written (a file name outside the folder, a symlink, a FIFO, text, a pickle, an inline value larger than it
+    keeps inline), is deleted, logged and counted as a miss; an I/O or SQLite failure, a lock held by another
+    process past `timeout_s`, or a schema object planted in the index, is logged and counted in `stats.errors`
     and is also a miss (or a lost put), never an exception or a hang. Reads are bounded by the size the entry's
-    header declares. A hit handed out by `open` and then discarded before any of it was read (the engine refusing
-    its shape) is counted as a corrupt miss, not a hit. Safe to share between threads and processes.
+    header declares. A hit `open` handed out and then discarded unread (the engine refusing its shape) is counted
+    as a corrupt miss, not a hit. Safe to share between threads and processes.
 
     The folder must be new, empty, or a store (see `disk_folder`); anything else, or an unusable folder (a file,
-    not writable, a damaged index), is a ConfigError at construction.
-
-    A folder that fills up or turns read-only while the tier is open (a write failing with ENOSPC, EROFS or
-    SQLite's "full" / "readonly") pauses the tier's writes for `write_pause_s` seconds (`disk_pause`): puts are
-    skipped and counted in `stats.skipped`, reads still serve what is stored, and each pause costs one failed
-    write, not one per put and per read.
+    not writable, a damaged index), is a ConfigError at construction. A folder that fills up or turns read-only
+    while the tier is open pauses its writes for `write_pause_s` seconds (`disk_pause`): puts are skipped and
+    counted in `stats.skipped`, reads still serve what is stored, and each pause costs one failed write.
 
     With `hmac_key`, entries are signed when written and entries without a valid signature are refused (misses).
     Entries are encoded with `codec` (`codec.py`); one written with another codec is a miss.
@@ -118,22 +108,16 @@ class DiskStore(CountedTier):
         self.hmac_key = hmac_key
         self.timeout_s = timeout_s
         self.codec = get_codec(codec, "disk codec")
-        self._cache = _open_cache(self.directory, budget_bytes, timeout_s)
-        self._inline_limit: int = self._cache.disk.min_file_size  # values this long and longer are kept as files
+        self._index = _open_index(self.directory, budget_bytes, timeout_s)
         self._pause = WritePause(self.directory, write_pause_s)
         # Failures of the backend itself, as opposed to bad data in it.
         self._backend_errors: tuple[type[BaseException], ...] = (OSError, sqlite3.Error, diskcache.Timeout)
-
-    def _bounded(self, seconds: float | None = None) -> contextlib.AbstractContextManager[None]:
-        """Interrupt this thread's SQLite statements once `seconds` (default `timeout_s`) have passed."""
-        return self._cache.bounded(self.timeout_s if seconds is None else seconds)
 
     @property
     def nbytes(self) -> int:
         """Bytes the directory takes, as diskcache counts them for its size limit (0 if the index fails)."""
         try:
-            with self._bounded():
-                return self._cache.volume()
+            return self._index.volume()
         except self._backend_errors as exc:
             self._count_error("volume", "*" * 12, exc)
             return 0
@@ -165,14 +149,13 @@ class DiskStore(CountedTier):
         """The entry with only its header read and checked; None (counted) on a miss or a bad entry."""
         handle = None
         try:
-            with self._bounded():
-                inline = self._cache.inline_length(key)
-                if inline is not None and inline >= self._inline_limit:  # checked before a byte of it is read
-                    raise CorruptEntryError(
-                        f"entry {key[:12]} keeps {inline} bytes inside the index, where this tier keeps only "
-                        f"values under {self._inline_limit} bytes"
-                    )
-                handle = None if inline is None else self._read(key)
+            inline, limit = self._index.inline_length(key), self._index.inline_limit
+            if inline is not None and inline >= limit:  # checked before a byte of it is read
+                raise CorruptEntryError(
+                    f"entry {key[:12]} keeps {inline} bytes inside the index, where this tier keeps only values "
+                    f"under {limit} bytes"
+                )
+            handle = None if inline is None else self._read(key)
             if handle is None:
                 self._count_miss()
                 return None
@@ -203,12 +186,12 @@ class DiskStore(CountedTier):
         """The entry's bytes or open value file, moved to the most recently used end unless writes are paused."""
         if not self._pause.paused:
             try:
-                return self._cache.get(key, read=True)
+                return self._index.read(key)
             except self._backend_errors as exc:
                 if not self._pause.failed(exc):
                     raise
                 self._count_error("LRU update", key, exc, miss=False)
-        return self._cache.peek(key)
+        return self._index.peek(key)
 
     def _skipped(self) -> bool:
         """True (counted) when writes are paused: the caller makes none."""
@@ -227,48 +210,32 @@ class DiskStore(CountedTier):
             logger.warning("%s", exc)
             return
         try:
-            with self._bounded():
-                if len(data) > self.budget_bytes:
-                    # Storing it would evict everything else and then itself; drop any older copy instead.
-                    self._cache.delete(kv.key)
-                    return
-                with self._lock:
-                    before = len(self._cache) + int(kv.key not in self._cache)
-                    self._cache.set(kv.key, data)  # a failed set deletes the value file it wrote
-                    self._evict_to_budget()
-                    self.stats.puts += 1
-                    # Another process sharing the directory can skew this count; it is informative only.
-                    self.stats.evictions += max(0, before - len(self._cache))
+            if len(data) > self.budget_bytes:
+                # Storing it would evict everything else and then itself; drop any older copy instead.
+                self._index.delete(kv.key)
+                return
+            evicted = self._index.put(kv.key, data)  # a failed put deletes the value file it wrote
         except self._backend_errors as exc:
             self._count_error("put", kv.key, exc)
             self._pause.failed(exc)
             return
+        with self._lock:
+            self.stats.puts += 1
+            self.stats.evictions += evicted
         self._pause.succeeded()
-
-    def _evict_to_budget(self) -> None:
-        """Evict least recently used entries one by one until the directory fits the budget.
-
-        The `set` above already evicted one; more are needed only when the new entry outweighs its victim.
-        diskcache's public `cull()` removes ten at a time, so this uses its internal one-entry step (diskcache 5.x).
-        """
-        while self._cache.volume() > self.budget_bytes and len(self._cache) > 0:
-            with self._cache._transact() as (sql, cleanup):
-                self._cache._cull(time.time(), sql, cleanup, limit=1)
 
     def _delete(self, key: str) -> None:
         if self._skipped():
             return
         try:
-            with self._bounded():
-                self._cache.delete(key)
+            self._index.delete(key)
         except self._backend_errors as exc:
             self._count_error("delete", key, exc)
             self._pause.failed(exc)
 
     def clear(self) -> None:
         try:
-            with self._bounded(max(self.timeout_s, _CLEAR_TIMEOUT_S)):
-                self._cache.clear()
+            self._index.clear()
         except self._backend_errors as exc:
             self._count_error("clear", "*" * 12, exc)
 
@@ -276,19 +243,17 @@ class DiskStore(CountedTier):
         """Nothing to wait for: `put` writes through to the folder before it returns."""
 
     def close(self) -> None:
-        self._cache.close()
+        self._index.close()
 
     def __contains__(self, key: object) -> bool:
         try:
-            with self._bounded():
-                return key in self._cache
+            return isinstance(key, str) and self._index.inline_length(key) is not None
         except self._backend_errors:
             return False
 
     def __len__(self) -> int:
         try:
-            with self._bounded():
-                return len(self._cache)
+            return self._index.count()
         except self._backend_errors:
             return 0
 

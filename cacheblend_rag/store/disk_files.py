@@ -7,7 +7,9 @@ diskcache itself writes (`ab/cd/<28 hex digits>.val`), no component is a symlink
 Anything else is a `CorruptEntryError` (on a read) or left alone (on a delete): no file outside the folder is ever
 read or removed, and a FIFO or device never blocks a reader. Writes go the same way: each value folder level must
 be a real folder (a symlink planted in place of `35/` fails the write, it is never followed), and a write that
-fails (a full disk) deletes its partial file. Values are bytes only; nothing is ever unpickled.
+fails (a full disk) deletes its partial file. Inside one of the tier's transactions (`begin` .. `end`), the value
+files diskcache deletes are deleted once it commits, and the one written for a row that was not committed is
+deleted instead. Values are bytes only; nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -116,8 +118,9 @@ def write_value_file(directory: str, filename: str, data: bytes) -> None:
             os.close(fd)
 
 
-class _LastWritten(threading.local):
-    name: str | None = None  # the value file this thread's last `store` wrote
+class _Pending(threading.local):
+    written: str | None = None  # the value file `store` wrote in this thread's open transaction
+    removals: list[str] | None = None  # value files to delete when that transaction commits; None: none is open
 
 
 @functools.cache
@@ -129,7 +132,8 @@ def safe_bytes_disk() -> type:
     class SafeBytesDisk(diskcache.Disk):
         def __init__(self, directory: str, **kwargs: Any) -> None:
             super().__init__(directory, **kwargs)
-            self._written = _LastWritten()
+            self.folder = directory
+            self.pending = _Pending()
 
         def store(self, value: Any, read: bool, key: Any = core.UNKNOWN) -> Any:
             """-> (size, mode, filename, value) columns: small values inline, others in a new value file."""
@@ -138,14 +142,19 @@ def safe_bytes_disk() -> type:
             if len(value) < self.min_file_size:
                 return 0, core.MODE_RAW, None, sqlite3.Binary(value)
             filename, _ = self.filename(key, value)
-            write_value_file(self._directory, filename, value)
-            self._written.name = filename
+            write_value_file(self.folder, filename, value)
+            self.pending.written = filename
             return len(value), core.MODE_BINARY, filename, None
 
-        def take_written(self) -> str | None:
-            """The value file this thread's last `store` wrote (forgotten now), for removal if its row failed."""
-            name, self._written.name = self._written.name, None
-            return name
+        def begin(self) -> None:
+            """A transaction opens on this thread: the value files deleted in it wait for `end`."""
+            self.pending.written, self.pending.removals = None, []
+
+        def end(self, committed: bool) -> list[str]:
+            """-> the files to delete now: those deleted in the transaction, or the one its rolled-back row named."""
+            written, removals = self.pending.written, self.pending.removals or []
+            self.pending.written = self.pending.removals = None
+            return removals if committed else [written] if written is not None else []
 
         def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> Any:
             """-> the value's bytes (kept inline in SQLite) or an open regular file (kept as a file).
@@ -157,20 +166,23 @@ def safe_bytes_disk() -> type:
                     return bytes(value)
                 raise CorruptEntryError(f"an inline value is a {type(value).__name__}, not bytes")
             if mode == core.MODE_BINARY:
-                return open_value_file(self._directory, filename)
+                return open_value_file(self.folder, filename)
             if mode == core.MODE_PICKLE:
                 raise CorruptEntryError("a pickled value was found in the disk tier; it is not loaded")
             raise CorruptEntryError(f"a value stored in mode {mode!r}; this tier writes raw bytes or files only")
 
         def remove(self, file_path: str) -> None:
+            if self.pending.removals is not None:  # its row is deleted only once the transaction commits
+                self.pending.removals.append(file_path)
+                return
             try:
                 _checked_name(file_path)
             except CorruptEntryError:
-                logger.warning("disk tier %s: not deleting %r, a name it never writes", self._directory, file_path)
+                logger.warning("disk tier %s: not deleting %r, a name it never writes", self.folder, file_path)
                 return
-            folder = os.path.join(self._directory, os.path.dirname(file_path))
+            folder = os.path.join(self.folder, os.path.dirname(file_path))
             if any(os.path.islink(p) for p in (folder, os.path.dirname(folder))):
-                logger.warning("disk tier %s: not deleting %r, reached through a symlink", self._directory, file_path)
+                logger.warning("disk tier %s: not deleting %r, reached through a symlink", self.folder, file_path)
                 return
             super().remove(file_path)
 

@@ -9,17 +9,19 @@ trigger or view stored in it on the tier's own calls. So before diskcache opens 
 - drops every trigger, view and index diskcache never makes (diskcache re-creates its own);
 - deletes `Settings` rows diskcache never writes and recounts the entry count and volume from the `Cache` table.
 
-Then `cache_settings` passes every setting explicitly, so no stored value is used, and `GuardedCache` opens every
-connection itself: never through a symlinked `cache.db`, with this module's pragmas rather than the stored ones,
-and with a progress handler that interrupts a statement once the calling thread's deadline (`bounded`) has passed,
-so a trigger planted while the tier is open makes a failed call (a counted miss), never a hang.
+Then `cache_settings` passes every setting explicitly, so no stored value is used, and `GuardedIndex` calls diskcache
+through its public API only, adding what that API lacks. Each change is one `Cache.transact()` that first checks,
+under its write lock, that no schema object was planted since (one makes the call fail until the folder is opened
+again). Before diskcache opens a thread's connection, which applies the `sqlite_*` rows of `Settings` as pragmas,
+those rows must be the tier's and no `cache.db*` a symlink; the tier's pragmas are set on it again. Reads that must
+not write run on the tier's own read-only connection, interrupted after `timeout_s`; they name columns of the
+`Cache` table, which `_reference_schema` checks the installed diskcache makes. Eviction is the tier's own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 import sqlite3
 import tempfile
@@ -29,10 +31,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import ConfigError
-from .disk_files import import_diskcache
+from .disk_files import import_diskcache, safe_bytes_disk
 
 DB_NAME = "cache.db"
 _PROGRESS_STEPS = 1000  # SQLite VM steps between two deadline checks (well under a millisecond)
+_SCHEMA = "SELECT type, name, sql FROM sqlite_master WHERE sql IS NOT NULL"
+_COLUMNS = frozenset({"rowid", "key", "raw", "access_time", "expire_time", "mode", "filename", "value"})  # we read
 
 
 def cache_settings(budget_bytes: int) -> dict[str, Any]:
@@ -42,12 +46,11 @@ def cache_settings(budget_bytes: int) -> dict[str, Any]:
     settings.update(
         size_limit=budget_bytes,
         eviction_policy="least-recently-used",
-        # diskcache evicts up to `cull_limit` least recently used entries whenever a set leaves the directory
-        # over budget; its default of ten can throw out the entry just written when the cache holds few.
-        cull_limit=1,
-        # SQLite's write-ahead log lives beside the index and is not in diskcache's volume: checkpoint it every
-        # 256 pages (1 MiB) and cut it back to 1 MiB after each checkpoint, so the folder stays within the budget
-        # plus about 1 MiB.
+        # diskcache's own cull evicts `cull_limit` entries at once (ten by default, which can throw out the entry
+        # just written); the tier evicts one at a time itself (`GuardedIndex.put`).
+        cull_limit=0,
+        # SQLite's write-ahead log is not in diskcache's volume: checkpoint it every 256 pages (1 MiB) and cut it
+        # back to 1 MiB after each checkpoint, so the folder stays within the budget plus about 1 MiB.
         sqlite_wal_autocheckpoint=256,
         sqlite_journal_size_limit=2**20,
         statistics=0,
@@ -63,8 +66,17 @@ def _reference_schema() -> frozenset[tuple[str, str, str]]:
     with tempfile.TemporaryDirectory(prefix="cacheblend-schema-") as scratch:
         diskcache.Cache(scratch, **cache_settings(0)).close()
         with contextlib.closing(sqlite3.connect(os.path.join(scratch, DB_NAME))) as db:
-            rows = db.execute("SELECT type, name, sql FROM sqlite_master WHERE sql IS NOT NULL").fetchall()
+            rows = db.execute(_SCHEMA).fetchall()
+            missing = _COLUMNS - {str(row[1]) for row in db.execute("PRAGMA table_info(Cache)")}
+    if missing:
+        raise ConfigError(f"diskcache {diskcache.__version__}'s index lacks the columns {sorted(missing)}: pin 5.6")
     return frozenset((str(t), str(n), str(s)) for t, n, s in rows)
+
+
+def _foreign(rows: list[Any]) -> list[tuple[str, str]]:
+    """(type, name) of the schema objects among `rows` of `_SCHEMA` that diskcache never makes for this tier."""
+    reference = _reference_schema()
+    return [(str(t), str(n)) for t, n, s in rows if (str(t), str(n), str(s)) not in reference]
 
 
 def _quoted(name: str) -> str:
@@ -79,16 +91,15 @@ def check_index(directory: str, timeout_s: float) -> None:
     path = os.path.join(directory, DB_NAME)
     if not os.path.exists(path):
         return
-    reference = _reference_schema()
     known_settings = set(import_diskcache().core.DEFAULT_SETTINGS) | set(import_diskcache().core.METADATA)
     deadline = time.monotonic() + 4 * timeout_s
     with contextlib.closing(sqlite3.connect(path, timeout=timeout_s, isolation_level=None)) as db:
         db.set_progress_handler(lambda: int(time.monotonic() > deadline), _PROGRESS_STEPS)
         db.execute("BEGIN IMMEDIATE")
         try:
-            rows = db.execute("SELECT type, name, sql FROM sqlite_master WHERE sql IS NOT NULL").fetchall()
-            ours = {(str(t), str(n), str(s)) for t, n, s in rows} & reference
-            foreign = [(t, n) for t, n, s in rows if (str(t), str(n), str(s)) not in ours]
+            rows = db.execute(_SCHEMA).fetchall()
+            foreign = _foreign(rows)
+            ours = {(str(t), str(n)) for t, n, _ in rows} - set(foreign)
             tables = sorted(n for t, n in foreign if t == "table")
             if tables:
                 raise ConfigError(
@@ -98,10 +109,10 @@ def check_index(directory: str, timeout_s: float) -> None:
                 )
             for kind, name in foreign:  # triggers and views run on the tier's calls; extra indexes slow them
                 db.execute(f"DROP {kind.upper()} IF EXISTS {_quoted(name)}")
-            if any(t == "table" and n == "Settings" for t, n, _ in ours):
+            if ("table", "Settings") in ours:
                 marks = ", ".join("?" * len(known_settings))
                 db.execute(f"DELETE FROM Settings WHERE key NOT IN ({marks})", sorted(known_settings))
-                if any(t == "table" and n == "Cache" for t, n, _ in ours):
+                if ("table", "Cache") in ours:
                     db.execute("UPDATE Settings SET value = (SELECT count(*) FROM Cache) WHERE key = 'count'")
                     db.execute(
                         "UPDATE Settings SET value = (SELECT coalesce(sum(size), 0) FROM Cache) WHERE key = 'size'"
@@ -114,104 +125,149 @@ def check_index(directory: str, timeout_s: float) -> None:
             raise
 
 
-class _Deadline(threading.local):
-    at = math.inf  # time.monotonic() after which this thread's SQLite statements are interrupted
+class _Thread(threading.local):
+    pid = -1  # the process that opened `reader` (a forked child opens its own)
+    reader: sqlite3.Connection | None = None  # the tier's own read-only connection
+    ready = False  # diskcache's connection on this thread was opened after the checks and has the tier's pragmas
+    deadline = 0.0  # time.monotonic() after which the statement running on `reader` is interrupted
 
 
-@functools.cache
-def guarded_cache() -> type:
-    """diskcache's `Cache`, opening its own connections and bounding every statement by the caller's deadline.
+class GuardedIndex:
+    """diskcache's `Cache` (`cache`) with the guards of the module docstring. Methods raise OSError, sqlite3.Error
+    or diskcache.Timeout, and wait at most `timeout_s` on a lock or on one read of the tier's own."""
 
-    It overrides diskcache internals (`_con`, and `reset` for the counters), which is why diskcache is pinned <6.
-    """
-    diskcache = import_diskcache()
-    core = diskcache.core
+    def __init__(self, directory: str, budget_bytes: int, timeout_s: float) -> None:
+        settings = cache_settings(budget_bytes)
+        self.budget_bytes, self.timeout_s = budget_bytes, timeout_s
+        self._db_path = os.path.join(directory, DB_NAME)
+        self._pragmas = {k: v for k, v in settings.items() if k.startswith("sqlite_")}
+        self._thread = _Thread()
+        self._clean_schema = -1  # the last schema_version seen holding only diskcache's schema objects
+        self.cache = import_diskcache().Cache(directory, timeout=timeout_s, disk=safe_bytes_disk(), **settings)
+        self.inline_limit: int = self.cache.disk.min_file_size  # values this long and longer are kept as files
 
-    class GuardedCache(diskcache.Cache):
-        def __init__(self, directory: str, *, timeout_s: float, **settings: Any) -> None:
-            self._deadline = _Deadline()
-            self._db_path = os.path.join(directory, DB_NAME)
-            self._pragmas = {k: v for k, v in settings.items() if k.startswith("sqlite_")}
-            super().__init__(directory, timeout=timeout_s, **settings)
+    def _query(self, statement: str, args: Any = ()) -> list[Any]:
+        """The rows of one read on the tier's own connection, interrupted after `timeout_s`."""
+        thread = self._thread
+        if thread.pid != os.getpid():  # a forked child: the parent's connections are not to be used
+            thread.pid, thread.reader, thread.ready = os.getpid(), None, False
+        thread.deadline = time.monotonic() + self.timeout_s  # each statement on `reader` comes through here
+        if thread.reader is None:
+            self._refuse_symlinks()
+            thread.reader = sqlite3.connect(self._db_path, timeout=self.timeout_s, isolation_level=None)
+            thread.reader.set_progress_handler(lambda: int(time.monotonic() > thread.deadline), _PROGRESS_STEPS)
+            thread.reader.execute("PRAGMA query_only = 1")
+        return thread.reader.execute(statement, args).fetchall()
 
-        @property
-        def _con(self) -> sqlite3.Connection:
-            # diskcache's own fork check: a child process opens its own connections.
-            if getattr(self._local, "pid", None) != os.getpid():
-                self.close()
-                self._local.pid = os.getpid()
-            con = getattr(self._local, "con", None)
-            if con is None:
-                for path in (self._db_path, self._db_path + "-wal", self._db_path + "-shm"):
-                    if os.path.islink(path):  # planted after open: SQLite would follow it out of the folder
-                        raise sqlite3.OperationalError(f"{path} is a symlink; the disk tier never makes one")
-                con = sqlite3.connect(self._db_path, timeout=self._timeout, isolation_level=None)
-                con.set_progress_handler(self._over_time, _PROGRESS_STEPS)
-                self._local.con = con
-                for key, value in self._pragmas.items():  # ours, never the `Settings` rows
-                    self.reset(key, value, update=False)
-            return con
+    def _refuse_symlinks(self) -> None:
+        for path in (self._db_path, self._db_path + "-wal", self._db_path + "-shm"):
+            if os.path.islink(path):  # planted after open: SQLite would follow it out of the folder
+                raise sqlite3.OperationalError(f"{path} is a symlink; the disk tier never makes one")
 
-        def _over_time(self) -> int:
-            if time.monotonic() <= self._deadline.at:
-                return 0
-            self._deadline.at = math.inf  # interrupt once: the rollback that follows must run
-            return 1
+    def _ready(self) -> None:
+        """Check what diskcache's connection on this thread would obey before it opens, then set our pragmas."""
+        if self._thread.ready and self._thread.pid == os.getpid():
+            return
+        for key, value in self._query("SELECT key, value FROM Settings WHERE substr(key, 1, 7) = 'sqlite_'"):
+            ours = self._pragmas.get(key)
+            if ours is None or (type(value) is not int if type(ours) is int else value != ours):
+                raise sqlite3.DataError(f"the Settings row {key!r} of {self._db_path} holds {value!r}: not the tier's")
+        self._refuse_symlinks()
+        for key, value in self._pragmas.items():  # opens diskcache's connection on this thread
+            self.cache.reset(key, value, update=False)
+        self._thread.ready = True
 
-        @contextlib.contextmanager
-        def bounded(self, seconds: float) -> Iterator[None]:
-            """Interrupt this thread's SQLite statements (sqlite3.OperationalError) after `seconds` from now."""
-            outer = self._deadline.at
-            self._deadline.at = min(outer, time.monotonic() + seconds)
-            try:
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """One transaction, on a schema checked inside it; the value files it writes or deletes follow its outcome."""
+        self._ready()
+        disk, committed = self.cache.disk, False
+        disk.begin()
+        try:
+            with self.cache.transact():
+                ((version,),) = self._query("PRAGMA schema_version")
+                if version != self._clean_schema:
+                    planted = _foreign(self._query(_SCHEMA))
+                    if planted:
+                        msg = f"{self._db_path} holds {planted[:5]}, which diskcache never makes: planted since open"
+                        raise sqlite3.IntegrityError(msg + "; writes fail until the folder is opened again")
+                    self._clean_schema = version
                 yield
-            finally:
-                self._deadline.at = outer
+            committed = True
+        finally:
+            for name in disk.end(committed):
+                disk.remove(name)
 
-        def reset(self, key: str, value: Any = core.ENOVAL, update: bool = True) -> Any:
-            result = super().reset(key, value, update)
-            if key in core.METADATA and type(result) is not int:  # a counter row edited behind the tier's back
-                raise sqlite3.DataError(f"the Settings row {key!r} of {self._db_path} holds {result!r}, not a count")
-            return result
+    def put(self, key: str, data: bytes) -> int:
+        """Store `data`, then evict least recently used entries one by one until the folder fits -> how many."""
+        with self._writing():
+            self.cache.set(key, data)
+            evicted, victims = 0, self._by_last_use(key)
+            while self.volume() > self.budget_bytes and (victim := next(victims, None)) is not None:
+                evicted += int(self.cache.delete(victim))
+            return evicted
 
-        def set(self, key: Any, value: Any, **kwargs: Any) -> Any:
-            """diskcache's `set`; when its row is not stored, the value file it wrote is deleted too."""
-            self._disk.take_written()
-            try:
-                return super().set(key, value, **kwargs)
-            except BaseException:
-                written = self._disk.take_written()
-                if written is not None:
-                    self._disk.remove(written)
-                raise
+    def _by_last_use(self, last: str) -> Iterator[Any]:
+        select = "SELECT key FROM Cache WHERE raw = 1 AND key != ? ORDER BY access_time, rowid LIMIT 16 OFFSET ?"
+        offset = 0
+        while rows := self._query(select, (last, offset)):  # as committed: this transaction's changes unseen
+            yield from (key for (key,) in rows)
+            offset += len(rows)
+        yield last
 
-        def peek(self, key: str) -> Any:
-            """`get(key, read=True)` without moving the entry to the most recently used end, which is a write
-            (refused by a full or read-only folder): its bytes, an open value file, or None."""
-            db_key, raw = self._disk.put(key)
-            select = (
-                "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = ?"
-                " AND (expire_time IS NULL OR expire_time > ?)"
-            )
-            rows = self._sql(select, (db_key, raw, time.time())).fetchall()
-            if not rows:
-                return None
-            ((mode, filename, value),) = rows
-            try:
-                return self._disk.fetch(mode, filename, value, True)
-            except OSError:  # the file went with its entry, deleted by another process since the select
-                return None
+    def read(self, key: str) -> Any:
+        """`key`'s bytes or open value file, moved to the most recently used end (a write); None: no entry."""
+        handle = None
+        try:
+            with self._writing():
+                handle = self.cache.get(key, read=True)
+        except BaseException:
+            if handle is not None and type(handle) is not bytes:
+                handle.close()
+            raise
+        return handle
 
-        def inline_length(self, key: str) -> int | None:
-            """Bytes of `key`'s value kept inside the index (0 for one kept in a file); None: no such entry.
+    def peek(self, key: str) -> Any:
+        """Like `read`, without moving the entry, which is a write (refused by a full or read-only folder)."""
+        select = "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = ? AND coalesce(expire_time > ?, 1)"
+        rows = self._query(select, (*self.cache.disk.put(key), time.time()))
+        if not rows:
+            return None
+        try:
+            return self.cache.disk.fetch(*rows[0], True)
+        except OSError:  # the file went with its entry, deleted by another process since the select
+            return None
 
-            SQLite reads a blob's length from its row header, so this costs the same for 1 byte or 1 GB.
-            """
-            db_key, raw = self._disk.put(key)
-            rows = self._sql("SELECT length(value) FROM Cache WHERE key = ? AND raw = ?", (db_key, raw)).fetchall()
-            return None if not rows else int(rows[0][0] or 0)
+    def inline_length(self, key: str) -> int | None:
+        """Bytes of `key`'s value kept inside the index (0: in a file; None: no entry), read from its row header."""
+        rows = self._query("SELECT length(value) FROM Cache WHERE key = ? AND raw = ?", self.cache.disk.put(key))
+        return None if not rows else int(rows[0][0] or 0)
 
-    return GuardedCache
+    def delete(self, key: str) -> None:
+        with self._writing():
+            self.cache.delete(key)
+
+    def clear(self) -> None:
+        with self._writing():
+            self.cache.clear()
+
+    def volume(self) -> int:
+        """Bytes of the index and the values, as diskcache counts them for its size limit."""
+        self._ready()
+        try:
+            return int(self.cache.volume())
+        except TypeError as exc:  # its `size` row holds text or a blob
+            raise sqlite3.DataError(f"the Settings row 'size' of {self._db_path} is not a count") from exc
+
+    def count(self) -> int:
+        return int(self._query("SELECT count(*) FROM Cache")[0][0])
+
+    def close(self) -> None:
+        """Close this thread's connections (diskcache's and the tier's own)."""
+        self.cache.close()
+        reader, self._thread.reader, self._thread.ready = self._thread.reader, None, False
+        if reader is not None:
+            reader.close()
 
 
 def open_error(directory: str, exc: BaseException) -> ConfigError:
