@@ -51,12 +51,15 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
-        size = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
-        ends = rows.new_tensor([1.0, -1.0]).expand(rows.shape[0], 2)
-        y = torch.ops.quantized.linear_dynamic(torch.cat([rows / size, ends], dim=1), self.packed, True) * size
+        size = rows.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
+        pinned = torch.cat([rows / size, _ENDS.expand(rows.shape[0], 2)], dim=1)
+        y = torch.ops.quantized.linear_dynamic(pinned, self.packed, True).mul_(size)
         if self.bias is not None:
-            y = y + self.bias
-        return y.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
+            y.add_(self.bias)
+        return y.to(self.out_dtype).view(*shape[:-1], self.out_features)
+
+
+_ENDS = torch.tensor([1.0, -1.0])  # the two pinning inputs, appended to every row
 
 
 def _stacked(linears: list[nn.Linear]) -> nn.Linear:
