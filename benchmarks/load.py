@@ -68,6 +68,7 @@ SETTINGS = {
     "full-batched": dict(mode="full", max_batch_size=None, decode_weights="native"),
     "blend-serial-int8": dict(mode="blend", max_batch_size=1, decode_weights="int8"),
     "blend-batched-int8": dict(mode="blend", max_batch_size=None, decode_weights="int8"),
+    "full-batched-int8": dict(mode="full", max_batch_size=None, decode_weights="int8"),
 }
 QUESTIONS = [
     "Which people are named in these passages, and what did they do?",
