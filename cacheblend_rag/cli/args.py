@@ -197,13 +197,3 @@ def guard_from_args(args: argparse.Namespace) -> Guard | None:
     if not 0.0 <= margin <= 1.0:  # also refuses nan
         raise CacheBlendError(f"--guard-margin must be a probability in [0, 1] (e.g. 0.05), got {margin}")
     return Guard(min_margin=margin)
-
-
-def cpu_has_bf16() -> bool | None:
-    """Whether this CPU has bf16 matrix instructions (AMX or AVX-512 BF16), from /proc/cpuinfo; None if unknown."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return None
-    return None if not flags else any(f in flags.split() for f in ("amx_bf16", "avx512_bf16"))

@@ -10,10 +10,13 @@ show chunk hits. Where the chunks come from is in `sources.py`.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
+import warnings
 
-from .args import check_kv_dir, check_model_name, check_numbers, cpu_has_bf16, guard_from_args
+from ..models.cpu import SLOW_BF16_WARNING, cpu_has_bf16
+from .args import check_kv_dir, check_model_name, check_numbers, guard_from_args
 from .sources import build_index, read_sources, record_index_contexts
 
 __all__ = ["cmd_ask", "engine_config"]
@@ -72,7 +75,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
         controller = LoadingController(LoadingProfile.load(args.profile), min_ratio=min_ratio)
     sources = read_sources(args)
     t = time.perf_counter()
-    engine = CacheBlendEngine.from_pretrained(args.model, config=config, controller=controller)
+    with warnings.catch_warnings():  # engine_config has said it, before the load: once is enough
+        warnings.filterwarnings("ignore", message=re.escape(SLOW_BF16_WARNING))
+        engine = CacheBlendEngine.from_pretrained(args.model, config=config, controller=controller)
     print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     if fidelity is not None:
         fidelity.profile.check_model(engine.fingerprint, engine.config.dtype)
