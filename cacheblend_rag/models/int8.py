@@ -124,10 +124,11 @@ class _DecodeModel(nn.Module):
 
 def _int8_layer(layer: nn.Module, fuse: bool) -> nn.Module:
     """An int8 copy of a decoder layer; with `fuse`, its MLP runs gate and up as one product."""
-    copied = _swap_linears(copy.deepcopy(layer))
-    if fuse:
-        copied.mlp = Int8GatedMLP(layer.mlp)
-    return copied
+    if not fuse:
+        return _swap_linears(copy.deepcopy(layer))
+    copied = copy.deepcopy(layer, memo={id(layer.mlp): None})  # no float copy of the MLP: it is replaced
+    copied.mlp = Int8GatedMLP(layer.mlp)
+    return _swap_linears(copied)
 
 
 @torch.no_grad()
