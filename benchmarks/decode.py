@@ -25,9 +25,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from benchlib.cli import add_out_argument, model_name  # noqa: E402
+from benchlib.cli import add_out_argument, cpu_name, model_name  # noqa: E402
+from benchlib.load_requests import QUESTIONS  # noqa: E402
 from benchlib.timing import add_data_dir_argument, chunk_texts  # noqa: E402
-from load import QUESTIONS, cpu_name  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
 from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache  # noqa: E402

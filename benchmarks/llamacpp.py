@@ -21,8 +21,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from benchlib.cli import add_out_argument
-from load import cpu_name
+from benchlib.cli import add_out_argument, cpu_name
 
 from cacheblend_rag.models import DEFAULT_PRESET
 from cacheblend_rag.models.gguf import assemble_preset_file

@@ -41,20 +41,18 @@ import argparse
 import itertools
 import json
 import os
-import platform
-import random
 import statistics
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from benchlib.cli import add_out_argument, model_name  # noqa: E402
+from benchlib.cli import add_out_argument, cpu_name, model_name  # noqa: E402
 from benchlib.load_report import load_axis, load_markdown, plot_load, row_label, summarize_runs  # noqa: E402
+from benchlib.load_requests import QUESTIONS, Planned, plan_requests  # noqa: E402
 from benchlib.queueing import poisson_arrivals  # noqa: E402
 from benchlib.timing import RANDOM_SHAPES, add_data_dir_argument, build_engine, chunk_texts  # noqa: E402
 
@@ -70,42 +68,6 @@ SETTINGS = {
     "blend-batched-int8": dict(mode="blend", max_batch_size=None, decode_weights="int8"),
     "full-batched-int8": dict(mode="full", max_batch_size=None, decode_weights="int8"),
 }
-QUESTIONS = [
-    "Which people are named in these passages, and what did they do?",
-    "What places do these passages mention?",
-    "Summarize what these passages say about history.",
-    "Which dates appear in these passages, and what happened then?",
-]
-
-
-@dataclass(frozen=True)
-class Planned:
-    """One request of a run, decided before it starts."""
-
-    index: int
-    chunks: tuple[str, ...]
-    question: str
-    cold: bool  # its chunks were never stored: it takes the miss policy's path
-
-
-def fresh_text(text: str, uid: int) -> str:
-    """`text` with a tag no other chunk has in front, so its KV is not in the store. The tag is two words "wN"
-    (N in 2..31999): single tokens for the random-weights tokenizer, plain text for a real one."""
-    return f"w{2 + uid % 31998} w{2 + uid // 31998 % 31998} {text}"
-
-
-def plan_requests(
-    pool: Sequence[str], n: int, chunks: int, cold_share: float, seed: int, fresh: Iterator[int]
-) -> list[Planned]:
-    """`n` requests over the warm pool; round(cold_share * n) of them, drawn with `seed`, get fresh chunks."""
-    cold = set(random.Random(seed).sample(range(n), round(cold_share * n)))
-    out = []
-    for i in range(n):
-        texts = [pool[(i * 5 + j * 7) % len(pool)] for j in range(chunks)]
-        if i in cold:
-            texts = [fresh_text(t, next(fresh)) for t in texts]
-        out.append(Planned(i, tuple(texts), QUESTIONS[i % len(QUESTIONS)], i in cold))
-    return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -237,18 +199,6 @@ def check_serial(
         differing += list(result.token_ids) != served[req.index]
     forget_cold(alone, requests)
     return dict(differing=differing, checked=len(requests))
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                flags = Path("/proc/cpuinfo").read_text()
-                extra = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-                return f"{line.split(':', 1)[1].strip()} ({', '.join(extra) or 'no AVX-512/AMX'})"
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _numbers(p: argparse.ArgumentParser, option: str, text: str, kind: type, ok, want: str) -> list:

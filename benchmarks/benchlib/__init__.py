@@ -1,8 +1,8 @@
 """What the benchmark scripts in `benchmarks/` share: the compared methods (`methods`), the quality runner and report
 (`quality`), the fidelity runner and report (`fidelity_run`, `fidelity_report`), the throughput workload, queue
-and report (`workload`, `queueing`, `throughput*`), the load benchmark's report (`load_report`), the timing helpers
-(`timing`), resumable records (`records`), tables and figures (`report`), the command-line pieces (`cli`) and a
-throwaway Redis (`redis_server`).
+and report (`workload`, `queueing`, `throughput*`), the load benchmark's requests and report (`load_requests`,
+`load_report`), the timing helpers (`timing`), resumable records (`records`), tables and figures (`report`), the
+command-line pieces (`cli`) and a throwaway Redis (`redis_server`).
 
 Imported as `from benchlib.quality import ...`: a script's own folder is on `sys.path`, and the tests get
 `benchmarks/` from pytest's `pythonpath` option. The library's own measures (data sets, scoring, the fidelity

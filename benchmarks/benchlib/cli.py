@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import platform
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +30,19 @@ def model_name(model: str | None) -> str:
     """The real name of `--model`: the preset's own name (aliases and the default resolved), else the path."""
     preset = find_preset(model or DEFAULT_PRESET)
     return preset.name if preset is not None else str(model)
+
+
+def cpu_name() -> str:
+    """The CPU's model name and its AVX-512 / AMX flags (or "no AVX-512/AMX"), for every timing table."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            extra = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in text]
+            return f"{line.split(':', 1)[1].strip()} ({', '.join(extra) or 'no AVX-512/AMX'})"
+    return platform.processor() or "unknown CPU"
 
 
 def require_eval_deps() -> None:
