@@ -223,6 +223,11 @@ class EngineConfig:
     # the linear layers, a quarter of the bytes; the prefill and the first token stay exact, later tokens may differ:
     # docs/benchmarks.md, "Decoding speed").
     decode_weights: str = "native"
+    # While a prompt is prefilled, the requests already decoding get a step between two of its layers once their
+    # last step is this many seconds old, so their answers keep streaming through a long prefill (the new request's
+    # first token comes later by the steps it hosts; docs/configuration.md, "Serving many requests"). None: a
+    # prefill runs to its end first.
+    max_token_gap_s: float | None = None
     # Signs disk/Redis entries and refuses unsigned or forged ones (give every worker the same key); None: off
     store_hmac_key: bytes | str | None = field(default=None, repr=False)
 
@@ -251,6 +256,15 @@ class EngineConfig:
             raise ConfigError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}, got {self.decode_weights!r}")
         if self.decode_weights == "int8" and dev != "cpu":
             raise ConfigError("decode_weights='int8' runs on the CPU's int8 kernels; use 'native' on a GPU")
+        if self.max_token_gap_s is not None and (
+            isinstance(self.max_token_gap_s, bool)
+            or not isinstance(self.max_token_gap_s, (int, float))
+            or not 0 <= self.max_token_gap_s < float("inf")
+        ):
+            raise ConfigError(
+                f"max_token_gap_s must be a number of seconds >= 0 (0: a step after every layer) or None (off), "
+                f"got {self.max_token_gap_s!r}"
+            )
         if self.max_prompt_tokens is not None:
             check_count("max_prompt_tokens", self.max_prompt_tokens, 1, "a number of tokens, or None")
         if not isinstance(self.chunk_separator, str):

@@ -34,6 +34,7 @@ from .chunk_context import NEIGHBOURS, ContextArg, assign_contexts, context_part
 from .decoding import AsyncTextStream, GenerationResult, TextStream, TokenLoop
 from .fills import DeferredFills
 from .generation import eos_token_ids
+from .interleave import AfterLayer
 from .planning import check_blend
 from .prefill import Prefill, Prefiller, RatioPolicy
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_request
@@ -100,6 +101,7 @@ class CacheBlendEngine:
             # after a request's last token: store, off its path, the chunks a cold request was answered without
             finished=lambda job, result: self._fills.submit(job.prompt.prefix_ids, job.deferred, result.metrics),
             max_batch=self.config.max_batch_size,
+            max_token_gap_s=self.config.max_token_gap_s,
         )
 
     def _decode_model(self) -> LayerwiseModel:
@@ -274,7 +276,7 @@ class CacheBlendEngine:
             check_blend(request.blend or self.config.blend, self.lm.shape.num_layers, "blend")
             self.check_length(prompt, request.sampling.max_new_tokens if method != "prefill" else 0)
 
-    def _prefill(self, prompt: TokenizedPrompt, request: Request) -> Prefill:
+    def _prefill(self, prompt: TokenizedPrompt, request: Request, after_layer: AfterLayer | None = None) -> Prefill:
         mode = request.mode
         pinned = request.recompute_ratio is not None or request.blend is not None
         blend = request.blend or self.config.blend
@@ -283,7 +285,7 @@ class CacheBlendEngine:
         policy = self.controller if mode is PrefillMode.BLEND and not pinned else None
         self._fills.wait_for(prompt.chunk_ids)  # a chunk an earlier cold request is storing: wait, not recompute
         with self._lock:
-            pre = self._prefiller.run_retrying(prompt, mode, blend, policy, self.store_tiers)
+            pre = self._prefiller.run_retrying(prompt, mode, blend, policy, self.store_tiers, after_layer)
         # entries a full prefill computed: stored at once on the fills' thread (no compute, only the store's writes)
         self._fills.submit(prompt.prefix_ids, pre.captured, pre.metrics, pre.captured)
         pre.captured = {}  # the fills' thread holds them until stored

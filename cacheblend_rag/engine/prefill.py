@@ -27,6 +27,7 @@ from ..guard import escalate, first_token_signals
 from ..models.adapter import LayerwiseModel
 from ..store import ChunkKV, ChunkReader, CorruptEntryError
 from .chunk_cache import ChunkCache
+from .interleave import AfterLayer, between_layers
 from .metrics import RequestMetrics
 from .pipeline import LayerPrefetcher
 from .planning import blend_plan, cold_cost_share, prefix_and_chunk_masks, question_mask, reuse_plan
@@ -104,7 +105,13 @@ class Prefiller:
         return out.logits[0].float() if all_logits else out.logits[0, -1].float()
 
     def run_retrying(
-        self, prompt: TokenizedPrompt, mode: PrefillMode, blend: BlendConfig, policy: RatioPolicy | None, tiers: int
+        self,
+        prompt: TokenizedPrompt,
+        mode: PrefillMode,
+        blend: BlendConfig,
+        policy: RatioPolicy | None,
+        tiers: int,
+        after_layer: AfterLayer | None = None,
     ) -> Prefill:
         """`run`, again when a stored chunk turns out damaged mid-request, then as a full prefill.
 
@@ -116,11 +123,11 @@ class Prefiller:
         fresh: set[str] = set()  # chunks prefilled during this request: misses, even when found on a retry
         for attempt in range((len(prompt.chunk_ids) + 1) * tiers + 1):
             try:
-                return self.run(prompt, mode, blend, fresh, policy)
+                return self.run(prompt, mode, blend, fresh, policy, after_layer)
             except CorruptEntryError as exc:
                 logger.warning("prefill attempt %d read a damaged chunk (%s); trying again", attempt + 1, exc)
         logger.warning("the store kept returning damaged chunks; answering with a full prefill")
-        return self.run(prompt, PrefillMode.FULL, blend, fresh, None)
+        return self.run(prompt, PrefillMode.FULL, blend, fresh, None, after_layer)
 
     def run(
         self,
@@ -129,9 +136,11 @@ class Prefiller:
         blend: BlendConfig,
         fresh: set[str],
         policy: RatioPolicy | None,
+        after_layer: AfterLayer | None = None,
     ) -> Prefill:
         """`fresh` collects the chunks prefilled during this request (misses, even when found on a retry);
-        `policy` chooses the blend ratio when given."""
+        `policy` chooses the blend ratio when given; `after_layer(layer_idx)` runs between the layers of each
+        pass over the prompt (the scheduler's decode steps for the requests already answering)."""
         n = prompt.num_tokens
         num_layers = self.lm.shape.num_layers
         m = RequestMetrics(mode=mode.value, prompt_tokens=n)
@@ -140,9 +149,9 @@ class Prefiller:
         if mode is PrefillMode.FULL or not prompt.chunk_ids:
             # Without chunks there is nothing to reuse or blend: every mode is a full prefill. It reads no stored
             # KV, and stores the chunks it computed as their entries (the capture policy's), at no cost.
-            return self._full(prompt, m, t0, self.chunks.capturable(prompt) if prompt.chunk_ids else [])
+            return self._full(prompt, m, t0, self.chunks.capturable(prompt) if prompt.chunk_ids else [], after_layer)
         if mode is not PrefillMode.PREFIX and self.miss_policy != "blend":
-            cold = self._answer_cold_in_full(prompt, mode, blend, m, t0)
+            cold = self._answer_cold_in_full(prompt, mode, blend, m, t0, after_layer)
             if cold is not None:
                 return cold
 
@@ -160,7 +169,7 @@ class Prefiller:
                 m.controller = decision.to_dict()
             blend_cfg = blend
             m.recompute_ratio = blend.recompute_ratio
-        result, load_s, wait_s = self._fuse(prompt, parts, blend_cfg, m)
+        result, load_s, wait_s = self._fuse(prompt, parts, blend_cfg, m, after_layer)
         assert result.logits is not None
         cache = DynamicCache(config=self.model.config)
         for layer_idx, (k, v) in enumerate(zip(result.keys, result.values, strict=True)):
@@ -179,13 +188,21 @@ class Prefiller:
             m.chunks_captured = len(captured)
         return Prefill(cache, result.logits, n, m, captured=captured)
 
-    def _full(self, prompt: TokenizedPrompt, m: RequestMetrics, t0: float, capture: Sequence[int] = ()) -> Prefill:
+    def _full(
+        self,
+        prompt: TokenizedPrompt,
+        m: RequestMetrics,
+        t0: float,
+        capture: Sequence[int] = (),
+        after_layer: AfterLayer | None = None,
+    ) -> Prefill:
         """The model's own prefill of the whole prompt: exact, and reads nothing from the store. The entries of
         the chunks at positions `capture` are cut from it (`Prefill.captured`)."""
         n, num_layers = prompt.num_tokens, self.lm.shape.num_layers
         m.mode = PrefillMode.FULL.value
         cache = DynamicCache(config=self.model.config)
-        logits = self.forward(prompt.input_ids(), 0, cache)
+        with between_layers(self.lm.layers, after_layer):
+            logits = self.forward(prompt.input_ids(), 0, cache)
         layers = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
         captured = self.chunks.capture(prompt, layers, capture)
         m.compute_s = time.perf_counter() - t0
@@ -196,7 +213,13 @@ class Prefiller:
         return Prefill(cache, logits, n, m, captured=captured)
 
     def _answer_cold_in_full(
-        self, prompt: TokenizedPrompt, mode: PrefillMode, blend: BlendConfig, m: RequestMetrics, t0: float
+        self,
+        prompt: TokenizedPrompt,
+        mode: PrefillMode,
+        blend: BlendConfig,
+        m: RequestMetrics,
+        t0: float,
+        after_layer: AfterLayer | None,
     ) -> Prefill | None:
         """A full prefill when prefilling the request's missing chunks first would cost more than it (the miss
         policy). The missing chunks that prefill computes as their entries are stored from it (`Prefill.captured`);
@@ -207,7 +230,7 @@ class Prefiller:
         share = cold_cost_share(prompt, missing, blend if mode is PrefillMode.BLEND else None, self.lm.shape.num_layers)
         if self.miss_policy == "auto" and share < 1.0:
             return None
-        pre = self._full(prompt, m, t0, self.chunks.capturable(prompt))
+        pre = self._full(prompt, m, t0, self.chunks.capturable(prompt), after_layer)
         gone = set(missing)
         m.chunks_missed = sum(tuple(ids) in gone for ids in prompt.chunk_ids)
         m.chunks_hit = len(prompt.chunk_ids) - m.chunks_missed
@@ -254,6 +277,7 @@ class Prefiller:
         parts: Sequence[ChunkReader],
         blend: BlendConfig | None,
         m: RequestMetrics,
+        after_layer: AfterLayer | None,
     ) -> tuple[FusionResult, float, float]:
         """Run the fusor with the loaded `parts` (the prefix, then chunks in order) at the head of the prompt.
 
@@ -269,11 +293,16 @@ class Prefiller:
         n_loaded = len(parts) - (1 if prompt.prefix_ids else 0)
         load = self.chunks.layer_loader(parts, prompt.num_tokens)
         if blend is None:
-            return self._run_fusor(reuse_plan(prompt, n_loaded), load)
+            return self._run_fusor(reuse_plan(prompt, n_loaded), load, after_layer=after_layer)
         if not blend.uses_attention_pass:
-            return self._run_fusor(blend_plan(prompt, blend), load)
+            return self._run_fusor(blend_plan(prompt, blend), load, after_layer=after_layer)
         probe, load_s, wait_s = self._run_fusor(
-            reuse_plan(prompt), load, want_logits=True, keep_raw_keys=True, attention_from=question_mask(prompt)
+            reuse_plan(prompt),
+            load,
+            want_logits=True,
+            keep_raw_keys=True,
+            attention_from=question_mask(prompt),
+            after_layer=after_layer,
         )
         assert probe.raw_keys is not None and probe.attention is not None and probe.logits is not None
         raw_keys, values, scores = probe.raw_keys, probe.values, probe.attention
@@ -287,7 +316,9 @@ class Prefiller:
         def blend_at(cfg: BlendConfig) -> tuple[FusionResult, FusionPlan]:
             plan = blend_plan(prompt, cfg, scores)
             out, _, _ = self._run_fusor(
-                plan, lambda i: (raw_keys[i].clone(), values[i].clone()) if keep else (raw_keys[i], values[i])
+                plan,
+                lambda i: (raw_keys[i].clone(), values[i].clone()) if keep else (raw_keys[i], values[i]),
+                after_layer=after_layer,
             )
             spent[:] = [a + b for a, b in zip(spent, out.recomputed_per_layer, strict=True)]
             return out, plan

@@ -7,7 +7,9 @@ loop it comes from. One worker thread serves them all, in turns:
 2. it runs one decode step for every job that is decoding, as one batched forward (`BatchDecoder`), and hands each
    job its new text.
 So a new request waits for at most one decode step before its prefill starts, and each step reads the weights once
-for the whole batch. Events go to each job's reader through a `Channel` (a queue for a thread, the event loop for
+for the whole batch. With `max_token_gap_s`, the requests already decoding also get a step between two layers of
+a prefill once their last one is that old (`interleave`), so a long prefill does not stop their answers.
+Events go to each job's reader through a `Channel` (a queue for a thread, the event loop for
 a task); a slow reader only lets its own events pile up, and a reader that leaves cancels its job, which leaves the
 batch at the next step. The worker exits when nothing is left and starts again with the next job.
 """
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 
 from .batch_decode import BatchDecoder, DecodeCache
 from .decoding import AsyncTextStream, Event, GenerationResult, TextStream, TokenLoop
+from .interleave import AfterLayer
 from .prefill import Prefill
 from .prompt import TokenizedPrompt
 from .request import Request
@@ -78,6 +81,7 @@ class Job:
     loop: TokenLoop | None = None
     cache: DecodeCache | None = None
     deferred: tuple[tuple[int, ...], ...] = ()
+    last_token_at: float = 0.0  # perf_counter when its last token (the first one, then each step's) was picked
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -86,7 +90,8 @@ class Job:
 class Scheduler:
     """The queue and the worker. The engine gives it its steps:
 
-    - `prefill(prompt, request)`: the request's prefill (takes the engine's lock itself);
+    - `prefill(prompt, request, after_layer)`: the request's prefill (takes the engine's lock itself), calling
+      `after_layer` between its layers when it is given;
     - `new_loop(request)`: a fresh `TokenLoop` for the request's sampling settings;
     - `ready(prompt)`: False while one of the prompt's chunks is still being stored by a background fill (the job
       then waits in the queue, and later jobs may start first);
@@ -98,20 +103,23 @@ class Scheduler:
         decoder: BatchDecoder,
         lock: threading.RLock,
         *,
-        prefill: Callable[[TokenizedPrompt, Request], Prefill],
+        prefill: Callable[[TokenizedPrompt, Request, AfterLayer | None], Prefill],
         new_loop: Callable[[Request], TokenLoop],
         ready: Callable[[TokenizedPrompt], bool],
         finished: Callable[[Job, GenerationResult], None],
         max_batch: int,
+        max_token_gap_s: float | None = None,
     ) -> None:
         self.decoder = decoder
         self.max_batch = max_batch
+        self.max_token_gap_s = max_token_gap_s
         self._lock = lock
         self._prefill, self._new_loop, self._ready, self._finished = prefill, new_loop, ready, finished
         self._cond = threading.Condition()
         self._waiting: list[Job] = []
         self._active: list[Job] = []
         self._thread: threading.Thread | None = None
+        self._hosted = 0  # decode steps run between the layers of the prefill in progress
         self.largest_batch = 0  # the most jobs one step has decoded together (for tests and benchmarks)
 
     def submit(self, prompt: TokenizedPrompt, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> Job:
@@ -159,15 +167,20 @@ class Scheduler:
                     continue
             if job is not None:
                 self._start(job)
+                batch = [j for j in batch if not (j.cancelled or j.finished)]  # some may have ended inside it
             if batch:
                 self._step(batch)
 
     def _start(self, job: Job) -> None:
         try:
-            pre = self._prefill(job.prompt, job.request)
+            self._hosted = 0
+            pre = self._prefill(job.prompt, job.request, None if self.max_token_gap_s is None else self._between_layers)
+            pre.metrics.interleaved_steps = self._hosted
             job.deferred = pre.deferred
             job.loop = self._new_loop(job.request)
-            if not self._send(job, job.loop.first(pre.logits, pre.metrics, job.t0)):
+            first = job.loop.first(pre.logits, pre.metrics, job.t0)
+            job.last_token_at = time.perf_counter()
+            if not self._send(job, first):
                 return
             if job.loop.done:
                 self._finish(job)
@@ -180,6 +193,16 @@ class Scheduler:
         with self._cond:
             self._active.append(job)
 
+    def _between_layers(self, layer_idx: int) -> None:
+        """A prefill finished a layer: the requests already decoding get a step once one of them has waited
+        `max_token_gap_s` since its last token."""
+        assert self.max_token_gap_s is not None
+        with self._cond:
+            batch = [j for j in self._active if not (j.cancelled or j.finished)]
+        if batch and time.perf_counter() - min(j.last_token_at for j in batch) >= self.max_token_gap_s:
+            self._hosted += 1
+            self._step(batch)
+
     def _step(self, batch: Sequence[Job]) -> None:
         self.largest_batch = max(self.largest_batch, len(batch))
         try:
@@ -191,9 +214,11 @@ class Scheduler:
                 job.cancel()
                 job.channel.put(exc)
             return
+        now = time.perf_counter()
         for row, job in enumerate(batch):
             try:
                 assert job.loop is not None
+                job.last_token_at = now
                 if self._send(job, job.loop.next(logits[row])) and job.loop.done:
                     self._finish(job)
             except Exception as exc:

@@ -110,12 +110,15 @@ def fuse(
     keep_raw_keys: bool = False,
     block_size: int = 512,
     attention_from: torch.Tensor | None = None,
+    after_layer: Callable[[int], None] | None = None,
 ) -> FusionResult:
     """Run the blended prefill of one prompt. See the module docstring for the rule.
 
     `block_size`: queries are attended in groups of this many positions (see `attend_blocks`).
     `attention_from`: [N] bool, tokens (computed on every layer, e.g. the question) whose attention to every
     token is averaged over heads, these queries and all layers but the last into `FusionResult.attention`.
+    `after_layer(layer_idx)` runs when a layer is done (the scheduler decodes other requests there); it must not
+    touch this prompt's tensors.
     """
     num_layers = lm.shape.num_layers
     if plan.check_layers and plan.check_layers[-1] >= num_layers:
@@ -186,6 +189,8 @@ def fuse(
                 attn_layers += 1
         attn_out = attend_blocks(lm, layer_idx, query, keys, v, positions[active], positions, block_size)
         hidden = lm.finish_layer(layer_idx, hidden, attn_out)
+        if after_layer is not None and layer_idx < num_layers - 1:
+            after_layer(layer_idx)
 
     logits = None
     if want_logits:
