@@ -50,7 +50,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from benchlib.cli import add_out_argument, cpu_name, model_name  # noqa: E402
+from benchlib.cli import add_out_argument, cpu_name, gap_list, model_name, number_list  # noqa: E402
 from benchlib.load_report import load_axis, load_markdown, plot_load, row_label, summarize_runs  # noqa: E402
 from benchlib.load_requests import QUESTIONS, Planned, plan_requests  # noqa: E402
 from benchlib.queueing import poisson_arrivals  # noqa: E402
@@ -80,12 +80,12 @@ def serve(engine: CacheBlendEngine, req: Planned, mode: str, new_tokens: int, ar
     then the engine's own TTFT (queueing in the scheduler included)."""
     called = time.perf_counter()
     stream = engine.stream(list(req.chunks), req.question, mode=mode, max_new_tokens=new_tokens)
-    for _ in stream:
-        pass
+    seen = [time.perf_counter() for _ in stream]  # when each piece of text reached the reader
     result = stream.result
     m = result.metrics
     return dict(index=req.index, cold=req.cold, ttft_s=called - arrived + m.ttft_s, decode_s=m.decode_s,
                 tokens=m.generated_tokens, chunks=len(req.chunks), chunks_hit=m.chunks_hit, end=time.perf_counter(),
+                gaps=[b - a for a, b in itertools.pairwise(seen)], hosted=m.interleaved_steps,
                 token_ids=list(result.token_ids))  # fmt: skip
 
 
@@ -159,6 +159,7 @@ def figures(records: list[dict], wall: float, engine: CacheBlendEngine) -> dict:
     """What one run measured (floats are summarized over repeats; ints are counts)."""
     ttfts = [r["ttft_s"] for r in records]
     tpots = [r["decode_s"] / (r["tokens"] - 1) for r in records if r["tokens"] > 1]
+    gaps = [g for r in records for g in r["gaps"]]
     return dict(
         wall_s=wall,
         answers_per_min=60 * len(records) / wall,
@@ -167,6 +168,9 @@ def figures(records: list[dict], wall: float, engine: CacheBlendEngine) -> dict:
         ttft_p90=percentile(ttfts, 0.9),
         ttft_p99=percentile(ttfts, 0.99),
         tpot_s=statistics.mean(tpots) if tpots else float("nan"),
+        gap_p99_s=percentile(gaps, 0.99) if gaps else float("nan"),  # between two pieces of one streamed answer
+        gap_max_s=max(gaps) if gaps else float("nan"),
+        hosted_steps=sum(r["hosted"] for r in records),
         hit_share=sum(r["chunks_hit"] for r in records) / sum(r["chunks"] for r in records),  # chunks from the store
         largest_batch=engine.scheduler.largest_batch,
         requests=len(records),
@@ -201,16 +205,6 @@ def check_serial(
     return dict(differing=differing, checked=len(requests))
 
 
-def _numbers(p: argparse.ArgumentParser, option: str, text: str, kind: type, ok, want: str) -> list:
-    try:
-        values = [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or not all(ok(v) for v in values):
-        p.error(f"{option} must be comma-separated {want}, got {text!r}")
-    return list(dict.fromkeys(values))
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, checked before any model loads."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -229,6 +223,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=16, help="requests per rate and repeat (poisson)")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times (repeat r: seed + r) and cold picks")
     p.add_argument("--settings", default="blend-serial,blend-batched,full-batched", help=f"of {', '.join(SETTINGS)}")
+    p.add_argument("--token-gaps", default="none",
+                   help="max_token_gap_s of the batched settings, comma-separated: 'none' (a prefill runs to its end "
+                   "first) or seconds, e.g. none,0.5")  # fmt: skip
     p.add_argument("--cold-share", default="0", help="shares (0..1) of cold requests, comma-separated: 0,0.25")
     p.add_argument("--miss-policy", default="auto", choices=MISS_POLICIES, help="what a cold request does")
     p.add_argument("--check-serial", action="store_true",
@@ -247,10 +244,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown settings {unknown}; choose from {', '.join(SETTINGS)}")
     args.settings = args.settings.split(",")
     if args.arrivals == "closed":
-        args.loads = _numbers(p, "--concurrency", args.concurrency, int, lambda c: c >= 1, "client counts >= 1")
+        args.loads = number_list(p, "--concurrency", args.concurrency, int, lambda c: c >= 1, "client counts >= 1")
     else:
-        args.loads = _numbers(p, "--rates", args.rates, float, lambda r: 0 < r < float("inf"), "rates > 0 per minute")
-    args.cold_shares = _numbers(p, "--cold-share", args.cold_share, float, lambda f: 0 <= f <= 1, "shares in [0, 1]")
+        positive = lambda r: 0 < r < float("inf")  # noqa: E731
+        args.loads = number_list(p, "--rates", args.rates, float, positive, "rates > 0 per minute")
+    args.token_gaps = gap_list(p, args.token_gaps)
+    share = lambda f: 0 <= f <= 1  # noqa: E731
+    args.cold_shares = number_list(p, "--cold-share", args.cold_share, float, share, "shares in [0, 1]")
     for option in ("per_client", "requests", "repeats", "chunks", "pool", "new_tokens", "batch"):
         if getattr(args, option) < 1:
             p.error(f"--{option.replace('_', '-')} must be >= 1, got {getattr(args, option)}")
@@ -280,19 +280,22 @@ def main(argv: list[str] | None = None) -> int:
         pool = chunk_texts(base.tokenizer, args.pool, args.chunk_tokens, data)
     base.precompute(pool, QUESTIONS[0])
 
-    def engine_for(spec: dict, max_batch: int) -> CacheBlendEngine:
+    def engine_for(spec: dict, max_batch: int, gap: float | None = None) -> CacheBlendEngine:
         config = EngineConfig(device=args.device, dtype=args.dtype, max_batch_size=max_batch,
-                              decode_weights=spec["decode_weights"], miss_policy=args.miss_policy)  # fmt: skip
+                              decode_weights=spec["decode_weights"], miss_policy=args.miss_policy,
+                              max_token_gap_s=gap)  # fmt: skip
         return CacheBlendEngine(base.model, base.tokenizer, config=config, store=base.store)  # same warm store
 
     alone: dict[str, CacheBlendEngine] = {}  # by decode weights: the engines of --check-serial
     fresh = itertools.count()  # tags of cold chunks, never reused
-    for setting in args.settings:
+    for setting, gap in itertools.product(args.settings, args.token_gaps):
         spec = SETTINGS[setting]
-        engine = engine_for(spec, spec["max_batch_size"] or args.batch)
+        if gap is not None and spec["max_batch_size"] == 1:
+            continue  # one request at a time: nothing decodes while a prefill runs
+        engine = engine_for(spec, spec["max_batch_size"] or args.batch, gap)
         engine.generate(pool[: args.chunks], QUESTIONS[0], mode=spec["mode"], max_new_tokens=2)  # warm the path
         for share, load in itertools.product(args.cold_shares, args.loads):
-            row = dict(setting=setting, cold_share=share, **{key: load})
+            row = dict(setting=setting, token_gap=gap, cold_share=share, **{key: load})
             runs = []
             for repeat in range(args.repeats):
                 n = load * args.per_client if args.arrivals == "closed" else args.requests

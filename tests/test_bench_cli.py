@@ -202,6 +202,8 @@ def test_interleaved_tier_ttft_times_each_setup_from_its_own_tier(tiny_engine, t
         (["--concurrency", "two"], "--concurrency must be comma-separated client counts"),
         (["--settings", "blend-turbo"], "unknown settings ['blend-turbo']"),
         (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--token-gaps", "none,-1"], "--token-gaps must be comma-separated 'none' or seconds >= 0"),
+        (["--token-gaps", ","], "--token-gaps must name at least one gap"),
     ],
 )
 def test_load_checks_its_arguments_before_loading_a_model(args, message, no_model_loads, capsys):
@@ -237,13 +239,15 @@ def test_load_end_to_end_with_repeats_cold_requests_and_the_serial_check(arrival
     load_args = ["--concurrency", "1,4"] if arrivals == "closed" else ["--rates", "600,1200", "--requests", "4"]
     argv = ["--random-weights", "--model-shape", "tiny", "--chunks", "2", "--chunk-tokens", "8", "--pool", "4",
             "--new-tokens", "3", "--arrivals", arrivals, *load_args, "--repeats", "2", "--cold-share", "0,0.5",
-            "--settings", "blend-serial,blend-batched", "--check-serial", "--out", str(tmp_path)]  # fmt: skip
+            "--settings", "blend-serial,blend-batched", "--token-gaps", "none,0", "--check-serial",
+            "--out", str(tmp_path)]  # fmt: skip
     assert load.main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     key = "clients" if arrivals == "closed" else "rate_per_min"
     loads = [1, 4] if arrivals == "closed" else [600.0, 1200.0]
-    assert [(r["setting"], r["cold_share"], r[key]) for r in results["rows"]] == [
-        (s, share, x) for s in ("blend-serial", "blend-batched") for share in (0.0, 0.5) for x in loads
+    settings = [("blend-serial", None), ("blend-batched", None), ("blend-batched", 0.0)]  # serial: no gap rows
+    assert [(r["setting"], r["token_gap"], r["cold_share"], r[key]) for r in results["rows"]] == [
+        (s, gap, share, x) for s, gap in settings for share in (0.0, 0.5) for x in loads
     ]
     for row in results["rows"]:
         assert len(row["runs"]) == 2
@@ -257,9 +261,14 @@ def test_load_end_to_end_with_repeats_cold_requests_and_the_serial_check(arrival
             assert row["serial_check"] == {"differing": 0, "checked": row["runs"][0]["requests"]}
         else:
             assert "serial_check" not in row  # served one at a time already
+    hosted = {gap: sum(run["hosted_steps"] for r in results["rows"] if r["token_gap"] == gap for run in r["runs"])
+              for gap in (None, 0.0)}  # fmt: skip
+    assert hosted[None] == 0 and hosted[0.0] > 0, hosted  # gap 0: decode steps ran inside other requests' prefills
     summary = (tmp_path / "summary.md").read_text()
     assert "95% t interval over the repeats" in summary and "| blend-batched, 50% cold |" in summary
     busiest = "4 clients" if arrivals == "closed" else "1200 requests/min"
     assert f"- blend-batched, 50% cold, {busiest}: differing answers: 0 of 4" in summary
+    assert f"- blend-batched, gap 0 s, 50% cold, {busiest}: differing answers: 0 of 4" in summary
+    assert "| gap p99 (s) | longest gap (s) |" in summary
     assert "differing answers: 0 of 4" in capsys.readouterr().out
     assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

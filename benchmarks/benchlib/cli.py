@@ -161,3 +161,32 @@ class Transcript:
         path.write_text("\n".join(self.lines) + "\n")
         print(f"wrote {path}")
         return path
+
+
+def number_list(
+    p: argparse.ArgumentParser, option: str, text: str, kind: type, ok: Callable[[Any], bool], want: str
+) -> list:
+    """A comma-separated option of numbers of `kind`, each passing `ok` (else a usage error naming `want`)."""
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(ok(v) for v in values):
+        p.error(f"{option} must be comma-separated {want}, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def gap_list(p: argparse.ArgumentParser, text: str) -> list[float | None]:
+    """--token-gaps (`EngineConfig.max_token_gap_s` values): 'none' or seconds >= 0, comma-separated."""
+    gaps: list[float | None] = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        try:
+            gap = None if item == "none" else float(item)
+        except ValueError:
+            gap = -1.0
+        if gap is not None and not 0 <= gap < float("inf"):
+            p.error(f"--token-gaps must be comma-separated 'none' or seconds >= 0, got {text!r}")
+        gaps.append(gap)
+    if not gaps:
+        p.error(f"--token-gaps must name at least one gap ('none' or seconds), got {text!r}")
+    return list(dict.fromkeys(gaps))

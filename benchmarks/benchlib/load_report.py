@@ -67,9 +67,13 @@ def load_axis(results: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def row_label(row: Mapping[str, Any]) -> str:
-    """The setting of a row as readers see it: `blend-batched`, or `blend-batched, 25% cold` for a mixed stream."""
+    """The setting of a row as readers see it: `blend-batched`, `blend-batched, 25% cold` for a mixed stream,
+    `blend-batched, gap 0.5 s` with decode steps between a prefill's layers (`max_token_gap_s`)."""
+    label = row["setting"]
+    if row.get("token_gap") is not None:
+        label += f", gap {row['token_gap']:g} s"
     share = row.get("cold_share", 0.0)
-    return f"{row['setting']}, {share:.0%} cold" if share else row["setting"]
+    return f"{label}, {share:.0%} cold" if share else label
 
 
 def _cell(s: Mapping[str, Any], digits: int) -> str:
@@ -102,6 +106,9 @@ def load_markdown(results: Mapping[str, Any]) -> str:
     mixed = any(r.get("cold_share") for r in results["rows"])
     header = ["setting", name, "answers/min", "generated tok/s", "TTFT p50 (s)", "TTFT p90 (s)", "TTFT p99 (s)",
               "s/token"]  # fmt: skip
+    gaps = all("gap_p99_s" in r["summary"] for r in results["rows"])  # results written before gaps were measured
+    if gaps:
+        header += ["gap p99 (s)", "longest gap (s)"]
     if mixed:
         header += ["cold requests", "chunks from store"]
     rows = []
@@ -110,6 +117,8 @@ def load_markdown(results: Mapping[str, Any]) -> str:
         cells = [row_label(row), f"{row[key]:g}", _cell(s["answers_per_min"], 2), _cell(s["tokens_per_s"], 2),
                  _cell(s["ttft_p50"], 1), _cell(s["ttft_p90"], 1), _cell(s["ttft_p99"], 1),
                  _cell(s["tpot_s"], 3)]  # fmt: skip
+        if gaps:
+            cells += [_cell(s["gap_p99_s"], 2), _cell(s["gap_max_s"], 2)]
         if mixed:
             run = row["runs"][0]
             cells += [f"{run['cold_requests']} of {run['requests']}", _cell(s["hit_share"], 2)]
