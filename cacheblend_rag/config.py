@@ -215,6 +215,11 @@ class EngineConfig:
     # there, under a key of its own, which a chunk after the first of a prompt reads before its own entry
     # (docs/configuration.md, "Captured chunk KV").
     capture: str = "exact"
+    # An attention temperature on chunk KV computed out of the prompt's context (APE, ICLR'25): the keys of every
+    # chunk whose entry is not exact at its place (all but the first, for isolated entries) are divided by this on
+    # layers 1.., so every later query's attention to them is that much flatter. 1: off. Recomputed tokens get
+    # fresh keys; r = 1 still equals a full prefill (docs/research.md, section 14: a gain for full KV reuse).
+    stale_key_temperature: float = 1.0
     # How many requests decode together: each decode step reads the weights once for all of them. Requests past it
     # wait in arrival order. 1 serves one request at a time. Memory: each decoding request holds its prompt's KV
     # and room for its answer (docs/configuration.md, "Serving many requests").
@@ -256,6 +261,9 @@ class EngineConfig:
             raise ConfigError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}, got {self.decode_weights!r}")
         if self.decode_weights == "int8" and dev != "cpu":
             raise ConfigError("decode_weights='int8' runs on the CPU's int8 kernels; use 'native' on a GPU")
+        t = self.stale_key_temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ConfigError(f"stale_key_temperature must be a number > 0 (1: off), got {t!r}")
         if self.max_token_gap_s is not None and (
             isinstance(self.max_token_gap_s, bool)
             or not isinstance(self.max_token_gap_s, (int, float))

@@ -10,8 +10,8 @@ This study runs on `main` through the public API. Per case, each chunk's isolate
 the entries of every chunk but the first (whose entry is exact there: it follows the prefix as in the prompt) are
 replaced by copies with their keys on layers 1.. divided by T (layer 0's keys depend on the token alone, so they are
 exact everywhere), and full KV reuse and the default blend (`attention`@0.15) are teacher-forced along full
-recompute's answer. T = 1 is today's engine. T is chosen on the even-numbered cases of each set (lowest mean KL of
-the default blend) and judged on the odd ones, paired against T = 1 (95% bootstrap interval over cases).
+recompute's answer. T = 1 is today's engine. Each case is judged at the T chosen on all the other cases (lowest
+mean KL of the default blend; leave one out), paired against T = 1 (95% bootstrap interval over cases).
 
     python research/ape_temperature.py --cases 4 --temperatures 0.8,0.9,1,1.1,1.25 --out research/results/ape
 """
@@ -67,28 +67,24 @@ def report(rows: list[dict], temperatures: list[float]) -> str:
                       and ds in ("pooled", r["dataset"])]  # fmt: skip
                 cells.append(f"{statistics.mean(kl):.4f}" if kl else "")
             lines.append(f"| {ds} | {m} | " + " | ".join(cells) + " |")
-    # choose T on the even cases of each set (the default blend's mean KL), judge it on the odd ones
-    order: dict[str, list[str]] = {}  # case ids per set, in the order they ran
-    for r in rows:
-        ids = order.setdefault(r["dataset"], [])
-        if r["case_id"] not in ids:
-            ids.append(r["case_id"])
-    fit = {(r["dataset"], r["case_id"]) for r in rows if order[r["dataset"]].index(r["case_id"]) % 2 == 0}
+    # leave one case out: T chosen on the other cases (lowest mean KL of the default blend), judged on this one
+    cases = sorted({(r["dataset"], r["case_id"]) for r in rows})
+    at = {(r["dataset"], r["case_id"], r["method"], r["temperature"]): r for r in rows}
 
-    def mean_kl(t: float, m: str, held: bool) -> float:
-        return statistics.mean(r["kl_mean"] for r in rows if r["method"] == m and r["temperature"] == t
-                               and ((r["dataset"], r["case_id"]) in fit) != held)  # fmt: skip
+    def mean_kl(t: float, others: list[tuple[str, str]]) -> float:
+        return statistics.mean(at[(d, c, "attention@0.15", t)]["kl_mean"] for d, c in others)
 
-    best = min(temperatures, key=lambda t: mean_kl(t, "attention@0.15", False))
-    lines += ["", f"T chosen on the even cases (lowest mean KL of attention@0.15): {best:g}", ""]
+    chosen = {case: min(temperatures, key=lambda t: mean_kl(t, [o for o in cases if o != case])) for case in cases}
+    lines += ["", "T chosen leaving each case out: " + ", ".join(f"{c} {t:g}" for (_, c), t in chosen.items()), ""]
     for m in METHODS:
-        held = sorted({(r["dataset"], r["case_id"]) for r in rows} - fit)
-        at = {(r["dataset"], r["case_id"], r["temperature"]): r for r in rows if r["method"] == m}
-        diffs = [at[(d, c, best)]["kl_mean"] - at[(d, c, 1.0)]["kl_mean"] for d, c in held]
-        firsts = [sum(at[(d, c, t)]["first_token"] for d, c in held) for t in (best, 1.0)]
+        diffs = [at[(d, c, m, chosen[(d, c)])]["kl_mean"] - at[(d, c, m, 1.0)]["kl_mean"] for d, c in cases]
+        base = sum(at[(d, c, m, 1.0)]["first_token"] for d, c in cases)
+        kept = sum(at[(d, c, m, chosen[(d, c)])]["first_token"] for d, c in cases)
         lo, hi = bootstrap_ci(diffs)
-        lines.append(f"- held-out {m}: KL T={best:g} minus T=1 {statistics.mean(diffs):+.4f} [{lo:+.4f}, {hi:+.4f}] "
-                     f"over {len(diffs)} cases; first tokens {firsts[0]:.0f} vs {firsts[1]:.0f}")  # fmt: skip
+        better = sum(x < 0 for x in diffs)
+        lines.append(f"- {m}, each case at the T chosen without it, minus T = 1: KL {statistics.mean(diffs):+.4f} "
+                     f"[{lo:+.4f}, {hi:+.4f}], closer on {better} of {len(diffs)}; first tokens kept {kept:.0f} "
+                     f"against {base:.0f}")  # fmt: skip
     return "\n".join(lines)
 
 

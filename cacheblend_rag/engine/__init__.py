@@ -4,7 +4,8 @@ from ..models.fingerprint import model_fingerprint
 from .decoding import AsyncTextStream, GenerationResult, TextStream
 from .engine import CacheBlendEngine
 from .metrics import RequestMetrics
-from .prefill import Prefill, RatioPolicy
+from .planning import RatioPolicy
+from .prefill import Prefill
 from .prompt import QA_SHORT_TEMPLATE, PromptTemplate, TokenizedPrompt, tokenize_parts
 from .request import Request, RequestOptions, SamplingParams
 

@@ -92,16 +92,26 @@ class ChunkCache:
         keys = [self.key((), prefix_ids)] if prefix_ids and with_prefix else []
         return keys + [self.read_keys(prefix_ids, ids, j)[0] for j, ids in enumerate(chunk_ids)]
 
-    def layer_loader(self, parts: Sequence[ChunkReader], total: int) -> LayerLoader:
-        """Loads layer l of the given KV parts laid end to end, padded with zeros up to `total` tokens."""
+    def layer_loader(
+        self, parts: Sequence[ChunkReader], total: int, key_scales: Sequence[float] | None = None
+    ) -> LayerLoader:
+        """Loads layer l of the given KV parts laid end to end, padded with zeros up to `total` tokens.
+
+        `key_scales`, one factor per part, multiplies that part's keys on layers 1.. (an attention temperature on
+        KV computed out of context, `EngineConfig.stale_key_temperature`; layer 0's keys depend on the tokens
+        alone, so they are exact wherever a chunk was prefilled). The stored entries are never changed."""
         pad = total - sum(p.num_tokens for p in parts)
         hkv, d, device = self.lm.shape.num_kv_heads, self.lm.shape.head_dim, self.lm.device
+        scales = [1.0] * len(parts) if key_scales is None else list(key_scales)
+        if len(scales) != len(parts):
+            raise ValueError(f"one key scale per part: {len(scales)} scales for {len(parts)} parts")
 
         def load(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
             ks, vs = [], []
-            for p in parts:
+            for p, scale in zip(parts, scales, strict=True):
                 k, v = p.layer(layer_idx)  # [Hkv, T_p, D] each; a stored chunk may read (and check) it only now
-                ks.append(k.to(device, non_blocking=True))
+                k = k.to(device, non_blocking=True)
+                ks.append(k * scale if layer_idx > 0 and scale != 1.0 else k)
                 vs.append(v.to(device, non_blocking=True))
             if pad:
                 z = torch.zeros(hkv, pad, d, dtype=self.dtype, device=device)
@@ -130,6 +140,11 @@ class ChunkCache:
         keys = torch.stack([k[:, keep:] for k in result.raw_keys])  # [L, Hkv, T, D]
         values = torch.stack([v[:, keep:] for v in result.values])
         return ChunkKV(self.key(prefix_ids, ids), keys, values)
+
+    def exact_at(self, prefix_ids: Sequence[int], ids: Sequence[int], key: str, before: Sequence[int]) -> bool:
+        """Whether entry `key` of chunk `ids` holds what a full prefill computes for the chunk after `prefix_ids`
+        and the tokens `before` it in a prompt: its own entry, prefilled after exactly those tokens."""
+        return key == self.key(prefix_ids, ids) and self.context_of(prefix_ids, ids) == tuple(before)
 
     def context_of(self, prefix_ids: Sequence[int], ids: Sequence[int]) -> tuple[int, ...]:
         """The tokens chunk `ids`'s entry is prefilled after, between the prefix and the chunk: its recorded

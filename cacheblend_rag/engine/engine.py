@@ -35,8 +35,8 @@ from .decoding import AsyncTextStream, GenerationResult, TextStream, TokenLoop
 from .fills import DeferredFills
 from .generation import eos_token_ids
 from .interleave import AfterLayer
-from .planning import check_blend
-from .prefill import Prefill, Prefiller, RatioPolicy
+from .planning import RatioPolicy, check_blend
+from .prefill import Prefill, Prefiller
 from .prompt import PromptTemplate, TokenizedPrompt, tokenize_request
 from .request import Request, RequestOptions, calling, check_length, request_prompt
 from .scheduler import Scheduler
@@ -89,6 +89,7 @@ class CacheBlendEngine:
             pipelined=self.config.pipelined_loading,
             miss_policy=self.config.miss_policy,
             guard=self.config.guard,
+            stale_key_temperature=self.config.stale_key_temperature,
         )
         self._lock = threading.RLock()
         self._fills = DeferredFills(self.chunks.store_or_fill, self._lock)

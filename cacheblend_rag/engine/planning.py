@@ -5,11 +5,13 @@ tokens can be checked without a model. The three token kinds are the fusor's (se
 - exact: loaded KV used as is (the shared prefix; in static plans also the chunk tokens not chosen);
 - reused: loaded KV that check layers may replace (deviation rules only);
 - computed: recomputed on every layer (the question, and the chunk tokens a rule chose before the prefill).
+A `RatioPolicy` (the loading controller) may choose a request's ratio before its plan is made.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -120,3 +122,21 @@ def blend_plan(prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor
         chosen = anchor_mask(prompt, blend)
     exact = prefix | (chunks & ~chosen)  # chunk tokens not chosen keep their loaded KV
     return _plan(prompt, exact, torch.zeros_like(exact))
+
+
+class RatioDecisionLike(Protocol):
+    ratio: float
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class RatioPolicy(Protocol):
+    """Chooses a request's recompute ratio from what its chunks cost to load (the loading controller, §5.1)."""
+
+    def check_model(self, fingerprint: str, dtype: str) -> None:
+        """Raise ConfigError when the policy was made for another model or dtype."""
+        ...
+
+    def choose_ratio(
+        self, num_tokens: int, bytes_by_tier: Mapping[str, int], hits_by_tier: Mapping[str, int]
+    ) -> RatioDecisionLike: ...

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -30,28 +30,17 @@ from .chunk_cache import ChunkCache
 from .interleave import AfterLayer, between_layers
 from .metrics import RequestMetrics
 from .pipeline import LayerPrefetcher
-from .planning import blend_plan, cold_cost_share, prefix_and_chunk_masks, question_mask, reuse_plan
+from .planning import (
+    RatioPolicy,
+    blend_plan,
+    cold_cost_share,
+    prefix_and_chunk_masks,
+    question_mask,
+    reuse_plan,
+)
 from .prompt import TokenizedPrompt
 
 logger = logging.getLogger(__name__)
-
-
-class RatioDecisionLike(Protocol):
-    ratio: float
-
-    def to_dict(self) -> dict[str, Any]: ...
-
-
-class RatioPolicy(Protocol):
-    """Chooses a request's recompute ratio from what its chunks cost to load (the loading controller, §5.1)."""
-
-    def check_model(self, fingerprint: str, dtype: str) -> None:
-        """Raise ConfigError when the policy was made for another model or dtype."""
-        ...
-
-    def choose_ratio(
-        self, num_tokens: int, bytes_by_tier: Mapping[str, int], hits_by_tier: Mapping[str, int]
-    ) -> RatioDecisionLike: ...
 
 
 @dataclass
@@ -80,6 +69,7 @@ class Prefiller:
         pipelined: bool,
         miss_policy: str,
         guard: Guard | None = None,
+        stale_key_temperature: float = 1.0,
     ) -> None:
         self.model = model
         self.lm = lm
@@ -87,6 +77,7 @@ class Prefiller:
         self.pipelined = pipelined
         self.miss_policy = miss_policy  # see EngineConfig.miss_policy
         self.guard = guard  # see EngineConfig.guard
+        self.stale_key_temperature = stale_key_temperature  # see EngineConfig.stale_key_temperature
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int, cache: DynamicCache, *, all_logits: bool = False) -> torch.Tensor:
@@ -157,7 +148,7 @@ class Prefiller:
 
         # Which chunks this mode reads from the cache: prefix caching can reuse only the first one.
         n_chunks = 1 if mode is PrefillMode.PREFIX else len(prompt.chunk_ids)
-        parts, bytes_by_tier = self._gather(prompt, n_chunks, fresh, m)
+        parts, bytes_by_tier, key_scales = self._gather(prompt, n_chunks, fresh, m)
         t_found = time.perf_counter()
         m.load_s = t_found - t0 - m.precompute_s  # store lookups
 
@@ -169,7 +160,8 @@ class Prefiller:
                 m.controller = decision.to_dict()
             blend_cfg = blend
             m.recompute_ratio = blend.recompute_ratio
-        result, load_s, wait_s = self._fuse(prompt, parts, blend_cfg, m, after_layer)
+        load = self.chunks.layer_loader(parts, n, key_scales)
+        result, load_s, wait_s = self._fuse(prompt, load, n_chunks, blend_cfg, m, after_layer)
         assert result.logits is not None
         cache = DynamicCache(config=self.model.config)
         for layer_idx, (k, v) in enumerate(zip(result.keys, result.values, strict=True)):
@@ -241,11 +233,15 @@ class Prefiller:
 
     def _gather(
         self, prompt: TokenizedPrompt, n_chunks: int, fresh: set[str], m: RequestMetrics
-    ) -> tuple[list[ChunkReader], dict[str, int]]:
-        """The prefix's and the first `n_chunks` chunks' KV, counting hits and misses. -> (parts, bytes by tier)"""
+    ) -> tuple[list[ChunkReader], dict[str, int], list[float]]:
+        """The prefix's and the first `n_chunks` chunks' KV, counting hits and misses. -> (parts, bytes by tier,
+        a key scale per part: 1 / `stale_key_temperature` for a chunk whose entry was computed out of this
+        prompt's context, 1 for the prefix and for an entry exact at its place)"""
         prefix = self.chunks.load_prefix(prompt.prefix_ids)
         prefix_kv = None if prefix is None else prefix.kv
         parts: list[ChunkReader] = [prefix_kv] if prefix_kv is not None else []
+        scales = [1.0] * len(parts)
+        before: list[int] = []  # the chunk tokens before the current chunk in the prompt
         bytes_by_tier: dict[str, int] = {}
         seen: set[str] = set()  # a chunk repeated in one prompt is prefilled once: one miss, then hits
         for j, ids in enumerate(prompt.chunk_ids[:n_chunks]):
@@ -267,31 +263,34 @@ class Prefiller:
                 m.cold_tokens += len(ids)
                 m.precompute_s += time.perf_counter() - t
             parts.append(kv)
+            exact = self.chunks.exact_at(prompt.prefix_ids, ids, kv.key, before)
+            scales.append(1.0 if exact else 1.0 / self.stale_key_temperature)
+            before.extend(ids)
         if prefix is not None:
             m.bytes_loaded += prefix.stored_bytes
-        return parts, bytes_by_tier
+        return parts, bytes_by_tier, scales
 
     def _fuse(
         self,
         prompt: TokenizedPrompt,
-        parts: Sequence[ChunkReader],
+        load: LayerLoader,
+        n_loaded: int,
         blend: BlendConfig | None,
         m: RequestMetrics,
         after_layer: AfterLayer | None,
     ) -> tuple[FusionResult, float, float]:
-        """Run the fusor with the loaded `parts` (the prefix, then chunks in order) at the head of the prompt.
+        """Run the fusor with the loaded KV (`load`: the prefix, then the first `n_loaded` chunks in order) at the
+        head of the prompt.
 
         With a blend config, chunk tokens are recomputed as its rule chooses (`planning.blend_plan`); without
-        one, every loaded token is used as is (prefix caching when `parts` stop after the first chunk, full KV
-        reuse when they cover all). The "attention" rule first runs a full-reuse pass that records how much the
+        one, every loaded token is used as is (prefix caching when `n_loaded` is 1 in a longer prompt, full KV
+        reuse when it covers all). The "attention" rule first runs a full-reuse pass that records how much the
         question attends to each chunk token, then recomputes the top ones over that pass's KV, records the
         risk signals of the result (`guard.first_token_signals`) and, with a guard, escalates a risky one
         (`guard.escalate`).
         Returns the result, the time spent loading KV (reading, checking, assembling) and the part of it the
         fusor waited for (all of it without pipelining; with it, only what compute did not hide).
         """
-        n_loaded = len(parts) - (1 if prompt.prefix_ids else 0)
-        load = self.chunks.layer_loader(parts, prompt.num_tokens)
         if blend is None:
             return self._run_fusor(reuse_plan(prompt, n_loaded), load, after_layer=after_layer)
         if not blend.uses_attention_pass:
