@@ -246,11 +246,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.arrivals == "closed":
         args.loads = number_list(p, "--concurrency", args.concurrency, int, lambda c: c >= 1, "client counts >= 1")
     else:
-        positive = lambda r: 0 < r < float("inf")  # noqa: E731
-        args.loads = number_list(p, "--rates", args.rates, float, positive, "rates > 0 per minute")
+        args.loads = number_list(p, "--rates", args.rates, float, lambda r: 0 < r < float("inf"),
+                                 "rates > 0 per minute")  # fmt: skip
     args.token_gaps = gap_list(p, args.token_gaps)
-    share = lambda f: 0 <= f <= 1  # noqa: E731
-    args.cold_shares = number_list(p, "--cold-share", args.cold_share, float, share, "shares in [0, 1]")
+    args.cold_shares = number_list(p, "--cold-share", args.cold_share, float, lambda f: 0 <= f <= 1,
+                                   "shares in [0, 1]")  # fmt: skip
     for option in ("per_client", "requests", "repeats", "chunks", "pool", "new_tokens", "batch"):
         if getattr(args, option) < 1:
             p.error(f"--{option.replace('_', '-')} must be >= 1, got {getattr(args, option)}")
@@ -288,10 +288,11 @@ def main(argv: list[str] | None = None) -> int:
 
     alone: dict[str, CacheBlendEngine] = {}  # by decode weights: the engines of --check-serial
     fresh = itertools.count()  # tags of cold chunks, never reused
-    for setting, gap in itertools.product(args.settings, args.token_gaps):
+    # one request at a time: nothing decodes while a prefill runs, so a serial setting has no gap to vary
+    serial = {s for s in args.settings if SETTINGS[s]["max_batch_size"] == 1}
+    served = [(s, g) for s in args.settings for g in ([None] if s in serial else args.token_gaps)]
+    for setting, gap in served:
         spec = SETTINGS[setting]
-        if gap is not None and spec["max_batch_size"] == 1:
-            continue  # one request at a time: nothing decodes while a prefill runs
         engine = engine_for(spec, spec["max_batch_size"] or args.batch, gap)
         engine.generate(pool[: args.chunks], QUESTIONS[0], mode=spec["mode"], max_new_tokens=2)  # warm the path
         for share, load in itertools.product(args.cold_shares, args.loads):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
-from .checks import check_count, check_ratio
+from .checks import check_count, check_ratio, check_real
 from .errors import ConfigError
 from .guard import Guard  # the guard's policy lives with its signals and loop; re-exported here
 
@@ -261,18 +261,10 @@ class EngineConfig:
             raise ConfigError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}, got {self.decode_weights!r}")
         if self.decode_weights == "int8" and dev != "cpu":
             raise ConfigError("decode_weights='int8' runs on the CPU's int8 kernels; use 'native' on a GPU")
-        t = self.stale_key_temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
-            raise ConfigError(f"stale_key_temperature must be a number > 0 (1: off), got {t!r}")
-        if self.max_token_gap_s is not None and (
-            isinstance(self.max_token_gap_s, bool)
-            or not isinstance(self.max_token_gap_s, (int, float))
-            or not 0 <= self.max_token_gap_s < float("inf")
-        ):
-            raise ConfigError(
-                f"max_token_gap_s must be a number of seconds >= 0 (0: a step after every layer) or None (off), "
-                f"got {self.max_token_gap_s!r}"
-            )
+        check_real("stale_key_temperature", self.stale_key_temperature, lambda t: t > 0, "> 0 (1: off)")
+        if self.max_token_gap_s is not None:
+            check_real("max_token_gap_s", self.max_token_gap_s, lambda s: s >= 0,
+                       "a number of seconds >= 0 (0: a step after every layer) or None (off)")  # fmt: skip
         if self.max_prompt_tokens is not None:
             check_count("max_prompt_tokens", self.max_prompt_tokens, 1, "a number of tokens, or None")
         if not isinstance(self.chunk_separator, str):

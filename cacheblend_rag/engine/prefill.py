@@ -263,8 +263,8 @@ class Prefiller:
                 m.cold_tokens += len(ids)
                 m.precompute_s += time.perf_counter() - t
             parts.append(kv)
-            exact = self.chunks.exact_at(prompt.prefix_ids, ids, kv.key, before)
-            scales.append(1.0 if exact else 1.0 / self.stale_key_temperature)
+            t = self.stale_key_temperature  # at 1 (off) no entry needs to be told exact or stale
+            scales.append(1.0 if t == 1.0 or self.chunks.exact_at(prompt.prefix_ids, ids, kv.key, before) else 1 / t)
             before.extend(ids)
         if prefix is not None:
             m.bytes_loaded += prefix.stored_bytes
