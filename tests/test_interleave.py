@@ -118,3 +118,75 @@ def test_a_long_gap_hosts_no_step_and_a_stream_abandoned_meanwhile_frees_the_bat
 def test_max_token_gap_s_is_checked(bad):
     with pytest.raises(ConfigError, match="max_token_gap_s"):
         EngineConfig(max_token_gap_s=bad)
+
+
+def test_chunks_stored_after_a_cold_request_host_the_decode_steps_of_the_requests_still_answering():
+    """While the scheduler serves requests, the chunks a cold request was answered without are prefilled and stored
+    on its own thread, and (with a gap) the requests decoding take steps between the layers of those prefills:
+    their answers do not stop for a background fill, and stay those served alone."""
+    long_chunks, long_args = [POOL[0]], dict(prefix=random_words(1, 3), suffix=random_words(9, 4), max_new_tokens=200)
+    alone = engine_with_gap(None, 1)
+    alone.precompute(long_chunks, prefix=long_args["prefix"])
+    expected = alone.generate(long_chunks, **long_args).token_ids
+    cold_chunks = [random_words(700 + s, 30) for s in range(3)]
+    cold_expected = alone.generate(cold_chunks, prefix=long_args["prefix"], suffix=random_words(8, 4),
+                                   max_new_tokens=3, mode="full").token_ids  # fmt: skip
+
+    engine = CacheBlendEngine(
+        make_tiny_model("qwen2", mute_eos=True),
+        make_tiny_tokenizer(),
+        config=EngineConfig(miss_policy="full", chunk_separator="", max_token_gap_s=0.0),
+    )
+    engine.precompute(long_chunks, prefix=long_args["prefix"])
+    fills: list[tuple[str, bool]] = []
+    in_fill = threading.Event()
+    steps_in_fills = 0
+    fill, step = engine.chunks.fill, engine.scheduler.decoder.step
+
+    def spy_fill(*args, **kwargs):
+        fills.append((threading.current_thread().name, kwargs.get("after_layer") is not None))
+        in_fill.set()
+        try:
+            return fill(*args, **kwargs)
+        finally:
+            in_fill.clear()
+
+    def spy_step(*args, **kwargs):
+        nonlocal steps_in_fills
+        steps_in_fills += in_fill.is_set()
+        return step(*args, **kwargs)
+
+    engine.chunks.fill, engine.scheduler.decoder.step = spy_fill, spy_step
+    stream = engine.stream(long_chunks, **long_args)
+    next(stream)
+    cold = engine.generate(cold_chunks, prefix=long_args["prefix"], suffix=random_words(8, 4), max_new_tokens=3)
+    "".join(stream)
+    assert cold.metrics.mode == "full" and cold.token_ids == cold_expected
+    assert stream.result.token_ids == expected
+    assert engine.wait_for_fills(timeout=60)
+    assert fills and all(name == "cacheblend-scheduler" and hosted for name, hosted in fills), fills
+    assert steps_in_fills > 0
+    assert cold.metrics.deferred_fill_s > 0
+    warm = engine.generate(cold_chunks, prefix=long_args["prefix"], suffix=random_words(8, 4), max_new_tokens=3)
+    assert (warm.metrics.mode, warm.metrics.chunks_hit) == ("blend", 3)
+
+
+def test_without_a_scheduler_running_the_fills_thread_stores_the_chunks():
+    engine = CacheBlendEngine(
+        make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="full", chunk_separator="")
+    )
+    names: list[str] = []
+    fill = engine.chunks.fill
+
+    def spy_fill(*args, **kwargs):
+        names.append(threading.current_thread().name)
+        return fill(*args, **kwargs)
+
+    engine.chunks.fill = spy_fill
+    prompt = engine.build_prompt(
+        [random_words(720 + s, 30) for s in range(3)], prefix=random_words(1, 3), suffix=random_words(8, 4)
+    )
+    pre = engine.prefill(prompt)  # not through the scheduler; returns once the skipped chunks are stored
+    assert pre.metrics.mode == "full" and len(pre.deferred) == 2
+    assert names == ["cacheblend-deferred-fills"] * 2
+    assert all(key in engine.store for key in engine.prompt_keys(prompt))

@@ -28,6 +28,7 @@ from ..fusion import FusionPlan, LayerLoader, fuse
 from ..models.adapter import LayerwiseModel, unrotate_keys
 from ..store import ChunkKV, ChunkReader, ChunkStore, CorruptEntryError, Hit, TieredStore, chunk_key
 from .chunk_context import ChunkContexts
+from .interleave import AfterLayer
 from .prompt import TokenizedPrompt
 
 CAPTURED = "captured"  # the context recorded in the keys of capture="all" entries
@@ -121,8 +122,15 @@ class ChunkCache:
 
         return load
 
-    def prefill(self, prefix: ChunkReader | None, prefix_ids: Sequence[int], ids: Sequence[int]) -> ChunkKV:
-        """Prefill `ids` after the (cached) prefix and the chunk's recorded context, and keep only their KV.
+    def prefill(
+        self,
+        prefix: ChunkReader | None,
+        prefix_ids: Sequence[int],
+        ids: Sequence[int],
+        after_layer: AfterLayer | None = None,
+    ) -> ChunkKV:
+        """Prefill `ids` after the (cached) prefix and the chunk's recorded context, and keep only their KV
+        (`after_layer` runs between its layers: `interleave`).
 
         A context that would not fit the model's positions with the prefix and the chunk is cut from its start
         (the nearest neighbour, placed last, is kept)."""
@@ -135,7 +143,8 @@ class ChunkCache:
         exact[:p] = True
         plan = FusionPlan(input_ids=all_ids, positions=torch.arange(n), exact=exact, reused=torch.zeros_like(exact))
         parts = [prefix] if prefix is not None else []
-        result = fuse(self.lm, plan, self.layer_loader(parts, n), want_logits=False, keep_raw_keys=True)
+        result = fuse(self.lm, plan, self.layer_loader(parts, n), want_logits=False, keep_raw_keys=True,
+                      after_layer=after_layer)  # fmt: skip
         assert result.raw_keys is not None
         keys = torch.stack([k[:, keep:] for k in result.raw_keys])  # [L, Hkv, T, D]
         values = torch.stack([v[:, keep:] for v in result.values])
@@ -190,10 +199,13 @@ class ChunkCache:
             out[ids] = ChunkKV(self.read_keys(prompt.prefix_ids, ids, j)[0], keys, values)
         return out
 
-    def store_or_fill(self, prefix_ids: Sequence[int], ids: Sequence[int], kv: ChunkKV | None) -> None:
-        """Store chunk `ids`'s entry: `kv` when a full prefill captured it, else prefilled now (if not stored)."""
+    def store_or_fill(
+        self, prefix_ids: Sequence[int], ids: Sequence[int], kv: ChunkKV | None, after_layer: AfterLayer | None = None
+    ) -> None:
+        """Store chunk `ids`'s entry: `kv` when a full prefill captured it, else prefilled now (if not stored),
+        with `after_layer` between the layers of that prefill."""
         if kv is None:
-            self.fill(prefix_ids, [ids])
+            self.fill(prefix_ids, [ids], after_layer=after_layer)
         elif kv.key not in self.store:
             self.store.put(kv)
 
@@ -229,6 +241,7 @@ class ChunkCache:
         *,
         lazy: bool,
         position: int = 0,
+        after_layer: AfterLayer | None = None,
     ) -> Loaded:
         """The chunk's KV, the tier it came from (None if it was prefilled now) and the bytes read from that tier.
 
@@ -246,7 +259,7 @@ class ChunkCache:
             except CorruptEntryError as exc:
                 logger.warning("chunk %s from the %s tier is damaged (%s); recomputing it", hit.kv.key[:12], hit.tier,
                                exc)  # fmt: skip
-        return Loaded(self.prefill_and_store(prefix, prefix_ids, ids), None, 0)
+        return Loaded(self.prefill_and_store(prefix, prefix_ids, ids, after_layer), None, 0)
 
     def find(self, prefix_ids: Sequence[int], ids: Sequence[int], position: int = 0) -> Hit | None:
         """The stored entry chunk `ids` after `prefix_ids` is read from at `position` of a prompt (`read_keys`), or
@@ -267,9 +280,15 @@ class ChunkCache:
                 out.append(ids)
         return out
 
-    def prefill_and_store(self, prefix: ChunkReader | None, prefix_ids: Sequence[int], ids: Sequence[int]) -> ChunkKV:
+    def prefill_and_store(
+        self,
+        prefix: ChunkReader | None,
+        prefix_ids: Sequence[int],
+        ids: Sequence[int],
+        after_layer: AfterLayer | None = None,
+    ) -> ChunkKV:
         """Prefill chunk `ids` after the prefix (whose KV is `prefix`) and put its KV in the store."""
-        kv = self.prefill(prefix, prefix_ids, ids)
+        kv = self.prefill(prefix, prefix_ids, ids, after_layer)
         self.store.put(kv)
         return kv
 
@@ -280,14 +299,20 @@ class ChunkCache:
         return self.get_or_prefill(None, (), prefix_ids, lazy=False)
 
     def fill(
-        self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], *, show_progress: bool = False
+        self,
+        prefix_ids: Sequence[int],
+        chunk_ids: Sequence[Sequence[int]],
+        *,
+        show_progress: bool = False,
+        after_layer: AfterLayer | None = None,
     ) -> tuple[int, int]:
-        """Make sure each chunk's KV (after `prefix_ids`) is stored. -> (chunks already stored, computed now)"""
+        """Make sure each chunk's KV (after `prefix_ids`) is stored, running `after_layer` between the layers of
+        each prefill. -> (chunks already stored, computed now)"""
         hits = misses = 0
         loaded = self.load_prefix(prefix_ids)
         prefix = None if loaded is None else loaded.kv
         for ids in tqdm(chunk_ids, desc="precomputing chunk KV", unit="chunk", disable=not show_progress):
-            stored = self.get_or_prefill(prefix, prefix_ids, ids, lazy=True).tier is not None
+            stored = self.get_or_prefill(prefix, prefix_ids, ids, lazy=True, after_layer=after_layer).tier is not None
             hits, misses = hits + stored, misses + (not stored)
         return hits, misses
 

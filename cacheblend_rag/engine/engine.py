@@ -92,7 +92,7 @@ class CacheBlendEngine:
             stale_key_temperature=self.config.stale_key_temperature,
         )
         self._lock = threading.RLock()
-        self._fills = DeferredFills(self.chunks.store_or_fill, self._lock)
+        self._fills = DeferredFills(self.chunks.store_or_fill, self._lock)  # run by the scheduler while it serves
         self.scheduler = Scheduler(
             BatchDecoder(self._decode_model()),
             self._lock,
@@ -101,6 +101,7 @@ class CacheBlendEngine:
             ready=lambda prompt: self._fills.wait_for(prompt.chunk_ids, timeout=0),
             # after a request's last token: store, off its path, the chunks a cold request was answered without
             finished=lambda job, result: self._fills.submit(job.prompt.prefix_ids, job.deferred, result.metrics),
+            background=self._fills,
             max_batch=self.config.max_batch_size,
             max_token_gap_s=self.config.max_token_gap_s,
         )

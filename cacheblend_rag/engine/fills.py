@@ -2,40 +2,47 @@
 
 A cold request is answered with a full prefill. The missing chunks whose entries that prefill computed are
 stored from it (`ChunkCache.capture`); the others are prefilled (after their context, when they have one) and
-stored after the answer, so that the next request that retrieves them is fast. That work
-belongs to no one's answer: `DeferredFills` runs it on one background thread, one chunk per turn of the engine's
-lock, so requests keep their turns between chunks. A request that needs a chunk still queued waits for it
-(`wait_for`) rather than computing it twice; `wait()` waits for everything (before a process exits).
+stored after the answer, so that the next request that retrieves them is fast. That work belongs to no one's
+answer, and it runs one chunk at a time in one of two places:
+- while the scheduler serves requests, on the scheduler's own thread, between its turns (it is the *host*:
+  `host`, `run_next`), so a chunk being prefilled can let the requests decoding take steps between its layers
+  (`max_token_gap_s`) like any prefill, instead of holding the engine's lock for the whole chunk;
+- otherwise on a background thread of its own, one chunk per turn of the engine's lock.
+A request that needs a chunk still queued waits for it (`wait_for`) rather than computing it twice; on the host's
+thread, waiting means storing the queued chunks there. `wait()` waits for everything (before a process exits).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ..store import ChunkKV
+from .interleave import AfterLayer
 from .metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 
-# (prefix ids, chunk ids, its captured entry or None): store that chunk's KV (prefilling it when None)
-Fill = Callable[[Sequence[int], Sequence[int], ChunkKV | None], None]
-Item = tuple[tuple[int, ...], tuple[tuple[int, ...], ...], RequestMetrics, Mapping[tuple[int, ...], ChunkKV]]
+# (prefix ids, chunk ids, its captured entry or None, a callback between layers): store that chunk's KV (prefilling
+# it when there is no captured entry)
+Fill = Callable[[Sequence[int], Sequence[int], ChunkKV | None, AfterLayer | None], None]
+Item = tuple[tuple[int, ...], tuple[int, ...], RequestMetrics, ChunkKV | None]
 
 
 class DeferredFills:
-    """One worker thread that stores queued chunks; started on first use, a daemon (pending fills are only cache
-    entries: a process that exits without `wait()` loses nothing but them)."""
+    """The queue of chunks to store, its background thread (started on first use, a daemon: pending fills are only
+    cache entries, so a process that exits without `wait()` loses nothing but them) and the host's turns."""
 
     def __init__(self, fill: Fill, lock: threading.RLock) -> None:
         self._fill = fill
         self._lock = lock  # the engine's: one forward at a time
-        self._queue: queue.Queue[Item] = queue.Queue()
-        self._pending: dict[tuple[int, ...], int] = {}  # chunk ids -> queued count
+        self._items: deque[Item] = deque()
+        self._pending: dict[tuple[int, ...], int] = {}  # chunk ids -> queued or being stored
         self._cond = threading.Condition()
+        self._host: int | None = None  # the thread that runs the queue while it serves requests
         self._thread: threading.Thread | None = None
 
     def submit(
@@ -50,17 +57,44 @@ class DeferredFills:
         chunks = tuple(tuple(c) for c in chunks)
         if not chunks:
             return
+        captured = captured or {}
         with self._cond:
             for c in chunks:
                 self._pending[c] = self._pending.get(c, 0) + 1
+                self._items.append((tuple(prefix_ids), c, metrics, captured.get(c)))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="cacheblend-deferred-fills", daemon=True)
                 self._thread.start()
-        self._queue.put((tuple(prefix_ids), chunks, metrics, dict(captured or {})))
+            self._cond.notify_all()
+
+    def host(self, active: bool) -> None:
+        """The calling thread starts (`True`) or stops running the queue in its own turns (`run_next`); while it
+        does, the background thread leaves the queue to it."""
+        me = threading.get_ident()
+        with self._cond:
+            if active:
+                self._host = me
+            elif self._host == me:
+                self._host = None
+            self._cond.notify_all()
+
+    def run_next(self, after_layer: AfterLayer | None = None) -> bool:
+        """Store the next queued chunk on this thread, calling `after_layer` between the layers of its prefill.
+        -> False when nothing was queued."""
+        with self._cond:
+            if not self._items:
+                return False
+            item = self._items.popleft()
+        self._store(item, after_layer)
+        return True
 
     def wait_for(self, chunks: Iterable[Sequence[int]], timeout: float | None = None) -> bool:
-        """Wait until none of `chunks` is queued or being stored. Never call it holding the engine's lock."""
+        """Wait until none of `chunks` is queued or being stored (`timeout` 0: only look). On the host's thread,
+        the queue is run here until they are. Never call it holding the engine's lock."""
         wanted = {tuple(c) for c in chunks}
+        if timeout != 0 and threading.get_ident() == self._host:
+            while self._has_pending(wanted) and self.run_next():
+                pass  # whatever is left is being stored on the background thread: wait for it below
         with self._cond:
             return self._cond.wait_for(lambda: not wanted & self._pending.keys(), timeout)
 
@@ -75,22 +109,40 @@ class DeferredFills:
         with self._cond:
             return sum(self._pending.values())
 
+    def _has_pending(self, wanted: set[tuple[int, ...]]) -> bool:
+        with self._cond:
+            return bool(wanted & self._pending.keys())
+
     def _run(self) -> None:
         while True:
-            prefix_ids, chunks, metrics, captured = self._queue.get()
-            for c in chunks:
-                t, prefilled = time.perf_counter(), c not in captured
-                try:
-                    with self._lock:
-                        self._fill(prefix_ids, c, captured.pop(c, None))  # dropped once stored
-                except Exception as exc:  # a fill is an optimisation: report it and go on
-                    logger.warning("storing a chunk after a cold request failed (%s: %s); the next request that "
-                                   "retrieves it computes it", type(exc).__name__, exc)  # fmt: skip
-                finally:
-                    if prefilled:  # a captured entry only costs its store's write
-                        metrics.deferred_fill_s += time.perf_counter() - t  # before the waiters are told
-                    with self._cond:
-                        self._pending[c] -= 1
-                        if not self._pending[c]:
-                            del self._pending[c]
-                        self._cond.notify_all()
+            with self._cond:
+                self._cond.wait_for(lambda: self._items and self._host is None)
+                item = self._items.popleft()
+            self._store(item, None)
+
+    def _store(self, item: Item, after_layer: AfterLayer | None) -> None:
+        prefix_ids, chunk, metrics, kv = item
+        hosted = 0.0  # time spent in `after_layer` (other requests' decode steps), not in this fill
+
+        def timed(layer_idx: int) -> None:
+            nonlocal hosted
+            assert after_layer is not None
+            t = time.perf_counter()
+            after_layer(layer_idx)
+            hosted += time.perf_counter() - t
+
+        t = time.perf_counter()
+        try:
+            with self._lock:
+                self._fill(prefix_ids, chunk, kv, None if after_layer is None else timed)
+        except Exception as exc:  # a fill is an optimisation: report it and go on
+            logger.warning("storing a chunk after a cold request failed (%s: %s); the next request that "
+                           "retrieves it computes it", type(exc).__name__, exc)  # fmt: skip
+        finally:
+            if kv is None:  # a captured entry only costs its store's write
+                metrics.deferred_fill_s += time.perf_counter() - t - hosted  # before the waiters are told
+            with self._cond:
+                self._pending[chunk] -= 1
+                if not self._pending[chunk]:
+                    del self._pending[chunk]
+                self._cond.notify_all()

@@ -148,7 +148,7 @@ class Prefiller:
 
         # Which chunks this mode reads from the cache: prefix caching can reuse only the first one.
         n_chunks = 1 if mode is PrefillMode.PREFIX else len(prompt.chunk_ids)
-        parts, bytes_by_tier, key_scales = self._gather(prompt, n_chunks, fresh, m)
+        parts, bytes_by_tier, key_scales = self._gather(prompt, n_chunks, fresh, m, after_layer)
         t_found = time.perf_counter()
         m.load_s = t_found - t0 - m.precompute_s  # store lookups
 
@@ -232,9 +232,15 @@ class Prefiller:
         return pre
 
     def _gather(
-        self, prompt: TokenizedPrompt, n_chunks: int, fresh: set[str], m: RequestMetrics
+        self,
+        prompt: TokenizedPrompt,
+        n_chunks: int,
+        fresh: set[str],
+        m: RequestMetrics,
+        after_layer: AfterLayer | None = None,
     ) -> tuple[list[ChunkReader], dict[str, int], list[float]]:
-        """The prefix's and the first `n_chunks` chunks' KV, counting hits and misses. -> (parts, bytes by tier,
+        """The prefix's and the first `n_chunks` chunks' KV, counting hits and misses; a missing chunk is prefilled
+        here, with `after_layer` between its layers. -> (parts, bytes by tier,
         a key scale per part: 1 / `stale_key_temperature` for a chunk whose entry was computed out of this
         prompt's context, 1 for the prefix and for an entry exact at its place)"""
         prefix = self.chunks.load_prefix(prompt.prefix_ids)
@@ -247,7 +253,7 @@ class Prefiller:
         for j, ids in enumerate(prompt.chunk_ids[:n_chunks]):
             t = time.perf_counter()
             kv, tier, stored_bytes = self.chunks.get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=self.pipelined,
-                                                                position=j)  # fmt: skip
+                                                                position=j, after_layer=after_layer)  # fmt: skip
             if tier is None:
                 fresh.add(kv.key)
             repeat = kv.key in seen

@@ -4,11 +4,14 @@ Every `generate` / `stream` / `agenerate` / `astream` call becomes a `Job` in on
 loop it comes from. One worker thread serves them all, in turns:
 1. it starts the oldest waiting job, if fewer than `max_batch` are decoding: the job's prefill (one at a time, under
    the engine's lock), then its first token;
-2. it runs one decode step for every job that is decoding, as one batched forward (`BatchDecoder`), and hands each
+2. it stores one chunk that a cold request was answered without, if one is queued (`DeferredFills`: the scheduler
+   hosts that queue while it runs);
+3. it runs one decode step for every job that is decoding, as one batched forward (`BatchDecoder`), and hands each
    job its new text.
 So a new request waits for at most one decode step before its prefill starts, and each step reads the weights once
 for the whole batch. With `max_token_gap_s`, the requests already decoding also get a step between two layers of
-a prefill once their last one is that old (`interleave`), so a long prefill does not stop their answers.
+a prefill, or of a chunk being stored, once their last one is that old (`interleave`), so a long prefill does not
+stop their answers.
 Events go to each job's reader through a `Channel` (a queue for a thread, the event loop for
 a task); a slow reader only lets its own events pile up, and a reader that leaves cancels its job, which leaves the
 batch at the next step. The worker exits when nothing is left and starts again with the next job.
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 
 from .batch_decode import BatchDecoder, DecodeCache
 from .decoding import AsyncTextStream, Event, GenerationResult, TextStream, TokenLoop
+from .fills import DeferredFills
 from .interleave import AfterLayer
 from .prefill import Prefill
 from .prompt import TokenizedPrompt
@@ -95,7 +99,8 @@ class Scheduler:
     - `new_loop(request)`: a fresh `TokenLoop` for the request's sampling settings;
     - `ready(prompt)`: False while one of the prompt's chunks is still being stored by a background fill (the job
       then waits in the queue, and later jobs may start first);
-    - `finished(job, result)`: runs after a job's last token (stores what a cold request skipped).
+    - `finished(job, result)`: runs after a job's last token (queues what a cold request skipped to be stored);
+    - `background`: the queue of chunks to store, which this worker runs in its turns while it serves requests.
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class Scheduler:
         new_loop: Callable[[Request], TokenLoop],
         ready: Callable[[TokenizedPrompt], bool],
         finished: Callable[[Job, GenerationResult], None],
+        background: DeferredFills,
         max_batch: int,
         max_token_gap_s: float | None = None,
     ) -> None:
@@ -115,6 +121,7 @@ class Scheduler:
         self.max_token_gap_s = max_token_gap_s
         self._lock = lock
         self._prefill, self._new_loop, self._ready, self._finished = prefill, new_loop, ready, finished
+        self._background = background
         self._cond = threading.Condition()
         self._waiting: list[Job] = []
         self._active: list[Job] = []
@@ -149,11 +156,13 @@ class Scheduler:
             return len(self._waiting) + len(self._active)
 
     def _run(self) -> None:
+        self._background.host(True)
         while True:
             with self._cond:
                 self._waiting = [j for j in self._waiting if not j.cancelled]
                 self._active = [j for j in self._active if not (j.cancelled or j.finished)]
                 if not self._waiting and not self._active:
+                    self._background.host(False)  # what is left is stored on the fills' own thread
                     self._thread = None
                     return
                 job = None
@@ -162,12 +171,14 @@ class Scheduler:
                     if job is not None:
                         self._waiting.remove(job)
                 batch = list(self._active)
-                if job is None and not batch:
-                    self._cond.wait(0.02)  # only jobs whose chunks a fill is still storing: look again soon
-                    continue
             if job is not None:
                 self._start(job)
-                batch = [j for j in batch if not (j.cancelled or j.finished)]  # some may have ended inside it
+            stored = self._background.run_next(None if self.max_token_gap_s is None else self._between_layers)
+            if job is None and not batch and not stored:
+                with self._cond:
+                    self._cond.wait(0.02)  # only jobs whose chunks the fills' thread is storing: look again soon
+                continue
+            batch = [j for j in batch if not (j.cancelled or j.finished)]  # some may have ended in between
             if batch:
                 self._step(batch)
 
@@ -194,8 +205,8 @@ class Scheduler:
             self._active.append(job)
 
     def _between_layers(self, layer_idx: int) -> None:
-        """A prefill finished a layer: the requests already decoding get a step once one of them has waited
-        `max_token_gap_s` since its last token."""
+        """A prefill (or the prefill of a chunk being stored) finished a layer: the requests already decoding get a
+        step once one of them has waited `max_token_gap_s` since its last token."""
         assert self.max_token_gap_s is not None
         with self._cond:
             batch = [j for j in self._active if not (j.cancelled or j.finished)]
