@@ -6,7 +6,7 @@
 - reuse:  every chunk's cached KV is placed at its real offset, only the suffix is computed (PromptCache).
 - blend:  CacheBlend's selective recompute, with the rule of the request's `BlendConfig`.
 The three cached modes run through the same fusor (`fusion.fuse`) with plans from `planning`. A chunk missing
-from the store is prefilled on the spot and stored. Chunks found on disk or in Redis are read layer by layer
+from the store is prefilled on the spot and stored (`gather`). Chunks found on disk or in Redis are read layer by layer
 while the fusor runs (`pipeline.LayerPrefetcher`).
 """
 
@@ -25,8 +25,9 @@ from ..config import BlendConfig, Guard, PrefillMode
 from ..fusion import FusionPlan, FusionResult, LayerLoader, fuse
 from ..guard import escalate, first_token_signals
 from ..models.adapter import LayerwiseModel
-from ..store import ChunkKV, ChunkReader, CorruptEntryError
+from ..store import ChunkKV, CorruptEntryError
 from .chunk_cache import ChunkCache
+from .gather import gather
 from .interleave import AfterLayer, between_layers
 from .metrics import RequestMetrics
 from .pipeline import LayerPrefetcher
@@ -148,19 +149,20 @@ class Prefiller:
 
         # Which chunks this mode reads from the cache: prefix caching can reuse only the first one.
         n_chunks = 1 if mode is PrefillMode.PREFIX else len(prompt.chunk_ids)
-        parts, bytes_by_tier, key_scales = self._gather(prompt, n_chunks, fresh, m, after_layer)
+        got = gather(self.chunks, prompt, n_chunks, fresh, m, lazy=self.pipelined,
+                     stale_key_temperature=self.stale_key_temperature, after_layer=after_layer)  # fmt: skip
         t_found = time.perf_counter()
         m.load_s = t_found - t0 - m.precompute_s  # store lookups
 
         blend_cfg = None  # prefix / reuse: every token with loaded KV is used as is
         if mode is PrefillMode.BLEND:
             if policy is not None:
-                decision = policy.choose_ratio(n, bytes_by_tier, m.hits_by_tier)
+                decision = policy.choose_ratio(n, got.bytes_by_tier, m.hits_by_tier)
                 blend = blend.with_ratio(decision.ratio)
                 m.controller = decision.to_dict()
             blend_cfg = blend
             m.recompute_ratio = blend.recompute_ratio
-        load = self.chunks.layer_loader(parts, n, key_scales)
+        load = self.chunks.layer_loader(got.parts, n, got.key_scales)
         result, load_s, wait_s = self._fuse(prompt, load, n_chunks, blend_cfg, m, after_layer)
         assert result.logits is not None
         cache = DynamicCache(config=self.model.config)
@@ -230,51 +232,6 @@ class Prefiller:
         m.fallback = f"full prefill: {len(missing)} of {len(prompt.chunk_ids)} chunks not stored yet"
         pre.deferred = tuple(ids for ids in missing if ids not in pre.captured)
         return pre
-
-    def _gather(
-        self,
-        prompt: TokenizedPrompt,
-        n_chunks: int,
-        fresh: set[str],
-        m: RequestMetrics,
-        after_layer: AfterLayer | None = None,
-    ) -> tuple[list[ChunkReader], dict[str, int], list[float]]:
-        """The prefix's and the first `n_chunks` chunks' KV, counting hits and misses; a missing chunk is prefilled
-        here, with `after_layer` between its layers. -> (parts, bytes by tier,
-        a key scale per part: 1 / `stale_key_temperature` for a chunk whose entry was computed out of this
-        prompt's context, 1 for the prefix and for an entry exact at its place)"""
-        prefix = self.chunks.load_prefix(prompt.prefix_ids)
-        prefix_kv = None if prefix is None else prefix.kv
-        parts: list[ChunkReader] = [prefix_kv] if prefix_kv is not None else []
-        scales = [1.0] * len(parts)
-        before: list[int] = []  # the chunk tokens before the current chunk in the prompt
-        bytes_by_tier: dict[str, int] = {}
-        seen: set[str] = set()  # a chunk repeated in one prompt is prefilled once: one miss, then hits
-        for j, ids in enumerate(prompt.chunk_ids[:n_chunks]):
-            t = time.perf_counter()
-            kv, tier, stored_bytes = self.chunks.get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=self.pipelined,
-                                                                position=j, after_layer=after_layer)  # fmt: skip
-            if tier is None:
-                fresh.add(kv.key)
-            repeat = kv.key in seen
-            seen.add(kv.key)
-            if tier is not None and (repeat or kv.key not in fresh):
-                m.chunks_hit += 1
-                m.hits_by_tier[tier] = m.hits_by_tier.get(tier, 0) + 1
-                m.bytes_loaded += stored_bytes
-                m.reused_tokens += len(ids)
-                bytes_by_tier[tier] = bytes_by_tier.get(tier, 0) + stored_bytes
-            else:
-                m.chunks_missed += 1
-                m.cold_tokens += len(ids)
-                m.precompute_s += time.perf_counter() - t
-            parts.append(kv)
-            t = self.stale_key_temperature  # at 1 (off) no entry needs to be told exact or stale
-            scales.append(1.0 if t == 1.0 or self.chunks.exact_at(prompt.prefix_ids, ids, kv.key, before) else 1 / t)
-            before.extend(ids)
-        if prefix is not None:
-            m.bytes_loaded += prefix.stored_bytes
-        return parts, bytes_by_tier, scales
 
     def _fuse(
         self,
