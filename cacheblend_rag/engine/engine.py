@@ -4,9 +4,10 @@ It composes the parts, each in its own module:
 - `prompt`: templates and tokenized prompts (prefix, chunks, suffix);
 - `chunk_cache`: chunk KV by key, from the store or prefilled and stored;
 - `planning`: which tokens a prefill recomputes (pure functions to a `FusionPlan`);
-- `prefill`: the four prefill modes and the request's metrics;
+- `prefill` and `gather`: the four prefill modes and the request's metrics, over the stored KV gathered for it;
 - `decoding`: a request's token loop and the streams callers read;
-- `scheduler` and `batch_decode`: one queue for every request, decode steps batched across requests.
+- `scheduler` and `batch_decode`: one queue for every request, decode steps batched across requests;
+- `fills`: the chunks a cold request skipped, stored after its answer, in the scheduler's turns.
 One forward runs at a time (a lock): the model's modules are shared, and on a CPU parallel forwards only contend;
 concurrency comes from batching decode steps, not from parallel forwards.
 """
