@@ -24,6 +24,10 @@ figures (`benchlib.guard_study`):
         --ratios 0.15 --out benchmarks/results/guard-1.5b          # a run that measured only the default ratio
     python benchmarks/guard_signals.py --records benchmarks/results/fidelity-captured/fidelity.jsonl --probes none \
         --variant cap --out benchmarks/results/guard-captured      # the blends on captured chunk KV
+    python benchmarks/guard_signals.py --records benchmarks/results/fidelity-captured-mixed/fidelity.jsonl \
+        --probes none --variant capmix --out benchmarks/results/guard-captured-mixed
+    python benchmarks/guard_signals.py --cases-of benchmarks/results/fidelity-captured-mixed/fidelity.jsonl \
+        --out benchmarks/results/guard-captured-mixed/isolated   # the same cases on isolated chunk KV
 """
 
 from __future__ import annotations
@@ -120,11 +124,20 @@ def main(argv: list[str] | None = None) -> int:
                    "them (default: %(default)s; 0.15 alone for a run that measured only the default)")  # fmt: skip
     p.add_argument("--variant", default="native", help="the chunk KV the blends read: 'native' (isolated entries), "
                    "or a fidelity.py variant such as 'cap' (captured) or 'ctx' (neighbours)")  # fmt: skip
+    p.add_argument("--cases-of", type=Path, default=None, help="fidelity records: keep only the cases measured "
+                   "there on other chunk KV (a method such as attention@0.15+capmix), to compare the guard on "
+                   "isolated and on captured chunk KV over the same cases")  # fmt: skip
     args = p.parse_args(argv)
     grid = tuple(sorted({float(x) for x in args.ratios.split(",") if x.strip()}))
     if BASE not in grid:
         p.error(f"--ratios must include the base blend's {BASE}")
     records, probes = read_jsonl(args.records), read_jsonl([args.probes])
+    if args.cases_of is not None:
+        if not args.cases_of.is_file():
+            p.error(f"--cases-of {args.cases_of}: no such file; give a benchmarks/fidelity.py fidelity.jsonl")
+        variants = [r for r in read_jsonl([args.cases_of]) if "+" in r["method"]]  # e.g. attention@0.15+capmix
+        keep = {(r["dataset"], r["case_id"]) for r in variants}
+        records = [r for r in records if (r["dataset"], r["case_id"]) in keep]
     full_ladder = load_cases(records, probes, grid=grid, variant=args.variant)
     both_ladders = load_cases(records, probes, grid=(*grid, 0.5), variant=args.variant) if 0.5 not in grid else {}
     if not full_ladder:

@@ -112,3 +112,21 @@ def test_calibration_sizes_replay_the_choice_on_random_samples(study):
     (row,) = calibration_sizes(profile(flipped, (0.05, 0.15), (1.0,)), [2], draws=40, target_first_token=0.7)
     # the sample without case 0 still picks r = 0.05; held back, case 0 then misses: some draws fail
     assert 0.0 < row.met_held_back < 1.0 and row.first_token[1] == 0.5
+
+
+def test_guard_signals_keeps_only_the_cases_measured_on_other_chunk_kv(study, tmp_path):
+    import json
+
+    import guard_signals
+
+    records, probes = study
+    paths = {name: tmp_path / f"{name}.jsonl" for name in ("fidelity", "probe", "captured")}
+    paths["fidelity"].write_text("".join(json.dumps(r) + "\n" for r in records))
+    paths["probe"].write_text("".join(json.dumps(p) + "\n" for p in probes))
+    captured = [rec(c, "attention@0.15+capmix") for c in ("musique-1", "musique-3")] + [rec("musique-0", "full")]
+    paths["captured"].write_text("".join(json.dumps(r) + "\n" for r in captured))
+    argv = ["--records", str(paths["fidelity"]), "--probes", str(paths["probe"]), "--out", str(tmp_path / "out")]
+    assert guard_signals.main([*argv, "--cases-of", str(paths["captured"])]) == 0
+    assert "## musique (2 cases)" in (tmp_path / "out" / "guard.md").read_text()  # musique-0 has no variant record
+    with pytest.raises(SystemExit):
+        guard_signals.main([*argv, "--cases-of", str(tmp_path / "missing.jsonl")])
