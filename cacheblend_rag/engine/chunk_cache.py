@@ -259,7 +259,9 @@ class ChunkCache:
             except CorruptEntryError as exc:
                 logger.warning("chunk %s from the %s tier is damaged (%s); recomputing it", hit.kv.key[:12], hit.tier,
                                exc)  # fmt: skip
-        return Loaded(self.prefill_and_store(prefix, prefix_ids, ids, after_layer), None, 0)
+        kv = self.prefill(prefix, prefix_ids, ids, after_layer)
+        self.store.put(kv)
+        return Loaded(kv, None, 0)
 
     def find(self, prefix_ids: Sequence[int], ids: Sequence[int], position: int = 0) -> Hit | None:
         """The stored entry chunk `ids` after `prefix_ids` is read from at `position` of a prompt (`read_keys`), or
@@ -279,18 +281,6 @@ class ChunkCache:
             if ids not in out and not any(key in self.store for key in self.read_keys(prefix_ids, ids, j)):
                 out.append(ids)
         return out
-
-    def prefill_and_store(
-        self,
-        prefix: ChunkReader | None,
-        prefix_ids: Sequence[int],
-        ids: Sequence[int],
-        after_layer: AfterLayer | None = None,
-    ) -> ChunkKV:
-        """Prefill chunk `ids` after the prefix (whose KV is `prefix`) and put its KV in the store."""
-        kv = self.prefill(prefix, prefix_ids, ids, after_layer)
-        self.store.put(kv)
-        return kv
 
     def load_prefix(self, prefix_ids: Sequence[int]) -> Loaded | None:
         """The shared prefix's KV, read whole (it is short, and a prefill after it needs every layer at once)."""

@@ -63,9 +63,9 @@ def gather(
             m.cold_tokens += len(ids)
             m.precompute_s += time.perf_counter() - t0
         out.parts.append(kv)
-        temperature = stale_key_temperature  # at 1 (off) no entry needs to be told exact or stale
-        exact = temperature == 1.0 or chunks.exact_at(prompt.prefix_ids, ids, kv.key, before)
-        out.key_scales.append(1.0 if exact else 1 / temperature)
+        # at 1 (off) no entry needs to be told exact or stale
+        exact = stale_key_temperature == 1.0 or chunks.exact_at(prompt.prefix_ids, ids, kv.key, before)
+        out.key_scales.append(1.0 if exact else 1 / stale_key_temperature)
         before.extend(ids)
     if prefix is not None:
         m.bytes_loaded += prefix.stored_bytes

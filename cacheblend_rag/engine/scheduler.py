@@ -173,7 +173,7 @@ class Scheduler:
                 batch = list(self._active)
             if job is not None:
                 self._start(job)
-            stored = self._background.run_next(None if self.max_token_gap_s is None else self._between_layers)
+            stored = self._background.run_next(self._after_layer)
             if job is None and not batch and not stored:
                 with self._cond:
                     self._cond.wait(0.02)  # only jobs whose chunks the fills' thread is storing: look again soon
@@ -185,7 +185,7 @@ class Scheduler:
     def _start(self, job: Job) -> None:
         try:
             self._hosted = 0
-            pre = self._prefill(job.prompt, job.request, None if self.max_token_gap_s is None else self._between_layers)
+            pre = self._prefill(job.prompt, job.request, self._after_layer)
             pre.metrics.interleaved_steps = self._hosted
             job.deferred = pre.deferred
             job.loop = self._new_loop(job.request)
@@ -203,6 +203,11 @@ class Scheduler:
             return
         with self._cond:
             self._active.append(job)
+
+    @property
+    def _after_layer(self) -> AfterLayer | None:
+        """What a prefill (a request's, or a stored chunk's) calls between its layers: nothing without a gap."""
+        return None if self.max_token_gap_s is None else self._between_layers
 
     def _between_layers(self, layer_idx: int) -> None:
         """A prefill (or the prefill of a chunk being stored) finished a layer: the requests already decoding get a
