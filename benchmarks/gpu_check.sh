@@ -1,19 +1,35 @@
 #!/usr/bin/env bash
 # The GPU check, ready to run as it is on a lent GPU machine (about 6-8 minutes on one H100/H200):
 #   1. the CUDA tests (r = 1 equals a full prefill, r = 0 full reuse, bf16 generation, contextual KV);
-#   2. TTFT per mode and decode speed on random weights of a Llama-2-7B shape (benchmarks/gpu_check.py);
+#   2. TTFT per mode, the top ops of a full and a blend prefill, and decode speed on random weights of a
+#      Llama-2-7B shape (benchmarks/gpu_check.py);
 #   3. the load benchmark at 1 / 8 / 32 concurrent clients, serial vs batched decoding.
-# Output goes to ${OUT:-/tmp/gpu-check}; paste its summaries into docs/benchmarks.md ("On a GPU").
+# The package need not be installed: the repository goes on PYTHONPATH. Wheels in ./.whl (for a machine with no
+# package index: transformers>=5.24 at least, see pyproject.toml) are installed to a scratch folder first.
+# Output goes to ${OUT:-/tmp/gpu-check}, one log per step; paste the summaries into docs/benchmarks.md ("On a GPU").
 set -uo pipefail
 cd "$(dirname "$0")/.."
+root="$PWD"
 out="${OUT:-/tmp/gpu-check}"
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
-  | tee -a "$out/gpu.txt"
-timeout 180 python -m pytest -q tests/test_cuda.py 2>&1 | tail -5 | tee "$out/cuda-tests.txt"
+py="${PYTHON:-$(command -v python3 || command -v python)}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cacheblend-site \
+    .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/cacheblend-site:$root${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  lscpu | grep -m1 "Model name"
+  "$py" -c "import torch, transformers; print('python', __import__('sys').version.split()[0], 'torch', torch.__version__,
+'transformers', transformers.__version__)"; } 2>&1 | tee "$out/gpu.txt"
+timeout "${CUDA_TESTS_S:-120}" "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
+  | tee "$out/cuda-tests.txt" | tail -15
 cd benchmarks
-timeout 180 python gpu_check.py --model-shape 7b --dtype bfloat16 --out "$out/ttft" 2>&1 | tail -25
-timeout 240 python load.py --random-weights --model-shape 7b --device cuda --dtype bfloat16 --memory-gb 40 \
+timeout "${TTFT_S:-150}" "$py" gpu_check.py --model-shape 7b --dtype bfloat16 --profile --out "$out/ttft" 2>&1 \
+  | tee "$out/ttft.txt" | grep -v "^-*$" | head -80
+timeout "${LOAD_S:-220}" "$py" load.py --random-weights --model-shape 7b --device cuda --dtype bfloat16 --memory-gb 40 \
   --concurrency 1,8,32 --per-client 1 --chunk-tokens 512 --new-tokens 128 --batch 32 \
-  --settings blend-serial,blend-batched,full-batched --out "$out/load" 2>&1 | tail -12
+  --settings blend-serial,blend-batched,full-batched --out "$out/load" 2>&1 | tee "$out/load.txt" | tail -12
