@@ -3,10 +3,11 @@
 #   1. the CUDA tests (r = 1 equals a full prefill, r = 0 full reuse, bf16 generation, contextual KV);
 #   2. TTFT per mode, the top ops of a full and a blend prefill, and decode speed on random weights of a
 #      Llama-2-7B shape (benchmarks/gpu_check.py);
-#   3. the load benchmark at 1 / 8 / 32 concurrent clients, serial vs batched decoding.
+#   3. the load benchmark: serial decoding at 1 / 8 concurrent clients, batched (blend and full prefill) at 1 / 8 / 32.
 # The package need not be installed: the repository goes on PYTHONPATH. Wheels in ./.whl (for a machine with no
 # package index: transformers>=5.24 at least, see pyproject.toml) are installed to a scratch folder first.
-# Output goes to ${OUT:-/tmp/gpu-check}, one log per step; paste the summaries into docs/benchmarks.md ("On a GPU").
+# Output goes to ${OUT:-/tmp/gpu-check}: one log per step and the batched load run's results (8 files, what a lent
+# machine sends back); paste the summaries into docs/benchmarks.md ("On a GPU").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -25,11 +26,15 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   lscpu | grep -m1 "Model name"
   "$py" -c "import torch, transformers; print('python', __import__('sys').version.split()[0], 'torch', torch.__version__,
 'transformers', transformers.__version__)"; } 2>&1 | tee "$out/gpu.txt"
-timeout "${CUDA_TESTS_S:-120}" "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
+timeout "${CUDA_TESTS_S:-60}" "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
   | tee "$out/cuda-tests.txt" | tail -15
 cd benchmarks
-timeout "${TTFT_S:-150}" "$py" gpu_check.py --model-shape 7b --dtype bfloat16 --profile --out "$out/ttft" 2>&1 \
+timeout "${TTFT_S:-120}" "$py" gpu_check.py --model-shape 7b --dtype bfloat16 --profile --out /tmp/gpu-check-ttft 2>&1 \
   | tee "$out/ttft.txt" | grep -v "^-*$" | head -80
-timeout "${LOAD_S:-220}" "$py" load.py --random-weights --model-shape 7b --device cuda --dtype bfloat16 --memory-gb 40 \
-  --concurrency 1,8,32 --per-client 1 --chunk-tokens 512 --new-tokens 128 --batch 32 \
-  --settings blend-serial,blend-batched,full-batched --out "$out/load" 2>&1 | tee "$out/load.txt" | tail -12
+load=(--random-weights --model-shape 7b --device cuda --dtype bfloat16 --memory-gb 40 --per-client 1 --chunk-tokens 512
+  --new-tokens 128 --batch 32)
+# serial decoding at 32 clients alone would take ~200 s (one request at a time): it stops at 8
+timeout "${SERIAL_S:-110}" "$py" load.py "${load[@]}" --concurrency 1,8 --settings blend-serial \
+  --out /tmp/gpu-check-load-serial 2>&1 | tee "$out/load-serial.txt" | tail -4
+timeout "${LOAD_S:-200}" "$py" load.py "${load[@]}" --concurrency 1,8,32 --settings blend-batched,full-batched \
+  --out "$out/load" 2>&1 | tee "$out/load.txt" | tail -8
