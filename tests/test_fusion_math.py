@@ -169,6 +169,34 @@ def test_planted_outlier_in_loaded_kv_is_recomputed(family):
     assert result.recomputed_per_layer[2] == 1 + len(prompt.suffix_ids)
 
 
+def test_one_masked_attention_call_equals_position_blocks(family):
+    # A GPU attends the selected queries in one masked call (block_size=0), a CPU in position blocks: the same
+    # arithmetic, scattered queries included.
+    engine = CacheBlendEngine(
+        make_tiny_model(family), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
+    )
+    prompt = three_chunk_prompt(engine, chunk_len=40)
+    engine.prefill(prompt, "reuse")  # fills the store
+    n = prompt.num_tokens
+    parts = [engine.store.get(k) for k in engine.prompt_keys(prompt)]
+    exact = torch.zeros(n, dtype=torch.bool)
+    exact[: len(prompt.prefix_ids)] = True
+    reused = torch.zeros(n, dtype=torch.bool)
+    for s, e in prompt.chunk_spans:
+        reused[s:e] = True
+    plan = FusionPlan(prompt.input_ids(), torch.arange(n), exact, reused, (1,), (12,), "key")
+    results = [
+        fuse(engine.lm, plan, engine.chunks.layer_loader(parts, n), block_size=size) for size in (0, 8, 512, None)
+    ]
+    one_call = results[0]
+    assert one_call.selected_positions.numel() == 12 + len(prompt.suffix_ids)
+    for other in results[1:]:
+        assert torch.equal(other.selected_positions, one_call.selected_positions)
+        torch.testing.assert_close(other.logits, one_call.logits, atol=1e-5, rtol=0)
+        for a, b in zip(other.keys + other.values, one_call.keys + one_call.values, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("ratio", [0.05, 0.15, 0.3])
 def test_selected_count_follows_the_schedule(tiny_engine, ratio):
     prompt = three_chunk_prompt(tiny_engine, chunk_len=40)
