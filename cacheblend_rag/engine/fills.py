@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ..store import ChunkKV
-from .interleave import AfterLayer
+from .interleave import AfterLayer, HostedWork
 from .metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ Fill = Callable[[Sequence[int], Sequence[int], ChunkKV | None, AfterLayer | None
 Item = tuple[tuple[int, ...], tuple[int, ...], RequestMetrics, ChunkKV | None]
 
 
-class DeferredFills:
+class DeferredFills(HostedWork):
     """The queue of chunks to store, its background thread (started on first use, a daemon: pending fills are only
     cache entries, so a process that exits without `wait()` loses nothing but them) and the host's turns."""
 

@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 
 from .batch_decode import BatchDecoder, DecodeCache
 from .decoding import AsyncTextStream, Event, GenerationResult, TextStream, TokenLoop
-from .fills import DeferredFills
-from .interleave import AfterLayer
+from .interleave import AfterLayer, HostedWork
 from .prefill import Prefill
 from .prompt import TokenizedPrompt
 from .request import Request
@@ -112,7 +111,7 @@ class Scheduler:
         new_loop: Callable[[Request], TokenLoop],
         ready: Callable[[TokenizedPrompt], bool],
         finished: Callable[[Job, GenerationResult], None],
-        background: DeferredFills,
+        background: HostedWork,
         max_batch: int,
         max_token_gap_s: float | None = None,
     ) -> None:
