@@ -138,3 +138,21 @@ def test_a_guard_escalation_to_a_full_recompute_adds_the_captured_entries(family
         for got, want in zip(entry(engine, prompt, j, captured=True), entry(separate, prompt, j), strict=True):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     assert engine.prefill(prompt, "blend").metrics.chunks_captured == 0  # stored: nothing to add
+
+
+def test_measuring_fidelity_refuses_an_engine_that_captures_the_measured_prompt(family, tiny_tokenizer):
+    # Under capture="all" the reference's full prefill stores the prompt's own KV (above: reuse then equals full),
+    # so every method measured after it would look exact: the measuring tools refuse, before any compute.
+    from cacheblend_rag.controller import SampleQuestion, measure_fidelity
+    from cacheblend_rag.evaluation import reference_answer
+
+    engine = engine_with(family, tiny_tokenizer, capture="all", miss_policy="blend")
+    chunks, prompt = three_chunks(engine)
+    with pytest.raises(ConfigError, match="capture='exact'"):
+        reference_answer(engine, prompt, 4)
+    sample = [SampleQuestion(id="q", chunks=tuple(chunks), question=random_words(44, 6))]
+    with pytest.raises(ConfigError, match="capture='exact'"):
+        measure_fidelity(engine, sample)
+    assert len(engine.store) == 0  # nothing was computed
+    exact = CacheBlendEngine(engine.model, engine.tokenizer, config=EngineConfig(chunk_separator=""))
+    assert reference_answer(exact, prompt, 4).token_ids  # the same model with capture="exact" measures
