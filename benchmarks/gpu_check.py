@@ -1,10 +1,15 @@
-"""The GPU evidence in one short run: decode speed and prefill TTFT of a random-weight model of a real shape.
+"""The GPU evidence in one short run: prefill TTFT per mode at several prompt lengths, and decode steps, on random
+weights of a real shape.
 
     python benchmarks/gpu_check.py --model-shape 7b --dtype bfloat16 --out /tmp/gpu
 
-Prints, for one warm request (K chunks of T tokens, stored): TTFT of full / reuse / blend at each ratio, and
-decode tokens/s of a `--new-tokens` answer after the blend's prefill (greedy, eos never stops it: the random
-model's answer is not read). Writes OUT/gpu_check.json. The timing does not depend on the weights' values.
+For each chunk length in `--lengths` (`--chunks` chunks, stored): each mode's prefill alone (synchronized, on this
+thread, best of `--repeats`) and its TTFT through `generate` (the scheduler's thread, median of `--repeats`): full,
+reuse, blend at each ratio. Then decode steps after the longest prompt: one request, and a batch of `--batch`
+requests whose caches all have different lengths (as under load), best of 16 steps; and the decode rate of one
+`--new-tokens` answer through `generate`. `--profile` adds torch.profiler's top ops and cProfile's top Python
+functions of one full and one blend prefill. Writes OUT/gpu_check.json. The timing does not depend on the weights'
+values.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import torch
 from benchlib.cli import add_out_argument
 from benchlib.timing import RANDOM_SHAPES, build_engine, make_prompt, warm_up
 
+from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache
+
 
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
@@ -31,10 +38,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def best_of(fn, device: str, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
 def profile(engine, prompt, args) -> None:
-    """Where one prefill's time goes, for full and blend r=0.15: the prefill timed alone (synchronized, on this
-    thread, so the scheduler is not in it), torch.profiler's top ops (self CPU and device time) and cProfile's top
-    Python functions by own time."""
+    """torch.profiler's top ops (self CPU and device time) and cProfile's top Python functions by own time, of one
+    full and one blend r=0.15 prefill on this thread."""
     import cProfile
     import pstats
 
@@ -42,25 +59,16 @@ def profile(engine, prompt, args) -> None:
     from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
-    for mode, opts in (("full", {}), ("blend r=0.15", {"recompute_ratio": 0.15})):
-        name = mode.split()[0]
-        times = []
-        for _ in range(3):
-            sync(args.device)
-            t = time.perf_counter()
-            engine.prefill(prompt, name, **opts)
-            sync(args.device)
-            times.append(time.perf_counter() - t)
-        print(f"-- prefill {mode} alone: {min(times) * 1000:.1f} ms (best of 3)")
+    for name, opts in (("full", {}), ("blend", {"recompute_ratio": 0.15})):
         sync(args.device)
         with torch_profile(activities=activities) as prof:
             engine.prefill(prompt, name, **opts)
             sync(args.device)
         events = prof.key_averages()
-        print(f"-- profile {mode}: top by self CPU time")
+        print(f"-- profile {name}: top by self CPU time")
         print(events.table(sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=40))
         if args.device.startswith("cuda"):
-            print(f"-- profile {mode}: top by device time")
+            print(f"-- profile {name}: top by device time")
             print(events.table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=40))
         py = cProfile.Profile()
         sync(args.device)
@@ -68,8 +76,38 @@ def profile(engine, prompt, args) -> None:
         engine.prefill(prompt, name, **opts)
         sync(args.device)
         py.disable()
-        print(f"-- cProfile {mode}: top by own time")
+        print(f"-- cProfile {name}: top by own time")
         pstats.Stats(py).sort_stats("tottime").print_stats(18)
+
+
+def ttft_rows(engine, prompt, args) -> dict[str, dict[str, float]]:
+    """{mode: {"prefill_ms", "generate_ttft_ms"}} for one prompt, chunk KV warm."""
+    runs = [("full", "full", {}), ("reuse", "reuse", {})]
+    runs += [(f"blend r={r:.2f}", "blend", {"recompute_ratio": r}) for r in args.ratios]
+    rows, repeats = {}, args.repeats
+    for name, mode, opts in runs:
+        alone = best_of(lambda mode=mode, opts=opts: engine.prefill(prompt, mode, **opts), args.device, args.repeats)
+        ttft = [engine.generate(prompt, mode=mode, max_new_tokens=1, **opts).metrics.ttft_s for _ in range(repeats)]
+        rows[name] = {"prefill_ms": round(1000 * alone, 1),
+                      "generate_ttft_ms": round(1000 * statistics.median(ttft), 1)}  # fmt: skip
+    return rows
+
+
+def decode_steps(engine, prompt, args) -> dict[str, float]:
+    """Best-of-16 decode step times after `prompt`: one request, and `--batch` requests of distinct cache lengths."""
+    pre = engine.prefill(prompt, "blend")
+    decoder = BatchDecoder(engine.lm)
+    room = pre.num_tokens + args.batch + 40
+    one = DecodeCache(pre.cache, pre.num_tokens, room)
+    caches = [DecodeCache(pre.cache, pre.num_tokens, room) for _ in range(args.batch)]
+    for b, cache in enumerate(caches):  # cache b is b tokens longer: every request of the batch has its own length
+        for _ in range(b):
+            decoder.step([5], [cache])
+    for _ in range(3):
+        decoder.step([5], [one])
+    one_s = best_of(lambda: decoder.step([5], [one]), args.device, 16)
+    batch_s = best_of(lambda: decoder.step([5] * len(caches), caches), args.device, 16)
+    return {"one_request_ms": round(1000 * one_s, 2), f"{args.batch}_requests_ms": round(1000 * batch_s, 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,56 +116,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--model-shape", default="7b", choices=sorted(RANDOM_SHAPES))
     p.add_argument("--chunks", type=int, default=6)
-    p.add_argument("--chunk-tokens", type=int, default=512)
-    p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.30])
+    p.add_argument("--lengths", default="512,1280", help="chunk lengths in tokens, comma-separated")
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15])
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--memory-gb", type=float, default=16.0, help="in-process chunk KV budget (all chunks must fit)")
-    p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of one full and one blend")
+    p.add_argument("--batch", type=int, default=8, help="requests of the batched decode step")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--memory-gb", type=float, default=40.0, help="in-process chunk KV budget (all chunks must fit)")
+    p.add_argument("--profile", action="store_true", help="print the top ops of one full and one blend prefill")
     add_out_argument(p, "gpu_check", "folder for gpu_check.json")
     args = p.parse_args(argv)
     args.random_weights = True
     engine = build_engine(args, args.dtype, memory_budget_bytes=int(args.memory_gb * 1024**3))
-    prompt = make_prompt(engine, args, args.chunks, args.chunk_tokens, None)
-    warm_up(engine, prompt)
-    runs = [("full", {"mode": "full"}), ("reuse", {"mode": "reuse"})]
-    runs += [(f"blend r={r:.2f}", {"mode": "blend", "recompute_ratio": r}) for r in args.ratios]
-    ttft: dict[str, list[float]] = {name: [] for name, _ in runs}
-    for _ in range(args.repeats):
-        for name, opts in runs:
-            sync(args.device)
-            out = engine.generate(prompt, max_new_tokens=1, **opts)
-            sync(args.device)
-            ttft[name].append(out.metrics.ttft_s)
-    rows = {name: statistics.median(v) for name, v in ttft.items()}
-    print(f"== {args.model_shape} random weights, {args.dtype} on {device_name(args.device)}; "
-          f"prompt {prompt.num_tokens} tokens; medians of {args.repeats}")  # fmt: skip
-    for name, s in rows.items():
-        print(f"  {name:<12} TTFT {s * 1000:8.1f} ms   full/this = {rows['full'] / s:5.2f}x")
+    report = {"device": device_name(args.device), "torch": torch.__version__, "shape": args.model_shape,
+              "dtype": args.dtype, "lengths": {}}  # fmt: skip
+    print(f"== {args.model_shape} random weights, {args.dtype} on {report['device']}; prefill alone: best of "
+          f"{args.repeats}, synchronized; generate TTFT: median of {args.repeats}")  # fmt: skip
+    prompt = None
+    for length in (int(x) for x in args.lengths.split(",")):
+        prompt = make_prompt(engine, args, args.chunks, length, None)
+        warm_up(engine, prompt)
+        rows = ttft_rows(engine, prompt, args)
+        report["lengths"][prompt.num_tokens] = rows
+        full = rows["full"]["prefill_ms"]
+        for name, row in rows.items():
+            speedup = full / row["prefill_ms"]
+            print(f"  {prompt.num_tokens:>6} tokens  {name:<12} prefill {row['prefill_ms']:8.1f} ms  "
+                  f"(full/this {speedup:5.2f}x)  generate TTFT {row['generate_ttft_ms']:8.1f} ms")  # fmt: skip
+    assert prompt is not None
     if args.profile:
         profile(engine, prompt, args)
-    decode = []
-    for _ in range(3):
-        sync(args.device)
-        t = time.perf_counter()
-        out = engine.generate(prompt, mode="blend", max_new_tokens=args.new_tokens, stop=())
-        sync(args.device)
-        m = out.metrics
-        decode.append((m.generated_tokens, m.decode_s, time.perf_counter() - t))
-    tok, dec_s, wall = min(decode, key=lambda d: d[1])
-    per_s = (tok - 1) / dec_s if dec_s > 0 and tok > 1 else float("nan")
-    print(f"  decode: {tok} tokens, {dec_s:.3f}s after the first ({per_s:.1f} tok/s), request wall {wall:.3f}s")
-    report = {
-        "device": device_name(args.device),
-        "torch": torch.__version__,
-        "shape": args.model_shape,
-        "dtype": args.dtype,
-        "prompt_tokens": prompt.num_tokens,
-        "ttft_s": {k: round(v, 5) for k, v in rows.items()},
-        "decode_tokens": tok,
-        "decode_s": round(dec_s, 5),
-        "decode_tok_per_s": round(per_s, 2),
-    }
+    report["decode_step"] = decode_steps(engine, prompt, args)
+    print(f"  decode step after {prompt.num_tokens} tokens: {report['decode_step']}")
+    out = engine.generate(prompt, mode="blend", max_new_tokens=args.new_tokens, stop=())
+    m = out.metrics
+    per_s = (m.generated_tokens - 1) / m.decode_s if m.decode_s > 0 and m.generated_tokens > 1 else float("nan")
+    print(f"  generate: {m.generated_tokens} tokens, {m.decode_s:.3f}s after the first ({per_s:.1f} tok/s)")
+    report["generate_decode_tok_per_s"] = round(per_s, 2)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -272,3 +272,24 @@ def test_load_end_to_end_with_repeats_cold_requests_and_the_serial_check(arrival
     assert "| gap p99 (s) | longest gap (s) |" in summary
     assert "differing answers: 0 of 4" in capsys.readouterr().out
     assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gpu_check_end_to_end_on_a_cpu(tmp_path, monkeypatch, capsys):
+    """benchmarks/gpu_check.py (the script a lent GPU runs) on a tiny random-weight model on the CPU: every mode at
+    every length, prefill alone and through `generate`, the decode steps and the profile. No timing is compared."""
+    import gpu_check
+
+    monkeypatch.setitem(timing.RANDOM_SHAPES, "tiny", TINY_SHAPE)
+    argv = ["--device", "cpu", "--dtype", "float32", "--model-shape", "tiny", "--chunks", "2", "--lengths", "8,16",
+            "--ratios", "0.15", "--new-tokens", "3", "--batch", "3", "--repeats", "1", "--memory-gb", "0.1",
+            "--profile", "--out", str(tmp_path)]  # fmt: skip
+    assert gpu_check.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "-- profile blend" in printed and "-- cProfile full" in printed
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["device"] == "cpu" and report["shape"] == "tiny" and len(report["lengths"]) == 2
+    for rows in report["lengths"].values():
+        assert list(rows) == ["full", "reuse", "blend r=0.15"]
+        assert all(r["prefill_ms"] > 0 and r["generate_ttft_ms"] > 0 for r in rows.values())
+    assert set(report["decode_step"]) == {"one_request_ms", "3_requests_ms"}
+    assert report["generate_decode_tok_per_s"] > 0
