@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, ready to run as it is on a lent GPU machine (about 6-8 minutes on one H100/H200):
-#   1. the CUDA tests (r = 1 equals a full prefill, r = 0 full reuse, bf16 generation, contextual KV);
+#   1. the CUDA tests (r = 1 equals a full prefill, r = 0 full reuse, bf16 generation, contextual KV, batched decoding
+#      of mixed lengths equal to the model's own forward);
 #   2. on random weights of a Llama-2-7B shape (benchmarks/gpu_check.py): each mode's prefill alone and its TTFT
 #      through generate at 3.1k and 7.7k tokens, the top ops of a full and a blend prefill, decode steps of one
 #      request and of 8 requests with caches of 8 lengths, and one answer's decode rate;

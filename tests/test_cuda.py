@@ -61,3 +61,37 @@ def test_cuda_contextual_chunk_kv_after_its_predecessor_makes_reuse_exact():
     warm = engine.prefill(prompt, "reuse")
     assert warm.metrics.chunks_hit == 2
     torch.testing.assert_close(warm.logits, full, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_cuda_batched_decode_of_mixed_lengths_equals_the_models_own_forward(family):
+    # The decode step's attention runs per request on the GPU's kernels (kept off cuDNN): every row of a batch of
+    # caches of different lengths equals that request decoded alone by the model's own forward.
+    from transformers import DynamicCache
+
+    from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache
+    from cacheblend_rag.models.adapter import LayerwiseModel
+
+    model = make_tiny_model(family).to("cuda")
+    decoder = BatchDecoder(LayerwiseModel(model))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, model.config.vocab_size, (3 + 7 * b,), generator=g).cuda() for b in range(5)]
+    alone, caches = [], []
+    with torch.inference_mode():
+        for ids in prompts:
+            for keep in (alone, caches):
+                cache = DynamicCache(config=model.config)
+                model(input_ids=ids.unsqueeze(0), cache=cache, use_cache=True)
+                keep.append(cache)
+    caches = [DecodeCache(c, ids.numel(), ids.numel() + 4) for c, ids in zip(caches, prompts, strict=True)]
+    lengths = [ids.numel() for ids in prompts]
+    tokens = [int(ids[-1]) for ids in prompts]
+    for _ in range(4):
+        got = decoder.step(tokens, caches)
+        for b in range(len(prompts)):
+            with torch.inference_mode():
+                token, position = torch.tensor([[tokens[b]]]).cuda(), torch.tensor([[lengths[b]]]).cuda()
+                out = model(input_ids=token, position_ids=position, cache=alone[b], use_cache=True)
+            torch.testing.assert_close(got[b], out.logits[0, -1].float(), atol=1e-4, rtol=1e-4)
+            lengths[b] += 1
+        tokens = [int(row.argmax()) for row in got]
