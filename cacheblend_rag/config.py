@@ -209,12 +209,14 @@ class EngineConfig:
     # chunk's KV is prefilled after its n most similar other chunks, keeping only its own KV. 0: isolated entries
     # (the default for now; 2 is the measured setting).
     context_neighbours: int = DEFAULT_CONTEXT_NEIGHBOURS
-    # What a full prefill (a cold request, mode="full") stores of its chunks' KV, which it holds for free: "exact"
-    # stores the chunks whose KV there is their entry (the one right after the prefix) and prefills the others
-    # after the answer; "all" also stores every later chunk as that prompt computed it, after the chunks before it
-    # there, under a key of its own, which a chunk after the first of a prompt reads before its own entry
-    # (docs/configuration.md, "Captured chunk KV").
-    capture: str = "exact"
+    # What a full prefill the engine runs by itself (a cold request under the miss policy, a guard escalation to
+    # r = 1) stores of its chunks' KV, which it holds for free: "exact" stores the chunks whose KV there is their
+    # entry (the one right after the prefix) and prefills the others after the answer; "all" also stores every
+    # later chunk as that prompt computed it, after the chunks before it there, under a key of its own, which a
+    # chunk after the first of a prompt reads before its own entry (docs/configuration.md, "Captured chunk KV").
+    # None: "all", or "exact" with `context_neighbours` (which builds the entries after neighbours instead). A
+    # full prefill asked for with mode="full" stores as "exact" does.
+    capture: str | None = None
     # An attention temperature on chunk KV computed out of the prompt's context (APE, ICLR'25): the keys of every
     # chunk whose entry is not exact at its place (all but the first, for isolated entries) are divided by this on
     # layers 1.., so every later query's attention to them is that much flatter. 1: off. Recomputed tokens get
@@ -278,8 +280,8 @@ class EngineConfig:
                 f"the guard reads the 'attention' rule's first pass, but blend.rule is {self.blend.rule!r}; use "
                 "blend_rule('attention', r) or guard=None"
             )
-        if self.capture not in CAPTURE_POLICIES:
-            raise ConfigError(f"capture must be one of {', '.join(CAPTURE_POLICIES)}, got {self.capture!r}")
+        if self.capture is not None and self.capture not in CAPTURE_POLICIES:
+            raise ConfigError(f"capture must be one of {', '.join(CAPTURE_POLICIES)} or None, got {self.capture!r}")
         if self.capture == "all" and self.context_neighbours:
             raise ConfigError(
                 "capture='all' keeps each chunk's KV from the prompt it came in, context_neighbours "
@@ -302,6 +304,13 @@ class EngineConfig:
             for f in fields(self) if f.repr
         )  # fmt: skip
         return f"{type(self).__name__}({', '.join(shown)})"
+
+    @property
+    def capture_policy(self) -> str:
+        """The capture policy in force: `capture`, or for None "all" ("exact" with `context_neighbours`)."""
+        if self.capture is not None:
+            return self.capture
+        return "exact" if self.context_neighbours else "all"
 
     def store_options(self) -> dict[str, Any]:
         """The keyword arguments of `store.build_store` that make the tiers this config names."""

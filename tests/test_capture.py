@@ -56,8 +56,7 @@ def test_captured_kv_equals_a_prefill_after_the_same_context(family, tiny_tokeni
 
 
 def test_exact_capture_stores_the_first_chunk_from_the_prompt_and_fills_the_rest_alone(family, tiny_tokenizer):
-    engine = engine_with(family, tiny_tokenizer, miss_policy="full")
-    assert engine.config.capture == "exact"
+    engine = engine_with(family, tiny_tokenizer, miss_policy="full", capture="exact")
     chunks, prompt = three_chunks(engine)
     cold = engine.generate(prompt, max_new_tokens=2)
     assert cold.metrics.chunks_missed == 3 and cold.metrics.chunks_captured == 1
@@ -85,12 +84,15 @@ def test_a_full_request_stores_what_it_computed_and_fills_nothing(family, tiny_t
 
 
 def test_capture_all_keys_its_entries_apart_from_isolated_ones(family, tiny_tokenizer):
-    engine = engine_with(family, tiny_tokenizer, capture="all")
+    engine = engine_with(family, tiny_tokenizer, capture="all", miss_policy="full")
     _, prompt = three_chunks(engine)
     for ids in prompt.chunk_ids:
         assert engine.chunk_key(prompt.prefix_ids, ids) != engine.chunk_key(prompt.prefix_ids, ids, captured=True)
     own = [engine.chunk_key(prompt.prefix_ids, ids) for ids in prompt.chunk_ids]
     captured = [engine.chunk_key(prompt.prefix_ids, ids, captured=True) for ids in prompt.chunk_ids]
+    assert engine.prompt_keys(prompt, with_prefix=False) == own  # nothing stored: a miss stores its own entry
+    engine.generate(prompt, max_new_tokens=1)  # cold: the miss policy answers with a full prefill
+    engine.wait_for_fills()
     assert engine.prompt_keys(prompt, with_prefix=False) == [own[0], *captured[1:]]  # the first chunk reads its own
 
 
@@ -101,7 +103,11 @@ def test_the_first_chunk_of_a_prompt_never_reads_kv_captured_after_other_chunks(
     engine = engine_with(family, tiny_tokenizer, capture="all", miss_policy="blend")
     chunks, prompt = three_chunks(engine)
     earlier = engine.build_prompt([chunks[2], chunks[0], chunks[1]], prefix=PREFIX, suffix=random_words(45, 6))
-    assert engine.prefill(earlier, "full").metrics.chunks_captured == 3
+    # the earlier request was cold, and the miss policy answered it in full (an engine on the same store)
+    config = EngineConfig(chunk_separator="", capture="all", miss_policy="full")
+    first = CacheBlendEngine(engine.model, tiny_tokenizer, config=config, store=engine.store)
+    assert first.generate(earlier, max_new_tokens=1).metrics.chunks_captured == 3
+    first.wait_for_fills()
     reuse = engine.prefill(prompt, "reuse")
     assert (reuse.metrics.chunks_missed, reuse.metrics.chunks_hit) == (1, 2)
     isolated = engine_with(family, tiny_tokenizer, miss_policy="blend")
@@ -111,12 +117,15 @@ def test_the_first_chunk_of_a_prompt_never_reads_kv_captured_after_other_chunks(
     # a chunk after the first with no captured entry reads its own (C, captured first, in second place here)
     later = engine.build_prompt([chunks[0], chunks[2]], prefix=PREFIX, suffix=random_words(46, 6))
     assert engine.prefill(later, "reuse").metrics.chunks_hit == 2
-    # and a full prefill of that prompt captures C's entry after A, beside its own
-    assert engine.prefill(later, "full").metrics.chunks_captured == 1
-    assert engine.chunk_key(prompt.prefix_ids, prompt.chunk_ids[2], captured=True) in engine.store
+    # a full prefill asked for (a reference, say) stores no KV as it is in its prompt: C after A is not captured
+    assert engine.prefill(later, "full").metrics.chunks_captured == 0
+    assert engine.chunk_key(prompt.prefix_ids, prompt.chunk_ids[2], captured=True) not in engine.store
 
 
 def test_capture_settings_are_checked():
+    assert EngineConfig().capture_policy == "all"  # the default
+    assert EngineConfig(context_neighbours=2).capture_policy == "exact"  # entries built after neighbours instead
+    assert EngineConfig(capture="exact").capture_policy == "exact"
     with pytest.raises(ConfigError, match="capture must be one of exact, all"):
         EngineConfig(capture="everything")
     with pytest.raises(ConfigError, match="choose one"):
@@ -138,21 +147,3 @@ def test_a_guard_escalation_to_a_full_recompute_adds_the_captured_entries(family
         for got, want in zip(entry(engine, prompt, j, captured=True), entry(separate, prompt, j), strict=True):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     assert engine.prefill(prompt, "blend").metrics.chunks_captured == 0  # stored: nothing to add
-
-
-def test_measuring_fidelity_refuses_an_engine_that_captures_the_measured_prompt(family, tiny_tokenizer):
-    # Under capture="all" the reference's full prefill stores the prompt's own KV (above: reuse then equals full),
-    # so every method measured after it would look exact: the measuring tools refuse, before any compute.
-    from cacheblend_rag.controller import SampleQuestion, measure_fidelity
-    from cacheblend_rag.evaluation import reference_answer
-
-    engine = engine_with(family, tiny_tokenizer, capture="all", miss_policy="blend")
-    chunks, prompt = three_chunks(engine)
-    with pytest.raises(ConfigError, match="capture='exact'"):
-        reference_answer(engine, prompt, 4)
-    sample = [SampleQuestion(id="q", chunks=tuple(chunks), question=random_words(44, 6))]
-    with pytest.raises(ConfigError, match="capture='exact'"):
-        measure_fidelity(engine, sample)
-    assert len(engine.store) == 0  # nothing was computed
-    exact = CacheBlendEngine(engine.model, engine.tokenizer, config=EngineConfig(chunk_separator=""))
-    assert reference_answer(exact, prompt, 4).token_ids  # the same model with capture="exact" measures

@@ -95,6 +95,25 @@ def capture_engine(engine: CacheBlendEngine) -> CacheBlendEngine:
     return CacheBlendEngine(engine.model, engine.tokenizer, config=config, template=engine.template)
 
 
+_cold_engines: dict[int, CacheBlendEngine] = {}
+
+
+def answer_cold(engine: CacheBlendEngine, prompt: TokenizedPrompt) -> int:
+    """Serve `prompt` as a cold request meets a capture engine: its chunks are not stored, the miss policy answers
+    it with a full prefill, and that prefill's chunk KV is stored as `capture="all"` keeps it (an engine on the
+    same model and store whose miss policy is "full"; the measuring engine's own, "blend", would prefill the missed
+    chunks alone). -> how many chunks were captured."""
+    cold = _cold_engines.get(id(engine))
+    if cold is None or cold.store is not engine.store:
+        config = replace(engine.config, miss_policy="full")
+        cold = CacheBlendEngine(engine.model, engine.tokenizer, config=config, template=engine.template,
+                                store=engine.store)  # fmt: skip
+        _cold_engines[id(engine)] = cold
+    pre = cold.prefill(prompt, "blend")
+    assert pre.metrics.mode == "full", "the earlier request must be cold: clear the store first"
+    return pre.metrics.chunks_captured
+
+
 def earlier_order(case_id: str, n: int) -> list[int]:
     """The order an earlier request retrieved a case's n passages in: a shuffle seeded by the case, never the
     prompt's own order (when n > 1)."""
@@ -117,7 +136,7 @@ class CapturePreparer:
         order = self.order(case.id, len(prompt.chunk_ids))
         earlier = TokenizedPrompt(prompt.prefix_ids, tuple(prompt.chunk_ids[i] for i in order), prompt.suffix_ids)
         t = time.perf_counter()
-        pre = engine.prefill(earlier, "full")
+        captured = answer_cold(engine, earlier)
         precompute_s = time.perf_counter() - t
         before, seen = {}, 0
         for i in order:
@@ -125,7 +144,7 @@ class CapturePreparer:
             seen += len(prompt.chunk_ids[i])
         return {
             "capture_order": order,
-            "captured_chunks": pre.metrics.chunks_captured,
+            "captured_chunks": captured,
             "first_chunk_stored": order[0] == 0,  # else the measured request prefills its own entry
             "precompute_s": precompute_s,
             "context_tokens": sum(before.values()) / max(len(order), 1),  # per chunk, mean
@@ -158,7 +177,7 @@ class MixedCapturePreparer:
             parts = [prompt.chunk_ids[i] for i in half] + list(strangers)
             rng.shuffle(parts)
             earlier = TokenizedPrompt(prompt.prefix_ids, tuple(parts), prompt.suffix_ids)
-            captured += engine.prefill(earlier, "full").metrics.chunks_captured
+            captured += answer_cold(engine, earlier)
         return {"captured_halves": halves, "captured_chunks": captured, "precompute_s": time.perf_counter() - t}
 
 

@@ -113,11 +113,8 @@ def measure_fidelity(
     `on_question` sees each question's record as it is measured (progress, a journal); `done` holds records of
     questions measured before (by id, e.g. read back from that journal): they are used as they are, not measured
     again, where they cover the same ratios."""
-    from ..evaluation.fidelity import check_measurable
-
     base = engine.config.blend.recompute_ratio if base_ratio is None else float(base_ratio)
     check_grid(ratios, thresholds, base, ladder, margins)
-    check_measurable(engine, "measure_fidelity")
     if not engine.config.blend.uses_attention_pass:
         raise ConfigError(
             f"the guard reads the 'attention' rule's first pass, but the engine's rule is "

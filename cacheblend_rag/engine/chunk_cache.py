@@ -77,21 +77,28 @@ class ChunkCache:
         digest = CAPTURED if captured else self.contexts.digest(chunk_ids)
         return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids, digest)
 
-    def read_keys(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], position: int) -> tuple[str, ...]:
+    def read_keys(
+        self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], position: int, policy: str | None = None
+    ) -> tuple[str, ...]:
         """The keys a chunk at `position` of a prompt is read from, best first: under capture="all", a chunk
-        after the first reads its captured entry, else its own; every other chunk reads its own entry."""
+        after the first reads its captured entry, else its own; every other chunk reads its own entry.
+        `policy` replaces the engine's capture policy."""
         own = self.key(prefix_ids, chunk_ids)
-        if self.capture_policy == "all" and position > 0:
+        if (policy or self.capture_policy) == "all" and position > 0:
             return (self.key(prefix_ids, chunk_ids, captured=True), own)
         return (own,)
 
     def prompt_keys(
         self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], *, with_prefix: bool = True
     ) -> list[str]:
-        """The store keys a prompt's KV is read from: the prefix's (if any, and `with_prefix`), then each
-        chunk's best entry (`read_keys`), in order."""
+        """The store keys a prompt's KV is read from now: the prefix's (if any, and `with_prefix`), then for each
+        chunk in order the first of its `read_keys` that is stored, or its own key when none is (what a miss
+        stores)."""
         keys = [self.key((), prefix_ids)] if prefix_ids and with_prefix else []
-        return keys + [self.read_keys(prefix_ids, ids, j)[0] for j, ids in enumerate(chunk_ids)]
+        for j, ids in enumerate(chunk_ids):
+            candidates = self.read_keys(prefix_ids, ids, j)
+            keys.append(next((k for k in candidates if k in self.store), candidates[-1]))
+        return keys
 
     def layer_loader(
         self, parts: Sequence[ChunkReader], total: int, key_scales: Sequence[float] | None = None
@@ -162,26 +169,28 @@ class ChunkCache:
         room = max(self.lm.shape.max_positions - len(prefix_ids) - len(ids), 0)
         return context[len(context) - room :] if len(context) > room else context
 
-    def capturable(self, prompt: TokenizedPrompt) -> list[int]:
+    def capturable(self, prompt: TokenizedPrompt, policy: str | None = None) -> list[int]:
         """The positions of `prompt` whose best entry (`read_keys`) is not stored and a full prefill of the prompt
         computes exactly: the first chunk's own entry when it has no context; under capture="all", every later
         chunk's captured entry; under "exact", a later chunk whose own entry is prefilled after just the chunks
-        before it here. Each chunk once, at its first place. Reads no KV."""
+        before it here. Each chunk once, at its first place. Reads no KV. `policy` replaces the engine's."""
+        policy = policy or self.capture_policy
         out: list[int] = []
         seen: set[tuple[int, ...]] = set()
         before: list[int] = []
         for j, ids in enumerate(prompt.chunk_ids):
             # whether this prompt computes the entry exactly (in memory) before asking the store whether it has it
-            exact = (self.capture_policy == "all" and j > 0) or self.context_of(prompt.prefix_ids, ids) == tuple(before)
-            if ids not in seen and exact and self.read_keys(prompt.prefix_ids, ids, j)[0] not in self.store:
+            exact = (policy == "all" and j > 0) or self.context_of(prompt.prefix_ids, ids) == tuple(before)
+            if ids not in seen and exact and self.read_keys(prompt.prefix_ids, ids, j, policy)[0] not in self.store:
                 out.append(j)
             seen.add(ids)
             before.extend(ids)
         return out
 
     def capture(self, prompt: TokenizedPrompt, layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                positions: Sequence[int]) -> dict[tuple[int, ...], ChunkKV]:  # fmt: skip
-        """The entries of the chunks at `positions` of `prompt`, cut from a full prefill of it.
+                positions: Sequence[int], policy: str | None = None) -> dict[tuple[int, ...], ChunkKV]:  # fmt: skip
+        """The entries of the chunks at `positions` of `prompt` (`capturable` under `policy`), cut from a full
+        prefill of it.
 
         `layers`: per layer, the prefill's rotated keys and values [Hkv, N, D] (N >= the prompt's tokens). The keys
         are turned back to raw (float32 arithmetic); the values are copied as they are. -> {chunk ids: entry}
@@ -196,7 +205,7 @@ class ChunkCache:
             ids = prompt.chunk_ids[j]
             keys = torch.stack([unrotate_keys(k[:, s:e].float(), cos[s:e], sin[s:e]).to(self.dtype) for k, _ in layers])
             values = torch.stack([v[:, s:e] for _, v in layers])
-            out[ids] = ChunkKV(self.read_keys(prompt.prefix_ids, ids, j)[0], keys, values)
+            out[ids] = ChunkKV(self.read_keys(prompt.prefix_ids, ids, j, policy)[0], keys, values)
         return out
 
     def store_or_fill(

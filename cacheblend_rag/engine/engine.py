@@ -82,7 +82,7 @@ class CacheBlendEngine:
         self.eos_ids = eos_token_ids(self.model, tokenizer)
         limits = [self.lm.shape.max_positions, self.config.max_prompt_tokens, max_blend_length(self.model.config)]
         self.max_tokens = min(x for x in limits if x is not None)
-        self.chunks = ChunkCache(self.lm, store, self.fingerprint, self.dtype, self.config.capture)
+        self.chunks = ChunkCache(self.lm, store, self.fingerprint, self.dtype, self.config.capture_policy)
         self._prefiller = Prefiller(
             self.model,
             self.lm,
@@ -181,8 +181,8 @@ class CacheBlendEngine:
         return self.chunks.key(prefix_ids, chunk_ids, captured=captured)
 
     def prompt_keys(self, prompt: TokenizedPrompt, *, with_prefix: bool = True) -> list[str]:
-        """The store keys this engine reads a prompt's KV from: the prefix's (if any, and `with_prefix`), then
-        each chunk's in order."""
+        """The store keys this engine reads a prompt's KV from now: the prefix's (if any, and `with_prefix`), then
+        each chunk's in order (its captured entry where capture="all" stored one for its place, else its own)."""
         return self.chunks.prompt_keys(prompt.prefix_ids, prompt.chunk_ids, with_prefix=with_prefix)
 
     def precompute(

@@ -140,8 +140,10 @@ class Prefiller:
 
         if mode is PrefillMode.FULL or not prompt.chunk_ids:
             # Without chunks there is nothing to reuse or blend: every mode is a full prefill. It reads no stored
-            # KV, and stores the chunks it computed as their entries (the capture policy's), at no cost.
-            return self._full(prompt, m, t0, self.chunks.capturable(prompt) if prompt.chunk_ids else [], after_layer)
+            # KV, and stores, at no cost, the chunks whose entries it computes exactly: a full prefill asked for
+            # (a reference to measure other modes against, say) never stores its prompt's in-context KV, which
+            # any later mode would read (capture="all" captures from cold requests and guard escalations).
+            return self._full(prompt, m, t0, self.chunks.capturable(prompt, "exact"), after_layer, "exact")
         if mode is not PrefillMode.PREFIX and self.miss_policy != "blend":
             cold = self._answer_cold_in_full(prompt, mode, blend, m, t0, after_layer)
             if cold is not None:
@@ -189,16 +191,17 @@ class Prefiller:
         t0: float,
         capture: Sequence[int] = (),
         after_layer: AfterLayer | None = None,
+        policy: str | None = None,
     ) -> Prefill:
         """The model's own prefill of the whole prompt: exact, and reads nothing from the store. The entries of
-        the chunks at positions `capture` are cut from it (`Prefill.captured`)."""
+        the chunks at positions `capture` (`capturable` under `policy`) are cut from it (`Prefill.captured`)."""
         n, num_layers = prompt.num_tokens, self.lm.shape.num_layers
         m.mode = PrefillMode.FULL.value
         cache = DynamicCache(config=self.model.config)
         with between_layers(self.lm.layers, after_layer):
             logits = self.forward(prompt.input_ids(), 0, cache)
         layers = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
-        captured = self.chunks.capture(prompt, layers, capture)
+        captured = self.chunks.capture(prompt, layers, capture, policy)
         m.compute_s = time.perf_counter() - t0
         m.recomputed_tokens = n
         m.recomputed_per_layer = [n] * num_layers

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..config import BlendConfig
-from ..errors import ConfigError
 from .datasets import Case, TaskSpec
 
 if TYPE_CHECKING:
@@ -35,7 +34,6 @@ __all__ = [
     "FidelityStats",
     "Reference",
     "bootstrap_ci",
-    "check_measurable",
     "compare",
     "fidelity_over_cases",
     "measure",
@@ -58,23 +56,11 @@ class Reference:
     prompt_tokens: int
 
 
-def check_measurable(engine: CacheBlendEngine, what: str) -> None:
-    """ConfigError for an engine whose full prefill would store the measured prompt's own KV (capture="all"):
-    every method measured after the reference would read it, and a blend would look exact."""
-    if engine.config.capture == "all":
-        raise ConfigError(
-            f"{what} needs an engine with capture='exact': under capture='all' the reference's full prefill stores "
-            "this prompt's own chunk KV, and every method measured after it would read that KV (a blend would "
-            "look exact). Measure on the same model with CacheBlendEngine(engine.model, engine.tokenizer, "
-            "config=dataclasses.replace(engine.config, capture='exact'))"
-        )
-
-
 def reference_answer(engine: CacheBlendEngine, prompt: TokenizedPrompt, max_new_tokens: int) -> Reference:
     """Full prefill, then greedy decoding of up to `max_new_tokens` tokens, keeping full's distributions.
 
-    The engine must keep capture="exact" (`check_measurable`)."""
-    check_measurable(engine, "reference_answer")
+    Its full prefill stores no chunk KV as it is in this prompt (a full prefill asked for never does), so the
+    methods measured after it read the entries they would read without it."""
     t0 = time.perf_counter()
     pre = engine.prefill(prompt, "full")
     token = int(pre.logits.argmax())
