@@ -397,3 +397,30 @@ def test_a_profile_of_more_questions_than_any_calibration_measures_is_refused_be
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=f"above {MAX_PROFILE_QUESTIONS}.*--limit"):
         FidelityProfile.load(path)
+
+
+def test_a_profile_measured_under_capture_all_equals_one_measured_on_isolated_entries():
+    # The reference answer is a full prefill asked for, which stores as capture="exact" does: measuring on an
+    # engine with the default capture="all" reads the isolated entries, as on an engine with "exact". (Were the
+    # reference's in-context KV stored, every later method of the same prompt would read it and look exact.)
+    model, tokenizer = make_tiny_model("qwen2"), make_tiny_tokenizer()
+    profiles = []
+    for capture in ("all", "exact"):
+        config = EngineConfig(chunk_separator="", miss_policy="blend", capture=capture)
+        engine = CacheBlendEngine(model, tokenizer, config=config)
+        profiles.append(measure_fidelity(engine, sample(2), ratios=(0.15,), thresholds=(0.1,), ladder=LADDER))
+    for a, b in zip(profiles[0].questions, profiles[1].questions, strict=True):
+        assert a["reuse"]["kl_mean"] > 1e-4  # reuse of isolated entries is not exact
+        for field in ("reuse", "fixed", "risk", "steps"):
+            got, want = flat(a[field]), flat(b[field])
+            assert [k for k, _ in got] == [k for k, _ in want], field
+            assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-6), field
+
+
+def flat(value, path=""):
+    """[(path, number)] of every number in a record (bools as 0/1), in a fixed order."""
+    if isinstance(value, dict):
+        return [item for key in sorted(value) for item in flat(value[key], f"{path}.{key}")]
+    if isinstance(value, (list, tuple)):
+        return [item for i, v in enumerate(value) for item in flat(v, f"{path}[{i}]")]
+    return [(path, float(value))] if isinstance(value, (int, float)) else []
