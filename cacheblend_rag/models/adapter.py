@@ -12,7 +12,7 @@ which makes them position-free: `rotate_keys` places them at any position, exact
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -30,10 +30,10 @@ from .support import check_supported
 _GPU_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, **kwargs) -> torch.Tensor:
-    """`F.scaled_dot_product_attention`, kept off the cuDNN kernel on a GPU (see `_GPU_ATTENTION`)."""
-    with sdpa_kernel(_GPU_ATTENTION) if query.is_cuda else nullcontext():
-        return F.scaled_dot_product_attention(query, keys, values, **kwargs)
+def attention_kernels(device: torch.device) -> AbstractContextManager[object]:
+    """Where `F.scaled_dot_product_attention` runs inside: off the cuDNN kernel on a GPU (`_GPU_ATTENTION`).
+    Entering it costs ~10-20 us of host time, so a loop of calls enters it once."""
+    return sdpa_kernel(_GPU_ATTENTION) if device.type == "cuda" else nullcontext()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -188,15 +188,16 @@ class LayerwiseModel:
         Returns [A, hidden].
         """
         attn = self.layers[layer_idx].self_attn
-        out = sdpa(
-            query.unsqueeze(0),
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
-            is_causal=mask is None,
-            scale=attn.scaling,
-            enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
-        )[0]  # [H, A, D]
+        with attention_kernels(query.device):
+            out = F.scaled_dot_product_attention(
+                query.unsqueeze(0),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
+                attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
+                is_causal=mask is None,
+                scale=attn.scaling,
+                enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
+            )[0]  # [H, A, D]
         return attn.o_proj(out.transpose(0, 1).reshape(query.shape[1], -1))
 
     def attend_each(
@@ -212,12 +213,14 @@ class LayerwiseModel:
             rows = [self._attend_one(query[:, b], k, v, attn.scaling) for b, (k, v) in enumerate(keys_values)]
         else:
             gqa = self.shape.num_heads != self.shape.num_kv_heads
-            rows = [
-                sdpa(
-                    query[:, b : b + 1].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=attn.scaling, enable_gqa=gqa
-                )[0, :, 0]  # [H, D]
-                for b, (k, v) in enumerate(keys_values)
-            ]
+            with attention_kernels(query.device):
+                rows = [
+                    F.scaled_dot_product_attention(
+                        query[:, b : b + 1].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=attn.scaling,
+                        enable_gqa=gqa,
+                    )[0, :, 0]  # [H, D]
+                    for b, (k, v) in enumerate(keys_values)
+                ]  # fmt: skip
         return attn.o_proj(torch.stack(rows).reshape(len(rows), -1))
 
     @staticmethod
