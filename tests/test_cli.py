@@ -314,3 +314,18 @@ def test_the_parser_is_built_without_importing_torch_and_every_lazy_export_resol
         assert all(getattr(package, name) is not None for name in package.__all__)
         with pytest.raises(AttributeError, match="has no attribute 'nope'"):
             package.nope  # noqa: B018
+
+
+def test_capture_is_the_engines_default_unless_asked(capsys):
+    from cacheblend_rag.cli import build_parser
+    from cacheblend_rag.cli.ask import engine_config
+    from cacheblend_rag.errors import ConfigError
+
+    def config(*options):
+        return engine_config(build_parser().parse_args(["ask", "--docs", "d", *options, "What is it?"]))
+
+    assert config().capture is None and config().capture_policy == "all"
+    assert config("--capture", "exact").capture_policy == "exact"
+    assert config("--context-neighbours", "2").capture_policy == "exact"  # entries built after neighbours instead
+    with pytest.raises(ConfigError, match="choose one"):
+        config("--capture", "all", "--context-neighbours", "2")

@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a question whose chunks are not stored yet: full prefill then store them (full), prefill each chunk "
         "then blend (blend), or whichever costs less compute (auto)",
     )
+    ask.add_argument("--capture", choices=["all", "exact"], default=None,
+                     help="what a full prefill of a cold question stores: every chunk's KV as it was there, for "
+                     "later questions that place the chunk second or later (all, the default), or only what "
+                     "equals the chunk's own entry (exact; the others are prefilled alone afterwards)")  # fmt: skip
     ask.add_argument("--guard", action="store_true", help="turn on the fidelity guard: a blend whose first token "
                      "is a near tie (top-1 minus top-2 probability below --guard-margin) is recomputed in "
                      "full")  # fmt: skip
