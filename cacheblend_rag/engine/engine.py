@@ -27,6 +27,7 @@ from ..errors import ConfigError
 from ..models.adapter import LayerwiseModel
 from ..models.cpu import warn_if_slow_bf16
 from ..models.fingerprint import model_fingerprint
+from ..models.int8 import int8_decode_lm
 from ..models.support import max_blend_length
 from ..store import ChunkStore, TieredStore, build_store
 from .batch_decode import BatchDecoder
@@ -95,7 +96,8 @@ class CacheBlendEngine:
         self._lock = threading.RLock()
         self._fills = DeferredFills(self.chunks.store_or_fill, self._lock)  # run by the scheduler while it serves
         self.scheduler = Scheduler(
-            BatchDecoder(self._decode_model()),
+            # decode steps run on the model itself, or on int8 copies of its linear layers (`decode_weights`)
+            BatchDecoder(int8_decode_lm(self.model) if self.config.decode_weights == "int8" else self.lm),
             self._lock,
             prefill=self._prefill,
             new_loop=lambda request: TokenLoop(self.tokenizer, self.eos_ids, request.sampling, self.device),
@@ -106,14 +108,6 @@ class CacheBlendEngine:
             max_batch=self.config.max_batch_size,
             max_token_gap_s=self.config.max_token_gap_s,
         )
-
-    def _decode_model(self) -> LayerwiseModel:
-        """What decode steps run on: the model itself, or int8 copies of its linear layers (`decode_weights`)."""
-        if self.config.decode_weights == "int8":
-            from ..models.int8 import int8_decode_lm
-
-            return int8_decode_lm(self.model)
-        return self.lm
 
     @classmethod
     def from_pretrained(
