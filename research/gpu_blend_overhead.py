@@ -18,33 +18,17 @@ import json
 import pstats
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from benchlib.timing import build_engine, make_prompt, warm_up  # noqa: E402
+from gpu_check import best_of, sync  # noqa: E402
 
 import cacheblend_rag.engine.prefill as prefill_module  # noqa: E402
 from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache  # noqa: E402
 from cacheblend_rag.fusion import fuse  # noqa: E402
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def best(fn, device: str, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main() -> int:
@@ -75,7 +59,7 @@ def main() -> int:
             opts = {"recompute_ratio": 0.15} if mode == "blend" else {}
             engine.prefill(prompt, mode, **opts)  # warm this path
             run = functools.partial(engine.prefill, prompt, mode, **opts)
-            row[f"prefill {name} ms"] = round(1000 * best(run, args.device, args.repeats), 1)
+            row[f"prefill {name} ms"] = round(1000 * best_of(run, args.device, args.repeats), 1)
         prefill_module.fuse = fuse
         for mode, opts in (("full", {}), ("blend", {"recompute_ratio": 0.15})):
             ttft = [engine.generate(prompt, mode=mode, max_new_tokens=1, **opts).metrics.ttft_s for _ in range(3)]
@@ -88,9 +72,9 @@ def main() -> int:
     cache = DecodeCache(pre.cache, pre.num_tokens, pre.num_tokens + 64)
     for _ in range(4):
         decoder.step([5], [cache])
-    step_s = best(lambda: decoder.step([5], [cache]), args.device, 16)
+    step_s = best_of(lambda: decoder.step([5], [cache]), args.device, 16)
     caches = [DecodeCache(pre.cache, pre.num_tokens, pre.num_tokens + 64) for _ in range(8)]
-    step8_s = best(lambda: decoder.step([5] * 8, caches), args.device, 8)
+    step8_s = best_of(lambda: decoder.step([5] * 8, caches), args.device, 8)
     print(f"decode step, best of 16: {1000 * step_s:.1f} ms for 1 request, {1000 * step8_s:.1f} ms for 8", flush=True)
     profiler = cProfile.Profile()
     sync(args.device)

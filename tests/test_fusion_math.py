@@ -137,6 +137,18 @@ def test_planted_outlier_is_always_selected():
     assert select_recompute_tokens(token_deviation(v, v_cached), 1).tolist() == [13]
 
 
+def chunks_reused_plan(prompt, keep: int) -> FusionPlan:
+    """The prefix exact, every chunk token reused, the suffix computed; `keep` reused tokens kept after the one
+    check layer (1), ranked by key deviation."""
+    n = prompt.num_tokens
+    exact = torch.zeros(n, dtype=torch.bool)
+    exact[: len(prompt.prefix_ids)] = True
+    reused = torch.zeros(n, dtype=torch.bool)
+    for s, e in prompt.chunk_spans:
+        reused[s:e] = True
+    return FusionPlan(prompt.input_ids(), torch.arange(n), exact, reused, (1,), (keep,), "key")
+
+
 def test_planted_outlier_in_loaded_kv_is_recomputed(family):
     # Corrupt one reused token's cached key on the first check layer: its deviation explodes, so the fusor
     # must pick it even at the smallest ratio that recomputes anything.
@@ -158,12 +170,7 @@ def test_planted_outlier_in_loaded_kv_is_recomputed(family):
             k[:, victim] += 100.0
         return k, v
 
-    exact = torch.zeros(n, dtype=torch.bool)
-    exact[: len(prompt.prefix_ids)] = True
-    reused = torch.zeros(n, dtype=torch.bool)
-    for s, e in prompt.chunk_spans:
-        reused[s:e] = True
-    plan = FusionPlan(prompt.input_ids(), torch.arange(n), exact, reused, (1,), (1,), "key")
+    plan = chunks_reused_plan(prompt, keep=1)
     result = fuse(engine.lm, plan, planted)
     assert victim in result.selected_positions.tolist()
     assert result.recomputed_per_layer[2] == 1 + len(prompt.suffix_ids)
@@ -179,12 +186,7 @@ def test_one_masked_attention_call_equals_position_blocks(family):
     engine.prefill(prompt, "reuse")  # fills the store
     n = prompt.num_tokens
     parts = [engine.store.get(k) for k in engine.prompt_keys(prompt)]
-    exact = torch.zeros(n, dtype=torch.bool)
-    exact[: len(prompt.prefix_ids)] = True
-    reused = torch.zeros(n, dtype=torch.bool)
-    for s, e in prompt.chunk_spans:
-        reused[s:e] = True
-    plan = FusionPlan(prompt.input_ids(), torch.arange(n), exact, reused, (1,), (12,), "key")
+    plan = chunks_reused_plan(prompt, keep=12)
     results = [
         fuse(engine.lm, plan, engine.chunks.layer_loader(parts, n), block_size=size) for size in (0, 8, 512, None)
     ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -95,7 +96,7 @@ def capture_engine(engine: CacheBlendEngine) -> CacheBlendEngine:
     return CacheBlendEngine(engine.model, engine.tokenizer, config=config, template=engine.template)
 
 
-_cold_engines: dict[int, CacheBlendEngine] = {}
+_cold_engines: weakref.WeakKeyDictionary[CacheBlendEngine, CacheBlendEngine] = weakref.WeakKeyDictionary()
 
 
 def answer_cold(engine: CacheBlendEngine, prompt: TokenizedPrompt) -> int:
@@ -103,12 +104,12 @@ def answer_cold(engine: CacheBlendEngine, prompt: TokenizedPrompt) -> int:
     it with a full prefill, and that prefill's chunk KV is stored as `capture="all"` keeps it (an engine on the
     same model and store whose miss policy is "full"; the measuring engine's own, "blend", would prefill the missed
     chunks alone). -> how many chunks were captured."""
-    cold = _cold_engines.get(id(engine))
+    cold = _cold_engines.get(engine)
     if cold is None or cold.store is not engine.store:
         config = replace(engine.config, miss_policy="full")
         cold = CacheBlendEngine(engine.model, engine.tokenizer, config=config, template=engine.template,
                                 store=engine.store)  # fmt: skip
-        _cold_engines[id(engine)] = cold
+        _cold_engines[engine] = cold
     pre = cold.prefill(prompt, "blend")
     assert pre.metrics.mode == "full", "the earlier request must be cold: clear the store first"
     return pre.metrics.chunks_captured

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..config import DEFAULT_CONTEXT_NEIGHBOURS, Guard
+from ..config import CAPTURE_POLICIES, DEFAULT_CONTEXT_NEIGHBOURS, Guard
 from ..errors import CacheBlendError
 from ..retrieval.sources import DEFAULT_MAX_DOCUMENT_BYTES
 
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a question whose chunks are not stored yet: full prefill then store them (full), prefill each chunk "
         "then blend (blend), or whichever costs less compute (auto)",
     )
-    ask.add_argument("--capture", choices=["all", "exact"], default=None,
+    ask.add_argument("--capture", choices=CAPTURE_POLICIES, default=None,
                      help="what a full prefill of a cold question stores: every chunk's KV as it was there, for "
                      "later questions that place the chunk second or later (all, the default), or only what "
                      "equals the chunk's own entry (exact; the others are prefilled alone afterwards)")  # fmt: skip

@@ -96,8 +96,8 @@ class ChunkCache:
         stores)."""
         keys = [self.key((), prefix_ids)] if prefix_ids and with_prefix else []
         for j, ids in enumerate(chunk_ids):
-            candidates = self.read_keys(prefix_ids, ids, j)
-            keys.append(next((k for k in candidates if k in self.store), candidates[-1]))
+            *preferred, own = self.read_keys(prefix_ids, ids, j)  # the store is asked only when there is a choice
+            keys.append(next((k for k in preferred if k in self.store), own))
         return keys
 
     def layer_loader(
