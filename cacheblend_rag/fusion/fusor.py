@@ -150,6 +150,7 @@ def fuse(
     values_out: list[torch.Tensor] = []
     raw_out: list[torch.Tensor] | None = [] if keep_raw_keys else None
     counts: list[int] = []
+    probe_for: torch.Tensor | None = None  # the `active` whose attention rows (`rows`, `mask`) are computed
 
     for layer_idx in range(num_layers):
         raw_k, v = load_layer(layer_idx)  # [Hkv, N, D] each
@@ -187,9 +188,11 @@ def fuse(
             active, hidden, x = active[-1:], hidden[-1:], x[-1:]
         query = lm.project_q(layer_idx, x, cos[active], sin[active])  # [H, A, D]
         if attn_rows is not None and layer_idx < num_layers - 1:
-            rows = attn_rows[active].nonzero().squeeze(1)  # [Q] indices into active
-            if rows.numel() > 0:
+            if probe_for is not active:  # the rows change with `active` only (a host sync on a GPU: once each)
+                probe_for = active
+                rows = attn_rows[active].nonzero().squeeze(1)  # [Q] indices into active
                 mask = causal_mask(positions[active[rows]], positions)  # [Q, N]
+            if rows.numel() > 0:
                 probs = lm.attention_weights(layer_idx, query[:, rows], keys, mask)  # [H, Q, N]
                 attn_sum += probs.mean(dim=(0, 1))
                 attn_layers += 1
