@@ -226,6 +226,10 @@ class EngineConfig:
     # wait in arrival order. 1 serves one request at a time. Memory: each decoding request holds its prompt's KV
     # and room for its answer (docs/configuration.md, "Serving many requests").
     max_batch_size: int = 8
+    # The most KV positions the requests decoding together may hold: each holds its prompt's tokens and room for
+    # its answer (max_new_tokens). A request that would pass it waits for room, in arrival order; one that could
+    # never fit is refused when it is made (PromptError). None: only max_batch_size bounds the batch.
+    max_batch_tokens: int | None = None
     # The weights decode steps read: "native" (the model's, exact) or "int8" (CPU only: per-channel int8 copies of
     # the linear layers, a quarter of the bytes; the prefill and the first token stay exact, later tokens may differ:
     # docs/benchmarks.md, "Decoding speed").
@@ -259,6 +263,8 @@ class EngineConfig:
             )
         check_count("context_neighbours", self.context_neighbours, 0, "a number of chunks (0: no context)")
         check_count("max_batch_size", self.max_batch_size, 1, "a number of requests (1: one at a time)")
+        if self.max_batch_tokens is not None:
+            check_count("max_batch_tokens", self.max_batch_tokens, 1, "a number of KV positions, or None")
         if self.decode_weights not in DECODE_WEIGHTS:
             raise ConfigError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}, got {self.decode_weights!r}")
         if self.decode_weights == "int8" and dev != "cpu":

@@ -106,6 +106,7 @@ class CacheBlendEngine:
             finished=lambda job, result: self._fills.submit(job.prompt.prefix_ids, job.deferred, result.metrics),
             background=self._fills,
             max_batch=self.config.max_batch_size,
+            max_tokens=self.config.max_batch_tokens,
             max_token_gap_s=self.config.max_token_gap_s,
         )
 

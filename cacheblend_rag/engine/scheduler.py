@@ -2,8 +2,8 @@
 
 Every `generate` / `stream` / `agenerate` / `astream` call becomes a `Job` in one queue, whatever thread or event
 loop it comes from. One worker thread serves them all, in turns:
-1. it starts the oldest waiting job, if fewer than `max_batch` are decoding: the job's prefill (one at a time, under
-   the engine's lock), then its first token;
+1. it starts the oldest waiting job, if fewer than `max_batch` are decoding and its KV fits beside theirs
+   (`max_tokens`): the job's prefill (one at a time, under the engine's lock), then its first token;
 2. it stores one chunk that a cold request was answered without, if one is queued (`DeferredFills`: the scheduler
    hosts that queue while it runs);
 3. it runs one decode step for every job that is decoding, as one batched forward (`BatchDecoder`), and hands each
@@ -27,6 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from ..errors import PromptError
 from .batch_decode import BatchDecoder, DecodeCache
 from .decoding import AsyncTextStream, Event, GenerationResult, TextStream, TokenLoop
 from .interleave import AfterLayer, HostedWork
@@ -86,6 +87,11 @@ class Job:
     deferred: tuple[tuple[int, ...], ...] = ()
     last_token_at: float = 0.0  # perf_counter when its last token (the first one, then each step's) was picked
 
+    @property
+    def positions(self) -> int:
+        """The KV positions it holds while decoding: its prompt and room for its whole answer."""
+        return self.prompt.num_tokens + self.request.sampling.max_new_tokens
+
     def cancel(self) -> None:
         self.cancelled = True
 
@@ -113,10 +119,12 @@ class Scheduler:
         finished: Callable[[Job, GenerationResult], None],
         background: HostedWork,
         max_batch: int,
+        max_tokens: int | None = None,
         max_token_gap_s: float | None = None,
     ) -> None:
         self.decoder = decoder
         self.max_batch = max_batch
+        self.max_tokens = max_tokens
         self.max_token_gap_s = max_token_gap_s
         self._lock = lock
         self._prefill, self._new_loop, self._ready, self._finished = prefill, new_loop, ready, finished
@@ -127,9 +135,18 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._hosted = 0  # decode steps run between the layers of the prefill in progress
         self.largest_batch = 0  # the most jobs one step has decoded together (for tests and benchmarks)
+        self.largest_batch_tokens = 0  # the most KV positions (`Job.positions`) of the jobs of one step
 
     def submit(self, prompt: TokenizedPrompt, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> Job:
+        """Queue a request; PromptError, before anything runs, for one whose KV could never fit `max_tokens`."""
         job = Job(prompt, request, Channel(loop))
+        if self.max_tokens is not None and job.positions > self.max_tokens:
+            raise PromptError(
+                f"this request needs {job.positions} KV positions ({prompt.num_tokens} prompt tokens + "
+                f"max_new_tokens={request.sampling.max_new_tokens}), more than max_batch_tokens={self.max_tokens} "
+                "allows the whole batch: ask for fewer new tokens, retrieve fewer or shorter chunks, or raise "
+                "EngineConfig.max_batch_tokens"
+            )
         with self._cond:
             self._waiting.append(job)
             if self._thread is None:
@@ -167,6 +184,8 @@ class Scheduler:
                 job = None
                 if len(self._active) < self.max_batch:
                     job = next((j for j in self._waiting if self._ready(j.prompt)), None)
+                    if job is not None and not self._fits(job):
+                        job = None  # it waits for room; later jobs do not pass it
                     if job is not None:
                         self._waiting.remove(job)
                 batch = list(self._active)
@@ -203,6 +222,10 @@ class Scheduler:
         with self._cond:
             self._active.append(job)
 
+    def _fits(self, job: Job) -> bool:
+        """Whether `job`'s KV fits beside the decoding jobs' under `max_tokens` (under the condition's lock)."""
+        return self.max_tokens is None or job.positions + sum(j.positions for j in self._active) <= self.max_tokens
+
     @property
     def _after_layer(self) -> AfterLayer | None:
         """What a prefill (a request's, or a stored chunk's) calls between its layers: nothing without a gap."""
@@ -220,6 +243,7 @@ class Scheduler:
 
     def _step(self, batch: Sequence[Job]) -> None:
         self.largest_batch = max(self.largest_batch, len(batch))
+        self.largest_batch_tokens = max(self.largest_batch_tokens, sum(j.positions for j in batch))
         try:
             with self._lock:
                 logits = self.decoder.step([j.loop.token for j in batch], [j.cache for j in batch])  # type: ignore[misc, union-attr]
