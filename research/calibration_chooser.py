@@ -11,6 +11,7 @@ the other 50 - n (`benchlib.calibration_size`). Runs on the current code, from r
     python research/calibration_chooser.py > research/results/calibration_chooser.txt
 """
 
+import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -40,6 +41,7 @@ def sample_share_choice(sample: FidelityProfile, target: float) -> FidelityChoic
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     records = [r for folder in ("guard", "fidelity") for r in load_records(BENCHMARKS / "results" / folder,
                                                                              filename="fidelity.jsonl")]  # fmt: skip
     probes = load_records(BENCHMARKS / "results" / "guard", filename="probe.jsonl")

@@ -3,10 +3,12 @@ default ratio on isolated ones, paired per case, from the captured-mixed fidelit
 
 The serving plan asks whether r = 0.05 on context-aware chunk KV is as faithful as r = 0.15 on isolated KV (a third
 of the recompute at today's fidelity). This pairs, per case, `attention@LOW+capmix` with `attention@HIGH` (the
-isolated entries' default), on the same full-recompute reference (a pair whose reference digests differ is left out), and prints per data set and pooled: mean KL of each, the paired difference with a 95% bootstrap interval over
-cases, how many cases are closer, and first-token agreement. Runs on the current code, from records only:
+isolated entries' default), on the same full-recompute reference (a pair whose reference digests differ is left
+out), and prints per data set and pooled: mean KL of each, the paired difference with a 95% bootstrap interval
+over cases, how many cases are closer, and first-token agreement. Runs on the current code, from records only:
 
-    python research/captured_ratio.py benchmarks/results/fidelity-captured-mixed/fidelity.jsonl > research/results/captured_ratio.md
+    python research/captured_ratio.py benchmarks/results/fidelity-captured-mixed/fidelity.jsonl \
+        > research/results/captured_ratio.md
 """
 
 from __future__ import annotations

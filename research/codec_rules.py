@@ -7,6 +7,7 @@ bootstrap intervals. Runs on the current code:
     python research/codec_rules.py > research/results/codec_rules.txt
 """
 
+import argparse
 import dataclasses
 import statistics
 
@@ -18,26 +19,33 @@ from cacheblend_rag.testing import GATE_ANSWER_TOKENS, GATE_PASSAGES, GATE_QUEST
 RULES = ("attention", "paper", "gradual", "epic")
 RATIO = 0.15
 
-config = EngineConfig(dtype="float32", miss_policy="blend")
-engine = CacheBlendEngine.from_pretrained("smollm2-135m-instruct", config=config, show_progress=False)
-coded = {  # engines on the same model whose memory tier keeps chunk KV through each codec
-    codec: CacheBlendEngine(engine.model, engine.tokenizer, config=dataclasses.replace(config, memory_codec=codec))
-    for codec in ("int8", "int4")
-}
-native: dict[str, list[float]] = {rule: [] for rule in RULES}
-diffs: dict[tuple[str, str], list[float]] = {(codec, rule): [] for codec in coded for rule in RULES}
-for question in GATE_QUESTIONS:
-    for each in (engine, *coded.values()):
-        each.precompute(GATE_PASSAGES, question)
-    prompt = engine.build_prompt(GATE_PASSAGES, question)
-    reference = reference_answer(engine, prompt, GATE_ANSWER_TOKENS)
-    for rule in RULES:
-        base = measure(engine, prompt, reference, blend_rule(rule, RATIO))["kl_mean"]
-        native[rule].append(base)
-        for codec, coded_engine in coded.items():
-            kl = measure(coded_engine, prompt, reference, blend_rule(rule, RATIO))["kl_mean"]
-            diffs[(codec, rule)].append(kl - base)
-for (codec, rule), d in diffs.items():
-    lo, hi = bootstrap_ci(d)
-    mean_native = statistics.fmean(native[rule])
-    print(f"| {codec} | {rule}@{RATIO} | {mean_native:.4f} | {statistics.fmean(d):+.4f} [{lo:+.4f}, {hi:+.4f}] |")
+
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    config = EngineConfig(dtype="float32", miss_policy="blend")
+    engine = CacheBlendEngine.from_pretrained("smollm2-135m-instruct", config=config, show_progress=False)
+    coded = {  # engines on the same model whose memory tier keeps chunk KV through each codec
+        codec: CacheBlendEngine(engine.model, engine.tokenizer, config=dataclasses.replace(config, memory_codec=codec))
+        for codec in ("int8", "int4")
+    }
+    native: dict[str, list[float]] = {rule: [] for rule in RULES}
+    diffs: dict[tuple[str, str], list[float]] = {(codec, rule): [] for codec in coded for rule in RULES}
+    for question in GATE_QUESTIONS:
+        for each in (engine, *coded.values()):
+            each.precompute(GATE_PASSAGES, question)
+        prompt = engine.build_prompt(GATE_PASSAGES, question)
+        reference = reference_answer(engine, prompt, GATE_ANSWER_TOKENS)
+        for rule in RULES:
+            base = measure(engine, prompt, reference, blend_rule(rule, RATIO))["kl_mean"]
+            native[rule].append(base)
+            for codec, coded_engine in coded.items():
+                kl = measure(coded_engine, prompt, reference, blend_rule(rule, RATIO))["kl_mean"]
+                diffs[(codec, rule)].append(kl - base)
+    for (codec, rule), d in diffs.items():
+        lo, hi = bootstrap_ci(d)
+        mean_native = statistics.fmean(native[rule])
+        print(f"| {codec} | {rule}@{RATIO} | {mean_native:.4f} | {statistics.fmean(d):+.4f} [{lo:+.4f}, {hi:+.4f}] |")
+
+
+if __name__ == "__main__":
+    main()

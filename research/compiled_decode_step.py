@@ -20,6 +20,7 @@ logit difference between the compiled and the engine's step. Writes OUT/results.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -196,11 +197,12 @@ def main() -> int:
         difference = float((compiled_logits - eager.step(tokens, caches)).abs().max())
         eager_ms, compiled_ms = [], []
         for _ in range(args.repeats):  # alternating, so drifts of the machine's speed fall on both alike
-            eager_ms.append(median_ms(lambda: eager.step(tokens, caches), 1))
-            compiled_ms.append(median_ms(lambda: compiled.step(tokens, twins), 1))
+            eager_ms.append(median_ms(functools.partial(eager.step, tokens, caches), 1))
+            compiled_ms.append(median_ms(functools.partial(compiled.step, tokens, twins), 1))
         row = {"batch": batch, "cache_tokens": args.cache_tokens, "first_compiled_step_s": compile_s,
                "eager_ms": statistics.median(eager_ms), "compiled_ms": statistics.median(compiled_ms),
-               "max_logit_difference": difference} | floor(engine_lm, batch, args.cache_tokens, args.repeats)  # fmt: skip
+               "max_logit_difference": difference}  # fmt: skip
+        row |= floor(engine_lm, batch, args.cache_tokens, args.repeats)
         print(json.dumps(row), flush=True)
         rows.append(row)
     out = Path(args.out)
@@ -216,7 +218,8 @@ def main() -> int:
         rest = r["eager_ms"] - r["int8_products_ms"] - r["attention_and_o_proj_ms"]
         lines.append(f"| {r['batch']} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | "
                      f"{r['eager_ms'] / r['compiled_ms']:.2f}x | {r['int8_products_ms']:.1f} | "
-                     f"{r['attention_and_o_proj_ms']:.1f} | {rest:.1f} | {r['max_logit_difference']:.3g} |")  # fmt: skip
+                     f"{r['attention_and_o_proj_ms']:.1f} | {rest:.1f} | "
+                     f"{r['max_logit_difference']:.3g} |")  # fmt: skip
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

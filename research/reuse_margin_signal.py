@@ -16,6 +16,7 @@ ROC AUC with a 95% bootstrap interval over cases (0.5 = chance). Runs on the cur
     python research/reuse_margin_signal.py > research/results/reuse_margin_signal.txt
 """
 
+import argparse
 import random
 import statistics
 import sys
@@ -54,6 +55,7 @@ def auc_ci(labels: list[bool], scores: list[float], draws: int = 2000) -> tuple[
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     for model, folder in MODELS.items():
         probes = load_records(RESULTS / folder, filename="probe.jsonl")
         by_set: dict[str, list[dict]] = defaultdict(list)
