@@ -41,6 +41,11 @@ REUSE_OVER_DEFAULT_HALF = 4.0  # reuse is at least this many times further from 
 # 0.085) fail every one of these bounds.
 CONTEXT_REUSE_KL_BOUND = 0.03
 CONTEXT_DEFAULT_KL_BOUND = 0.025
+# Captured chunk KV (`capture="all"`: cut from a cold request's full prefill of the same passages, the first in
+# place and the others in reverse order): measured 0.0465 for full reuse, 0.0217 for the default at 0.15 and 0.0430
+# at 0.05. Isolated entries (0.114, 0.058, 0.085) fail every one of these bounds.
+CAPTURED_REUSE_KL_BOUND = 0.07
+CAPTURED_DEFAULT_KL_BOUND = 0.035
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +125,28 @@ def test_contextual_chunk_kv_brings_reuse_and_the_blend_closer_to_full_recompute
     assert cheap < isolated_default, (
         f"r = 0.05 on contextual KV ({cheap:.4f}) vs 0.15 isolated ({isolated_default:.4f})"
     )
+
+
+def test_captured_chunk_kv_brings_reuse_and_the_blend_closer_to_full_recompute(engine, references):
+    from dataclasses import replace
+
+    isolated_default = mean_kl(engine, references, default_method())
+    # an engine on the same model with a store of its own, and the cold request that fills it: its miss policy
+    # answers in full, and that prefill's chunk KV is kept as `capture="all"` (the default) keeps it
+    measuring = CacheBlendEngine(engine.model, engine.tokenizer, config=replace(engine.config, miss_policy="blend"))
+    cold = CacheBlendEngine(engine.model, engine.tokenizer, config=replace(engine.config, miss_policy="full"),
+                            store=measuring.store)  # fmt: skip
+    earlier = cold.build_prompt([CHUNKS[0], *reversed(CHUNKS[1:])], GATE_QUESTIONS[3])
+    first = cold.prefill(earlier, "blend").metrics
+    assert (first.mode, first.chunks_captured) == ("full", len(CHUNKS))
+    cold.wait_for_fills()
+    prompt = references[0][0]
+    read = measuring.prompt_keys(prompt, with_prefix=False)
+    captured = [measuring.chunk_key(prompt.prefix_ids, ids, captured=True) for ids in prompt.chunk_ids]
+    assert read == [measuring.chunk_key(prompt.prefix_ids, prompt.chunk_ids[0]), *captured[1:]]
+    reuse = mean_kl(measuring, references, None)
+    default = mean_kl(measuring, references, default_method())
+    cheap = mean_kl(measuring, references, default_method().with_ratio(0.05))
+    assert reuse < CAPTURED_REUSE_KL_BOUND, f"full reuse on captured chunk KV: mean KL {reuse:.4f}"
+    assert default < CAPTURED_DEFAULT_KL_BOUND, f"default blend on captured chunk KV: mean KL {default:.4f}"
+    assert cheap < isolated_default, f"r = 0.05 on captured KV ({cheap:.4f}) vs 0.15 isolated ({isolated_default:.4f})"
