@@ -94,6 +94,8 @@ def test_capture_all_keys_its_entries_apart_from_isolated_ones(family, tiny_toke
     engine.generate(prompt, max_new_tokens=1)  # cold: the miss policy answers with a full prefill
     engine.wait_for_fills()
     assert engine.prompt_keys(prompt, with_prefix=False) == [own[0], *captured[1:]]  # the first chunk reads its own
+    read = engine.prefill(prompt, "reuse").metrics
+    assert (read.chunks_hit, read.chunks_hit_captured) == (3, 2) and "captured=2 " in read.summary()
 
 
 def test_the_first_chunk_of_a_prompt_never_reads_kv_captured_after_other_chunks(family, tiny_tokenizer):
@@ -110,6 +112,7 @@ def test_the_first_chunk_of_a_prompt_never_reads_kv_captured_after_other_chunks(
     first.wait_for_fills()
     reuse = engine.prefill(prompt, "reuse")
     assert (reuse.metrics.chunks_missed, reuse.metrics.chunks_hit) == (1, 2)
+    assert reuse.metrics.chunks_hit_captured == 1  # B; C, captured first, is read from its own entry
     isolated = engine_with(family, tiny_tokenizer, miss_policy="blend")
     isolated.precompute(chunks[:1], prefix=PREFIX)
     for got, want in zip(entry(engine, prompt, 0), entry(isolated, prompt, 0), strict=True):

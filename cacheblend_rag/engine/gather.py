@@ -57,6 +57,8 @@ def gather(
             m.hits_by_tier[tier] = m.hits_by_tier.get(tier, 0) + 1
             m.bytes_loaded += stored_bytes
             m.reused_tokens += len(ids)
+            if j > 0 and chunks.capture_policy == "all" and kv.key == chunks.key(prompt.prefix_ids, ids, captured=True):
+                m.chunks_hit_captured += 1
             out.bytes_by_tier[tier] = out.bytes_by_tier.get(tier, 0) + stored_bytes
         else:
             m.chunks_missed += 1

@@ -18,6 +18,8 @@ class RequestMetrics:
     chunks_hit: int = 0
     chunks_missed: int = 0  # not in the store: prefilled on the spot and stored
     chunks_captured: int = 0  # missed chunks stored from this request's own full prefill (no second prefill)
+    # hits read from a captured entry (capture="all"): KV an earlier full prefill computed after other chunks
+    chunks_hit_captured: int = 0
     hits_by_tier: dict[str, int] = field(default_factory=dict)  # chunk hits per store tier (memory, disk, redis)
     bytes_loaded: int = 0  # read from store tiers, as their codecs stored it (int8 on disk: about a quarter of fp32)
     load_s: float = 0.0  # store lookups, reading, checking and assembling loaded KV (overlapped when pipelined)
@@ -80,6 +82,7 @@ class RequestMetrics:
             f"mode={self.mode}{ratio} ttft={self.ttft_s * 1000:.0f}ms{cold} prompt={self.prompt_tokens} tok "
             f"recomputed={self.recomputed_tokens} ({self.recompute_share:.0%}, compute {self.compute_share:.0%}) "
             f"chunks hit/miss={self.chunks_hit}/{self.chunks_missed}{self._tiers()} "
+            f"{f'captured={self.chunks_hit_captured} ' if self.chunks_hit_captured else ''}"
             f"loaded={self.bytes_loaded / 2**20:.1f}MiB "
             f"load={self.load_s * 1000:.0f}ms{' (pipelined)' if self.pipelined else ''} "
             f"wait={self.wait_s * 1000:.0f}ms compute={self.compute_s * 1000:.0f}ms "
