@@ -42,6 +42,7 @@ class Loaded(NamedTuple):
     kv: ChunkReader
     tier: str | None  # the store tier it came from; None when it was prefilled now
     stored_bytes: int  # bytes read from that tier, as its codec stored them (0 when prefilled now)
+    captured: bool = False  # read from the chunk's captured entry (capture="all"), not its own
 
 
 class ChunkCache:
@@ -259,12 +260,13 @@ class ChunkCache:
         comes back unread: its layers are fetched while the fusor runs. Without it, the chunk is read whole now,
         and one that turns out damaged is recomputed here (its tier has dropped it and counted a miss).
         """
-        hit = self.find(prefix_ids, ids, position)
-        if hit is not None:
+        found = self.find(prefix_ids, ids, position)
+        if found is not None:
+            hit, captured = found
             if lazy:
-                return Loaded(hit.kv, hit.tier, hit.kv.nbytes)
+                return Loaded(hit.kv, hit.tier, hit.kv.nbytes, captured)
             try:  # the stored size, before reading decodes it to the compute dtype
-                return Loaded(hit.kv.materialize(), hit.tier, hit.kv.nbytes)
+                return Loaded(hit.kv.materialize(), hit.tier, hit.kv.nbytes, captured)
             except CorruptEntryError as exc:
                 logger.warning("chunk %s from the %s tier is damaged (%s); recomputing it", hit.kv.key[:12], hit.tier,
                                exc)  # fmt: skip
@@ -272,13 +274,14 @@ class ChunkCache:
         self.store.put(kv)
         return Loaded(kv, None, 0)
 
-    def find(self, prefix_ids: Sequence[int], ids: Sequence[int], position: int = 0) -> Hit | None:
-        """The stored entry chunk `ids` after `prefix_ids` is read from at `position` of a prompt (`read_keys`), or
-        None (a miss; nothing is computed)."""
-        for key in self.read_keys(prefix_ids, ids, position):
+    def find(self, prefix_ids: Sequence[int], ids: Sequence[int], position: int = 0) -> tuple[Hit, bool] | None:
+        """The stored entry chunk `ids` after `prefix_ids` is read from at `position` of a prompt (`read_keys`) and
+        whether it is a captured entry rather than the chunk's own, or None (a miss; nothing is computed)."""
+        *preferred, own = self.read_keys(prefix_ids, ids, position)
+        for key in (*preferred, own):
             hit = self.lookup(key, len(ids))
             if hit is not None:
-                return hit
+                return hit, key != own
         return None
 
     def missing(self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:

@@ -46,8 +46,8 @@ def gather(
     seen: set[str] = set()  # a chunk repeated in one prompt is prefilled once: one miss, then hits
     for j, ids in enumerate(prompt.chunk_ids[:n_chunks]):
         t0 = time.perf_counter()
-        kv, tier, stored_bytes = chunks.get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=lazy, position=j,
-                                                       after_layer=after_layer)  # fmt: skip
+        kv, tier, stored_bytes, captured = chunks.get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=lazy,
+                                                                 position=j, after_layer=after_layer)  # fmt: skip
         if tier is None:
             fresh.add(kv.key)
         repeat = kv.key in seen
@@ -57,8 +57,7 @@ def gather(
             m.hits_by_tier[tier] = m.hits_by_tier.get(tier, 0) + 1
             m.bytes_loaded += stored_bytes
             m.reused_tokens += len(ids)
-            if j > 0 and chunks.capture_policy == "all" and kv.key == chunks.key(prompt.prefix_ids, ids, captured=True):
-                m.chunks_hit_captured += 1
+            m.chunks_hit_captured += captured
             out.bytes_by_tier[tier] = out.bytes_by_tier.get(tier, 0) + stored_bytes
         else:
             m.chunks_missed += 1
