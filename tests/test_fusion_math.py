@@ -8,6 +8,7 @@ import torch
 from conftest import reference_logits_with_cache
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, PrefillMode, blend_rule
+from cacheblend_rag.engine.planning import prefix_and_chunk_masks
 from cacheblend_rag.fusion import FusionPlan, fuse, keep_counts, select_recompute_tokens, token_deviation
 from cacheblend_rag.models import LayerwiseModel, rotate_keys
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
@@ -140,13 +141,8 @@ def test_planted_outlier_is_always_selected():
 def chunks_reused_plan(prompt, keep: int) -> FusionPlan:
     """The prefix exact, every chunk token reused, the suffix computed; `keep` reused tokens kept after the one
     check layer (1), ranked by key deviation."""
-    n = prompt.num_tokens
-    exact = torch.zeros(n, dtype=torch.bool)
-    exact[: len(prompt.prefix_ids)] = True
-    reused = torch.zeros(n, dtype=torch.bool)
-    for s, e in prompt.chunk_spans:
-        reused[s:e] = True
-    return FusionPlan(prompt.input_ids(), torch.arange(n), exact, reused, (1,), (keep,), "key")
+    exact, reused = prefix_and_chunk_masks(prompt)
+    return FusionPlan(prompt.input_ids(), torch.arange(prompt.num_tokens), exact, reused, (1,), (keep,), "key")
 
 
 def test_planted_outlier_in_loaded_kv_is_recomputed(family):
