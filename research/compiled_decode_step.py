@@ -118,7 +118,8 @@ class CompiledStep:
         return lm.logits(hidden)
 
 
-def random_caches(lm: LayerwiseModel, batch: int, length: int, room: int) -> list[DecodeCache]:
+def random_prompt_caches(lm: LayerwiseModel, batch: int, length: int) -> list[DynamicCache]:
+    """One prompt's cache of random keys and values per request (a `DecodeCache` copies it into its own buffers)."""
     s = lm.shape
     out = []
     for _ in range(batch):
@@ -126,17 +127,7 @@ def random_caches(lm: LayerwiseModel, batch: int, length: int, room: int) -> lis
         for i in range(s.num_layers):
             kv = torch.randn(2, 1, s.num_kv_heads, length, s.head_dim)
             cache.update(kv[0], kv[1], i)
-        out.append(DecodeCache(cache, length, length + room))
-    return out
-
-
-def copy_of(caches: list[DecodeCache]) -> list[DecodeCache]:
-    out = []
-    for c in caches:
-        twin = DecodeCache.__new__(DecodeCache)
-        twin.keys, twin.values = [k.clone() for k in c.keys], [v.clone() for v in c.values]
-        twin.length, twin.capacity = c.length, c.capacity
-        out.append(twin)
+        out.append(cache)
     return out
 
 
@@ -188,8 +179,9 @@ def main() -> int:
     compiled = CompiledStep(LayerwiseModel(compiled_lm.model, compiled_lm.model.fused_qkv))  # traceable copies now
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        caches = random_caches(engine_lm, batch, args.cache_tokens, room=args.repeats + 4)
-        twins = copy_of(caches)
+        prompts, room = random_prompt_caches(engine_lm, batch, args.cache_tokens), args.repeats + 4
+        caches = [DecodeCache(c, args.cache_tokens, args.cache_tokens + room) for c in prompts]
+        twins = [DecodeCache(c, args.cache_tokens, args.cache_tokens + room) for c in prompts]  # the same KV
         tokens = list(range(1000, 1000 + batch))
         started = time.perf_counter()
         compiled_logits = compiled.step(tokens, twins)
