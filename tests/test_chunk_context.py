@@ -37,6 +37,30 @@ def test_chunk_after_its_predecessor_makes_full_reuse_exact(tiny_engine):
     )
 
 
+def test_the_first_chunk_of_a_prompt_reads_its_isolated_entry(tiny_engine, tiny_tokenizer):
+    # A cached after B and B after A: asked in the order A, B, reuse is a full prefill only if A, whose real
+    # context is the prefix alone, is read from its isolated entry, and B from its entry after A
+    (a, b), prompt = two_chunk_prompt(tiny_engine)
+    full = tiny_engine.prefill(prompt, "full").logits
+    assert tiny_engine.precompute([a, b], prefix=random_words(33, 5), context=[[b], [a]]) == (0, 2)
+    warm = tiny_engine.prefill(prompt, "reuse")
+    assert (warm.metrics.chunks_hit, warm.metrics.chunks_missed) == (2, 0)  # precompute stored both entries
+    torch.testing.assert_close(warm.logits, full, atol=1e-4, rtol=0)
+    isolated_a = chunk_key(tiny_engine.fingerprint, tiny_engine.dtype, prompt.prefix_ids, prompt.chunk_ids[0])
+    assert tiny_engine.prompt_keys(prompt, with_prefix=False) == [
+        isolated_a,
+        tiny_engine.chunk_key(prompt.prefix_ids, prompt.chunk_ids[1]),
+    ]
+    # contexts recorded, nothing stored: the head chunk is prefilled alone and stored under its isolated key
+    cold = CacheBlendEngine(tiny_engine.model, tiny_tokenizer, config=EngineConfig(miss_policy="blend",
+                                                                                   chunk_separator=""))  # fmt: skip
+    cold.set_chunk_context([a, b], [[b], [a]], prefix=random_words(33, 5))
+    first = cold.prefill(prompt, "reuse")
+    assert first.metrics.chunks_missed == 2
+    torch.testing.assert_close(first.logits, full, atol=1e-4, rtol=0)
+    assert isolated_a in cold.store and cold.chunk_key(prompt.prefix_ids, prompt.chunk_ids[0]) not in cold.store
+
+
 def test_the_recorded_context_changes_the_entry_and_its_key(tiny_engine):
     (a, b), prompt = two_chunk_prompt(tiny_engine)
     prefix_ids, ids = prompt.prefix_ids, prompt.chunk_ids[1]

@@ -8,7 +8,8 @@ A full prefill of a prompt holds every chunk's KV after the prefix and the chunk
 entries out of it (keys turned back to raw), so a cold request stores what it already computed (`capturable`
 says which, under the engine's `capture` policy). Under capture="all" a chunk after the first of a prompt is read
 from its captured entry (the KV a full prefill gave it, after the chunks before it there; a key of its own), else
-from its own entry; the first chunk of a prompt, whose real context is the prefix alone, always reads its own.
+from its own entry. The first chunk of a prompt, whose real context is the prefix alone, always reads its isolated
+entry (prefilled after the prefix only): never a captured one, nor one prefilled after neighbours.
 
 Whatever comes back from a store is checked against the shape this model gives that many tokens before a single
 layer is read; anything else is dropped and recomputed, never used.
@@ -72,20 +73,26 @@ class ChunkCache:
     def store(self, store: ChunkStore) -> None:
         self._store = store
 
-    def key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], *, captured: bool = False) -> str:
+    def key(
+        self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], *, captured: bool = False, isolated: bool = False
+    ) -> str:
         """The store key of a chunk's KV when it follows `prefix_ids` (and its recorded context, if any); with
-        `captured`, of its captured entry (capture="all")."""
-        digest = CAPTURED if captured else self.contexts.digest(chunk_ids)
+        `captured`, of its captured entry (capture="all"); with `isolated`, of the entry prefilled after the prefix
+        alone, whatever context is recorded (what the first chunk of a prompt reads)."""
+        digest = CAPTURED if captured else "" if isolated else self.contexts.digest(chunk_ids)
         return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids, digest)
 
     def read_keys(
-        self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], position: int, policy: str | None = None
+        self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], position: int | None, policy: str | None = None
     ) -> tuple[str, ...]:
-        """The keys a chunk at `position` of a prompt is read from, best first: under capture="all", a chunk
-        after the first reads its captured entry, else its own; every other chunk reads its own entry.
-        `policy` replaces the engine's capture policy."""
+        """The keys a chunk at `position` of a prompt is read from, best first: the first chunk reads its isolated
+        entry; under capture="all", a later chunk reads its captured entry, else its own; every other chunk
+        reads its own entry, and so does a chunk at no position (None: precompute and fills). `policy` replaces
+        the engine's capture policy."""
+        if position == 0:  # its real context is the prefix alone (research.md, sections 13 and 17)
+            return (self.key(prefix_ids, chunk_ids, isolated=True),)
         own = self.key(prefix_ids, chunk_ids)
-        if (policy or self.capture_policy) == "all" and position > 0:
+        if position is not None and (policy or self.capture_policy) == "all":
             return (self.key(prefix_ids, chunk_ids, captured=True), own)
         return (own,)
 
@@ -136,14 +143,16 @@ class ChunkCache:
         prefix_ids: Sequence[int],
         ids: Sequence[int],
         after_layer: AfterLayer | None = None,
+        *,
+        isolated: bool = False,
     ) -> ChunkKV:
-        """Prefill `ids` after the (cached) prefix and the chunk's recorded context, and keep only their KV
-        (`after_layer` runs between its layers: `interleave`).
+        """Prefill `ids` after the (cached) prefix and the chunk's recorded context (none with `isolated`), and keep
+        only their KV (`after_layer` runs between its layers: `interleave`).
 
         A context that would not fit the model's positions with the prefix and the chunk is cut from its start
         (the nearest neighbour, placed last, is kept)."""
         p = len(prefix_ids)
-        context = self.context_of(prefix_ids, ids)
+        context = () if isolated else self.context_of(prefix_ids, ids)
         all_ids = torch.tensor([*prefix_ids, *context, *ids], dtype=torch.long)
         keep = p + len(context)
         n = all_ids.shape[0]
@@ -156,11 +165,14 @@ class ChunkCache:
         assert result.raw_keys is not None
         keys = torch.stack([k[:, keep:] for k in result.raw_keys])  # [L, Hkv, T, D]
         values = torch.stack([v[:, keep:] for v in result.values])
-        return ChunkKV(self.key(prefix_ids, ids), keys, values)
+        return ChunkKV(self.key(prefix_ids, ids, isolated=isolated), keys, values)
 
     def exact_at(self, prefix_ids: Sequence[int], ids: Sequence[int], key: str, before: Sequence[int]) -> bool:
         """Whether entry `key` of chunk `ids` holds what a full prefill computes for the chunk after `prefix_ids`
-        and the tokens `before` it in a prompt: its own entry, prefilled after exactly those tokens."""
+        and the tokens `before` it in a prompt: an entry prefilled after exactly those tokens (the isolated one
+        with nothing before it, else its own)."""
+        if not before and key == self.key(prefix_ids, ids, isolated=True):
+            return True
         return key == self.key(prefix_ids, ids) and self.context_of(prefix_ids, ids) == tuple(before)
 
     def context_of(self, prefix_ids: Sequence[int], ids: Sequence[int]) -> tuple[int, ...]:
@@ -172,16 +184,16 @@ class ChunkCache:
 
     def capturable(self, prompt: TokenizedPrompt, policy: str | None = None) -> list[int]:
         """The positions of `prompt` whose best entry (`read_keys`) is not stored and a full prefill of the prompt
-        computes exactly: the first chunk's own entry when it has no context; under capture="all", every later
-        chunk's captured entry; under "exact", a later chunk whose own entry is prefilled after just the chunks
-        before it here. Each chunk once, at its first place. Reads no KV. `policy` replaces the engine's."""
+        computes exactly: the first chunk's isolated entry; under capture="all", every later chunk's captured
+        entry; under "exact", a later chunk whose own entry is prefilled after just the chunks before it here.
+        Each chunk once, at its first place. Reads no KV. `policy` replaces the engine's."""
         policy = policy or self.capture_policy
         out: list[int] = []
         seen: set[tuple[int, ...]] = set()
         before: list[int] = []
         for j, ids in enumerate(prompt.chunk_ids):
             # whether this prompt computes the entry exactly (in memory) before asking the store whether it has it
-            exact = (policy == "all" and j > 0) or self.context_of(prompt.prefix_ids, ids) == tuple(before)
+            exact = j == 0 or policy == "all" or self.context_of(prompt.prefix_ids, ids) == tuple(before)
             if ids not in seen and exact and self.read_keys(prompt.prefix_ids, ids, j, policy)[0] not in self.store:
                 out.append(j)
             seen.add(ids)
@@ -250,13 +262,14 @@ class ChunkCache:
         ids: Sequence[int],
         *,
         lazy: bool,
-        position: int = 0,
+        position: int | None = None,
         after_layer: AfterLayer | None = None,
     ) -> Loaded:
         """The chunk's KV, the tier it came from (None if it was prefilled now) and the bytes read from that tier.
 
-        `prefix` is the KV of `prefix_ids`; `position` the chunk's place in the prompt (`read_keys`); a chunk
-        prefilled now gets its own entry. With `lazy` (pipelined loading), a chunk found on disk or in Redis
+        `prefix` is the KV of `prefix_ids`; `position` the chunk's place in the prompt (`read_keys`; None: its own
+        entry); a chunk prefilled now gets its own entry, or its isolated one at the head of a prompt. With `lazy`
+        (pipelined loading), a chunk found on disk or in Redis
         comes back unread: its layers are fetched while the fusor runs. Without it, the chunk is read whole now,
         and one that turns out damaged is recomputed here (its tier has dropped it and counted a miss).
         """
@@ -270,11 +283,13 @@ class ChunkCache:
             except CorruptEntryError as exc:
                 logger.warning("chunk %s from the %s tier is damaged (%s); recomputing it", hit.kv.key[:12], hit.tier,
                                exc)  # fmt: skip
-        kv = self.prefill(prefix, prefix_ids, ids, after_layer)
+        kv = self.prefill(prefix, prefix_ids, ids, after_layer, isolated=position == 0)
         self.store.put(kv)
         return Loaded(kv, None, 0)
 
-    def find(self, prefix_ids: Sequence[int], ids: Sequence[int], position: int = 0) -> tuple[Hit, bool] | None:
+    def find(
+        self, prefix_ids: Sequence[int], ids: Sequence[int], position: int | None = None
+    ) -> tuple[Hit, bool] | None:
         """The stored entry chunk `ids` after `prefix_ids` is read from at `position` of a prompt (`read_keys`) and
         whether it is a captured entry rather than the chunk's own, or None (a miss; nothing is computed)."""
         *preferred, own = self.read_keys(prefix_ids, ids, position)
@@ -307,14 +322,19 @@ class ChunkCache:
         *,
         show_progress: bool = False,
         after_layer: AfterLayer | None = None,
+        heads: bool = False,
     ) -> tuple[int, int]:
         """Make sure each chunk's KV (after `prefix_ids`) is stored, running `after_layer` between the layers of
-        each prefill. -> (chunks already stored, computed now)"""
+        each prefill; with `heads`, a chunk with a context gets its isolated entry too (what it is read from at
+        the head of a prompt). -> (chunks already stored, chunks with an entry computed now)"""
         hits = misses = 0
         loaded = self.load_prefix(prefix_ids)
         prefix = None if loaded is None else loaded.kv
         for ids in tqdm(chunk_ids, desc="precomputing chunk KV", unit="chunk", disable=not show_progress):
             stored = self.get_or_prefill(prefix, prefix_ids, ids, lazy=True, after_layer=after_layer).tier is not None
+            if heads and self.contexts.digest(ids):
+                head = self.get_or_prefill(prefix, prefix_ids, ids, lazy=True, position=0, after_layer=after_layer)
+                stored = stored and head.tier is not None
             hits, misses = hits + stored, misses + (not stored)
         return hits, misses
 

@@ -177,7 +177,8 @@ class CacheBlendEngine:
 
     def prompt_keys(self, prompt: TokenizedPrompt, *, with_prefix: bool = True) -> list[str]:
         """The store keys this engine reads a prompt's KV from now: the prefix's (if any, and `with_prefix`), then
-        each chunk's in order (its captured entry where capture="all" stored one for its place, else its own)."""
+        each chunk's in order (the first chunk's isolated entry; a later one's captured entry where capture="all"
+        stored one, else its own)."""
         return self.chunks.prompt_keys(prompt.prefix_ids, prompt.chunk_ids, with_prefix=with_prefix)
 
     def precompute(
@@ -194,13 +195,14 @@ class CacheBlendEngine:
 
         `chunks` are taken as the corpus: each chunk's KV is prefilled after its `config.context_neighbours` most
         similar other chunks among them (`set_chunk_context`; `context=None` stores isolated entries, "keep" the
-        contexts recorded already, a list per chunk gives other context texts). The template's prefix does not
-        depend on the question, so `question` is only needed by templates that place it before the chunks.
-        Returns (already cached, newly computed).
+        contexts recorded already, a list per chunk gives other context texts). A chunk with a context also gets
+        its isolated entry, which a prompt reads for its first chunk (whose real context is the prefix alone).
+        The template's prefix does not depend on the question, so `question` is only needed by templates that
+        place it before the chunks. Returns (already cached, newly computed).
         """
         prefix_ids, chunk_ids = self._take_corpus(chunks, context, question, template, prefix)
         with self._lock:
-            return self.chunks.fill(prefix_ids, chunk_ids, show_progress=show_progress)
+            return self.chunks.fill(prefix_ids, chunk_ids, show_progress=show_progress, heads=True)
 
     def set_chunk_context(
         self, chunks: Sequence[str], context: ContextArg = NEIGHBOURS, *, question: str | None = None,
