@@ -12,11 +12,16 @@ last, and one neighbour. Prints per-token KL(full || reuse) and reuse's first to
 from __future__ import annotations
 
 import argparse
+import random
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
 from cacheblend_rag.evaluation import load_dataset
 from cacheblend_rag.evaluation.fidelity import prepare_case, teacher_forced_logits, token_kl
 from cacheblend_rag.retrieval.neighbours import neighbour_texts
+
+
+def others(chunks: list[str], j: int) -> list[str]:
+    return [c for i, c in enumerate(chunks) if i != j]
 
 
 def main() -> None:
@@ -25,6 +30,7 @@ def main() -> None:
     p.add_argument("--dataset", default="musique")
     p.add_argument("--case", type=int, default=0)
     p.add_argument("--data-dir", default="../shared/data")
+    p.add_argument("--only", help="semicolon-separated context names to run (default: all)")
     args = p.parse_args()
     ds = load_dataset(args.dataset, args.data_dir, args.case + 1)
     spec, case = ds.spec, ds.cases[args.case]
@@ -40,8 +46,14 @@ def main() -> None:
         "2 neighbours, nearest first": [list(n) for n in nearest],
         "2 neighbours, nearest last": [list(reversed(n)) for n in nearest],
         "1 neighbour": [[n[0]] for n in nearest],
+        "2 neighbours, first isolated": [[]] + [list(reversed(n)) for n in nearest[1:]],
+        "2 others at random, first isolated": [[]] + [random.Random(j).sample(others(chunks, j), 2)
+                                                      for j in range(1, len(chunks))],
     }
+    only = set(args.only.split(";")) if args.only else None
     for name, context in contexts.items():
+        if only is not None and name not in only:
+            continue
         engine.precompute(chunks, case.question, template=spec.template, context=context)
         pre = engine.prefill(prompt, "reuse")
         logits = teacher_forced_logits(engine, pre, ref)
