@@ -4,7 +4,8 @@ A chunk prefilled alone after the prefix has KV that never attended to the other
 recomputes some tokens to restore that. A chunk prefilled after text like what precedes it in real prompts (its
 nearest neighbours in the corpus) starts closer to a full prefill, so full KV reuse and the blend drift less.
 Only the chunk's own KV is kept, so a contextual entry costs the same storage as an isolated one; the price is
-the context's tokens, prefilled once per chunk at precompute time.
+the context's tokens, prefilled once per chunk at precompute time. The first chunk of a prompt follows the prefix
+alone, so it reads the chunk's isolated entry (`ChunkCache.read_keys`), which `precompute` stores beside it.
 
 `ChunkContexts` records, per chunk (by its tokens), the token ids of the text its entry is built after. The
 context's digest is part of the entry's store key (`store.chunk_key`), so an entry always says which context
