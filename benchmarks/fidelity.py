@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             full_sets = {
                 ds.spec.name: load_dataset(n, args.data_dir, None) for n, ds in zip(names, datasets, strict=True)
             }
-            prepare[CONTEXT] = ContextPreparer(full_sets, args.context_neighbours)
+            prepare[CONTEXT] = ContextPreparer(full_sets, args.context_neighbours, args.context_order == "acyclic")
         elif args.chunk_context == "captured":
             engines[CAPTURED] = capture_engine(engine)
             prepare[CAPTURED] = CapturePreparer()
@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                    "an earlier request's full prefill of the same passages in another order ('+cap'); captured-mixed: "
                    "from two earlier requests of half the passages each among other cases' ('+capmix')")  # fmt: skip
     p.add_argument("--context-neighbours", type=int, default=2, help="with --chunk-context: neighbours per chunk")
+    p.add_argument("--context-order", choices=["nearest", "acyclic"], default="nearest", help="with --chunk-context "
+                   "neighbours: the nearest passages, or the nearest among those earlier in a fixed order of the "
+                   "pool, so that no two passages are in each other's context (use its own --out)")  # fmt: skip
     p.add_argument("--take-records", metavar="DIR", help="copy DIR's records of this run's methods and cases (same "
                    "model, dtype, device) instead of measuring them again: e.g. only '+cap' is new")  # fmt: skip
     p.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")

@@ -248,3 +248,19 @@ def test_captured_among_other_cases_passages_is_measured_and_each_chunk_is_captu
         halves = r["captured_halves"]
         assert sorted(halves[0] + halves[1]) == [0, 1, 2] and r["captured_chunks"] >= 3
         assert r["kl_mean"] > 1e-4  # captured after other text than the measured prompt's
+
+
+def test_acyclic_pool_neighbours_never_put_two_passages_in_each_others_context():
+    from benchlib.fidelity_context import PoolNeighbours, text_rank
+
+    data = tiny_dataset(4)
+    chunks = [c for case in data.cases for c in case.chunks]
+    nearest = dict(zip(chunks, PoolNeighbours(data, 2).context(chunks), strict=True))
+    acyclic = dict(zip(chunks, PoolNeighbours(data, 2, acyclic=True).context(chunks), strict=True))
+    assert all(len(ctx) == 2 for ctx in nearest.values())
+    assert any(b in nearest[a] for b in chunks for a in nearest[b])  # the nearest passages make 2-cycles
+    for chunk, ctx in acyclic.items():
+        assert all(text_rank(c) < text_rank(chunk) for c in ctx) and len(ctx) <= 2
+        assert not any(chunk in acyclic[c] for c in ctx)
+    first = min(chunks, key=text_rank)
+    assert acyclic[first] == [] and sum(len(ctx) for ctx in acyclic.values()) > len(chunks)

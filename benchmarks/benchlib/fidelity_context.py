@@ -19,6 +19,7 @@ text that is not in the measured prompt.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import statistics
 import time
@@ -40,11 +41,21 @@ CAPTURED_MIXED = "capmix"  # `attention@0.15+capmix`
 CONTEXT_VARIANTS = (CONTEXT, CAPTURED, CAPTURED_MIXED)
 
 
-class PoolNeighbours:
-    """Each passage's nearest neighbours in a data set's pool (every case's passages, duplicates once)."""
+def text_rank(text: str) -> str:
+    """A passage's place in a fixed order of the corpus (its sha256), the same however the corpus is listed."""
+    return hashlib.sha256(text.encode()).hexdigest()
 
-    def __init__(self, dataset: Dataset, n: int) -> None:
-        self.n = n
+
+class PoolNeighbours:
+    """Each passage's nearest neighbours in a data set's pool (every case's passages, duplicates once).
+
+    `acyclic`: only among passages earlier in a fixed order of the pool (`text_rank`), so no two passages are in
+    each other's context (research.md, "Which passages to cache a chunk after": chunks cached after each other,
+    all in one prompt, broke a MuSiQue answer); searched among the 8n + 16 nearest, so a passage early in the
+    order may get fewer than n, and the first none."""
+
+    def __init__(self, dataset: Dataset, n: int, acyclic: bool = False) -> None:
+        self.n, self.acyclic = n, acyclic
         self.pool = list(dict.fromkeys(c for case in dataset.cases for c in case.chunks))
         self.vectors = embed_texts(load_embedder(), self.pool, batch_size=32, show_progress=False)
         self.row = {t: i for i, t in enumerate(self.pool)}
@@ -52,7 +63,11 @@ class PoolNeighbours:
     def context(self, chunks: list[str]) -> list[list[str]]:
         """Per chunk, its neighbours in the order they are prefilled before it (nearest last)."""
         queries = self.vectors[[self.row[c] for c in chunks]]
-        found = nearest_neighbours(queries, self.vectors, self.n, query_texts=chunks, pool_texts=self.pool)
+        depth = min(8 * self.n + 16, len(self.pool)) if self.acyclic else self.n
+        found = nearest_neighbours(queries, self.vectors, depth, query_texts=chunks, pool_texts=self.pool)
+        if self.acyclic:
+            found = [[j for j in ids if text_rank(self.pool[j]) < text_rank(c)][: self.n]
+                     for c, ids in zip(chunks, found, strict=True)]  # fmt: skip
         return [neighbour_context([self.pool[j] for j in ids]) for ids in found]
 
 
@@ -65,15 +80,15 @@ def context_engine(engine: CacheBlendEngine, n: int) -> CacheBlendEngine:
 class ContextPreparer:
     """Fills a context engine's store with a case's contextual chunk KV (timed), one data set's pool each."""
 
-    def __init__(self, full_datasets: dict[str, Dataset], n: int) -> None:
+    def __init__(self, full_datasets: dict[str, Dataset], n: int, acyclic: bool = False) -> None:
         self.full = full_datasets  # by set name: every case, whose passages make the pool
-        self.n = n
+        self.n, self.acyclic = n, acyclic
         self._pools: dict[str, PoolNeighbours] = {}
 
     def __call__(self, engine: CacheBlendEngine, spec: TaskSpec, case: Case, prompt: TokenizedPrompt) -> dict[str, Any]:
         pool = self._pools.get(spec.name)
         if pool is None:
-            pool = self._pools[spec.name] = PoolNeighbours(self.full[spec.name], self.n)
+            pool = self._pools[spec.name] = PoolNeighbours(self.full[spec.name], self.n, self.acyclic)
         engine.clear_store()
         engine.chunks.contexts.clear()
         chunks = list(case.chunks)
@@ -84,6 +99,7 @@ class ContextPreparer:
         context_tokens = [len(engine.chunks.contexts.tokens(ids)) for ids in prompt.chunk_ids]
         return {
             "context_neighbours": self.n,
+            "context_order": "acyclic" if self.acyclic else "nearest",
             "precompute_s": precompute_s,
             "context_tokens": sum(context_tokens) / max(len(context_tokens), 1),  # per chunk, mean
             "chunk_tokens": sum(len(ids) for ids in prompt.chunk_ids) / max(len(prompt.chunk_ids), 1),
