@@ -269,9 +269,9 @@ class ChunkCache:
 
         `prefix` is the KV of `prefix_ids`; `position` the chunk's place in the prompt (`read_keys`; None: its own
         entry); a chunk prefilled now gets its own entry, or its isolated one at the head of a prompt. With `lazy`
-        (pipelined loading), a chunk found on disk or in Redis
-        comes back unread: its layers are fetched while the fusor runs. Without it, the chunk is read whole now,
-        and one that turns out damaged is recomputed here (its tier has dropped it and counted a miss).
+        (pipelined loading), a chunk found on disk or in Redis comes back unread: its layers are fetched while the
+        fusor runs. Without it, the chunk is read whole now, and one that turns out damaged is recomputed here (its
+        tier has dropped it and counted a miss).
         """
         found = self.find(prefix_ids, ids, position)
         if found is not None:
