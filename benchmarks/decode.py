@@ -1,6 +1,7 @@
 """Decoding speed of one request, and what int8 decode weights cost in fidelity.
 
-For each setting of `decode_weights` ("native" fp32, "int8"): a warm blend request over --chunks chunks of
+For each setting (--settings: `decode_weights` "native" fp32 and "int8", and "bf16", the whole engine in bfloat16,
+the fast choice on CPUs with AMX or AVX-512-BF16): a warm blend request over --chunks chunks of
 --chunk-tokens tokens answers with up to --new-tokens tokens; reports the time to first token, decode tokens/s
 and the time to the last token, median over --repeats. Answers stop early at end of turn, so the decode rate is
 (tokens - 1) / decode time.
@@ -12,6 +13,7 @@ Writes OUT/results.json and summary.md.
 
     python benchmarks/decode.py                       # default model, 6 x 512-token chunks, 128 tokens
     python benchmarks/decode.py --model smollm2-135m-instruct --new-tokens 16 --cases 2 --out /tmp/decode
+    python benchmarks/decode.py --settings native,int8,bf16 --cases 0 --out benchmarks/results/decode-amx
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cases", type=int, default=8, help="prompts of the fidelity check (0: skip it)")
+    p.add_argument("--settings", default="native,int8", help="comma-separated: native, int8, bf16")
     add_out_argument(p, "decode", "where the decode results go")
     add_data_dir_argument(p)
     args = p.parse_args()
@@ -86,9 +89,17 @@ def main() -> None:
     results = dict(model=model_name(args.model), cpu=cpu_name(), threads=torch.get_num_threads(),
                    prompt_tokens=base.build_prompt(chunks, QUESTIONS[0]).num_tokens, new_tokens=args.new_tokens,
                    settings={})  # fmt: skip
-    for weights in ("native", "int8"):
-        engine = CacheBlendEngine(base.model, base.tokenizer, config=EngineConfig(decode_weights=weights),
-                                  store=base.store)  # fmt: skip
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    if unknown := set(settings) - {"native", "int8", "bf16"}:
+        raise SystemExit(f"unknown --settings {sorted(unknown)}: choose among native, int8, bf16")
+    for weights in settings:
+        if weights == "bf16":  # its own model copy and store: bf16 weights, bf16 chunk KV
+            engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(dtype="bfloat16"),
+                                                      show_progress=False)  # fmt: skip
+            engine.precompute(chunks, QUESTIONS[0])
+        else:
+            engine = CacheBlendEngine(base.model, base.tokenizer, config=EngineConfig(decode_weights=weights),
+                                      store=base.store)  # fmt: skip
         engine.generate(chunks, QUESTIONS[0], max_new_tokens=4)  # warm the path
         results["settings"][weights] = timing(engine, chunks, args)
         print(weights, {k: v for k, v in results["settings"][weights].items() if k != "runs"}, flush=True)
