@@ -1,7 +1,8 @@
 """Decoding speed of one request, and what int8 decode weights cost in fidelity.
 
-For each setting (--settings: `decode_weights` "native" fp32 and "int8", and "bf16", the whole engine in bfloat16,
-the fast choice on CPUs with AMX or AVX-512-BF16): a warm blend request over --chunks chunks of
+For each setting (--settings: `decode_weights` "native" fp32 and "int8"; "bf16", the whole engine in bfloat16, the
+fast prefill on CPUs with AMX or AVX-512-BF16; "bf16-int8", bf16 with int8 decode weights): a warm blend request
+over --chunks chunks of
 --chunk-tokens tokens answers with up to --new-tokens tokens; reports the time to first token, decode tokens/s
 and the time to the last token, median over --repeats. Answers stop early at end of turn, so the decode rate is
 (tokens - 1) / decode time.
@@ -76,7 +77,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cases", type=int, default=8, help="prompts of the fidelity check (0: skip it)")
-    p.add_argument("--settings", default="native,int8", help="comma-separated: native, int8, bf16")
+    p.add_argument("--settings", default="native,int8", help="comma-separated: native, int8, bf16, bf16-int8")
     add_out_argument(p, "decode", "where the decode results go")
     add_data_dir_argument(p)
     args = p.parse_args()
@@ -90,12 +91,12 @@ def main() -> None:
                    prompt_tokens=base.build_prompt(chunks, QUESTIONS[0]).num_tokens, new_tokens=args.new_tokens,
                    settings={})  # fmt: skip
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    if unknown := set(settings) - {"native", "int8", "bf16"}:
-        raise SystemExit(f"unknown --settings {sorted(unknown)}: choose among native, int8, bf16")
+    if unknown := set(settings) - {"native", "int8", "bf16", "bf16-int8"}:
+        raise SystemExit(f"unknown --settings {sorted(unknown)}: choose among native, int8, bf16, bf16-int8")
     for weights in settings:
-        if weights == "bf16":  # its own model copy and store: bf16 weights, bf16 chunk KV
-            engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(dtype="bfloat16"),
-                                                      show_progress=False)  # fmt: skip
+        if weights.startswith("bf16"):  # its own model copy and store: bf16 weights, bf16 chunk KV
+            config = EngineConfig(dtype="bfloat16", decode_weights="int8" if weights == "bf16-int8" else "native")
+            engine = CacheBlendEngine.from_pretrained(args.model, config=config, show_progress=False)
             engine.precompute(chunks, QUESTIONS[0])
         else:
             engine = CacheBlendEngine(base.model, base.tokenizer, config=EngineConfig(decode_weights=weights),
