@@ -14,7 +14,9 @@ passages, the chunk's own text left out) by several rules, against the same chun
 
 For each, full KV reuse and the default blend (`attention`@0.15) are teacher-forced along full recompute's
 answer; it prints mean KL(full || method) and whether the first token is full recompute's, and writes one JSON
-line per case and variant. Runs on `main` (the public API).
+line per case and variant. Runs on `main` (the public API). Its records were taken before the engine read a
+prompt's first chunk from its isolated entry whatever context built its own (research.md section 17); since then
+every variant reads it so, and `+first` measures the same as its base variant.
 
     python research/context_pick.py --datasets musique,multi_news,wikimqa,samsum --cases 0,1 \
         --variants isolated,nearest,ranked-20,random,case-random --out research/results/context_pick.jsonl
@@ -26,36 +28,36 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.evaluation import load_dataset
-from cacheblend_rag.evaluation.fidelity import prepare_case, teacher_forced_logits, token_kl
-from cacheblend_rag.retrieval.embeddings import embed_texts, load_embedder
-from cacheblend_rag.retrieval.neighbours import nearest_neighbours, neighbour_context
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from benchlib.fidelity_context import PoolNeighbours  # noqa: E402
+
+from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
+from cacheblend_rag.evaluation import load_dataset  # noqa: E402
+from cacheblend_rag.evaluation.fidelity import prepare_case, teacher_forced_logits, token_kl  # noqa: E402
+from cacheblend_rag.retrieval.neighbours import nearest_neighbours, neighbour_context  # noqa: E402
 
 PAIR = 2  # passages of context per chunk
 
 
-class Pool:
-    """A data set's passage pool with its embeddings, and the rules that pick a chunk's context from it."""
-
-    def __init__(self, passages: list[str]) -> None:
-        self.texts = list(dict.fromkeys(passages))
-        self.vectors = embed_texts(load_embedder(), self.texts, batch_size=32, show_progress=False)
-        self.row = {t: i for i, t in enumerate(self.texts)}
+class Pool(PoolNeighbours):
+    """A data set's passage pool with its embeddings (the fidelity benchmark's), and the rules that pick a chunk's
+    context from it besides the nearest passages."""
 
     def ranked(self, chunks: list[str], start: int) -> list[list[str]]:
         """Per chunk, the pool passages at similarity ranks start .. start + PAIR - 1, the more similar last."""
         found = nearest_neighbours(self.vectors[[self.row[c] for c in chunks]], self.vectors, start + PAIR,
-                                   query_texts=chunks, pool_texts=self.texts)  # fmt: skip
-        return [neighbour_context([self.texts[j] for j in ids[start:]]) for ids in found]
+                                   query_texts=chunks, pool_texts=self.pool)  # fmt: skip
+        return [neighbour_context([self.pool[j] for j in ids[start:]]) for ids in found]
 
     def random(self, chunks: list[str], k: int = PAIR) -> list[list[str]]:
         out = []
         for c in chunks:
             rng = random.Random(f"pool:{c}")
-            out.append(rng.sample([t for t in self.texts if t != c], k))
+            out.append(rng.sample([t for t in self.pool if t != c], k))
         return out
 
 
@@ -115,7 +117,7 @@ def main() -> None:
     engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(), show_progress=False)
     for name in args.datasets.split(","):
         full = load_dataset(name, args.data_dir, None)
-        pool = Pool([c for case in full.cases for c in case.chunks])
+        pool = Pool(full, PAIR)
         for n in cases:
             spec, case = full.spec, full.cases[n]
             engine.clear_store()
@@ -123,9 +125,7 @@ def main() -> None:
             print(f"{spec.name} {case.id}: {prompt.num_tokens} tokens, reference {ref.text[:60]!r}", flush=True)
             chunks = list(case.chunks)
             for i, variant in enumerate(variants):
-                if variant == "isolated" and i == 0:  # prepare_case stored the isolated entries
-                    pass
-                else:
+                if i > 0 or variant != "isolated":  # else prepare_case's isolated entries are the ones to measure
                     engine.clear_store()
                     engine.precompute(chunks, case.question, template=spec.template,
                                       context=contexts_for(variant, pool, chunks))  # fmt: skip
