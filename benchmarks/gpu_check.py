@@ -7,9 +7,10 @@ For each chunk length in `--lengths` (`--chunks` chunks, stored): each mode's pr
 thread, best of `--repeats`) and its TTFT through `generate` (the scheduler's thread, median of `--repeats`): full,
 reuse, blend at each ratio. Then decode steps after the longest prompt: one request, and a batch of `--batch`
 requests whose caches all have different lengths (as under load), best of 16 steps; and the decode rate of one
-`--new-tokens` answer through `generate`. `--profile` adds torch.profiler's top ops and cProfile's top Python
-functions of one full and one blend prefill. Writes OUT/gpu_check.json. The timing does not depend on the weights'
-values.
+`--new-tokens` answer through `generate`. Beside them: reuse and blend with `pipelined_loading` on and off
+(load, wait and compute time of `generate`), and a full prefill kept off cuDNN attention. `--profile` adds
+torch.profiler's top ops and cProfile's top Python functions of one full and one blend prefill. Writes
+OUT/gpu_check.json. The timing does not depend on the weights' values.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 from benchlib.cli import add_out_argument
 from benchlib.timing import RANDOM_SHAPES, build_engine, make_prompt, warm_up
 
+from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache
+from cacheblend_rag.models.adapter import attention_kernels
 
 
 def device_name(device: str) -> str:
@@ -93,6 +97,30 @@ def ttft_rows(engine, prompt, args) -> dict[str, dict[str, float]]:
     return rows
 
 
+def pipeline_rows(engine, prompt, args) -> dict[str, dict[str, float]]:
+    """The same prefills on a second engine over the same model with `pipelined_loading=False` (chunk KV loaded on the
+    calling thread, no prefetch thread), a full prefill kept off cuDNN attention like the fusor, and each mode's
+    `generate` metrics split into load, wait and compute time (median of `--repeats`)."""
+    inline = CacheBlendEngine(engine.model, engine.tokenizer, config=replace(engine.config, pipelined_loading=False))
+    warm_up(inline, prompt)
+    rows = {}
+    for name, mode, opts in [("reuse", "reuse", {}), ("blend r=0.15", "blend", {"recompute_ratio": 0.15})]:
+        for label, eng in (("pipelined", engine), ("inline", inline)):
+            alone = best_of(lambda eng=eng, mode=mode, opts=opts: eng.prefill(prompt, mode, **opts), args.device,
+                            args.repeats)  # fmt: skip
+            ms = [eng.generate(prompt, mode=mode, max_new_tokens=1, **opts).metrics for _ in range(args.repeats)]
+            rows[f"{name}, {label}"] = {
+                "prefill_ms": round(1000 * alone, 1),
+                **{f"generate_{k}_ms": round(1000 * statistics.median(getattr(m, f"{k}_s") for m in ms), 1)
+                   for k in ("ttft", "load", "wait", "compute")},
+            }  # fmt: skip
+    with attention_kernels(torch.device(args.device)):
+        alone = best_of(lambda: engine.prefill(prompt, "full"), args.device, args.repeats)
+    rows["full, no cuDNN attention"] = {"prefill_ms": round(1000 * alone, 1)}
+    inline.clear_store()  # its chunk KV: memory the next steps need
+    return rows
+
+
 def decode_steps(engine, prompt, args) -> dict[str, float]:
     """Best-of-16 decode step times after `prompt`: one request, and `--batch` requests of distinct cache lengths."""
     pre = engine.prefill(prompt, "blend")
@@ -143,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {prompt.num_tokens:>6} tokens  {name:<12} prefill {row['prefill_ms']:8.1f} ms  "
                   f"(full/this {speedup:5.2f}x)  generate TTFT {row['generate_ttft_ms']:8.1f} ms")  # fmt: skip
     assert prompt is not None
+    report["pipeline"] = pipeline_rows(engine, prompt, args)
+    for name, row in report["pipeline"].items():
+        print(f"  {prompt.num_tokens:>6} tokens  {name:<26} " + "  ".join(f"{k} {v}" for k, v in row.items()))
     if args.profile:
         profile(engine, prompt, args)
     report["decode_step"] = decode_steps(engine, prompt, args)

@@ -5,7 +5,8 @@
 #   2. on random weights of a Llama-2-7B shape (benchmarks/gpu_check.py): each mode's prefill alone and its TTFT
 #      through generate at 3.1k and 7.7k tokens, the top ops of a full and a blend prefill, decode steps of one
 #      request and of 8 requests with caches of 8 lengths, and one answer's decode rate;
-#   3. the load benchmark: serial decoding at 1 / 8 concurrent clients, batched (blend and full prefill) at 1 / 8 / 32.
+#   3. the load benchmark: serial decoding at 1 / 8 concurrent clients, batched (blend and full prefill) at 1 / 8 / 32
+#      (LOAD=0 skips it).
 # The package need not be installed: the repository goes on PYTHONPATH. Wheels in ./.whl (for a machine with no
 # package index: transformers>=5.24 at least, see pyproject.toml) are installed to a scratch folder first.
 # Output goes to ${OUT:-/tmp/gpu-check}: one log per step and the batched load run's results (8 files, what a lent
@@ -32,7 +33,8 @@ timeout "${CUDA_TESTS_S:-60}" "$py" -m pytest -q -p no:cacheprovider tests/test_
   | tee "$out/cuda-tests.txt" | tail -15
 cd benchmarks
 timeout "${TTFT_S:-120}" "$py" gpu_check.py --model-shape 7b --dtype bfloat16 --profile --out /tmp/gpu-check-ttft 2>&1 \
-  | tee "$out/ttft.txt" | grep -v "^-*$" | head -80
+  | tee "$out/ttft.txt" | grep -v "^-*$" | awk 'NR <= 90'  # awk reads to the end: head would stop the run
+[ "${LOAD:-1}" = 1 ] || exit 0  # LOAD=0: the tests and gpu_check.py only
 load=(--random-weights --model-shape 7b --device cuda --dtype bfloat16 --memory-gb 40 --per-client 1 --chunk-tokens 512
   --new-tokens 128 --batch 32)
 # serial decoding at 32 clients alone would take ~200 s (one request at a time): it stops at 8

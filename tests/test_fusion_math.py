@@ -172,9 +172,11 @@ def test_planted_outlier_in_loaded_kv_is_recomputed(family):
     assert result.recomputed_per_layer[2] == 1 + len(prompt.suffix_ids)
 
 
-def test_one_masked_attention_call_equals_position_blocks(family):
-    # A GPU attends the selected queries in one masked call (block_size=0), a CPU in position blocks: the same
-    # arithmetic, scattered queries included.
+@pytest.mark.parametrize("keep", [12, "all"])
+def test_one_masked_attention_call_equals_position_blocks(family, keep):
+    # A GPU attends the selected queries in one call (block_size=0), a CPU in position blocks: the same
+    # arithmetic, scattered queries (under an additive mask) and the prompt's tail (the causal square, its
+    # padded rows dropped: every layer when all chunk tokens are kept) included.
     engine = CacheBlendEngine(
         make_tiny_model(family), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
     )
@@ -182,12 +184,13 @@ def test_one_masked_attention_call_equals_position_blocks(family):
     engine.prefill(prompt, "reuse")  # fills the store
     n = prompt.num_tokens
     parts = [engine.store.get(k) for k in engine.prompt_keys(prompt)]
-    plan = chunks_reused_plan(prompt, keep=12)
+    kept = 12 if keep == 12 else sum(len(c) for c in prompt.chunk_ids)
+    plan = chunks_reused_plan(prompt, keep=kept)
     results = [
         fuse(engine.lm, plan, engine.chunks.layer_loader(parts, n), block_size=size) for size in (0, 8, 512, None)
     ]
     one_call = results[0]
-    assert one_call.selected_positions.numel() == 12 + len(prompt.suffix_ids)
+    assert one_call.selected_positions.numel() == kept + len(prompt.suffix_ids)
     for other in results[1:]:
         assert torch.equal(other.selected_positions, one_call.selected_positions)
         torch.testing.assert_close(other.logits, one_call.logits, atol=1e-5, rtol=0)

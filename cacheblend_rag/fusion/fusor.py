@@ -68,6 +68,13 @@ class FusionResult:
     attention: torch.Tensor | None = None  # [N] float32: mean attention paid to each token, when asked for
 
 
+def attention_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The causal mask of scattered queries ([A] positions over [N]) for one masked attention call: additive
+    (0 / -inf) in the attention's dtype, so the kernel need not convert a boolean one on every layer. -> [A, N]"""
+    allowed = causal_mask(q_positions, k_positions)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 def attend_blocks(
     lm: LayerwiseModel,
     layer_idx: int,
@@ -77,19 +84,31 @@ def attend_blocks(
     q_positions: torch.Tensor,
     k_positions: torch.Tensor,
     block_size: int,
+    *,
+    suffix: bool = False,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of scattered queries, grouped by position so that no group reads keys it cannot see.
 
     A single masked call would score every query against every key; selected queries sit all over the
     prompt, so half of that work would be masked away. Grouping the queries into position blocks and cutting
     the keys at each block's last position keeps the waste to about half a block per query.
+    With `block_size` 0 (a GPU) the queries attend in one call instead: as the tail of the causal square, with no
+    mask, when they are the prompt's last tokens in order (`suffix`) and at least half of it (the kernel skips the
+    scores above the diagonal); else under `mask` (`attention_mask`, which a caller builds once for a set of
+    queries and passes on every layer), built here when none is given.
     query: [H, A, D]; keys, values: [Hkv, N, D]; q_positions: [A] ascending; k_positions: [N] ascending.
     Returns [A, hidden].
     """
-    if q_positions.numel() == k_positions.numel():
+    a, n = q_positions.numel(), k_positions.numel()
+    if a == n:
         return lm.attend(layer_idx, query, keys, values, None)  # every token in order: the causal square
-    if block_size <= 0:  # one masked call: on a GPU the wasted scores cost less than the blocks' host syncs
-        return lm.attend(layer_idx, query, keys, values, causal_mask(q_positions, k_positions))
+    if block_size <= 0:  # one call: on a GPU the wasted scores cost less than the blocks' host syncs
+        if suffix and 2 * a >= n:
+            return lm.attend(layer_idx, query, keys, values, None)
+        if mask is None:
+            mask = attention_mask(q_positions, k_positions, query.dtype)
+        return lm.attend(layer_idx, query, keys, values, mask)
     block_ids = torch.div(q_positions, block_size, rounding_mode="floor")
     _, sizes = torch.unique_consecutive(block_ids, return_counts=True)
     outs, start = [], 0
@@ -117,8 +136,9 @@ def fuse(
     """Run the blended prefill of one prompt. See the module docstring for the rule.
 
     `block_size`: queries are attended in groups of this many positions (see `attend_blocks`); 0 attends them in
-    one masked call. By default 512 on a CPU, where the masked-away half of the scores is real work, and 0 on a
-    GPU, where each block costs a host synchronization and a dozen kernel launches.
+    one call (unmasked as the tail of the causal square when they are the prompt's last tokens). By default 512
+    on a CPU, where the masked-away half of the scores is real work, and 0 on a GPU, where each block costs a host
+    synchronization and a dozen kernel launches.
     `attention_from`: [N] bool, tokens (computed on every layer, e.g. the question) whose attention to every
     token is averaged over heads, these queries and all layers but the last into `FusionResult.attention`.
     `after_layer(layer_idx)` runs when a layer is done (the scheduler decodes other requests there); it must not
@@ -143,6 +163,13 @@ def fuse(
     attn_layers = 0
 
     active = (~exact).nonzero().squeeze(1)  # [A] indices of tokens being recomputed
+    # Whether the computed tokens are the prompt's last ones (no exact token after them), worked out on the host
+    # once: then `active` is such a tail whenever no check layer has dropped a token, and on the last layer.
+    computed = ~plan.exact.cpu()
+    n_computed = int(computed.sum())
+    tail = bool(computed[computed.numel() - n_computed :].all())
+    mask_for: torch.Tensor | None = None  # the `active` whose one-call attention mask (`layer_mask`) is built
+    layer_mask: torch.Tensor | None = None
     hidden = lm.embed(plan.input_ids.to(device)[active])  # [A, hidden]
     last = positions.shape[0] - 1
 
@@ -196,7 +223,11 @@ def fuse(
                 probs = lm.attention_weights(layer_idx, query[:, rows], keys, mask)  # [H, Q, N]
                 attn_sum += probs.mean(dim=(0, 1))
                 attn_layers += 1
-        attn_out = attend_blocks(lm, layer_idx, query, keys, v, positions[active], positions, block_size)
+        suffix = active.numel() == 1 or (tail and active.numel() == n_computed)  # one token: the last one
+        if block_size <= 0 and mask_for is not active and not (suffix and 2 * active.numel() >= last + 1):
+            mask_for, layer_mask = active, attention_mask(positions[active], positions, query.dtype)
+        attn_out = attend_blocks(lm, layer_idx, query, keys, v, positions[active], positions, block_size,
+                                 suffix=suffix, mask=layer_mask if mask_for is active else None)  # fmt: skip
         hidden = lm.finish_layer(layer_idx, hidden, attn_out)
         if after_layer is not None and layer_idx < num_layers - 1:
             after_layer(layer_idx)

@@ -184,10 +184,15 @@ class LayerwiseModel:
         """Attention of some queries over all keys, then the output projection.
 
         query: [H, A, D] rotated; keys: [Hkv, N, D] rotated; values: [Hkv, N, D];
-        mask: [A, N] bool (True = may attend) or None for a plain causal square (A == N, same order).
-        Returns [A, hidden].
+        mask: [A, N], bool (True = may attend) or additive (0 / -inf, in the query's dtype); or None when the
+        queries are the last A of the N tokens, in order: causal, aligned at the end. Then the queries are padded
+        to the causal square (A == N is that square), which the fused kernels run without any mask, skipping the
+        scores above the diagonal; the padded rows' outputs are dropped. Returns [A, hidden].
         """
         attn = self.layers[layer_idx].self_attn
+        a, n = query.shape[1], keys.shape[1]
+        if mask is None and a < n:
+            query = torch.cat((query.new_zeros(query.shape[0], n - a, query.shape[2]), query), dim=1)
         with attention_kernels(query.device):
             out = F.scaled_dot_product_attention(
                 query.unsqueeze(0),
@@ -197,8 +202,8 @@ class LayerwiseModel:
                 is_causal=mask is None,
                 scale=attn.scaling,
                 enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
-            )[0]  # [H, A, D]
-        return attn.o_proj(out.transpose(0, 1).reshape(query.shape[1], -1))
+            )[0, :, -a:]  # [H, A, D]
+        return attn.o_proj(out.transpose(0, 1).reshape(a, -1))
 
     def attend_each(
         self, layer_idx: int, query: torch.Tensor, keys_values: list[tuple[torch.Tensor, torch.Tensor]]
