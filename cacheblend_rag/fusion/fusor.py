@@ -85,7 +85,7 @@ def attend_blocks(
     k_positions: torch.Tensor,
     block_size: int,
     *,
-    suffix: bool = False,
+    as_tail: bool = False,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of scattered queries, grouped by position so that no group reads keys it cannot see.
@@ -93,18 +93,17 @@ def attend_blocks(
     A single masked call would score every query against every key; selected queries sit all over the
     prompt, so half of that work would be masked away. Grouping the queries into position blocks and cutting
     the keys at each block's last position keeps the waste to about half a block per query.
-    With `block_size` 0 (a GPU) the queries attend in one call instead: as the tail of the causal square, with no
-    mask, when they are the prompt's last tokens in order (`suffix`) and at least half of it (the kernel skips the
-    scores above the diagonal); else under `mask` (`attention_mask`, which a caller builds once for a set of
-    queries and passes on every layer), built here when none is given.
+    With `block_size` 0 (a GPU) the queries attend in one call instead: `as_tail` (the caller knows they are the
+    prompt's last tokens, in order) as the tail of the causal square with no mask, the kernel skipping the scores
+    above the diagonal; else under `mask` (`attention_mask`, which a caller builds once for a set of queries and
+    passes on every layer), built here when none is given.
     query: [H, A, D]; keys, values: [Hkv, N, D]; q_positions: [A] ascending; k_positions: [N] ascending.
     Returns [A, hidden].
     """
-    a, n = q_positions.numel(), k_positions.numel()
-    if a == n:
+    if q_positions.numel() == k_positions.numel():
         return lm.attend(layer_idx, query, keys, values, None)  # every token in order: the causal square
     if block_size <= 0:  # one call: on a GPU the wasted scores cost less than the blocks' host syncs
-        if suffix and 2 * a >= n:
+        if as_tail:
             return lm.attend(layer_idx, query, keys, values, None)
         if mask is None:
             mask = attention_mask(q_positions, k_positions, query.dtype)
@@ -164,7 +163,7 @@ def fuse(
 
     active = (~exact).nonzero().squeeze(1)  # [A] indices of tokens being recomputed
     # Whether the computed tokens are the prompt's last ones (no exact token after them), worked out on the host
-    # once: then `active` is such a tail whenever no check layer has dropped a token, and on the last layer.
+    # once: then `active` is that tail whenever no check layer has dropped a token.
     computed = ~plan.exact.cpu()
     n_computed = int(computed.sum())
     tail = bool(computed[computed.numel() - n_computed :].all())
@@ -223,11 +222,12 @@ def fuse(
                 probs = lm.attention_weights(layer_idx, query[:, rows], keys, mask)  # [H, Q, N]
                 attn_sum += probs.mean(dim=(0, 1))
                 attn_layers += 1
-        suffix = active.numel() == 1 or (tail and active.numel() == n_computed)  # one token: the last one
-        if block_size <= 0 and mask_for is not active and not (suffix and 2 * active.numel() >= last + 1):
+        # the prompt's tail, and at least half of it: the causal square's padded rows cost less than a mask's waste
+        as_tail = tail and active.numel() == n_computed and 2 * active.numel() > last
+        if block_size <= 0 and not as_tail and mask_for is not active:
             mask_for, layer_mask = active, attention_mask(positions[active], positions, query.dtype)
         attn_out = attend_blocks(lm, layer_idx, query, keys, v, positions[active], positions, block_size,
-                                 suffix=suffix, mask=layer_mask if mask_for is active else None)  # fmt: skip
+                                 as_tail=as_tail, mask=layer_mask if mask_for is active else None)  # fmt: skip
         hidden = lm.finish_layer(layer_idx, hidden, attn_out)
         if after_layer is not None and layer_idx < num_layers - 1:
             after_layer(layer_idx)
