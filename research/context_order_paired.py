@@ -1,0 +1,80 @@
+"""Two runs of contextual chunk KV compared case by case: nearest neighbours against the acyclic rule, and each
+against isolated entries, on the cases both runs measured (paired 95% bootstrap intervals over cases).
+
+    python research/context_order_paired.py benchmarks/results/fidelity-context \
+        benchmarks/results/fidelity-context-acyclic
+
+Reads the two folders' `fidelity.jsonl` (from `benchmarks/fidelity.py --chunk-context neighbours`, the second with
+`--context-order acyclic`); the isolated records are the second run's (taken from the main fidelity run). Loads no
+model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections import defaultdict
+from pathlib import Path
+
+METHODS = ("reuse", "attention@0.05", "attention@0.15")
+
+
+def records(folder: Path) -> dict[str, dict[str, dict]]:
+    by_case: dict[str, dict[str, dict]] = defaultdict(dict)
+    for line in (folder / "fidelity.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        by_case[r["case_id"]][r["method"]] = r
+    return by_case
+
+
+def paired(diffs: list[float], draws: int = 4000) -> tuple[float, float, float]:
+    """Mean of `diffs` and its 95% bootstrap interval over cases."""
+    rng, n = random.Random(0), len(diffs)
+    means = sorted(sum(rng.choice(diffs) for _ in range(n)) / n for _ in range(draws))
+    return sum(diffs) / n, means[int(0.025 * draws)], means[int(0.975 * draws)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("nearest", type=Path)
+    p.add_argument("acyclic", type=Path)
+    args = p.parse_args()
+    near, acyc = records(args.nearest), records(args.acyclic)
+    common = [c for c in acyc if all(f"{m}+ctx" in acyc[c] and f"{m}+ctx" in near.get(c, {}) for m in METHODS)]
+    print(f"{len(common)} cases measured by both runs\n")
+    print("| method | KL isolated | KL nearest | KL acyclic | acyclic minus isolated | closer | acyclic minus nearest "
+          "| closer | first tokens isolated / nearest / acyclic |")  # fmt: skip
+    print("|---|---:|---:|---:|---|---:|---|---:|---|")
+    for m in METHODS:
+        iso = [acyc[c][m]["kl_mean"] for c in common]
+        nea = [near[c][f"{m}+ctx"]["kl_mean"] for c in common]
+        acy = [acyc[c][f"{m}+ctx"]["kl_mean"] for c in common]
+        vs_iso = paired([a - b for a, b in zip(acy, iso, strict=True)])
+        vs_near = paired([a - b for a, b in zip(acy, nea, strict=True)])
+        closer_iso = sum(a < b for a, b in zip(acy, iso, strict=True))
+        closer_near = sum(a < b for a, b in zip(acy, nea, strict=True))
+        first = [sum(int(d[c][k]["first_token"]) for c in common) for d, k in ((acyc, m), (near, f"{m}+ctx"),
+                                                                                   (acyc, f"{m}+ctx"))]  # fmt: skip
+        n = len(common)
+        print(f"| {m} | {sum(iso) / n:.3f} | {sum(nea) / n:.3f} | {sum(acy) / n:.3f} | "
+              f"{vs_iso[0]:+.3f} [{vs_iso[1]:+.3f}, {vs_iso[2]:+.3f}] | {closer_iso}/{n} | "
+              f"{vs_near[0]:+.3f} [{vs_near[1]:+.3f}, {vs_near[2]:+.3f}] | {closer_near}/{n} | "
+              f"{first[0]} / {first[1]} / {first[2]} |")  # fmt: skip
+    print("\nPer set, mean KL isolated / nearest / acyclic:\n")
+    sets: dict[str, list[str]] = defaultdict(list)
+    for c in common:
+        sets[acyc[c]["full"]["dataset"] if "full" in acyc[c] else c.rsplit("-", 1)[0]].append(c)
+    print("| set | cases | " + " | ".join(METHODS) + " |")
+    print("|---|---:|" + "---|" * len(METHODS))
+    for name, cases in sorted(sets.items()):
+        cells = []
+        for m in METHODS:
+            means = [sum(d[c][k]["kl_mean"] for c in cases) / len(cases)
+                     for d, k in ((acyc, m), (near, f"{m}+ctx"), (acyc, f"{m}+ctx"))]  # fmt: skip
+            cells.append(" / ".join(f"{x:.3f}" for x in means))
+        print(f"| {name} | {len(cases)} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
