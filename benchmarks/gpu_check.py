@@ -5,12 +5,13 @@ weights of a real shape.
 
 For each chunk length in `--lengths` (`--chunks` chunks, stored): each mode's prefill alone (synchronized, on this
 thread, best of `--repeats`) and its TTFT through `generate` (the scheduler's thread, median of `--repeats`): full,
-reuse, blend at each ratio. Then decode steps after the longest prompt: one request, and a batch of `--batch`
-requests whose caches all have different lengths (as under load), best of 16 steps; and the decode rate of one
-`--new-tokens` answer through `generate`. Beside them: reuse and blend with `pipelined_loading` on and off
-(load, wait and compute time of `generate`), and a full prefill kept off cuDNN attention. `--profile` adds
-torch.profiler's top ops and cProfile's top Python functions of one full and one blend prefill. Writes
-OUT/gpu_check.json. The timing does not depend on the weights' values.
+reuse, blend at each ratio, and the blends of `--rules` (default `paper`, which needs no first pass) at the same
+ratios. Then decode steps after the longest prompt: one request, and a batch of `--batch` requests whose caches all
+have different lengths (as under load), best of 16 steps; and the decode rate of one `--new-tokens` answer through
+`generate`. Beside them: reuse and blend with `pipelined_loading` on and off (load, wait and compute time of
+`generate`), and a full prefill kept off cuDNN attention. `--profile` adds torch.profiler's top ops and cProfile's
+top Python functions of one full and one blend prefill. Writes OUT/gpu_check.json. The timing does not depend on
+the weights' values.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from benchlib.cli import add_out_argument
 from benchlib.timing import RANDOM_SHAPES, build_engine, make_prompt, warm_up
 
 from cacheblend_rag import CacheBlendEngine
+from cacheblend_rag.config import blend_rule
 from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache
 from cacheblend_rag.models.adapter import attention_kernels
 
@@ -88,6 +90,8 @@ def ttft_rows(engine, prompt, args) -> dict[str, dict[str, float]]:
     """{mode: {"prefill_ms", "generate_ttft_ms"}} for one prompt, chunk KV warm."""
     runs = [("full", "full", {}), ("reuse", "reuse", {})]
     runs += [(f"blend r={r:.2f}", "blend", {"recompute_ratio": r}) for r in args.ratios]
+    # other rules: no first pass over the question's attention, every token recomputed up to the check layers
+    runs += [(f"{rule} r={r:.2f}", "blend", {"blend": blend_rule(rule, r)}) for rule in args.rules for r in args.ratios]
     rows, repeats = {}, args.repeats
     for name, mode, opts in runs:
         alone = best_of(lambda mode=mode, opts=opts: engine.prefill(prompt, mode, **opts), args.device, args.repeats)
@@ -146,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, default=6)
     p.add_argument("--lengths", default="512,1280", help="chunk lengths in tokens, comma-separated")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15])
+    p.add_argument("--rules", nargs="*", default=["paper"], help="rules timed beside the default (attention)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="requests of the batched decode step")
     p.add_argument("--repeats", type=int, default=3)
