@@ -275,8 +275,9 @@ def test_load_end_to_end_with_repeats_cold_requests_and_the_serial_check(arrival
 
 
 def test_gpu_check_end_to_end_on_a_cpu(tmp_path, monkeypatch, capsys):
-    """benchmarks/gpu_check.py (the script a lent GPU runs) on a tiny random-weight model on the CPU: every mode at
-    every length, prefill alone and through `generate`, the decode steps and the profile. No timing is compared."""
+    """benchmarks/gpu_check.py (the script a lent GPU runs) on a tiny random-weight model on the CPU: every mode and
+    the `paper` rule at every length, prefill alone and through `generate`, loading with and without the prefetch
+    thread, the decode steps and the profile. No timing is compared."""
     import gpu_check
 
     monkeypatch.setitem(timing.RANDOM_SHAPES, "tiny", TINY_SHAPE)
@@ -289,7 +290,12 @@ def test_gpu_check_end_to_end_on_a_cpu(tmp_path, monkeypatch, capsys):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["device"] == "cpu" and report["shape"] == "tiny" and len(report["lengths"]) == 2
     for rows in report["lengths"].values():
-        assert list(rows) == ["full", "reuse", "blend r=0.15"]
+        assert list(rows) == ["full", "reuse", "blend r=0.15", "paper r=0.15"]
         assert all(r["prefill_ms"] > 0 and r["generate_ttft_ms"] > 0 for r in rows.values())
+    pipeline = report["pipeline"]  # a second engine on the same model, chunk KV loaded without the prefetch thread
+    assert list(pipeline) == ["reuse, pipelined", "reuse, inline", "blend r=0.15, pipelined", "blend r=0.15, inline",
+                              "full, no cuDNN attention"]  # fmt: skip
+    assert all(row["prefill_ms"] > 0 for row in pipeline.values())
+    assert pipeline["reuse, inline"]["generate_compute_ms"] > 0
     assert set(report["decode_step"]) == {"one_request_ms", "3_requests_ms"}
     assert report["generate_decode_tok_per_s"] > 0
