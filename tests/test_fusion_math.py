@@ -198,6 +198,27 @@ def test_one_masked_attention_call_equals_position_blocks(family, keep):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("tail", [1, 7, 30])
+def test_attention_of_the_prompts_tail_without_a_mask_equals_the_masked_call(family, tail):
+    # `attend(..., mask=None)` with fewer queries than keys: the queries are the last tokens, padded to the causal
+    # square and cut again. Same result as the boolean and the additive mask of their positions.
+    from cacheblend_rag.fusion.fusor import attention_mask
+    from cacheblend_rag.models.adapter import causal_mask
+
+    lm = LayerwiseModel(make_tiny_model(family))
+    shape = lm.shape
+    g = torch.Generator().manual_seed(tail)
+    n = 40
+    query = torch.randn(shape.num_heads, tail, shape.head_dim, generator=g)
+    keys = torch.randn(shape.num_kv_heads, n, shape.head_dim, generator=g)
+    values = torch.randn(shape.num_kv_heads, n, shape.head_dim, generator=g)
+    q_pos, k_pos = torch.arange(n - tail, n), torch.arange(n)
+    unmasked = lm.attend(1, query, keys, values, None)
+    assert unmasked.shape == (tail, shape.hidden_size)
+    for mask in (causal_mask(q_pos, k_pos), attention_mask(q_pos, k_pos, query.dtype)):
+        torch.testing.assert_close(unmasked, lm.attend(1, query, keys, values, mask), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("ratio", [0.05, 0.15, 0.3])
 def test_selected_count_follows_the_schedule(tiny_engine, ratio):
     prompt = three_chunk_prompt(tiny_engine, chunk_len=40)
