@@ -12,27 +12,31 @@ model.
 from __future__ import annotations
 
 import argparse
-import json
-import random
+import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from benchlib.records import load_records  # noqa: E402
+
+from cacheblend_rag.evaluation.fidelity import bootstrap_ci  # noqa: E402
 
 METHODS = ("reuse", "attention@0.05", "attention@0.15")
 
 
 def records(folder: Path) -> dict[str, dict[str, dict]]:
+    """{case: {method: record}} of a fidelity run's folder."""
     by_case: dict[str, dict[str, dict]] = defaultdict(dict)
-    for line in (folder / "fidelity.jsonl").read_text().splitlines():
-        r = json.loads(line)
+    for r in load_records(folder, filename="fidelity.jsonl"):
         by_case[r["case_id"]][r["method"]] = r
     return by_case
 
 
-def paired(diffs: list[float], draws: int = 4000) -> tuple[float, float, float]:
-    """Mean of `diffs` and its 95% bootstrap interval over cases."""
-    rng, n = random.Random(0), len(diffs)
-    means = sorted(sum(rng.choice(diffs) for _ in range(n)) / n for _ in range(draws))
-    return sum(diffs) / n, means[int(0.025 * draws)], means[int(0.975 * draws)]
+def paired(diffs: list[float]) -> tuple[float, float, float]:
+    """Mean of `diffs` and its 95% bootstrap interval over cases (the fidelity benchmark's)."""
+    return (statistics.fmean(diffs), *bootstrap_ci(diffs))
 
 
 def main() -> None:

@@ -16,8 +16,13 @@ neighbours. Since the engine reads a prompt's first chunk from its isolated entr
 from __future__ import annotations
 
 import argparse
-import hashlib
 import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from benchlib.fidelity_context import text_rank  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
 from cacheblend_rag.evaluation import load_dataset
@@ -48,7 +53,7 @@ def main() -> None:
     chunks = list(case.chunks)
     nearest = neighbour_texts(chunks, 2)
     ranked = neighbour_texts(chunks, len(chunks) - 1)  # every other chunk, nearest first
-    rank = {c: hashlib.sha256(c.encode()).hexdigest() for c in chunks}  # a fixed order of the corpus
+    rank = {c: text_rank(c) for c in chunks}  # the fidelity benchmark's fixed order of the corpus
     contexts = {
         "isolated": None,
         "all-before (exact)": [chunks[:j] for j in range(len(chunks))],
