@@ -202,8 +202,8 @@ def test_one_masked_attention_call_equals_position_blocks(family, keep):
 def test_attention_of_the_prompts_tail_without_a_mask_equals_the_masked_call(family, tail):
     # `attend(..., mask=None)` with fewer queries than keys: the queries are the last tokens, padded to the causal
     # square and cut again. Same result as the boolean and the additive mask of their positions.
-    from cacheblend_rag.fusion.fusor import attention_mask
-    from cacheblend_rag.models.adapter import causal_mask
+    from cacheblend_rag.fusion import attention_mask
+    from cacheblend_rag.models import causal_mask
 
     lm = LayerwiseModel(make_tiny_model(family))
     shape = lm.shape

@@ -1,6 +1,6 @@
 """The fusion step of CacheBlend: token selection and the blended, layer-by-layer prefill."""
 
-from .fusor import FusionPlan, FusionResult, LayerLoader, fuse
+from .fusor import FusionPlan, FusionResult, LayerLoader, attention_mask, fuse
 from .selection import (
     anchor_counts,
     budget,
@@ -15,6 +15,7 @@ __all__ = [
     "FusionResult",
     "LayerLoader",
     "anchor_counts",
+    "attention_mask",
     "budget",
     "fuse",
     "keep_counts",
