@@ -219,6 +219,54 @@ def test_attention_of_the_prompts_tail_without_a_mask_equals_the_masked_call(fam
         torch.testing.assert_close(unmasked, lm.attend(1, query, keys, values, mask), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("block_size", [0, 512])
+def test_recording_the_questions_attention_leaves_the_reuse_pass_unchanged(family, block_size):
+    # The attention rule's first pass records where the question looks (`attention_from`); its queries are then
+    # all the tokens being recomputed, so their output is taken from the recorded probabilities instead of a
+    # second attention call. The pass must give what it gives without recording: logits and every layer's KV.
+    from cacheblend_rag.engine.planning import question_mask, reuse_plan
+
+    engine = CacheBlendEngine(
+        make_tiny_model(family), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
+    )
+    prompt = three_chunk_prompt(engine, chunk_len=40)
+    engine.prefill(prompt, "reuse")  # fills the store
+    parts = [engine.store.get(k) for k in engine.prompt_keys(prompt)]
+    runs = [
+        fuse(
+            engine.lm,
+            reuse_plan(prompt),
+            engine.chunks.layer_loader(parts, prompt.num_tokens),
+            block_size=block_size,
+            attention_from=rows,
+        )  # fmt: skip
+        for rows in (None, question_mask(prompt))
+    ]
+    plain, recorded = runs
+    assert plain.attention is None and recorded.attention is not None
+    torch.testing.assert_close(recorded.logits, plain.logits, atol=1e-5, rtol=0)
+    for a, b in zip(recorded.keys + recorded.values, plain.keys + plain.values, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_attention_output_from_recorded_weights_equals_attend(family):
+    # `attend_from_weights` over `attention_weights`' probabilities is `attend` under the same mask, grouped
+    # query heads included.
+    from cacheblend_rag.models import causal_mask
+
+    lm = LayerwiseModel(make_tiny_model(family))
+    shape = lm.shape
+    g = torch.Generator().manual_seed(3)
+    n, a = 40, 9
+    query = torch.randn(shape.num_heads, a, shape.head_dim, generator=g)
+    keys = torch.randn(shape.num_kv_heads, n, shape.head_dim, generator=g)
+    values = torch.randn(shape.num_kv_heads, n, shape.head_dim, generator=g)
+    mask = causal_mask(torch.tensor([3, 8, 15, 16, 20, 27, 33, 38, 39]), torch.arange(n))
+    probs = lm.attention_weights(1, query, keys, mask)
+    expected = lm.attend(1, query, keys, values, mask)
+    torch.testing.assert_close(lm.attend_from_weights(1, probs, values), expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("ratio", [0.05, 0.15, 0.3])
 def test_selected_count_follows_the_schedule(tiny_engine, ratio):
     prompt = three_chunk_prompt(tiny_engine, chunk_len=40)

@@ -139,7 +139,9 @@ def fuse(
     on a CPU, where the masked-away half of the scores is real work, and 0 on a GPU, where each block costs a host
     synchronization and a dozen kernel launches.
     `attention_from`: [N] bool, tokens (computed on every layer, e.g. the question) whose attention to every
-    token is averaged over heads, these queries and all layers but the last into `FusionResult.attention`.
+    token is averaged over heads, these queries and all layers but the last into `FusionResult.attention`. When
+    they are all the tokens being recomputed (full KV reuse's question), their attention output is taken from
+    those same probabilities, so the keys are read once per layer, not twice.
     `after_layer(layer_idx)` runs when a layer is done (the scheduler decodes other requests there); it must not
     touch this prompt's tensors.
     """
@@ -213,6 +215,7 @@ def fuse(
             # Only the last token's output is needed from the last layer; its K/V are already stored above.
             active, hidden, x = active[-1:], hidden[-1:], x[-1:]
         query = lm.project_q(layer_idx, x, cos[active], sin[active])  # [H, A, D]
+        attn_out = None
         if attn_rows is not None and layer_idx < num_layers - 1:
             if probe_for is not active:  # the rows change with `active` only (a host sync on a GPU: once each)
                 probe_for = active
@@ -222,12 +225,15 @@ def fuse(
                 probs = lm.attention_weights(layer_idx, query[:, rows], keys, mask)  # [H, Q, N]
                 attn_sum += probs.mean(dim=(0, 1))
                 attn_layers += 1
-        # the prompt's tail, and at least half of it: the causal square's padded rows cost less than a mask's waste
-        as_tail = tail and active.numel() == n_computed and 2 * active.numel() > last
-        if block_size <= 0 and not as_tail and mask_for is not active:
-            mask_for, layer_mask = active, attention_mask(positions[active], positions, query.dtype)
-        attn_out = attend_blocks(lm, layer_idx, query, keys, v, positions[active], positions, block_size,
-                                 as_tail=as_tail, mask=layer_mask if mask_for is active else None)  # fmt: skip
+                if rows.numel() == active.numel():  # every query is recorded: their output from the same weights
+                    attn_out = lm.attend_from_weights(layer_idx, probs, v)
+        if attn_out is None:
+            # the prompt's tail, and at least half of it: the causal square's padded rows cost less than a mask's waste
+            as_tail = tail and active.numel() == n_computed and 2 * active.numel() > last
+            if block_size <= 0 and not as_tail and mask_for is not active:
+                mask_for, layer_mask = active, attention_mask(positions[active], positions, query.dtype)
+            attn_out = attend_blocks(lm, layer_idx, query, keys, v, positions[active], positions, block_size,
+                                     as_tail=as_tail, mask=layer_mask if mask_for is active else None)  # fmt: skip
         hidden = lm.finish_layer(layer_idx, hidden, attn_out)
         if after_layer is not None and layer_idx < num_layers - 1:
             after_layer(layer_idx)

@@ -247,8 +247,20 @@ class LayerwiseModel:
         hkv, a = keys.shape[0], query.shape[1]
         q = query.float().reshape(hkv, -1, query.shape[2])  # [Hkv, groups * A, D]: heads of one KV head together
         scores = torch.matmul(q, keys.float().transpose(1, 2)).view(query.shape[0], a, -1) * scale  # [H, A, N]
-        scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+        scores.masked_fill_(~mask.unsqueeze(0), float("-inf"))
         return torch.softmax(scores, dim=-1)
+
+    def attend_from_weights(self, layer_idx: int, probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """`attend`'s result for queries whose probabilities `attention_weights` already gave: their weighted sum
+        of the values, then the output projection (one pass over the keys instead of two).
+
+        probs: [H, A, N] float32; values: [Hkv, N, D]. Returns [A, hidden].
+        """
+        h, a, n = probs.shape
+        hkv = values.shape[0]
+        out = torch.matmul(probs.to(values.dtype).reshape(hkv, (h // hkv) * a, n), values)  # [Hkv, groups * A, D]
+        attn = self.layers[layer_idx].self_attn
+        return attn.o_proj(out.view(h, a, -1).transpose(0, 1).reshape(a, -1))
 
     def finish_layer(self, layer_idx: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual, post-attention norm and MLP. hidden, attn_out: [A, hidden] -> [A, hidden]"""
