@@ -61,6 +61,50 @@ def test_the_first_chunk_of_a_prompt_reads_its_isolated_entry(tiny_engine, tiny_
     assert isolated_a in cold.store and cold.chunk_key(prompt.prefix_ids, prompt.chunk_ids[0]) not in cold.store
 
 
+def test_a_chunk_cached_after_a_later_chunk_of_the_prompt_reads_its_isolated_entry(family, tiny_tokenizer):
+    # B's entry is prefilled after C. In the prompt A, B, C it would have read C before C is shown, so B reads
+    # its isolated entry there; in A, C, B it reads that entry (C does come before B), and C, cached after A and
+    # B, reads its isolated one. C is exact in A, B, C.
+    def engine_(policy="blend"):
+        return CacheBlendEngine(make_tiny_model(family), tiny_tokenizer,
+                                config=EngineConfig(miss_policy=policy, chunk_separator=""))  # fmt: skip
+
+    engine = engine_()
+    prefix = random_words(33, 5)
+    a, b, c = random_words(41, 16), random_words(42, 18), random_words(43, 14)
+    abc = engine.build_prompt([a, b, c], prefix=prefix, suffix=random_words(34, 6))
+    acb = engine.build_prompt([a, c, b], prefix=prefix, suffix=random_words(34, 6))
+    contexts = [[], [c], [a, b]]
+    engine.precompute([a, b, c], prefix=prefix, context=contexts)
+    assert engine.chunks.isolated_at(abc.chunk_ids) == [True, True, False]
+    assert engine.chunks.isolated_at(acb.chunk_ids) == [True, True, False]
+    isolated_b = chunk_key(engine.fingerprint, engine.dtype, abc.prefix_ids, abc.chunk_ids[1])
+    after_c = engine.chunk_key(abc.prefix_ids, abc.chunk_ids[1])
+    assert after_c != isolated_b
+    assert engine.prompt_keys(abc, with_prefix=False)[1] == isolated_b
+    assert engine.prompt_keys(acb, with_prefix=False)[2] == after_c
+    warm = engine.prefill(abc, "reuse")
+    assert (warm.metrics.chunks_hit, warm.metrics.chunks_missed) == (3, 0)  # precompute stored both entries of B
+
+    # the same prompt on an engine where B has no context at all: the same KV, so the same logits
+    plain = engine_()
+    plain.precompute([a, b, c], prefix=prefix, context=[[], [], [a, b]])
+    torch.testing.assert_close(warm.logits, plain.prefill(abc, "reuse").logits, atol=1e-5, rtol=0)
+    # and the entry after C really differs (so reading it would show)
+    assert not torch.allclose(engine.store.get(after_c).values, engine.store.get(isolated_b).values, atol=1e-3)
+
+    # cold: a chunk missed at such a place is prefilled alone, and the fill after a full prefill stores both of
+    # its entries, so the next request finds every chunk
+    cold = engine_("full")
+    cold.set_chunk_context([a, b, c], contexts, prefix=prefix)
+    assert cold.generate(abc, max_new_tokens=2).metrics.chunks_missed == 3
+    cold.wait_for_fills()
+    assert isolated_b in cold.store and after_c in cold.store
+    again = cold.prefill(abc, "reuse")
+    assert (again.metrics.chunks_hit, again.metrics.chunks_missed) == (3, 0)
+    torch.testing.assert_close(again.logits, warm.logits, atol=1e-5, rtol=0)
+
+
 def test_the_recorded_context_changes_the_entry_and_its_key(tiny_engine):
     (a, b), prompt = two_chunk_prompt(tiny_engine)
     prefix_ids, ids = prompt.prefix_ids, prompt.chunk_ids[1]

@@ -4,12 +4,14 @@ A chunk's entry is keyed by (model fingerprint, dtype, prefix tokens, chunk toke
 per-layer raw keys and values, prefilled after the shared prefix (so it has the same attention sink as in a
 prompt) and, where `contexts` records one, after its context (`chunk_context`): only the chunk's own KV is kept.
 
-A full prefill of a prompt holds every chunk's KV after the prefix and the chunks before it; `capture` cuts the
-entries out of it (keys turned back to raw), so a cold request stores what it already computed (`capturable`
-says which, under the engine's `capture` policy). Under capture="all" a chunk after the first of a prompt is read
-from its captured entry (the KV a full prefill gave it, after the chunks before it there; a key of its own), else
-from its own entry. The first chunk of a prompt, whose real context is the prefix alone, always reads its isolated
-entry (prefilled after the prefix only): never a captured one, nor one prefilled after neighbours.
+A full prefill of a prompt holds every chunk's KV after the prefix and the chunks before it; `capture.capture`
+cuts the entries out of it (keys turned back to raw), so a cold request stores what it already computed
+(`capture.capturable` says which, under the engine's `capture` policy). Under capture="all" a chunk after the
+first of a prompt is read from its captured entry (the KV a full prefill gave it, after the chunks before it
+there; a key of its own), else from its own entry. The first chunk of a prompt, whose real context is the prefix
+alone, always reads its isolated entry (prefilled after the prefix only): never a captured one, nor one
+prefilled after neighbours. So does a later chunk whose recorded context holds a chunk placed after it in the
+same prompt (`isolated_at`).
 
 Whatever comes back from a store is checked against the shape this model gives that many tokens before a single
 layer is read; anything else is dropped and recomputed, never used.
@@ -26,11 +28,10 @@ from tqdm.auto import tqdm
 
 from ..errors import ConfigError
 from ..fusion import FusionPlan, LayerLoader, fuse
-from ..models.adapter import LayerwiseModel, unrotate_keys
+from ..models.adapter import LayerwiseModel
 from ..store import ChunkKV, ChunkReader, ChunkStore, CorruptEntryError, Hit, TieredStore, chunk_key
 from .chunk_context import ChunkContexts
 from .interleave import AfterLayer
-from .prompt import TokenizedPrompt
 
 CAPTURED = "captured"  # the context recorded in the keys of capture="all" entries
 
@@ -82,14 +83,33 @@ class ChunkCache:
         digest = CAPTURED if captured else "" if isolated else self.contexts.digest(chunk_ids)
         return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids, digest)
 
+    def isolated_at(self, chunk_ids: Sequence[Sequence[int]]) -> list[bool]:
+        """Per position of a prompt's chunks, whether the chunk there reads its isolated entry: the first chunk
+        (its real context is the prefix alone), and a chunk whose recorded context holds a chunk placed after it
+        in this prompt. Such an entry has read text this prompt shows only later; recomputing that later chunk
+        then makes it a repeat, which took a MuSiQue answer far from full recompute (research.md section 19)."""
+        out = [j == 0 for j in range(len(chunk_ids))]
+        if not len(self.contexts):
+            return out
+        for j, ids in enumerate(chunk_ids[:-1]):
+            if j and self.contexts.digest(ids):
+                out[j] = any(self.contexts.holds(ids, later) for later in chunk_ids[j + 1 :])
+        return out
+
     def read_keys(
-        self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], position: int | None, policy: str | None = None
+        self,
+        prefix_ids: Sequence[int],
+        chunk_ids: Sequence[int],
+        position: int | None,
+        policy: str | None = None,
+        *,
+        isolated: bool = False,
     ) -> tuple[str, ...]:
-        """The keys a chunk at `position` of a prompt is read from, best first: the first chunk reads its isolated
-        entry; under capture="all", a later chunk reads its captured entry, else its own; every other chunk
-        reads its own entry, and so does a chunk at no position (None: precompute and fills). `policy` replaces
-        the engine's capture policy."""
-        if position == 0:  # its real context is the prefix alone (research.md, sections 13 and 17)
+        """The keys a chunk at `position` of a prompt is read from, best first: the first chunk, or one that
+        `isolated_at` names (`isolated`), reads its isolated entry; under capture="all", a later chunk reads its
+        captured entry, else its own; every other chunk reads its own entry, and so does a chunk at no position
+        (None: precompute and fills). `policy` replaces the engine's capture policy."""
+        if position == 0 or isolated:  # research.md, sections 13, 17 and 19
             return (self.key(prefix_ids, chunk_ids, isolated=True),)
         own = self.key(prefix_ids, chunk_ids)
         if position is not None and (policy or self.capture_policy) == "all":
@@ -103,8 +123,10 @@ class ChunkCache:
         chunk in order the first of its `read_keys` that is stored, or its own key when none is (what a miss
         stores)."""
         keys = [self.key((), prefix_ids)] if prefix_ids and with_prefix else []
+        isolated = self.isolated_at(chunk_ids)
         for j, ids in enumerate(chunk_ids):
-            *preferred, own = self.read_keys(prefix_ids, ids, j)  # the store is asked only when there is a choice
+            # the store is asked only when there is a choice
+            *preferred, own = self.read_keys(prefix_ids, ids, j, isolated=isolated[j])
             keys.append(next((k for k in preferred if k in self.store), own))
         return keys
 
@@ -182,52 +204,14 @@ class ChunkCache:
         room = max(self.lm.shape.max_positions - len(prefix_ids) - len(ids), 0)
         return context[len(context) - room :] if len(context) > room else context
 
-    def capturable(self, prompt: TokenizedPrompt, policy: str | None = None) -> list[int]:
-        """The positions of `prompt` whose best entry (`read_keys`) is not stored and a full prefill of the prompt
-        computes exactly: the first chunk's isolated entry; under capture="all", every later chunk's captured
-        entry; under "exact", a later chunk whose own entry is prefilled after just the chunks before it here.
-        Each chunk once, at its first place. Reads no KV. `policy` replaces the engine's."""
-        policy = policy or self.capture_policy
-        out: list[int] = []
-        seen: set[tuple[int, ...]] = set()
-        before: list[int] = []
-        for j, ids in enumerate(prompt.chunk_ids):
-            # whether this prompt computes the entry exactly (in memory) before asking the store whether it has it
-            exact = j == 0 or policy == "all" or self.context_of(prompt.prefix_ids, ids) == tuple(before)
-            if ids not in seen and exact and self.read_keys(prompt.prefix_ids, ids, j, policy)[0] not in self.store:
-                out.append(j)
-            seen.add(ids)
-            before.extend(ids)
-        return out
-
-    def capture(self, prompt: TokenizedPrompt, layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                positions: Sequence[int], policy: str | None = None) -> dict[tuple[int, ...], ChunkKV]:  # fmt: skip
-        """The entries of the chunks at `positions` of `prompt` (`capturable` under `policy`), cut from a full
-        prefill of it.
-
-        `layers`: per layer, the prefill's rotated keys and values [Hkv, N, D] (N >= the prompt's tokens). The keys
-        are turned back to raw (float32 arithmetic); the values are copied as they are. -> {chunk ids: entry}
-        """
-        if not positions:
-            return {}
-        spans = prompt.chunk_spans
-        cos, sin = self.lm.rope(torch.arange(prompt.num_tokens, device=self.lm.device), torch.float32)
-        out: dict[tuple[int, ...], ChunkKV] = {}
-        for j in positions:
-            s, e = spans[j]
-            ids = prompt.chunk_ids[j]
-            keys = torch.stack([unrotate_keys(k[:, s:e].float(), cos[s:e], sin[s:e]).to(self.dtype) for k, _ in layers])
-            values = torch.stack([v[:, s:e] for _, v in layers])
-            out[ids] = ChunkKV(self.read_keys(prompt.prefix_ids, ids, j, policy)[0], keys, values)
-        return out
-
     def store_or_fill(
         self, prefix_ids: Sequence[int], ids: Sequence[int], kv: ChunkKV | None, after_layer: AfterLayer | None = None
     ) -> None:
         """Store chunk `ids`'s entry: `kv` when a full prefill captured it, else prefilled now (if not stored),
-        with `after_layer` between the layers of that prefill."""
+        with `after_layer` between the layers of that prefill; a chunk with a recorded context gets its isolated
+        entry too (what the head of a prompt, and `isolated_at`, read)."""
         if kv is None:
-            self.fill(prefix_ids, [ids], after_layer=after_layer)
+            self.fill(prefix_ids, [ids], after_layer=after_layer, heads=True)
         elif kv.key not in self.store:
             self.store.put(kv)
 
@@ -263,17 +247,19 @@ class ChunkCache:
         *,
         lazy: bool,
         position: int | None = None,
+        isolated: bool = False,
         after_layer: AfterLayer | None = None,
     ) -> Loaded:
         """The chunk's KV, the tier it came from (None if it was prefilled now) and the bytes read from that tier.
 
-        `prefix` is the KV of `prefix_ids`; `position` the chunk's place in the prompt (`read_keys`; None: its own
-        entry); a chunk prefilled now gets its own entry, or its isolated one at the head of a prompt. With `lazy`
+        `prefix` is the KV of `prefix_ids`; `position` the chunk's place in the prompt and `isolated` whether it
+        reads its isolated entry there (`read_keys`; position None: its own entry); a chunk prefilled now gets the
+        entry it is read from. With `lazy`
         (pipelined loading), a chunk found on disk or in Redis comes back unread: its layers are fetched while the
         fusor runs. Without it, the chunk is read whole now, and one that turns out damaged is recomputed here (its
         tier has dropped it and counted a miss).
         """
-        found = self.find(prefix_ids, ids, position)
+        found = self.find(prefix_ids, ids, position, isolated)
         if found is not None:
             hit, captured = found
             if lazy:
@@ -283,16 +269,16 @@ class ChunkCache:
             except CorruptEntryError as exc:
                 logger.warning("chunk %s from the %s tier is damaged (%s); recomputing it", hit.kv.key[:12], hit.tier,
                                exc)  # fmt: skip
-        kv = self.prefill(prefix, prefix_ids, ids, after_layer, isolated=position == 0)
+        kv = self.prefill(prefix, prefix_ids, ids, after_layer, isolated=position == 0 or isolated)
         self.store.put(kv)
         return Loaded(kv, None, 0)
 
     def find(
-        self, prefix_ids: Sequence[int], ids: Sequence[int], position: int | None = None
+        self, prefix_ids: Sequence[int], ids: Sequence[int], position: int | None = None, isolated: bool = False
     ) -> tuple[Hit, bool] | None:
         """The stored entry chunk `ids` after `prefix_ids` is read from at `position` of a prompt (`read_keys`) and
         whether it is a captured entry rather than the chunk's own, or None (a miss; nothing is computed)."""
-        *preferred, own = self.read_keys(prefix_ids, ids, position)
+        *preferred, own = self.read_keys(prefix_ids, ids, position, isolated=isolated)
         for key in (*preferred, own):
             hit = self.lookup(key, len(ids))
             if hit is not None:
@@ -303,9 +289,11 @@ class ChunkCache:
         """The distinct chunks (in prompt order) with no entry they can be read from at their place after
         `prefix_ids`. Reads no KV."""
         out: list[tuple[int, ...]] = []
+        isolated = self.isolated_at(chunk_ids)
         for j, ids in enumerate(chunk_ids):
             ids = tuple(ids)
-            if ids not in out and not any(key in self.store for key in self.read_keys(prefix_ids, ids, j)):
+            keys = self.read_keys(prefix_ids, ids, j, isolated=isolated[j])
+            if ids not in out and not any(key in self.store for key in keys):
                 out.append(ids)
         return out
 

@@ -5,7 +5,9 @@ recomputes some tokens to restore that. A chunk prefilled after text like what p
 nearest neighbours in the corpus) starts closer to a full prefill, so full KV reuse and the blend drift less.
 Only the chunk's own KV is kept, so a contextual entry costs the same storage as an isolated one; the price is
 the context's tokens, prefilled once per chunk at precompute time. The first chunk of a prompt follows the prefix
-alone, so it reads the chunk's isolated entry (`ChunkCache.read_keys`), which `precompute` stores beside it.
+alone, so it reads the chunk's isolated entry (`ChunkCache.read_keys`), which `precompute` stores beside it. So
+does a chunk whose context holds a chunk placed after it in the prompt (`ChunkCache.isolated_at`): its entry has
+read text that this prompt shows only later, and the later chunk, once recomputed, reads as a repeat of it.
 
 `ChunkContexts` records, per chunk (by its tokens), the token ids of the text its entry is built after. The
 context's digest is part of the entry's store key (`store.chunk_key`), so an entry always says which context
@@ -81,6 +83,11 @@ class ChunkContexts:
         """The token ids the chunk is prefilled after (after the prefix); () when it has none."""
         found = self._of.get(_chunk_id(chunk_ids))
         return () if found is None else tuple(self._join(found[1]))
+
+    def holds(self, chunk_ids: Sequence[int], other_ids: Sequence[int]) -> bool:
+        """Whether `other_ids` (a chunk's tokens) is one of the texts chunk `chunk_ids`'s entry is prefilled after."""
+        found = self._of.get(_chunk_id(chunk_ids))
+        return found is not None and _chunk_id(other_ids) in found[1]
 
     def clear(self) -> None:
         """Forget every context: every chunk goes back to its isolated entry."""

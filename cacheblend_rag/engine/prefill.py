@@ -26,6 +26,7 @@ from ..fusion import FusionPlan, FusionResult, LayerLoader, fuse
 from ..guard import escalate, first_token_signals
 from ..models.adapter import LayerwiseModel
 from ..store import ChunkKV, CorruptEntryError
+from .capture import capturable, capture
 from .chunk_cache import ChunkCache
 from .gather import gather
 from .interleave import AfterLayer, between_layers
@@ -54,7 +55,7 @@ class Prefill:
     metrics: RequestMetrics
     # chunks (token ids) that were not stored and were answered by a full prefill: store them after the answer
     deferred: tuple[tuple[int, ...], ...] = ()
-    # entries cut from this request's full prefill (`ChunkCache.capture`), to store at once
+    # entries cut from this request's full prefill (`capture.capture`), to store at once
     captured: dict[tuple[int, ...], ChunkKV] = field(default_factory=dict)
 
 
@@ -143,7 +144,7 @@ class Prefiller:
             # KV, and stores, at no cost, the chunks whose entries it computes exactly: a full prefill asked for
             # (a reference to measure other modes against, say) never stores its prompt's in-context KV, which
             # any later mode would read (capture="all" captures from cold requests and guard escalations).
-            return self._full(prompt, m, t0, self.chunks.capturable(prompt, "exact"), after_layer, "exact")
+            return self._full(prompt, m, t0, capturable(self.chunks, prompt, "exact"), after_layer, "exact")
         if mode is not PrefillMode.PREFIX and self.miss_policy != "blend":
             cold = self._answer_cold_in_full(prompt, mode, blend, m, t0, after_layer)
             if cold is not None:
@@ -180,7 +181,7 @@ class Prefiller:
         captured: dict[tuple[int, ...], ChunkKV] = {}
         if m.escalations and m.escalations[-1] >= 1.0:  # the guard recomputed every token: a full prefill's KV
             layers = list(zip(result.keys, result.values, strict=True))
-            captured = self.chunks.capture(prompt, layers, self.chunks.capturable(prompt))
+            captured = capture(self.chunks, prompt, layers, capturable(self.chunks, prompt))
             m.chunks_captured = len(captured)
         return Prefill(cache, result.logits, n, m, captured=captured)
 
@@ -189,19 +190,19 @@ class Prefiller:
         prompt: TokenizedPrompt,
         m: RequestMetrics,
         t0: float,
-        capture: Sequence[int] = (),
+        positions: Sequence[int] = (),
         after_layer: AfterLayer | None = None,
         policy: str | None = None,
     ) -> Prefill:
         """The model's own prefill of the whole prompt: exact, and reads nothing from the store. The entries of
-        the chunks at positions `capture` (`capturable` under `policy`) are cut from it (`Prefill.captured`)."""
+        the chunks at `positions` (`capturable` under `policy`) are cut from it (`Prefill.captured`)."""
         n, num_layers = prompt.num_tokens, self.lm.shape.num_layers
         m.mode = PrefillMode.FULL.value
         cache = DynamicCache(config=self.model.config)
         with between_layers(self.lm.layers, after_layer):
             logits = self.forward(prompt.input_ids(), 0, cache)
         layers = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
-        captured = self.chunks.capture(prompt, layers, capture, policy)
+        captured = capture(self.chunks, prompt, layers, positions, policy)
         m.compute_s = time.perf_counter() - t0
         m.recomputed_tokens = n
         m.recomputed_per_layer = [n] * num_layers
@@ -227,7 +228,7 @@ class Prefiller:
         share = cold_cost_share(prompt, missing, blend if mode is PrefillMode.BLEND else None, self.lm.shape.num_layers)
         if self.miss_policy == "auto" and share < 1.0:
             return None
-        pre = self._full(prompt, m, t0, self.chunks.capturable(prompt), after_layer)
+        pre = self._full(prompt, m, t0, capturable(self.chunks, prompt), after_layer)
         gone = set(missing)
         m.chunks_missed = sum(tuple(ids) in gone for ids in prompt.chunk_ids)
         m.chunks_hit = len(prompt.chunk_ids) - m.chunks_missed
