@@ -1,12 +1,15 @@
-"""Two runs of contextual chunk KV compared case by case: nearest neighbours against the acyclic rule, and each
-against isolated entries, on the cases both runs measured (paired 95% bootstrap intervals over cases).
+"""Two runs of contextual chunk KV compared case by case: the second against the first, and against isolated
+entries, on the cases both runs measured (paired 95% bootstrap intervals over cases). By default the first is
+nearest neighbours and the second the acyclic rule; `--names` labels other pairs (e.g. the same order before and
+after a change of which entry the engine reads).
 
     python research/context_order_paired.py benchmarks/results/fidelity-context \
         benchmarks/results/fidelity-context-acyclic
+    python research/context_order_paired.py benchmarks/results/fidelity-context \
+        benchmarks/results/fidelity-context-later --names "nearest before,nearest, later isolated"
 
-Reads the two folders' `fidelity.jsonl` (from `benchmarks/fidelity.py --chunk-context neighbours`, the second with
-`--context-order acyclic`); the isolated records are the second run's (taken from the main fidelity run). Loads no
-model.
+Reads the two folders' `fidelity.jsonl` (from `benchmarks/fidelity.py --chunk-context neighbours`); the isolated
+records are the second run's (taken from the main fidelity run). Loads no model.
 """
 
 from __future__ import annotations
@@ -41,14 +44,16 @@ def paired(diffs: list[float]) -> tuple[float, float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("nearest", type=Path)
-    p.add_argument("acyclic", type=Path)
+    p.add_argument("first", type=Path, help="a contextual run's folder (default label: nearest)")
+    p.add_argument("second", type=Path, help="another run's folder, compared with the first (default: acyclic)")
+    p.add_argument("--names", default="nearest,acyclic", help="labels of the two runs, comma-separated")
     args = p.parse_args()
-    near, acyc = records(args.nearest), records(args.acyclic)
+    a_name, b_name = args.names.split(",", 1)
+    near, acyc = records(args.first), records(args.second)
     common = [c for c in acyc if all(f"{m}+ctx" in acyc[c] and f"{m}+ctx" in near.get(c, {}) for m in METHODS)]
     print(f"{len(common)} cases measured by both runs\n")
-    print("| method | KL isolated | KL nearest | KL acyclic | acyclic minus isolated | closer | acyclic minus nearest "
-          "| closer | first tokens isolated / nearest / acyclic |")  # fmt: skip
+    print(f"| method | KL isolated | KL {a_name} | KL {b_name} | {b_name} minus isolated | closer | {b_name} minus "
+          f"{a_name} | closer | first tokens isolated / {a_name} / {b_name} |")  # fmt: skip
     print("|---|---:|---:|---:|---|---:|---|---:|---|")
     for m in METHODS:
         iso = [acyc[c][m]["kl_mean"] for c in common]
@@ -65,7 +70,7 @@ def main() -> None:
               f"{vs_iso[0]:+.3f} [{vs_iso[1]:+.3f}, {vs_iso[2]:+.3f}] | {closer_iso}/{n} | "
               f"{vs_near[0]:+.3f} [{vs_near[1]:+.3f}, {vs_near[2]:+.3f}] | {closer_near}/{n} | "
               f"{first[0]} / {first[1]} / {first[2]} |")  # fmt: skip
-    print("\nPer set, mean KL isolated / nearest / acyclic:\n")
+    print(f"\nPer set, mean KL isolated / {a_name} / {b_name}:\n")
     sets: dict[str, list[str]] = defaultdict(list)
     for c in common:
         sets[acyc[c]["full"]["dataset"] if "full" in acyc[c] else c.rsplit("-", 1)[0]].append(c)
