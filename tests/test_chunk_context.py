@@ -164,6 +164,20 @@ def test_chunk_contexts_hold_each_part_once_and_forget_cleanly():
     assert len(contexts) == 0
 
 
+def test_chunk_contexts_tell_which_chunks_have_read_a_later_chunk_of_a_prompt():
+    contexts = ChunkContexts()
+    a, b, c, d = [1, 2], [3, 4], [5, 6], [7, 8]
+    assert contexts.holds_later([a, b, c]) == [False, False, False]  # nothing recorded
+    contexts.assign(a, [c])  # A after C
+    contexts.assign(b, [a, d])  # B after A and D (D in no prompt below)
+    contexts.assign(c, [b])  # C after B
+    assert contexts.holds_later([a, b, c]) == [True, False, False]
+    assert contexts.holds_later([c, b, a]) == [True, True, False]
+    assert contexts.holds_later([b, a, c]) == [True, True, False]
+    assert contexts.holds_later([b, c, a, b]) == [True, True, False, False]  # B placed again after C
+    assert contexts.holds_later([d, b]) == [False, False]  # D has no context; B's context is before it
+
+
 def test_nearest_neighbours_leave_out_the_chunk_and_its_copies():
     rng = np.random.default_rng(0)
     base = rng.normal(size=(4, 8)).astype(np.float32)

@@ -88,13 +88,7 @@ class ChunkCache:
         (its real context is the prefix alone), and a chunk whose recorded context holds a chunk placed after it
         in this prompt. Such an entry has read text this prompt shows only later; recomputing that later chunk
         then makes it a repeat, which took a MuSiQue answer far from full recompute (research.md section 19)."""
-        out = [j == 0 for j in range(len(chunk_ids))]
-        if not len(self.contexts):
-            return out
-        for j, ids in enumerate(chunk_ids[:-1]):
-            if j and self.contexts.digest(ids):
-                out[j] = any(self.contexts.holds(ids, later) for later in chunk_ids[j + 1 :])
-        return out
+        return [j == 0 or later for j, later in enumerate(self.contexts.holds_later(chunk_ids))]
 
     def read_keys(
         self,

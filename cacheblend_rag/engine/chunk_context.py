@@ -84,10 +84,17 @@ class ChunkContexts:
         found = self._of.get(_chunk_id(chunk_ids))
         return () if found is None else tuple(self._join(found[1]))
 
-    def holds(self, chunk_ids: Sequence[int], other_ids: Sequence[int]) -> bool:
-        """Whether `other_ids` (a chunk's tokens) is one of the texts chunk `chunk_ids`'s entry is prefilled after."""
-        found = self._of.get(_chunk_id(chunk_ids))
-        return found is not None and _chunk_id(other_ids) in found[1]
+    def holds_later(self, chunk_ids: Sequence[Sequence[int]]) -> list[bool]:
+        """Per position of a prompt's chunks, whether the context of the chunk there holds a chunk placed after it
+        (each chunk's tokens hashed once)."""
+        if not self._of:
+            return [False] * len(chunk_ids)
+        ids = [_chunk_id(c) for c in chunk_ids]
+        out = []
+        for j, cid in enumerate(ids):
+            found = self._of.get(cid)
+            out.append(found is not None and any(later in found[1] for later in ids[j + 1 :]))
+        return out
 
     def clear(self) -> None:
         """Forget every context: every chunk goes back to its isolated entry."""
