@@ -248,10 +248,9 @@ class ChunkCache:
 
         `prefix` is the KV of `prefix_ids`; `position` the chunk's place in the prompt and `isolated` whether it
         reads its isolated entry there (`read_keys`; position None: its own entry); a chunk prefilled now gets the
-        entry it is read from. With `lazy`
-        (pipelined loading), a chunk found on disk or in Redis comes back unread: its layers are fetched while the
-        fusor runs. Without it, the chunk is read whole now, and one that turns out damaged is recomputed here (its
-        tier has dropped it and counted a miss).
+        entry it is read from. With `lazy` (pipelined loading), a chunk found on disk or in Redis comes back
+        unread: its layers are fetched while the fusor runs. Without it, the chunk is read whole now, and one that
+        turns out damaged is recomputed here (its tier has dropped it and counted a miss).
         """
         found = self.find(prefix_ids, ids, position, isolated)
         if found is not None:
