@@ -10,6 +10,10 @@ first answer token (the prefill's logits, KL(full || method) in nats, and whethe
 - per chunk: which other chunks of the prompt its entry was cached after, and how many tokens were selected in it;
 - the same selections over isolated entries (each chunk prefilled alone), where more recompute helps.
 
+The "contextual" rows of research.md section 19 were measured at commit 73aef61, before the engine read an entry
+built after a later chunk from its isolated entry; from 78f0e19 on the engine applies that rule itself, so here
+"contextual" reads like "ctx, later isolated".
+
 Runs on `main` through the public API (the fusor and the planner with the engine's own store and loader); the
 contexts are the fidelity benchmark's (`--chunk-context neighbours --context-order acyclic`: 2 neighbours among the
 set's whole passage pool, only passages earlier in a fixed order of the pool).
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,19 +38,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from benchlib.fidelity_context import PoolNeighbours, context_engine  # noqa: E402
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig
-from cacheblend_rag.engine.planning import blend_plan, prefix_and_chunk_masks, question_mask, reuse_plan
+from cacheblend_rag.engine.planning import blend_plan, chosen_plan, prefix_and_chunk_masks, question_mask, reuse_plan
 from cacheblend_rag.evaluation import load_dataset
-from cacheblend_rag.evaluation.fidelity import prepare_case
+from cacheblend_rag.evaluation.fidelity import Reference, prepare_case, token_kl
 from cacheblend_rag.fusion import FusionPlan, fuse
 
 
-def first_token(engine: CacheBlendEngine, prompt, plan: FusionPlan, ref_logprobs: torch.Tensor) -> tuple[float, int]:
-    """-> (KL(full || method) on the first answer token, the method's top token) for one plan over the store."""
+def first_token(engine: CacheBlendEngine, prompt, plan: FusionPlan, first: Reference) -> tuple[float, int]:
+    """-> (KL(full || method) on the first answer token, the method's top token) for one plan over the store;
+    `first`: full recompute's reference cut to its first token."""
     parts = [engine.store.get(k) for k in engine.prompt_keys(prompt)]
     result = fuse(engine.lm, plan, engine.chunks.layer_loader(parts, prompt.num_tokens))
-    logq = torch.log_softmax(result.logits.float(), dim=-1)
-    kl = float((ref_logprobs.exp() * (ref_logprobs - logq)).sum().clamp_min(0))
-    return kl, int(logq.argmax())
+    return float(token_kl(first, result.logits[None])[0]), int(result.logits.argmax())
 
 
 def question_scores(engine: CacheBlendEngine, prompt) -> torch.Tensor:
@@ -57,18 +61,12 @@ def question_scores(engine: CacheBlendEngine, prompt) -> torch.Tensor:
     return probe.attention.cpu()
 
 
-def with_chosen(prompt, plan: FusionPlan, chosen: torch.Tensor) -> FusionPlan:
-    """`plan` recomputing exactly the chunk tokens in `chosen` ([N] bool) besides the question."""
-    prefix, chunks = prefix_and_chunk_masks(prompt)
-    exact = prefix | (chunks & ~chosen)
-    return FusionPlan(plan.input_ids, plan.positions, exact, torch.zeros_like(exact))
-
-
 def run_case(engine: CacheBlendEngine, full, case_index: int, args) -> list[dict]:
     spec, case = full.spec, full.cases[case_index]
     engine.clear_store()
     prompt, ref = prepare_case(engine, spec, case)
-    ref_lp, ref_tok = ref.logprobs[0], ref.token_ids[0]
+    first = replace(ref, token_ids=ref.token_ids[:1], logprobs=ref.logprobs[:1])
+    ref_tok = ref.token_ids[0]
     chunks = list(case.chunks)
     print(f"{spec.name} {case.id}: {prompt.num_tokens} tokens, {len(chunks)} chunks, answer {ref.text!r}", flush=True)
 
@@ -80,7 +78,7 @@ def run_case(engine: CacheBlendEngine, full, case_index: int, args) -> list[dict
     rows: list[dict] = []
 
     def record(kv: str, what: str, plan: FusionPlan, engine_: CacheBlendEngine, **extra) -> None:
-        kl, tok = first_token(engine_, prompt, plan, ref_lp)
+        kl, tok = first_token(engine_, prompt, plan, first)
         row = dict(dataset=spec.name, case_id=case.id, kv=kv, what=what, kl_first=kl, first_kept=tok == ref_tok,
                    recomputed=int((~plan.exact).sum()), **extra)  # fmt: skip
         rows.append(row)
@@ -114,8 +112,8 @@ def run_case(engine: CacheBlendEngine, full, case_index: int, args) -> list[dict
             span[start:end] = True
             info = dict(chunk=j, selected_in_chunk=int((chosen & span).sum()),
                         context_in_prompt=in_prompt[j] if kv == "contextual" else [])  # fmt: skip
-            record(kv, f"r={args.ratio:g}, chunk {j} only", with_chosen(prompt, plan, chosen & span), eng, **info)
-            record(kv, f"r={args.ratio:g}, all but chunk {j}", with_chosen(prompt, plan, chosen & ~span), eng, **info)
+            record(kv, f"r={args.ratio:g}, chunk {j} only", chosen_plan(prompt, chosen & span), eng, **info)
+            record(kv, f"r={args.ratio:g}, all but chunk {j}", chosen_plan(prompt, chosen & ~span), eng, **info)
     print(f"  contexts in the prompt, per chunk: {in_prompt}", flush=True)
     return rows
 

@@ -120,6 +120,13 @@ def blend_plan(prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor
         chosen[top_scored(scores.float().cpu(), chunks.nonzero().squeeze(1), total)] = True
     else:
         chosen = anchor_mask(prompt, blend)
+    return chosen_plan(prompt, chosen)
+
+
+def chosen_plan(prompt: TokenizedPrompt, chosen: torch.Tensor) -> FusionPlan:
+    """The static plan that recomputes exactly the chunk tokens in `chosen` ([N] bool) on every layer, besides
+    the question; every other chunk token keeps its loaded KV (what the "attention" and "epic" rules run)."""
+    prefix, chunks = prefix_and_chunk_masks(prompt)
     exact = prefix | (chunks & ~chosen)  # chunk tokens not chosen keep their loaded KV
     return _plan(prompt, exact, torch.zeros_like(exact))
 
