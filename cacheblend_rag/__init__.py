@@ -17,6 +17,7 @@ from .config import RULE_NAMES, RULES, BlendConfig, EngineConfig, Guard, Prefill
 from .errors import (
     CacheBlendError,
     ConfigError,
+    EngineClosedError,
     ModelNotFoundError,
     PromptError,
     UnsupportedModelError,
@@ -69,6 +70,7 @@ __all__ = [
     "CacheBlendError",
     "ChunkKV",
     "ConfigError",
+    "EngineClosedError",
     "EngineConfig",
     "GenerationResult",
     "Guard",

@@ -36,3 +36,8 @@ class CorruptEntryError(CacheBlendError):
 
     Stores catch it, drop the entry and report a miss: the chunk is then recomputed.
     """
+
+
+class EngineClosedError(CacheBlendError, RuntimeError):
+    """The engine was stopped (`CacheBlendEngine.close()`, or the interpreter is exiting): it takes no request, and
+    the requests it had not answered end with this error. Build a new engine to go on."""

@@ -270,6 +270,12 @@ class CacheBlendEngine:
         if `timeout` seconds ran out first."""
         return self._fills.wait(timeout)
 
+    def close(self, timeout: float | None = None) -> None:
+        """Stop serving: requests not answered yet end with EngineClosedError, later ones raise it, and the chunks
+        still queued to be stored are dropped (`wait_for_fills()` first keeps them). Runs by itself at exit."""
+        self.scheduler.stop(timeout)
+        self._fills.stop(timeout)
+
     def _check_request(self, prompt: TokenizedPrompt, request: Request, method: str) -> None:
         """What a request needs of this engine: a rule this model has the layers for, a prompt that fits."""
         with calling(method):

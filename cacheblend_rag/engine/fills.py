@@ -9,7 +9,8 @@ answer, and it runs one chunk at a time in one of two places:
   (`max_token_gap_s`) like any prefill, instead of holding the engine's lock for the whole chunk;
 - otherwise on a background thread of its own, one chunk per turn of the engine's lock.
 A request that needs a chunk still queued waits for it (`wait_for`) rather than computing it twice; on the host's
-thread, waiting means storing the queued chunks there. `wait()` waits for everything (before a process exits).
+thread, waiting means storing the queued chunks there. `wait()` waits for everything (before a process exits);
+at exit without it, what is still queued is dropped (`stop`, called by `shutdown`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from ..store import ChunkKV
 from .interleave import AfterLayer, HostedWork
 from .metrics import RequestMetrics
+from .shutdown import stop_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,8 @@ class DeferredFills(HostedWork):
         self._cond = threading.Condition()
         self._host: int | None = None  # the thread that runs the queue while it serves requests
         self._thread: threading.Thread | None = None
+        self._stopped = False
+        stop_at_exit(self)
 
     def submit(
         self,
@@ -59,6 +63,8 @@ class DeferredFills(HostedWork):
             return
         captured = captured or {}
         with self._cond:
+            if self._stopped:
+                return  # the process is exiting: a cache entry is not worth holding it up
             for c in chunks:
                 self._pending[c] = self._pending.get(c, 0) + 1
                 self._items.append((tuple(prefix_ids), c, metrics, captured.get(c)))
@@ -103,6 +109,20 @@ class DeferredFills(HostedWork):
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending, timeout)
 
+    def stop(self, timeout: float | None = None) -> bool:
+        """Drop the queued chunks (they are only cache entries) and end the background thread once the chunk being
+        stored is; -> False if it was still storing after `timeout` seconds. Later submissions are ignored."""
+        with self._cond:
+            self._stopped = True
+            while self._items:  # nothing queued will be stored: no one may wait for it
+                self._done(self._items.popleft()[1])
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
     @property
     def pending(self) -> int:
         """How many chunks are queued or being stored."""
@@ -116,7 +136,9 @@ class DeferredFills(HostedWork):
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._items and self._host is None)
+                self._cond.wait_for(lambda: self._stopped or (self._items and self._host is None))
+                if self._stopped:
+                    return
                 item = self._items.popleft()
             self._store(item, None)
 
@@ -142,7 +164,11 @@ class DeferredFills(HostedWork):
             if kv is None:  # a captured entry only costs its store's write
                 metrics.deferred_fill_s += time.perf_counter() - t - hosted  # before the waiters are told
             with self._cond:
-                self._pending[chunk] -= 1
-                if not self._pending[chunk]:
-                    del self._pending[chunk]
+                self._done(chunk)
                 self._cond.notify_all()
+
+    def _done(self, chunk: tuple[int, ...]) -> None:
+        """One queued item of `chunk` is stored or dropped (under the condition's lock)."""
+        self._pending[chunk] -= 1
+        if not self._pending[chunk]:
+            del self._pending[chunk]

@@ -14,7 +14,8 @@ a prefill, or of a chunk being stored, once their last one is that old (`interle
 stop their answers.
 Events go to each job's reader through a `Channel` (a queue for a thread, the event loop for
 a task); a slow reader only lets its own events pile up, and a reader that leaves cancels its job, which leaves the
-batch at the next step. The worker exits when nothing is left and starts again with the next job.
+batch at the next step. The worker exits when nothing is left and starts again with the next job; at interpreter
+exit it is stopped (`stop`, called by `shutdown`): jobs still waiting or decoding get an error.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import PromptError
+from ..errors import EngineClosedError, PromptError
 from .batch_decode import BatchDecoder, DecodeCache
 from .decoding import AsyncTextStream, Event, GenerationResult, TextStream, TokenLoop
 from .interleave import AfterLayer, HostedWork
 from .prefill import Prefill
 from .prompt import TokenizedPrompt
 from .request import Request
+from .shutdown import stop_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +135,11 @@ class Scheduler:
         self._waiting: list[Job] = []
         self._active: list[Job] = []
         self._thread: threading.Thread | None = None
+        self._stopped = False
         self._hosted = 0  # decode steps run between the layers of the prefill in progress
         self.largest_batch = 0  # the most jobs one step has decoded together (for tests and benchmarks)
         self.largest_batch_tokens = 0  # the most KV positions (`Job.positions`) of the jobs of one step
+        stop_at_exit(self)
 
     def submit(self, prompt: TokenizedPrompt, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> Job:
         """Queue a request; PromptError, before anything runs, for one whose KV could never fit `max_tokens`."""
@@ -148,6 +152,8 @@ class Scheduler:
                 "EngineConfig.max_batch_tokens"
             )
         with self._cond:
+            if self._stopped:
+                raise EngineClosedError("the engine is stopped (the interpreter is exiting): no new request runs")
             self._waiting.append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cacheblend-scheduler", daemon=True)
@@ -165,6 +171,18 @@ class Scheduler:
         job = self.submit(prompt, request, asyncio.get_running_loop())
         return AsyncTextStream(job.channel.async_events(), job.cancel)
 
+    def stop(self, timeout: float | None = None) -> bool:
+        """End the worker once its step in progress is done; the jobs waiting or decoding then end with
+        EngineClosedError. -> False if it was still running after `timeout` seconds. Later requests raise."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
     @property
     def busy(self) -> int:
         """How many jobs are waiting or decoding."""
@@ -177,6 +195,11 @@ class Scheduler:
             with self._cond:
                 self._waiting = [j for j in self._waiting if not j.cancelled]
                 self._active = [j for j in self._active if not (j.cancelled or j.finished)]
+                if self._stopped:
+                    for j in self._waiting + self._active:
+                        j.cancel()
+                        j.channel.put(EngineClosedError("the engine stopped before this request was answered"))
+                    self._waiting, self._active = [], []
                 if not self._waiting and not self._active:
                     self._background.host(False)  # what is left is stored on the fills' own thread
                     self._thread = None
