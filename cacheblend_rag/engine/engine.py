@@ -2,6 +2,7 @@
 
 It composes the parts, each in its own module:
 - `prompt`: templates and tokenized prompts (prefix, chunks, suffix);
+- `corpus`: a corpus's chunk KV ahead of requests (`precompute`: isolated, after neighbours, or grouped);
 - `chunk_cache`: chunk KV by key, from the store or prefilled and stored;
 - `planning`: which tokens a prefill recomputes (pure functions to a `FusionPlan`);
 - `prefill` and `gather`: the four prefill modes and the request's metrics, over the stored KV gathered for it;
@@ -32,7 +33,7 @@ from ..models.support import max_blend_length
 from ..store import ChunkStore, TieredStore, build_store
 from .batch_decode import BatchDecoder
 from .chunk_cache import ChunkCache
-from .chunk_context import NEIGHBOURS, ContextArg, assign_contexts, context_parts, corpus_ids
+from .corpus import CorpusMethods
 from .decoding import AsyncTextStream, GenerationResult, TextStream, TokenLoop
 from .fills import DeferredFills
 from .generation import eos_token_ids
@@ -46,7 +47,7 @@ from .scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
-class CacheBlendEngine:
+class CacheBlendEngine(CorpusMethods):
     """One model, one chunk store, and the four ways to prefill a prompt made of chunks.
 
     `controller`: a ratio policy (e.g. `LoadingController`) that picks the blend ratio per request from the
@@ -180,55 +181,6 @@ class CacheBlendEngine:
         each chunk's in order (the first chunk's isolated entry; a later one's captured entry where capture="all"
         stored one, else its own)."""
         return self.chunks.prompt_keys(prompt.prefix_ids, prompt.chunk_ids, with_prefix=with_prefix)
-
-    def precompute(
-        self,
-        chunks: Sequence[str],
-        question: str | None = None,
-        *,
-        template: PromptTemplate | None = None,
-        prefix: str | None = None,
-        context: ContextArg = NEIGHBOURS,
-        show_progress: bool = False,
-    ) -> tuple[int, int]:
-        """Make sure every chunk's KV is in the store, for the template's prefix or an explicit prefix.
-
-        `chunks` are taken as the corpus: each chunk's KV is prefilled after its `config.context_neighbours` most
-        similar other chunks among them (`set_chunk_context`; `context=None` stores isolated entries, "keep" the
-        contexts recorded already, a list per chunk gives other context texts). A chunk with a context also gets
-        its isolated entry, which a prompt reads for its first chunk (whose real context is the prefix alone).
-        The template's prefix does not depend on the question, so `question` is only needed by templates that
-        place it before the chunks. Returns (already cached, newly computed).
-        """
-        prefix_ids, chunk_ids = self._take_corpus(chunks, context, question, template, prefix)
-        with self._lock:
-            return self.chunks.fill(prefix_ids, chunk_ids, show_progress=show_progress, heads=True)
-
-    def set_chunk_context(
-        self, chunks: Sequence[str], context: ContextArg = NEIGHBOURS, *, question: str | None = None,
-        template: PromptTemplate | None = None, prefix: str | None = None,
-    ) -> int:  # fmt: skip
-        """Record what each chunk's KV is prefilled after, computing none: its `config.context_neighbours` most
-        similar chunks among `chunks` ("neighbours"), nothing (None), or the texts given per chunk (in order).
-
-        Requests then read, and on a miss store, each chunk's contextual entry (its key holds the context's
-        digest). Give it the whole corpus (a retriever's chunks) when an index is built or loaded. Returns how
-        many chunks have a context.
-        """
-        _, chunk_ids = self._take_corpus(chunks, context, question, template, prefix)
-        return sum(1 for ids in chunk_ids if self.chunks.contexts.digest(ids))
-
-    def _take_corpus(
-        self, chunks: Sequence[str], context: ContextArg, question: str | None, template: PromptTemplate | None,
-        prefix: str | None,
-    ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:  # fmt: skip
-        """Check and tokenize a corpus, record each chunk's context; -> (prefix ids, chunk ids)."""
-        prefix_ids, chunk_ids = corpus_ids(self.tokenizer, template or self.template, chunks, question, prefix,
-                                           self.config.chunk_separator, self.max_tokens)  # fmt: skip
-        parts = context_parts(chunks, context, self.config.context_neighbours)  # embeds: outside the lock
-        with self._lock:
-            assign_contexts(self.chunks.contexts, self.tokenizer, chunk_ids, parts, self.config.chunk_separator)
-        return prefix_ids, chunk_ids
 
     def clear_store(self, tiers: Sequence[str] | None = None) -> None:
         """Drop the stored chunk KV: every tier, or only the named ones (`["memory"]` frees this process's

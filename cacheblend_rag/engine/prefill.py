@@ -185,6 +185,16 @@ class Prefiller:
             m.chunks_captured = len(captured)
         return Prefill(cache, result.logits, n, m, captured=captured)
 
+    def capture_full(
+        self, prompt: TokenizedPrompt, positions: Sequence[int], policy: str | None = None
+    ) -> dict[tuple[int, ...], ChunkKV]:
+        """A full prefill of `prompt` run for the entries it computes: those of the chunks at `positions`
+        (`capturable` under `policy`), cut from it; nothing runs when `positions` is empty."""
+        if not positions:
+            return {}
+        return self._full(prompt, RequestMetrics(mode=PrefillMode.FULL.value), time.perf_counter(), positions,
+                          policy=policy).captured  # fmt: skip
+
     def _full(
         self,
         prompt: TokenizedPrompt,
