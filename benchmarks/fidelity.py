@@ -42,8 +42,10 @@ from benchlib.fidelity_context import (  # noqa: E402
     CAPTURED_MIXED,
     CONTEXT,
     CONTEXT_INTRO,
+    GROUPED,
     CapturePreparer,
     ContextPreparer,
+    GroupPreparer,
     MixedCapturePreparer,
     capture_engine,
     context_engine,
@@ -64,6 +66,7 @@ from benchlib.fidelity_run import (  # noqa: E402
 from benchlib.records import load_records, take_records  # noqa: E402
 
 from cacheblend_rag.config import RULE_NAMES  # noqa: E402
+from cacheblend_rag.engine.grouped import DEFAULT_GROUP_TOKENS  # noqa: E402
 from cacheblend_rag.evaluation import load_dataset  # noqa: E402
 from cacheblend_rag.store.codec import CODECS  # noqa: E402
 
@@ -96,6 +99,12 @@ def run(args: argparse.Namespace) -> int:
             pools = {ds.spec.name: [c for case in load_dataset(n, args.data_dir, None).cases for c in case.chunks]
                      for n, ds in zip(names, datasets, strict=True)}  # fmt: skip
             prepare[CAPTURED_MIXED] = MixedCapturePreparer(pools)
+        elif args.chunk_context == "grouped":
+            engines[GROUPED] = capture_engine(engine)
+            full_sets = {
+                ds.spec.name: load_dataset(n, args.data_dir, None) for n, ds in zip(names, datasets, strict=True)
+            }
+            prepare[GROUPED] = GroupPreparer(full_sets, args.group_tokens)
         if args.take_records:
             wanted = {m.name for m in methods} | {"full"}
             cases = {(ds.spec.name, c.id) for ds in datasets for c in ds.cases}
@@ -128,12 +137,17 @@ def main(argv: list[str] | None = None) -> int:
                    "comma-separated (the uncompressed 'native' is always measured): " + ", ".join(CODECS))  # fmt: skip
     p.add_argument("--codec-ratios", help="with --kv-codec: the ratios measured through the other codecs "
                    "(default: every ratio; full reuse always)")  # fmt: skip
-    p.add_argument("--chunk-context", choices=["none", "neighbours", "captured", "captured-mixed"], default="none",
+    p.add_argument("--chunk-context", choices=["none", "neighbours", "captured", "captured-mixed", "grouped"],
+                   default="none",
                    help="neighbours: "
                    "measure every method (or --codec-ratios' ones) again on contextual chunk KV ('+ctx'), each chunk "
                    "prefilled after its nearest passages of the data set's whole pool; captured: on chunk KV cut from "
                    "an earlier request's full prefill of the same passages in another order ('+cap'); captured-mixed: "
-                   "from two earlier requests of half the passages each among other cases' ('+capmix')")  # fmt: skip
+                   "from two earlier requests of half the passages each among other cases' ('+capmix'); grouped: "
+                   "from full prefills of groups of similar passages of the pool, as precompute(context='groups') "
+                   "stores a corpus ('+grp')")  # fmt: skip
+    p.add_argument("--group-tokens", type=int, default=DEFAULT_GROUP_TOKENS, help="with --chunk-context grouped: "
+                   "the most tokens of a group")  # fmt: skip
     p.add_argument("--context-neighbours", type=int, default=2, help="with --chunk-context: neighbours per chunk")
     p.add_argument("--context-order", choices=["nearest", "acyclic"], default="nearest", help="with --chunk-context "
                    "neighbours: the nearest passages, or the nearest among those earlier in a fixed order of the "

@@ -72,6 +72,9 @@ CODEC_NAMES = ("native", "fp16", "bf16", "int8", "int4")
 # until the paired fidelity run on the default model shows a win: there it helped on average but broke some cases
 # (docs/benchmarks.md, "Contextual chunk KV"); 2 is the setting measured.
 DEFAULT_CONTEXT_NEIGHBOURS = 0
+# Grouped precompute: the most tokens of a group of similar chunks whose one full prefill gives each its stored KV
+# (`precompute(context="groups")`). 0: off by default until the paired fidelity run decides.
+DEFAULT_PRECOMPUTE_GROUPS = 0
 
 
 def mask_url(url: object) -> str:
@@ -209,6 +212,10 @@ class EngineConfig:
     # chunk's KV is prefilled after its n most similar other chunks, keeping only its own KV. 0: isolated entries
     # (the default for now; 2 is the measured setting).
     context_neighbours: int = DEFAULT_CONTEXT_NEIGHBOURS
+    # Grouped precompute (docs/configuration.md): `precompute(chunks)` lays the corpus out in groups of similar chunks
+    # of up to this many tokens and stores each chunk's KV from one full prefill of its group (as a captured entry,
+    # read under capture="all"), beside its isolated entry. 0: off. Exclusive with `context_neighbours`.
+    precompute_groups: int = DEFAULT_PRECOMPUTE_GROUPS
     # What a full prefill the engine runs by itself (a cold request under the miss policy, a guard escalation to
     # r = 1) stores of its chunks' KV, which it holds for free: "exact" stores the chunks whose KV there is their
     # entry (the one right after the prefix) and prefills the others after the answer; "all" also stores every
@@ -262,6 +269,17 @@ class EngineConfig:
                 f"redis_url must start with redis://, rediss:// or unix://, got {mask_url(self.redis_url)!r}"
             )
         check_count("context_neighbours", self.context_neighbours, 0, "a number of chunks (0: no context)")
+        check_count("precompute_groups", self.precompute_groups, 0, "a number of tokens per group (0: off)")
+        if self.precompute_groups and self.context_neighbours:
+            raise ConfigError(
+                "precompute_groups stores each chunk's KV from its group's prefill, context_neighbours after its "
+                "neighbours: choose one (set the other to 0)"
+            )
+        if self.precompute_groups and self.capture == "exact":
+            raise ConfigError(
+                "precompute_groups stores captured entries, which requests read only under capture='all' (the "
+                "default): leave capture unset, or set precompute_groups=0"
+            )
         check_count("max_batch_size", self.max_batch_size, 1, "a number of requests (1: one at a time)")
         if self.max_batch_tokens is not None:
             check_count("max_batch_tokens", self.max_batch_tokens, 1, "a number of KV positions, or None")

@@ -329,3 +329,26 @@ def test_capture_is_the_engines_default_unless_asked(capsys):
     assert config("--context-neighbours", "2").capture_policy == "exact"  # entries built after neighbours instead
     with pytest.raises(ConfigError, match="choose one"):
         config("--capture", "all", "--context-neighbours", "2")
+
+
+def test_precompute_groups_goes_from_the_command_line_to_the_engine_and_the_index():
+    from cacheblend_rag.cli import build_parser
+    from cacheblend_rag.cli.ask import engine_config
+    from cacheblend_rag.cli.sources import record_index_contexts
+    from cacheblend_rag.errors import ConfigError
+
+    def config(*options):
+        return engine_config(build_parser().parse_args(["ask", "--docs", "d", *options, "What is it?"]))
+
+    assert config().precompute_groups == 0
+    grouped = config("--precompute-groups", "3072")
+    assert grouped.precompute_groups == 3072 and grouped.capture_policy == "all"
+    with pytest.raises(ConfigError, match="choose one"):
+        config("--precompute-groups", "3072", "--context-neighbours", "2")
+    with pytest.raises(ConfigError, match="capture='all'"):
+        config("--precompute-groups", "3072", "--capture", "exact")
+
+    class Engine:  # what `record_index_contexts` reads of an engine, for an index it never has to open
+        config = grouped
+
+    assert record_index_contexts(Engine(), index=None) == "groups"  # type: ignore[arg-type]

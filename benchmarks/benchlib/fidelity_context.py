@@ -15,6 +15,9 @@ elsewhere, it is prefilled alone during the measured request (in its TTFT, not i
 `--chunk-context captured-mixed` (`+capmix`) is the harder case: two earlier requests, each with half of the
 case's passages and as many passages of other cases of the set, shuffled, so a chunk was captured mostly after
 text that is not in the measured prompt.
+`--chunk-context grouped` (`+grp`) measures `precompute(context="groups")`: the set's whole pool laid out in groups of
+similar passages (`retrieval.groups`, up to `--group-tokens` tokens each), and each case's chunks stored from one
+full prefill of their groups (`engine.precompute_groups`), isolated entries beside them.
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ from cacheblend_rag.engine import CacheBlendEngine, TokenizedPrompt
 from cacheblend_rag.engine.prompt import tokenize_chunks
 from cacheblend_rag.evaluation.datasets import Case, Dataset, TaskSpec
 from cacheblend_rag.retrieval.embeddings import embed_texts, load_embedder
+from cacheblend_rag.retrieval.groups import similarity_groups
 from cacheblend_rag.retrieval.neighbours import nearest_neighbours, neighbour_context
 
 CONTEXT = "ctx"  # the variant name: `attention@0.15+ctx`
 CAPTURED = "cap"  # `attention@0.15+cap`
 CAPTURED_MIXED = "capmix"  # `attention@0.15+capmix`
-CONTEXT_VARIANTS = (CONTEXT, CAPTURED, CAPTURED_MIXED)
+GROUPED = "grp"  # `attention@0.15+grp`
+CONTEXT_VARIANTS = (CONTEXT, CAPTURED, CAPTURED_MIXED, GROUPED)
 
 
 def text_rank(text: str) -> str:
@@ -198,11 +203,55 @@ class MixedCapturePreparer:
         return {"captured_halves": halves, "captured_chunks": captured, "precompute_s": time.perf_counter() - t}
 
 
+class GroupPreparer:
+    """Fills a capture engine's store with a case's chunk KV as grouped precompute over the set's whole pool gives
+    it: the groups holding the case's passages, each prefilled once up to the last of them (`engine.precompute_groups`;
+    a causal prefill gives them the KV the whole group's prefill does)."""
+
+    def __init__(self, full_datasets: dict[str, Dataset], group_tokens: int) -> None:
+        self.full = full_datasets  # by set name: every case, whose passages make the pool
+        self.group_tokens = group_tokens
+        self._groups: dict[str, dict[str, tuple[str, ...]]] = {}  # set name -> passage -> its group
+
+    def groups_of(self, engine: CacheBlendEngine, name: str) -> dict[str, tuple[str, ...]]:
+        if name not in self._groups:
+            pool = list(dict.fromkeys(c for case in self.full[name].cases for c in case.chunks))
+            vectors = embed_texts(load_embedder(), pool, batch_size=32, show_progress=False)
+            lengths = [len(ids) for ids in tokenize_chunks(engine.tokenizer, pool, engine.config.chunk_separator)]
+            found = similarity_groups(vectors, pool, lengths, self.group_tokens)
+            self._groups[name] = {pool[i]: tuple(pool[j] for j in group) for group in found for i in group}
+        return self._groups[name]
+
+    def __call__(self, engine: CacheBlendEngine, spec: TaskSpec, case: Case, prompt: TokenizedPrompt) -> dict[str, Any]:
+        group_of = self.groups_of(engine, spec.name)
+        engine.clear_store()
+        groups = list(dict.fromkeys(group_of[c] for c in case.chunks))
+        # each group up to its last passage of this case: a causal prefill gives those passages the same KV
+        wanted = set(case.chunks)
+        groups = [g[: max(i for i, c in enumerate(g) if c in wanted) + 1] for g in groups]
+        t = time.perf_counter()
+        engine.precompute_groups([list(g) for g in groups], case.question, template=spec.template)
+        precompute_s = time.perf_counter() - t
+        tokens = dict(zip(case.chunks, (len(ids) for ids in prompt.chunk_ids), strict=True))
+        length = {c: len(ids) for g in groups for c, ids in zip(g, tokenize_chunks(
+            engine.tokenizer, list(g), engine.config.chunk_separator), strict=True)}  # fmt: skip
+        before = [sum(length[x] for x in group_of[c][: group_of[c].index(c)]) for c in case.chunks]
+        return {
+            "group_tokens": self.group_tokens,
+            "groups": len(groups),
+            "precompute_s": precompute_s,
+            "context_tokens": sum(before) / max(len(before), 1),  # per chunk, mean: its group's text before it
+            "chunk_tokens": sum(tokens.values()) / max(len(tokens), 1),
+            "first_in_group": sum(b == 0 for b in before),  # chunks with no captured entry (isolated everywhere)
+        }
+
+
 CONTEXT_INTRO = (
     "### Contextual chunk KV: paired difference to isolated chunk KV",
     "Per case, the method on chunk KV prefilled after each chunk's nearest passages of the data set's whole pool "
     "(`ctx`), or cut from an earlier request's full prefill of the same passages in another order (`cap`) or of "
-    "half of them among passages of other cases (`capmix`), minus "
+    "half of them among passages of other cases (`capmix`), or from full prefills of groups of similar passages of "
+    "the pool (`grp`), minus "
     "the same method on chunk KV prefilled alone, against the same full-recompute reference; a negative "
     "difference is closer to full recompute: 'closer' or 'further' where the 95% interval excludes 0.",
 )
@@ -228,16 +277,17 @@ def split_context_rows(rows: Sequence[CodecDifference]) -> tuple[list[CodecDiffe
 
 
 def precompute_cost(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Markdown lines: per data set, the tokens a contextual entry is prefilled after per chunk, the tokens
-    prefilled per chunk token (the contextual entry and the isolated one a prompt's first chunk reads, which
-    `precompute` stores beside it), and the precompute seconds per case (one record per case)."""
+    """Markdown lines: per data set and variant (neighbours, groups), the tokens a chunk's entry is prefilled after
+    per chunk, the tokens prefilled per chunk token over a corpus (the entry and the isolated one a prompt's first
+    chunk reads, which `precompute` stores beside it), and the precompute seconds per case (one record per case;
+    a grouped case prefills whole groups of the pool, of which a corpus prefills each once)."""
     by_set: dict[str, list[Mapping[str, Any]]] = {}
     seen: set[tuple[str, str]] = set()
     for r in records:
         # captured entries cost no precompute: the earlier request's full prefill computed them anyway
-        if r.get("codec") == CONTEXT and "precompute_s" in r and (r["dataset"], r["case_id"]) not in seen:
+        if r.get("codec") in (CONTEXT, GROUPED) and "precompute_s" in r and (r["dataset"], r["case_id"]) not in seen:
             seen.add((r["dataset"], r["case_id"]))
-            by_set.setdefault(str(r["dataset"]), []).append(r)
+            by_set.setdefault(f"{r['dataset']} ({r['codec']})", []).append(r)
     if not by_set:
         return []
     lines = ["| data set | cases | chunk tokens | context tokens per chunk | prefilled / chunk tokens (both entries) | "
@@ -246,6 +296,7 @@ def precompute_cost(records: Sequence[Mapping[str, Any]]) -> list[str]:
         chunk = statistics.fmean(float(r["chunk_tokens"]) for r in recs)
         ctx = statistics.fmean(float(r["context_tokens"]) for r in recs)
         secs = statistics.fmean(float(r["precompute_s"]) for r in recs)
-        prefilled = (2 * chunk + ctx) / chunk
+        # neighbours: the context again for every chunk; groups: each chunk once in its group (a corpus's cost)
+        prefilled = 2.0 if ds.endswith(f"({GROUPED})") else (2 * chunk + ctx) / chunk
         lines.append(f"| {ds} | {len(recs)} | {chunk:.0f} | {ctx:.0f} | {prefilled:.2f}x | {secs:.0f} |")
     return lines

@@ -41,6 +41,7 @@ def engine_config(args: argparse.Namespace):
         miss_policy=args.miss_policy,
         guard=guard_from_args(args),
         context_neighbours=args.context_neighbours,
+        precompute_groups=args.precompute_groups,
         capture=args.capture,
         decode_weights=args.decode_weights,
     )

@@ -128,6 +128,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         disk_dir=args.kv_dir,
         redis_url=args.redis_url,
         context_neighbours=args.context_neighbours,
+        precompute_groups=args.precompute_groups,
     )
     t = time.perf_counter()
     engine = CacheBlendEngine.from_pretrained(args.model, config=config)
@@ -150,7 +151,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         ]
 
     header = {"model": engine.fingerprint, "dtype": config.dtype, "source": source, "context": context,
-              "context_neighbours": config.context_neighbours}  # fmt: skip
+              "context_neighbours": config.context_neighbours,
+              "precompute_groups": config.precompute_groups}  # fmt: skip
     journal = Journal(Path(f"{args.out}.partial.jsonl"), header)
     if journal.done:
         print(f"resuming: {len(journal.done)} questions already measured in {journal.path}", file=sys.stderr)

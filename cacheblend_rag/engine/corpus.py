@@ -42,20 +42,24 @@ class CorpusMethods:
         prefix: str | None = None,
         context: ContextArg = NEIGHBOURS,
         show_progress: bool = False,
-        group_tokens: int = DEFAULT_GROUP_TOKENS,
+        group_tokens: int | None = None,
     ) -> tuple[int, int]:
         """Make sure every chunk's KV is in the store, for the template's prefix or an explicit prefix.
 
         `chunks` are taken as the corpus: each chunk's KV is prefilled after its `config.context_neighbours` most
         similar other chunks among them (`set_chunk_context`; `context=None` stores isolated entries, "keep" the
         contexts recorded already, a list per chunk gives other context texts; "groups" lays them out in groups of
-        similar chunks of up to `group_tokens` tokens and keeps each chunk's KV from its group's full prefill:
-        `precompute_groups`). A chunk with a context also gets its isolated entry, which a prompt reads for its
-        first chunk (whose real context is the prefix alone).
+        similar chunks of up to `group_tokens` tokens (default: `config.precompute_groups`, else 3072) and keeps
+        each chunk's KV from its group's full prefill: `precompute_groups`). The default follows the engine's
+        settings: with `config.precompute_groups` set it means "groups". A chunk with a context also gets its
+        isolated entry, which a prompt reads for its first chunk (whose real context is the prefix alone).
         The template's prefix does not depend on the question, so `question` is only needed by templates that
         place it before the chunks. Returns (already cached, newly computed).
         """
+        if isinstance(context, str) and context == NEIGHBOURS and self.config.precompute_groups:
+            context = GROUPS  # the two settings are exclusive: this engine's corpus context is its groups
         if isinstance(context, str) and context == GROUPS:
+            group_tokens = group_tokens or self.config.precompute_groups or DEFAULT_GROUP_TOKENS
             lengths = [len(ids) for ids in tokenize_chunks(self.tokenizer, chunks, self.config.chunk_separator)]
             groups = group_texts(chunks, lengths, group_tokens)
             return self.precompute_groups(groups, question, template=template, prefix=prefix,
