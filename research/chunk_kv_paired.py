@@ -1,0 +1,100 @@
+"""Chunk KV built several ways, compared case by case on the cases every run measured: isolated entries against
+each variant (neighbour context, captured in earlier requests, grouped precompute, ...), paired 95% bootstrap
+intervals over cases, first tokens kept, and the same per data set.
+
+    python research/chunk_kv_paired.py ctx=benchmarks/results/fidelity-context-later \
+        capmix=benchmarks/results/fidelity-captured-mixed grp=benchmarks/results/fidelity-grouped
+
+Each argument is VARIANT=FOLDER: a `benchmarks/fidelity.py --chunk-context ...` run's folder and the suffix of its
+records' methods (`attention@0.15+grp`). The isolated records are the first run's (every run takes them from the
+main fidelity run); a case counts only where every run measured every method against the same full-recompute
+answer. Loads no model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from benchlib.records import load_records  # noqa: E402
+
+from cacheblend_rag.evaluation.fidelity import bootstrap_ci  # noqa: E402
+
+METHODS = ("reuse", "attention@0.05", "attention@0.15")
+NAMES = {"ctx": "neighbours", "cap": "captured", "capmix": "captured-mixed", "grp": "grouped"}
+
+
+def records(folder: Path) -> dict[str, dict[str, dict]]:
+    """{case: {method: record}} of a fidelity run's folder."""
+    by_case: dict[str, dict[str, dict]] = defaultdict(dict)
+    for r in load_records(folder, filename="fidelity.jsonl"):
+        by_case[r["case_id"]][r["method"]] = r
+    return by_case
+
+
+def common_cases(runs: dict[str, dict[str, dict[str, dict]]]) -> list[str]:
+    """The cases every run measured every method of, against the same reference answer."""
+    first = next(iter(runs.values()))
+    out = []
+    for case in first:
+        rows = [run.get(case, {}) for run in runs.values()]
+        complete = all(m in first[case] for m in METHODS) and all(
+            f"{m}+{v}" in row for v, row in zip(runs, rows, strict=True) for m in METHODS
+        )
+        refs = {row["full"].get("reference") for row in rows if "full" in row}
+        if complete and len(refs) <= 1:
+            out.append(case)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", metavar="VARIANT=FOLDER")
+    args = p.parse_args()
+    runs = {}
+    for spec in args.runs:
+        variant, _, folder = spec.partition("=")
+        if not folder:
+            p.error(f"expected VARIANT=FOLDER, got {spec!r}")
+        runs[variant] = records(Path(folder))
+    cases = common_cases(runs)
+    iso = next(iter(runs.values()))
+    print(f"{len(cases)} cases measured by every run\n")
+    print("| method | chunk KV | mean KL | minus isolated [95% CI] | closer | first tokens kept |")
+    print("|---|---|---:|---|---:|---:|")
+    for m in METHODS:
+        base = [iso[c][m]["kl_mean"] for c in cases]
+        kept = sum(int(iso[c][m]["first_token"]) for c in cases)
+        print(f"| {m} | isolated | {statistics.fmean(base):.3f} | | | {kept}/{len(cases)} |")
+        for v, run in runs.items():
+            kl = [run[c][f"{m}+{v}"]["kl_mean"] for c in cases]
+            diffs = [a - b for a, b in zip(kl, base, strict=True)]
+            lo, hi = bootstrap_ci(diffs)
+            kept = sum(int(run[c][f"{m}+{v}"]["first_token"]) for c in cases)
+            closer = sum(d < 0 for d in diffs)
+            print(f"| {m} | {NAMES.get(v, v)} | {statistics.fmean(kl):.3f} | {statistics.fmean(diffs):+.3f} "
+                  f"[{lo:+.3f}, {hi:+.3f}] | {closer}/{len(cases)} | {kept}/{len(cases)} |")  # fmt: skip
+    sets: dict[str, list[str]] = defaultdict(list)
+    for c in cases:
+        sets[iso[c]["full"]["dataset"] if "full" in iso[c] else c.rsplit("-", 1)[0]].append(c)
+    m = "attention@0.15"
+    names = ["isolated", *(NAMES.get(v, v) for v in runs)]
+    print(f"\nPer set, {m}: mean KL (first tokens kept), worst case's KL\n")
+    print("| set | cases | " + " | ".join(names) + " |")
+    print("|---|---:|" + "---|" * len(names))
+    for name, group in sorted(sets.items()):
+        cells = []
+        for run, key in [(iso, m), *((run, f"{m}+{v}") for v, run in runs.items())]:
+            kl = [run[c][key]["kl_mean"] for c in group]
+            kept = sum(int(run[c][key]["first_token"]) for c in group)
+            cells.append(f"{statistics.fmean(kl):.3f} ({kept}/{len(group)}), max {max(kl):.2f}")
+        print(f"| {name} | {len(group)} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
