@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from ..store import ChunkKV
 from .interleave import AfterLayer, HostedWork
 from .metrics import RequestMetrics
-from .shutdown import stop_at_exit
+from .shutdown import joined, stop_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -118,10 +118,7 @@ class DeferredFills(HostedWork):
                 self._done(self._items.popleft()[1])
             self._cond.notify_all()
             thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-            return not thread.is_alive()
-        return True
+        return joined(thread, timeout)
 
     @property
     def pending(self) -> int:

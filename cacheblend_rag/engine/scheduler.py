@@ -35,7 +35,7 @@ from .interleave import AfterLayer, HostedWork
 from .prefill import Prefill
 from .prompt import TokenizedPrompt
 from .request import Request
-from .shutdown import stop_at_exit
+from .shutdown import joined, stop_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -178,10 +178,7 @@ class Scheduler:
             self._stopped = True
             self._cond.notify_all()
             thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-            return not thread.is_alive()
-        return True
+        return joined(thread, timeout)
 
     @property
     def busy(self) -> int:

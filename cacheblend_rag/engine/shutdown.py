@@ -41,6 +41,14 @@ def stop_at_exit(worker: Worker) -> None:
             _hooked = True
 
 
+def joined(thread: threading.Thread | None, timeout: float | None) -> bool:
+    """Wait up to `timeout` seconds for `thread` to end (not when it is the calling thread); -> whether it has."""
+    if thread is None or thread is threading.current_thread():
+        return True
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
 def stop_all(timeout: float = EXIT_TIMEOUT_S) -> None:
     """Stop every registered worker, each given up to `timeout` seconds (the exit hook)."""
     with _guard:
