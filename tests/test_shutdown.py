@@ -20,6 +20,10 @@ from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_
 WORKERS = ("cacheblend-scheduler", "cacheblend-deferred-fills")
 
 
+def workers() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name in WORKERS and t.is_alive()}
+
+
 def tiny_engine(**config) -> CacheBlendEngine:
     return CacheBlendEngine(
         make_tiny_model("llama", mute_eos=True),
@@ -33,6 +37,7 @@ def chunks(seed: int) -> list[str]:
 
 
 def test_close_ends_open_requests_with_a_clear_error_and_refuses_new_ones():
+    before = workers()  # other tests' engines may still have theirs
     engine = tiny_engine()
     streams = [engine.stream(chunks(i), random_words(100 + i, 4), max_new_tokens=300) for i in range(3)]
     first = next(iter(streams[0]))  # the worker is serving
@@ -43,16 +48,17 @@ def test_close_ends_open_requests_with_a_clear_error_and_refuses_new_ones():
             stream.collect()
     with pytest.raises(EngineClosedError, match="no new request"):
         engine.generate(chunks(9), "a question", max_new_tokens=2)
-    assert not [t.name for t in threading.enumerate() if t.name in WORKERS and t.is_alive()]
+    assert not workers() - before
 
 
 def test_close_drops_queued_fills_and_nothing_waits_for_them():
+    before = workers()
     engine = tiny_engine(miss_policy="full", capture="exact")
     for i in range(4):  # cold requests: their chunks are queued to be prefilled and stored after each answer
         engine.generate(chunks(i), "a question", max_new_tokens=1)
     engine.close(timeout=30)
     assert engine.wait_for_fills(timeout=5)  # dropped, not pending forever
-    assert not [t.name for t in threading.enumerate() if t.name in WORKERS and t.is_alive()]
+    assert not workers() - before
 
 
 SCRIPT = """
@@ -76,3 +82,22 @@ def test_a_script_that_ends_mid_work_exits_cleanly_with_no_worker_left():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "first:" in done.stdout
     assert "alive at exit: []" in done.stdout, done.stdout
+
+
+def test_the_fills_thread_ends_when_idle_and_starts_again_with_new_work(monkeypatch):
+    import time
+
+    from cacheblend_rag.engine import fills
+
+    monkeypatch.setattr(fills, "IDLE_S", 0.1)
+    before = workers()
+    engine = tiny_engine(miss_policy="full", capture="exact")
+    for i in range(2):
+        engine.generate(chunks(20 + i), "a question", max_new_tokens=1)
+        assert engine.wait_for_fills(timeout=30)
+        deadline = time.monotonic() + 10
+        while workers() - before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not workers() - before  # an idle engine holds no thread
+    key = engine.prompt_keys(engine.build_prompt(chunks(21), "a question"))[-1]
+    assert key in engine.store  # the second request's fills ran on a thread started again

@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 # (prefix ids, chunk ids, its captured entry or None, a callback between layers): store that chunk's KV (prefilling
 # it when there is no captured entry)
 Fill = Callable[[Sequence[int], Sequence[int], ChunkKV | None, AfterLayer | None], None]
+IDLE_S = 5.0  # the background thread ends after this long with nothing queued
+
 Item = tuple[tuple[int, ...], tuple[int, ...], RequestMetrics, ChunkKV | None]
 
 
@@ -133,7 +135,11 @@ class DeferredFills(HostedWork):
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopped or (self._items and self._host is None))
+                if not self._cond.wait_for(lambda: self._stopped or (self._items and self._host is None), IDLE_S):
+                    if self._items:
+                        continue  # the scheduler hosts them
+                    self._thread = None  # idle: the next submission starts a new one
+                    return
                 if self._stopped:
                     return
                 item = self._items.popleft()
