@@ -16,9 +16,9 @@ from typing import Any
 from ..config import EngineConfig
 from .chunk_cache import ChunkCache
 from .chunk_context import NEIGHBOURS, ContextArg, assign_contexts, context_parts, corpus_ids
-from .grouped import DEFAULT_GROUP_TOKENS, GROUPS, check_groups_policy, fill_groups, group_texts
+from .grouped import DEFAULT_GROUP_TOKENS, GROUPS, check_groups_policy, fill_groups, group_indexes
 from .prefill import Prefiller
-from .prompt import PromptTemplate, TokenizedPrompt, tokenize_chunks
+from .prompt import PromptTemplate, TokenizedPrompt
 from .request import check_length
 
 
@@ -58,13 +58,14 @@ class CorpusMethods:
         """
         if isinstance(context, str) and context == NEIGHBOURS and self.config.precompute_groups:
             context = GROUPS  # the two settings are exclusive: this engine's corpus context is its groups
-        if isinstance(context, str) and context == GROUPS:
+        grouped = isinstance(context, str) and context == GROUPS
+        if grouped:
+            check_groups_policy(self.config.capture_policy)
+        prefix_ids, chunk_ids = self._take_corpus(chunks, None if grouped else context, question, template, prefix)
+        if grouped:
             group_tokens = group_tokens or self.config.precompute_groups or DEFAULT_GROUP_TOKENS
-            lengths = [len(ids) for ids in tokenize_chunks(self.tokenizer, chunks, self.config.chunk_separator)]
-            groups = group_texts(chunks, lengths, group_tokens)
-            return self.precompute_groups(groups, question, template=template, prefix=prefix,
-                                          show_progress=show_progress)  # fmt: skip
-        prefix_ids, chunk_ids = self._take_corpus(chunks, context, question, template, prefix)
+            found = group_indexes(chunks, [len(ids) for ids in chunk_ids], group_tokens)
+            return self._fill_groups(prefix_ids, [[chunk_ids[i] for i in g] for g in found], show_progress)
         with self._lock:
             return self.chunks.fill(prefix_ids, chunk_ids, show_progress=show_progress, heads=True)
 
@@ -79,10 +80,16 @@ class CorpusMethods:
         flat = [c for group in groups for c in group]
         prefix_ids, chunk_ids = self._take_corpus(flat, None, question, template, prefix)
         spans = itertools.accumulate((len(g) for g in groups), initial=0)
-        split = [chunk_ids[a:b] for a, b in itertools.pairwise(spans)]
-        check_length(TokenizedPrompt(prefix_ids, max(split, key=lambda g: sum(map(len, g))), (0,)), 0, self.max_tokens)
+        return self._fill_groups(prefix_ids, [chunk_ids[a:b] for a, b in itertools.pairwise(spans)], show_progress)
+
+    def _fill_groups(
+        self, prefix_ids: tuple[int, ...], groups: Sequence[Sequence[tuple[int, ...]]], show_progress: bool
+    ) -> tuple[int, int]:
+        """Check that the longest group fits the model, then store the groups' entries (`grouped.fill_groups`)."""
+        longest = max(groups, key=lambda g: sum(map(len, g)))
+        check_length(TokenizedPrompt(prefix_ids, tuple(longest), (0,)), 0, self.max_tokens)
         with self._lock:
-            return fill_groups(self.chunks, self._prefiller, prefix_ids, split, show_progress=show_progress)
+            return fill_groups(self.chunks, self._prefiller, prefix_ids, groups, show_progress=show_progress)
 
     def set_chunk_context(
         self, chunks: Sequence[str], context: ContextArg = NEIGHBOURS, *, question: str | None = None,

@@ -153,7 +153,10 @@ class Scheduler:
             )
         with self._cond:
             if self._stopped:
-                raise EngineClosedError("the engine is stopped (the interpreter is exiting): no new request runs")
+                raise EngineClosedError(
+                    "the engine is closed (engine.close(), or the interpreter is exiting): no new "
+                    "request runs; build a new engine to go on"
+                )
             self._waiting.append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cacheblend-scheduler", daemon=True)

@@ -22,7 +22,7 @@ class Worker(Protocol):
 
     def stop(self, timeout: float | None = None) -> bool:
         """Drop what is queued, let the step in progress finish and end the thread; -> False if it was still
-        running after `timeout` seconds. Later submissions raise."""
+        running after `timeout` seconds. Later work is refused (the scheduler raises, the fills drop it)."""
         ...
 
 
