@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     for spec, case in tqdm(work, desc="probe", unit="case"):
         recorded = measured[(spec.name, case.id)]
         prompt = engine.build_prompt(list(case.chunks), case.question, template=spec.template)
-        engine.precompute(list(case.chunks), case.question, template=spec.template)
+        engine.precompute(list(case.chunks), case.question, template=spec.template, context=None)  # as recorded
         t0 = time.perf_counter()
         pre = engine.prefill(prompt, "blend", blend=blend)
         first = int(pre.logits.argmax())

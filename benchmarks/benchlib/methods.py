@@ -109,8 +109,8 @@ class PrefillMethod:
         return True
 
     def warm(self, engine: Any, spec: TaskSpec, case: Case) -> None:
-        if self.mode != "full":  # full recompute never reads the store
-            engine.precompute(list(case.chunks), case.question, template=spec.template)
+        if self.mode != "full":  # full recompute never reads the store; isolated entries, as the tables were measured
+            engine.precompute(list(case.chunks), case.question, template=spec.template, context=None)
 
     def run(self, engine: Any, spec: TaskSpec, case: Case, max_new_tokens: int) -> MethodResult:
         res = engine.generate(
@@ -161,7 +161,7 @@ def _map_template(spec: TaskSpec, suffix: str) -> PromptTemplate:
 
 
 def _warm_dataset_prefix(engine: Any, spec: TaskSpec, case: Case) -> None:
-    engine.precompute(list(case.chunks), case.question, template=spec.template)
+    engine.precompute(list(case.chunks), case.question, template=spec.template, context=None)
 
 
 @dataclass(frozen=True)

@@ -235,7 +235,7 @@ def profile_engine(
         chunks = _filler_chunks(engine, max(1, n // chunk_tokens), chunk_tokens, seed=n)
         all_chunks.extend(chunks)
         prompt = engine.build_prompt(chunks, question)
-        engine.precompute(chunks, question)
+        engine.precompute(chunks, question, context=None)  # warm; which entry is read does not change a time
         engine.prefill(prompt, "blend", recompute_ratio=ratios[0])  # warm-up
         xs, ys = [], []
         for r in ratios:

@@ -2,8 +2,10 @@
 
 Neighbours are searched by cosine similarity of the retriever's own embeddings (the vectors a `ChunkIndex` holds,
 or the packaged all-MiniLM-L6-v2 for plain texts) with a FAISS inner-product index. A chunk is never its own
-neighbour, nor is any chunk of the same text. The neighbours come back nearest first; `neighbour_context` lays
-them out nearest last, so the most similar text sits right before the chunk, as the top retrieved chunks would.
+neighbour, nor is any chunk of the same text or a near copy of it (`overlap.near_copies`: a window holding much of
+the same text, which the chunk would read as a repeat of itself). The neighbours come back nearest first;
+`neighbour_context` lays them out nearest last, so the most similar text sits right before the chunk, as the top
+retrieved chunks would.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.retrieval.embeddings import Embedder, embed_texts, load_embedder
 from cacheblend_rag.retrieval.faiss_file import import_faiss
+from cacheblend_rag.retrieval.overlap import near_copies
 
 
 def check_neighbour_count(n: object, what: str = "neighbours") -> int:
@@ -28,7 +31,8 @@ def nearest_neighbours(
     queries: np.ndarray, pool: np.ndarray, n: int, *, query_texts: Sequence[str], pool_texts: Sequence[str]
 ) -> list[list[int]]:
     """For each query row, the indexes of its `n` most similar `pool` rows (unit vectors), most similar first,
-    leaving out every pool row whose text equals the query's (the chunk itself and its copies)."""
+    leaving out every pool row whose text equals the query's (the chunk itself and its copies) or is a near copy of
+    it (`overlap.near_copies`); among the nearest `4 n` rows and copies, so a chunk may get fewer than `n`."""
     check_neighbour_count(n)
     if len(queries) != len(query_texts) or len(pool) != len(pool_texts):
         raise ConfigError("one text per vector is needed for the neighbour search")
@@ -43,22 +47,25 @@ def nearest_neighbours(
     out = []
     for start in range(0, len(queries), 1024):
         block = np.ascontiguousarray(queries[start : start + 1024], dtype=np.float32)
-        k = min(len(pool), n + max(copies.get(t, 0) for t in query_texts[start : start + 1024]))
+        k = min(len(pool), 4 * n + max(copies.get(t, 0) for t in query_texts[start : start + 1024]))
         _, ids = index.search(block, k)
         for row, text in zip(ids, query_texts[start : start + 1024], strict=True):
-            picked = [int(j) for j in row if j >= 0 and pool_texts[j] != text]
-            out.append(_distinct(picked, pool_texts)[:n])
+            out.append(_nearest_apart(row, text, pool_texts, n))
     return out
 
 
-def _distinct(ids: Sequence[int], texts: Sequence[str]) -> list[int]:
-    """`ids` with repeated texts left out (the first of each text kept)."""
+def _nearest_apart(row: Sequence[int], text: str, texts: Sequence[str], n: int) -> list[int]:
+    """The first `n` rows of `row` (nearest first) whose texts are neither near copies of `text` nor repeats of a
+    text taken before."""
     seen: set[str] = set()
-    out = []
-    for j in ids:
-        if texts[j] not in seen:
-            seen.add(texts[j])
-            out.append(j)
+    out: list[int] = []
+    for j in row:
+        if len(out) == n:
+            break
+        if j < 0 or texts[j] in seen or near_copies(texts[j], text):
+            continue
+        seen.add(texts[j])
+        out.append(int(j))
     return out
 
 

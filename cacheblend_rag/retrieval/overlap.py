@@ -1,0 +1,38 @@
+"""Chunks that repeat each other's text: never cache one after the other.
+
+Corpora are often split with overlapping windows (a text splitter's `chunk_overlap`, or data sets cut into sliding
+windows), so a chunk's most similar chunk is often a window that holds much of the same text. A chunk's KV
+prefilled after such a near copy is computed while the model reads its own words a second time: on the fidelity
+benchmark one MuSiQue passage cached after two windows holding most of it took full KV reuse from 0.35 to 4.8
+nats from full recompute (docs/research.md, "Near copies in a chunk's context"). Contextual chunk KV (the
+neighbours a chunk is prefilled after, the groups of grouped precompute) therefore leaves near copies apart.
+
+Two texts are near copies when they share at least `NEAR_COPY_SHARE` of the word 8-grams of the shorter one.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+SHINGLE_WORDS = 8  # words per shingle: runs this long are rarely shared by texts that do not copy each other
+NEAR_COPY_SHARE = 0.1  # share of the shorter text's shingles held by the other text that makes them near copies
+
+_WORD = re.compile(r"\w+")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def shingles(text: str) -> frozenset[int]:
+    """The hashes of `text`'s runs of `SHINGLE_WORDS` words (lower-cased; a shorter text is one run)."""
+    words = _WORD.findall(text.lower())
+    return frozenset(hash(tuple(words[i : i + SHINGLE_WORDS])) for i in range(max(len(words) - SHINGLE_WORDS + 1, 1)))
+
+
+def near_copies(a: str, b: str) -> bool:
+    """Whether `a` and `b` share at least `NEAR_COPY_SHARE` of the shorter one's shingles (equal texts do)."""
+    if a == b:
+        return True
+    sa, sb = shingles(a), shingles(b)
+    if len(sa) > len(sb):
+        sa, sb = sb, sa
+    return len(sa & sb) >= NEAR_COPY_SHARE * max(len(sa), 1)
