@@ -78,6 +78,12 @@ def mean_kl(engine, references, blend: BlendConfig | None) -> float:
     return statistics.fmean(measure(engine, prompt, ref, blend)["kl_mean"] for prompt, ref in references)
 
 
+def reuse_default_cheap(engine, references) -> tuple[float, float, float]:
+    """Mean KL of full KV reuse, the default blend and the default rule at r = 0.05."""
+    methods = (None, default_method(), default_method().with_ratio(0.05))
+    return tuple(mean_kl(engine, references, blend) for blend in methods)  # type: ignore[return-value]
+
+
 def default_method() -> BlendConfig:
     return BlendConfig()
 
@@ -123,9 +129,7 @@ def test_contextual_chunk_kv_brings_reuse_and_the_blend_closer_to_full_recompute
     try:
         for question in QUESTIONS:
             engine.precompute(CHUNKS, question, context=contexts)  # each chunk after its 2 nearest among CHUNKS
-        reuse = mean_kl(engine, references, None)
-        default = mean_kl(engine, references, default_method())
-        cheap = mean_kl(engine, references, default_method().with_ratio(0.05))
+        reuse, default, cheap = reuse_default_cheap(engine, references)
     finally:
         engine.set_chunk_context(CHUNKS, None)  # the other tests' bounds are for isolated entries
     assert reuse < CONTEXT_REUSE_KL_BOUND, f"full reuse on contextual chunk KV: mean KL {reuse:.4f}"
@@ -152,9 +156,7 @@ def test_captured_chunk_kv_brings_reuse_and_the_blend_closer_to_full_recompute(e
     read = measuring.prompt_keys(prompt, with_prefix=False)
     captured = [measuring.chunk_key(prompt.prefix_ids, ids, captured=True) for ids in prompt.chunk_ids]
     assert read == [measuring.chunk_key(prompt.prefix_ids, prompt.chunk_ids[0]), *captured[1:]]
-    reuse = mean_kl(measuring, references, None)
-    default = mean_kl(measuring, references, default_method())
-    cheap = mean_kl(measuring, references, default_method().with_ratio(0.05))
+    reuse, default, cheap = reuse_default_cheap(measuring, references)
     assert reuse < CAPTURED_REUSE_KL_BOUND, f"full reuse on captured chunk KV: mean KL {reuse:.4f}"
     assert default < CAPTURED_DEFAULT_KL_BOUND, f"default blend on captured chunk KV: mean KL {default:.4f}"
     assert cheap < isolated_default, f"r = 0.05 on captured KV ({cheap:.4f}) vs 0.15 isolated ({isolated_default:.4f})"
@@ -176,9 +178,7 @@ def test_grouped_precompute_brings_reuse_and_the_blend_closer_to_full_recompute(
     # context is the prefix alone), every later one the entry from the group's prefill
     later = [grouped.chunk_key(prompt.prefix_ids, ids, captured=True) for ids in prompt.chunk_ids[1:]]
     assert read == [grouped.chunk_key(prompt.prefix_ids, prompt.chunk_ids[0]), *later]
-    reuse = mean_kl(grouped, references, None)
-    default = mean_kl(grouped, references, default_method())
-    cheap = mean_kl(grouped, references, default_method().with_ratio(0.05))
+    reuse, default, cheap = reuse_default_cheap(grouped, references)
     assert reuse < GROUPED_REUSE_KL_BOUND, f"full reuse on grouped chunk KV: mean KL {reuse:.4f}"
     assert default < GROUPED_DEFAULT_KL_BOUND, f"default blend on grouped chunk KV: mean KL {default:.4f}"
     assert cheap < isolated_default, f"r = 0.05 on grouped KV ({cheap:.4f}) vs 0.15 isolated ({isolated_default:.4f})"
