@@ -15,6 +15,8 @@ apart: mean KL(full || method) and the first token, for full reuse and the defau
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -46,9 +48,8 @@ def stats(data_dir: str) -> None:
     for name in SETS:
         ds = load_dataset(name, data_dir, None)
         pool = pool_of(ds)
-        overlap.NEAR_COPY_SHARE = 2.0  # the chain as it was: only equal texts left apart
-        order = similarity_chain(embed_texts(load_embedder(), pool, batch_size=64, show_progress=False), pool)
-        overlap.NEAR_COPY_SHARE = 0.1
+        with near_copies_allowed():  # the chain as it was
+            order = similarity_chain(embed_texts(load_embedder(), pool, batch_size=64, show_progress=False), pool)
         fr = np.array([shared(pool[a], pool[b]) for a, b in zip(order, order[1:], strict=False)])
         own = sum(
             any(overlap.near_copies(c[i], c[j]) for i in range(len(c)) for j in range(i + 1, len(c)))
@@ -78,20 +79,18 @@ def case_study(name: str, case_id: str, data_dir: str) -> None:
     print(f"{case_id}: answer {ref.text!r}\n\n| chunk KV | reuse | default (r = 0.15) |\n|---|---:|---:|")
     row("isolated")
     saved = {}
-    for share in (2.0, 0.1):  # near copies allowed (only equal texts apart), then left apart
-        overlap.NEAR_COPY_SHARE = share
+    layouts = {allowed: group_of(pool, vectors, lengths, allowed=allowed) for allowed in (True, False)}
+    for allowed, layout in layouts.items():  # near copies allowed, then left apart
         for k in keys:
             engine.store.discard(k)
-        group_of = {pool[i]: tuple(pool[j] for j in g) for g in similarity_groups(vectors, pool, lengths, 3072)
-                    for i in g}  # fmt: skip
         wanted = set(chunks)
         groups = [g[: max(i for i, c in enumerate(g) if c in wanted) + 1]
-                  for g in dict.fromkeys(group_of[c] for c in chunks)]  # fmt: skip
+                  for g in dict.fromkeys(layout[c] for c in chunks)]  # fmt: skip
         engine.precompute_groups([list(g) for g in groups], case.question, template=spec.template)
-        row("grouped, near copies " + ("allowed" if share > 1 else "apart"))
-        if share > 1:
+        row("grouped, near copies " + ("allowed" if allowed else "apart"))
+        if allowed:
             saved = {k: engine.store.get(k) for k in keys if k in engine.store}
-    allowed = group_of_allowed(pool, vectors, lengths)
+    allowed_layout = layouts[True]
 
     def load(entries: list) -> None:
         for k in keys:
@@ -103,7 +102,7 @@ def case_study(name: str, case_id: str, data_dir: str) -> None:
         if k not in saved:
             continue
         load([kv for other, kv in saved.items() if other != k])
-        before = allowed[chunks[j]][: allowed[chunks[j]].index(chunks[j])]
+        before = allowed_layout[chunks[j]][: allowed_layout[chunks[j]].index(chunks[j])]
         row(f"allowed, chunk {j} isolated ({sum(overlap.near_copies(chunks[j], b) for b in before)} near copies "
             f"before it in its group)")  # fmt: skip
     for j, k in enumerate(keys):
@@ -118,12 +117,20 @@ def case_study(name: str, case_id: str, data_dir: str) -> None:
     row("2 neighbours of the pool, near copies apart", nb)
 
 
-def group_of_allowed(pool, vectors, lengths) -> dict[str, tuple[str, ...]]:
+@contextlib.contextmanager
+def near_copies_allowed() -> Iterator[None]:
+    """Groups and neighbours as they were built before the rule: only equal texts count as copies."""
     share, overlap.NEAR_COPY_SHARE = overlap.NEAR_COPY_SHARE, 2.0
     try:
-        return {pool[i]: tuple(pool[j] for j in g) for g in similarity_groups(vectors, pool, lengths, 3072) for i in g}
+        yield
     finally:
         overlap.NEAR_COPY_SHARE = share
+
+
+def group_of(pool, vectors, lengths, *, allowed: bool) -> dict[str, tuple[str, ...]]:
+    """Each passage of the pool -> its group (3,072 tokens), near copies allowed in a group or left apart."""
+    with near_copies_allowed() if allowed else contextlib.nullcontext():
+        return {pool[i]: tuple(pool[j] for j in g) for g in similarity_groups(vectors, pool, lengths, 3072) for i in g}
 
 
 def main() -> None:

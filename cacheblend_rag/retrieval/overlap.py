@@ -21,7 +21,7 @@ NEAR_COPY_SHARE = 0.1  # share of the shorter text's shingles held by the other 
 _WORD = re.compile(r"\w+")
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=4096)  # a set of a 2,000-character chunk is ~25 KB: ~100 MB at most
 def shingles(text: str) -> frozenset[int]:
     """The hashes of `text`'s runs of `SHINGLE_WORDS` words (lower-cased; a shorter text is one run)."""
     words = _WORD.findall(text.lower())
