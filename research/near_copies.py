@@ -3,13 +3,14 @@ chunk's KV cached after such a window does to the blend (docs/research.md, "Near
 
     python research/near_copies.py stats --data-dir ../shared/data
     python research/near_copies.py case musique musique-10 --data-dir ../shared/data
+    python research/near_copies.py case multi_news multi_news-0cd7b... --ablate apart
 
 `stats` (no language model): per data set, the share of each passage pool's similarity chain (grouped
 precompute's order, near copies allowed) whose neighbours share word 8-grams, and how many cases hold near copies
 among their own passages. `case`: one case's grouped entries as the fidelity benchmark builds them (the set's whole
 pool, 3,072-token groups) with near copies allowed and left apart, then each later chunk read from its isolated
-entry in turn and each alone from its grouped entry (near copies allowed), and neighbour context (2, the pool) left
-apart: mean KL(full || method) and the first token, for full reuse and the default blend.
+entry in turn and each alone from its grouped entry (of the layout `--ablate` names), and neighbour context (2, the
+pool) left apart: mean KL(full || method) and the first token, for full reuse and the default blend.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def stats(data_dir: str) -> None:
         print(f"<!-- {name} histogram over {bins}: {np.histogram(fr, bins=bins)[0].tolist()} -->")
 
 
-def case_study(name: str, case_id: str, data_dir: str) -> None:
+def case_study(name: str, case_id: str, data_dir: str, ablate: str = "allowed") -> None:
     engine = CacheBlendEngine.from_pretrained(config=EngineConfig(miss_policy="blend"), show_progress=False)
     ds = load_dataset(name, data_dir, None)
     case = next(c for c in ds.cases if c.id == case_id)
@@ -88,9 +89,9 @@ def case_study(name: str, case_id: str, data_dir: str) -> None:
                   for g in dict.fromkeys(layout[c] for c in chunks)]  # fmt: skip
         engine.precompute_groups([list(g) for g in groups], case.question, template=spec.template)
         row("grouped, near copies " + ("allowed" if allowed else "apart"))
-        if allowed:
+        if allowed == (ablate == "allowed"):
             saved = {k: engine.store.get(k) for k in keys if k in engine.store}
-    allowed_layout = layouts[True]
+    layout = layouts[ablate == "allowed"]
 
     def load(entries: list) -> None:
         for k in keys:
@@ -98,17 +99,20 @@ def case_study(name: str, case_id: str, data_dir: str) -> None:
         for kv in entries:
             engine.store.put(kv)
 
-    for j, k in enumerate(keys):  # near copies allowed: one chunk at a time isolated, then one at a time grouped
+    for j, k in enumerate(keys):  # the ablated layout: one chunk at a time isolated, then one at a time grouped
         if k not in saved:
             continue
         load([kv for other, kv in saved.items() if other != k])
-        before = allowed_layout[chunks[j]][: allowed_layout[chunks[j]].index(chunks[j])]
-        row(f"allowed, chunk {j} isolated ({sum(overlap.near_copies(chunks[j], b) for b in before)} near copies "
-            f"before it in its group)")  # fmt: skip
+        before = layout[chunks[j]][: layout[chunks[j]].index(chunks[j])]
+        most = max((shared(chunks[j], b) for b in before), default=0.0)
+        row(
+            f"{ablate}, chunk {j} isolated ({len(before)} passages before it in its group, "
+            f"{sum(overlap.near_copies(chunks[j], b) for b in before)} near copies, most shared {most:.2f})"
+        )
     for j, k in enumerate(keys):
         if k in saved:
             load([saved[k]])
-            row(f"allowed, only chunk {j} grouped")
+            row(f"{ablate}, only chunk {j} grouped")
     nb = CacheBlendEngine(
         engine.model, engine.tokenizer, config=EngineConfig(miss_policy="blend", context_neighbours=2)
     )
@@ -139,11 +143,13 @@ def main() -> None:
     p.add_argument("dataset", nargs="?")
     p.add_argument("case_id", nargs="?")
     p.add_argument("--data-dir", default="../shared/data")
+    p.add_argument("--ablate", choices=("allowed", "apart"), default="allowed",
+                   help="case: which grouped layout to take apart chunk by chunk")  # fmt: skip
     args = p.parse_args()
     if args.what == "stats":
         stats(args.data_dir)
     else:
-        case_study(args.dataset, args.case_id, args.data_dir)
+        case_study(args.dataset, args.case_id, args.data_dir, args.ablate)
 
 
 if __name__ == "__main__":
