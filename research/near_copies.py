@@ -4,13 +4,18 @@ chunk's KV cached after such a window does to the blend (docs/research.md, "Near
     python research/near_copies.py stats --data-dir ../shared/data
     python research/near_copies.py case musique musique-10 --data-dir ../shared/data
     python research/near_copies.py case multi_news multi_news-0cd7b... --ablate apart
+    python research/near_copies.py case musique musique-6 --ablate none
 
 `stats` (no language model): per data set, the share of each passage pool's similarity chain (grouped
 precompute's order, near copies allowed) whose neighbours share word 8-grams, and how many cases hold near copies
-among their own passages. `case`: one case's grouped entries as the fidelity benchmark builds them (the set's whole
-pool, 3,072-token groups) with near copies allowed and left apart, then each later chunk read from its isolated
-entry in turn and each alone from its grouped entry (of the layout `--ablate` names), and neighbour context (2, the
-pool) left apart: mean KL(full || method) and the first token, for full reuse and the default blend.
+among their own passages.
+
+`case`: one case's grouped entries as the fidelity benchmark builds them (the set's whole pool, 3,072-token groups)
+with near copies allowed and left apart (an entry cached after near copies of its chunk is read only where the
+prompt shows them before it too, `ChunkCache.read_keys`); then each later chunk read from its
+isolated entry in turn and each alone from its grouped entry (of the layout `--ablate` names), and neighbour
+context (2, the pool) left apart: mean KL(full || method) and the first token, for full reuse and the default
+blend.
 """
 
 from __future__ import annotations
@@ -70,49 +75,53 @@ def case_study(name: str, case_id: str, data_dir: str, ablate: str = "allowed") 
     prompt = engine.build_prompt(chunks, case.question, template=spec.template)
     engine.precompute(chunks, case.question, template=spec.template, context=None)
     ref = reference_answer(engine, prompt, spec.max_new_tokens)
-    keys = [engine.chunk_key(prompt.prefix_ids, ids, captured=True) for ids in prompt.chunk_ids]
+    # per chunk, the captured entries it may be read from in this prompt: cached after the near copies of it that
+    # the prompt shows before it, then the plain one (`ChunkCache.read_keys`; none for the first chunk)
+    reading = engine.chunks.reading(prompt.chunk_ids)
+    keys = [engine.chunks.read_keys(prompt.prefix_ids, ids, j, "all", isolated=iso, copies=cp)[:-1]
+            for j, (ids, (iso, cp)) in enumerate(zip(prompt.chunk_ids, reading, strict=True))]  # fmt: skip
+    every = [k for ks in keys for k in ks]
 
     def row(label: str, eng: CacheBlendEngine = engine) -> None:
         a, b = measure(eng, prompt, ref, None), measure(eng, prompt, ref, BlendConfig())
         print(f"| {label} | {a['kl_mean']:.3f} ({'kept' if a['first_token'] else 'lost'}) | "
               f"{b['kl_mean']:.3f} ({'kept' if b['first_token'] else 'lost'}) |", flush=True)  # fmt: skip
 
+    def load(found: list) -> None:
+        for k in every:
+            engine.store.discard(k)
+        for kv in found:
+            engine.store.put(kv)
+
     print(f"{case_id}: answer {ref.text!r}\n\n| chunk KV | reuse | default (r = 0.15) |\n|---|---:|---:|")
     row("isolated")
-    saved = {}
     layouts = {allowed: group_of(pool, vectors, lengths, allowed=allowed) for allowed in (True, False)}
+    entries: dict[bool, dict[int, list]] = {}
     for allowed, layout in layouts.items():  # near copies allowed, then left apart
-        for k in keys:
-            engine.store.discard(k)
+        load([])
         wanted = set(chunks)
         groups = [g[: max(i for i, c in enumerate(g) if c in wanted) + 1]
                   for g in dict.fromkeys(layout[c] for c in chunks)]  # fmt: skip
         engine.precompute_groups([list(g) for g in groups], case.question, template=spec.template)
-        row("grouped, near copies " + ("allowed" if allowed else "apart"))
-        if allowed == (ablate == "allowed"):
-            saved = {k: engine.store.get(k) for k in keys if k in engine.store}
-    layout = layouts[ablate == "allowed"]
+        entries[allowed] = {j: [engine.store.get(k) for k in ks if k in engine.store] for j, ks in enumerate(keys)}
+        entries[allowed] = {j: found for j, found in entries[allowed].items() if found}
+        read = sum(bool(found) for found in entries[allowed].values())
+        row(f"grouped, near copies {'allowed' if allowed else 'apart'} ({read} chunks read a grouped entry)")
+    if ablate == "none":
+        return
+    saved, layout = entries[ablate == "allowed"], layouts[ablate == "allowed"]
 
-    def load(entries: list) -> None:
-        for k in keys:
-            engine.store.discard(k)
-        for kv in entries:
-            engine.store.put(kv)
-
-    for j, k in enumerate(keys):  # the ablated layout: one chunk at a time isolated, then one at a time grouped
-        if k not in saved:
-            continue
-        load([kv for other, kv in saved.items() if other != k])
+    for j in saved:  # the ablated layout: one chunk at a time isolated, then one at a time grouped
+        load([kv for other, found in saved.items() if other != j for kv in found])
         before = layout[chunks[j]][: layout[chunks[j]].index(chunks[j])]
         most = max((shared(chunks[j], b) for b in before), default=0.0)
         row(
             f"{ablate}, chunk {j} isolated ({len(before)} passages before it in its group, "
             f"{sum(overlap.near_copies(chunks[j], b) for b in before)} near copies, most shared {most:.2f})"
         )
-    for j, k in enumerate(keys):
-        if k in saved:
-            load([saved[k]])
-            row(f"{ablate}, only chunk {j} grouped")
+    for j, found in saved.items():
+        load(found)
+        row(f"{ablate}, only chunk {j} grouped")
     nb = CacheBlendEngine(
         engine.model, engine.tokenizer, config=EngineConfig(miss_policy="blend", context_neighbours=2)
     )
@@ -143,8 +152,8 @@ def main() -> None:
     p.add_argument("dataset", nargs="?")
     p.add_argument("case_id", nargs="?")
     p.add_argument("--data-dir", default="../shared/data")
-    p.add_argument("--ablate", choices=("allowed", "apart"), default="allowed",
-                   help="case: which grouped layout to take apart chunk by chunk")  # fmt: skip
+    p.add_argument("--ablate", choices=("allowed", "apart", "none"), default="allowed",
+                   help="case: the layout to take apart chunk by chunk (none: no ablation, no neighbours)")  # fmt: skip
     args = p.parse_args()
     if args.what == "stats":
         stats(args.data_dir)

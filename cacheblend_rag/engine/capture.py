@@ -29,14 +29,13 @@ def capturable(chunks: ChunkCache, prompt: TokenizedPrompt, policy: str | None =
     out: list[int] = []
     seen: set[tuple[int, ...]] = set()
     before: list[int] = []
-    isolated = chunks.isolated_at(prompt.chunk_ids)
-    for j, ids in enumerate(prompt.chunk_ids):
+    for j, (ids, (isolated, copies)) in enumerate(zip(prompt.chunk_ids, chunks.reading(prompt.chunk_ids), strict=True)):
         # whether this prompt computes the entry exactly (in memory) before asking the store whether it has it;
         # a later chunk read from its isolated entry is not computed by this prompt (it follows other chunks)
         exact = j == 0 or (
-            not isolated[j] and (policy == "all" or chunks.context_of(prompt.prefix_ids, ids) == tuple(before))
+            not isolated and (policy == "all" or chunks.context_of(prompt.prefix_ids, ids) == tuple(before))
         )
-        key = chunks.read_keys(prompt.prefix_ids, ids, j, policy, isolated=isolated[j])[0]
+        key = chunks.read_keys(prompt.prefix_ids, ids, j, policy, isolated=isolated, copies=copies)[0]
         if ids not in seen and exact and key not in chunks.store:
             out.append(j)
         seen.add(ids)
@@ -57,11 +56,13 @@ def capture(chunks: ChunkCache, prompt: TokenizedPrompt, layers: Sequence[tuple[
     spans = prompt.chunk_spans
     cos, sin = chunks.lm.rope(torch.arange(prompt.num_tokens, device=chunks.lm.device), torch.float32)
     out: dict[tuple[int, ...], ChunkKV] = {}
-    isolated = chunks.isolated_at(prompt.chunk_ids)
+    reading = chunks.reading(prompt.chunk_ids)
     for j in positions:
         s, e = spans[j]
         ids = prompt.chunk_ids[j]
         keys = torch.stack([unrotate_keys(k[:, s:e].float(), cos[s:e], sin[s:e]).to(chunks.dtype) for k, _ in layers])
         values = torch.stack([v[:, s:e] for _, v in layers])
-        out[ids] = ChunkKV(chunks.read_keys(prompt.prefix_ids, ids, j, policy, isolated=isolated[j])[0], keys, values)
+        isolated, copies = reading[j]
+        out[ids] = ChunkKV(chunks.read_keys(prompt.prefix_ids, ids, j, policy, isolated=isolated, copies=copies)[0],
+                           keys, values)  # fmt: skip
     return out

@@ -8,10 +8,11 @@ A full prefill of a prompt holds every chunk's KV after the prefix and the chunk
 cuts the entries out of it (keys turned back to raw), so a cold request stores what it already computed
 (`capture.capturable` says which, under the engine's `capture` policy). Under capture="all" a chunk after the
 first of a prompt is read from its captured entry (the KV a full prefill gave it, after the chunks before it
-there; a key of its own), else from its own entry. The first chunk of a prompt, whose real context is the prefix
-alone, always reads its isolated entry (prefilled after the prefix only): never a captured one, nor one
-prefilled after neighbours. So does a later chunk whose recorded context holds a chunk placed after it in the
-same prompt (`isolated_at`).
+there; a key of its own, naming the near copies of the chunk it was cached after, so that it is read only where
+the prompt shows them before the chunk too), else from its own entry. The first chunk of a prompt, whose real
+context is the prefix alone, always reads its isolated entry (prefilled after the prefix only): never a captured
+one, nor one prefilled after neighbours. So does a later chunk whose recorded context holds a chunk placed after
+it in the same prompt (`isolated_at`).
 
 Whatever comes back from a store is checked against the shape this model gives that many tokens before a single
 layer is read; anything else is dropped and recomputed, never used.
@@ -30,11 +31,10 @@ from ..errors import ConfigError
 from ..fusion import FusionPlan, LayerLoader, fuse
 from ..models.adapter import LayerwiseModel
 from ..store import ChunkKV, ChunkReader, ChunkStore, CorruptEntryError, Hit, TieredStore, chunk_key
-from .chunk_context import ChunkContexts
+from .chunk_context import ChunkContexts, copies_before, copies_digest, copy_sets
 from .interleave import AfterLayer
 
 CAPTURED = "captured"  # the context recorded in the keys of capture="all" entries
-
 logger = logging.getLogger(__name__)
 
 
@@ -75,12 +75,22 @@ class ChunkCache:
         self._store = store
 
     def key(
-        self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], *, captured: bool = False, isolated: bool = False
+        self,
+        prefix_ids: Sequence[int],
+        chunk_ids: Sequence[int],
+        *,
+        captured: bool = False,
+        isolated: bool = False,
+        copies: Sequence[Sequence[int]] = (),
     ) -> str:
         """The store key of a chunk's KV when it follows `prefix_ids` (and its recorded context, if any); with
-        `captured`, of its captured entry (capture="all"); with `isolated`, of the entry prefilled after the prefix
-        alone, whatever context is recorded (what the first chunk of a prompt reads)."""
-        digest = CAPTURED if captured else "" if isolated else self.contexts.digest(chunk_ids)
+        `captured`, of its captured entry (capture="all") cached after the near copies `copies` of it (none: the
+        plain captured entry); with `isolated`, of the entry prefilled after the prefix alone, whatever context is
+        recorded (what the first chunk of a prompt reads)."""
+        if captured:
+            digest = f"{CAPTURED}:{copies_digest(copies)}" if copies else CAPTURED
+        else:
+            digest = "" if isolated else self.contexts.digest(chunk_ids)
         return chunk_key(self.fingerprint, self.dtype, prefix_ids, chunk_ids, digest)
 
     def isolated_at(self, chunk_ids: Sequence[Sequence[int]]) -> list[bool]:
@@ -98,17 +108,29 @@ class ChunkCache:
         policy: str | None = None,
         *,
         isolated: bool = False,
+        copies: Sequence[Sequence[int]] = (),
     ) -> tuple[str, ...]:
         """The keys a chunk at `position` of a prompt is read from, best first: the first chunk, or one that
         `isolated_at` names (`isolated`), reads its isolated entry; under capture="all", a later chunk reads its
         captured entry, else its own; every other chunk reads its own entry, and so does a chunk at no position
-        (None: precompute and fills). `policy` replaces the engine's capture policy."""
+        (None: precompute and fills). `policy` replaces the engine's capture policy.
+
+        A captured entry is keyed by the near copies of the chunk it was cached after (`copies_before`): a chunk
+        whose prompt shows near copies `copies` before it reads an entry cached after those (all of them first,
+        then fewer: `copy_sets`), then the plain one; an entry cached after a near copy is never read where the
+        prompt does not show it (research.md, section 21)."""
         if position == 0 or isolated:  # research.md, sections 13, 17 and 19
             return (self.key(prefix_ids, chunk_ids, isolated=True),)
         own = self.key(prefix_ids, chunk_ids)
         if position is not None and (policy or self.capture_policy) == "all":
-            return (self.key(prefix_ids, chunk_ids, captured=True), own)
+            after = [self.key(prefix_ids, chunk_ids, captured=True, copies=c) for c in copy_sets(copies)]
+            return (*after, self.key(prefix_ids, chunk_ids, captured=True), own)
         return (own,)
+
+    def reading(self, chunk_ids: Sequence[Sequence[int]]) -> list[tuple[bool, tuple[tuple[int, ...], ...]]]:
+        """Per position of a prompt's chunks, what `read_keys` needs besides the chunk: whether it reads its
+        isolated entry (`isolated_at`) and the near copies of it shown before it (`copies_before`)."""
+        return list(zip(self.isolated_at(chunk_ids), copies_before(chunk_ids), strict=True))
 
     def prompt_keys(
         self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], *, with_prefix: bool = True
@@ -117,10 +139,9 @@ class ChunkCache:
         chunk in order the first of its `read_keys` that is stored, or its own key when none is (what a miss
         stores)."""
         keys = [self.key((), prefix_ids)] if prefix_ids and with_prefix else []
-        isolated = self.isolated_at(chunk_ids)
-        for j, ids in enumerate(chunk_ids):
+        for j, (ids, (isolated, copies)) in enumerate(zip(chunk_ids, self.reading(chunk_ids), strict=True)):
             # the store is asked only when there is a choice
-            *preferred, own = self.read_keys(prefix_ids, ids, j, isolated=isolated[j])
+            *preferred, own = self.read_keys(prefix_ids, ids, j, isolated=isolated, copies=copies)
             keys.append(next((k for k in preferred if k in self.store), own))
         return keys
 
@@ -242,17 +263,19 @@ class ChunkCache:
         lazy: bool,
         position: int | None = None,
         isolated: bool = False,
+        copies: Sequence[Sequence[int]] = (),
         after_layer: AfterLayer | None = None,
     ) -> Loaded:
         """The chunk's KV, the tier it came from (None if it was prefilled now) and the bytes read from that tier.
 
         `prefix` is the KV of `prefix_ids`; `position` the chunk's place in the prompt and `isolated` whether it
-        reads its isolated entry there (`read_keys`; position None: its own entry); a chunk prefilled now gets the
+        reads its isolated entry there, `copies` the near copies of it shown before it (`read_keys`; position None:
+        its own entry); a chunk prefilled now gets the
         entry it is read from. With `lazy` (pipelined loading), a chunk found on disk or in Redis comes back
         unread: its layers are fetched while the fusor runs. Without it, the chunk is read whole now, and one that
         turns out damaged is recomputed here (its tier has dropped it and counted a miss).
         """
-        found = self.find(prefix_ids, ids, position, isolated)
+        found = self.find(prefix_ids, ids, position, isolated, copies)
         if found is not None:
             hit, captured = found
             if lazy:
@@ -267,11 +290,16 @@ class ChunkCache:
         return Loaded(kv, None, 0)
 
     def find(
-        self, prefix_ids: Sequence[int], ids: Sequence[int], position: int | None = None, isolated: bool = False
+        self,
+        prefix_ids: Sequence[int],
+        ids: Sequence[int],
+        position: int | None = None,
+        isolated: bool = False,
+        copies: Sequence[Sequence[int]] = (),
     ) -> tuple[Hit, bool] | None:
         """The stored entry chunk `ids` after `prefix_ids` is read from at `position` of a prompt (`read_keys`) and
         whether it is a captured entry rather than the chunk's own, or None (a miss; nothing is computed)."""
-        *preferred, own = self.read_keys(prefix_ids, ids, position, isolated=isolated)
+        *preferred, own = self.read_keys(prefix_ids, ids, position, isolated=isolated, copies=copies)
         for key in (*preferred, own):
             hit = self.lookup(key, len(ids))
             if hit is not None:
@@ -282,10 +310,9 @@ class ChunkCache:
         """The distinct chunks (in prompt order) with no entry they can be read from at their place after
         `prefix_ids`. Reads no KV."""
         out: list[tuple[int, ...]] = []
-        isolated = self.isolated_at(chunk_ids)
-        for j, ids in enumerate(chunk_ids):
+        for j, (ids, (isolated, copies)) in enumerate(zip(chunk_ids, self.reading(chunk_ids), strict=True)):
             ids = tuple(ids)
-            keys = self.read_keys(prefix_ids, ids, j, isolated=isolated[j])
+            keys = self.read_keys(prefix_ids, ids, j, isolated=isolated, copies=copies)
             if ids not in out and not any(key in self.store for key in keys):
                 out.append(ids)
         return out

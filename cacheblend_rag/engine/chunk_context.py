@@ -18,6 +18,7 @@ A chunk with no recorded context keeps the isolated entry (empty context, the ke
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 from array import array
 from collections.abc import Sequence
@@ -39,6 +40,44 @@ def context_digest(context_ids: Sequence[int]) -> str:
 
 def _chunk_id(ids: Sequence[int]) -> bytes:
     return hashlib.sha256(array("q", ids).tobytes()).digest()
+
+
+def copies_before(chunk_ids: Sequence[Sequence[int]]) -> list[tuple[tuple[int, ...], ...]]:
+    """Per position of a prompt's (or a group's) chunks, the distinct chunks before it that are near copies of it
+    (`retrieval.overlap.near_copy_ids`: overlapping windows of one text), in prompt order. A captured entry is
+    keyed by these (`copies_digest`): its KV has read them, and a prompt that does not show them before the chunk
+    reads it as a repeat that is not there (a MuSiQue passage cached after two windows of itself went several
+    nats from full recompute; docs/research.md, sections 20 and 21)."""
+    from ..retrieval.overlap import near_copy_ids
+
+    ids = [tuple(c) for c in chunk_ids]
+    out: list[tuple[tuple[int, ...], ...]] = []
+    for j, c in enumerate(ids):
+        found = dict.fromkeys(b for b in ids[:j] if b != c and near_copy_ids(c, b))
+        out.append(tuple(found))
+    return out
+
+
+COPY_SUBSETS = 3  # near copies shown before a chunk up to which every subset of them is looked for
+
+
+def copy_sets(copies: Sequence[Sequence[int]]) -> list[tuple[Sequence[int], ...]]:
+    """The sets of near copies whose captured entries a chunk may read, best first: all of `copies`, then smaller
+    subsets (each alone past `COPY_SUBSETS`); none for no copies."""
+    n = len(copies)
+    if n == 0:
+        return []
+    if n > COPY_SUBSETS:
+        return [tuple(copies), *((c,) for c in copies)]
+    return [tuple(s) for size in range(n, 0, -1) for s in itertools.combinations(copies, size)]
+
+
+def copies_digest(copies: Sequence[Sequence[int]]) -> str:
+    """A digest of a set of chunks (order does not count): the near copies a captured entry was cached after."""
+    h = hashlib.sha256()
+    for cid in sorted({_chunk_id(c) for c in copies}):
+        h.update(cid)
+    return h.hexdigest()
 
 
 class ChunkContexts:

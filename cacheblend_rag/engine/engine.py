@@ -171,10 +171,18 @@ class CacheBlendEngine(CorpusMethods):
         """PromptError when the prompt and its answer budget do not fit the model's context."""
         check_length(prompt, max_new_tokens, self.max_tokens)
 
-    def chunk_key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], *, captured: bool = False) -> str:
+    def chunk_key(
+        self,
+        prefix_ids: Sequence[int],
+        chunk_ids: Sequence[int],
+        *,
+        captured: bool = False,
+        copies: Sequence[Sequence[int]] = (),
+    ) -> str:
         """The store key of a chunk's KV when it follows `prefix_ids` (model fingerprint, dtype, tokens, context);
-        with `captured`, of its captured entry (`EngineConfig.capture="all"`)."""
-        return self.chunks.key(prefix_ids, chunk_ids, captured=captured)
+        with `captured`, of its captured entry (`EngineConfig.capture="all"`), cached after the near copies of it
+        `copies` (token ids of overlapping windows of its text; none: the plain captured entry)."""
+        return self.chunks.key(prefix_ids, chunk_ids, captured=captured, copies=copies)
 
     def prompt_keys(self, prompt: TokenizedPrompt, *, with_prefix: bool = True) -> list[str]:
         """The store keys this engine reads a prompt's KV from now: the prefix's (if any, and `with_prefix`), then

@@ -44,11 +44,12 @@ def gather(
     out = Gathered([prefix_kv] if prefix_kv is not None else [], {}, [1.0] if prefix_kv is not None else [])
     before: list[int] = []  # the chunk tokens before the current chunk in the prompt
     seen: set[str] = set()  # a chunk repeated in one prompt is prefilled once: one miss, then hits
-    isolated = chunks.isolated_at(prompt.chunk_ids)
+    reading = chunks.reading(prompt.chunk_ids)
     for j, ids in enumerate(prompt.chunk_ids[:n_chunks]):
         t0 = time.perf_counter()
+        isolated, copies = reading[j]
         kv, tier, stored_bytes, captured = chunks.get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=lazy,
-                                                                 position=j, isolated=isolated[j],
+                                                                 position=j, isolated=isolated, copies=copies,
                                                                  after_layer=after_layer)  # fmt: skip
         if tier is None:
             fresh.add(kv.key)

@@ -7,7 +7,10 @@ benchmark one MuSiQue passage cached after two windows holding most of it took f
 nats from full recompute (docs/research.md, "Near copies in a chunk's context"). Contextual chunk KV (the
 neighbours a chunk is prefilled after, the groups of grouped precompute) therefore leaves near copies apart.
 
-Two texts are near copies when they share at least `NEAR_COPY_SHARE` of the word 8-grams of the shorter one.
+Two texts are near copies when they share at least `NEAR_COPY_SHARE` of the word 8-grams of the shorter one; two
+chunks of token ids, when they share that share of the shorter one's token 8-grams (`near_copy_ids`, what the
+engine checks a prompt's chunks with: a captured entry names the near copies it was cached after, and a prompt
+reads it only where it shows them before the chunk too).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import functools
 import re
 
+SHINGLE_TOKENS = 8  # tokens per shingle of a chunk's ids
 SHINGLE_WORDS = 8  # words per shingle: runs this long are rarely shared by texts that do not copy each other
 NEAR_COPY_SHARE = 0.1  # share of the shorter text's shingles held by the other text that makes them near copies
 
@@ -33,6 +37,24 @@ def near_copies(a: str, b: str) -> bool:
     if a == b:
         return True
     sa, sb = shingles(a), shingles(b)
+    if len(sa) > len(sb):
+        sa, sb = sb, sa
+    return len(sa & sb) >= NEAR_COPY_SHARE * max(len(sa), 1)
+
+
+@functools.lru_cache(maxsize=4096)  # a set of a 512-token chunk is ~30 KB
+def token_shingles(ids: tuple[int, ...]) -> frozenset[int]:
+    """The hashes of the runs of `SHINGLE_TOKENS` token ids of a chunk (a shorter chunk is one run)."""
+    n = SHINGLE_TOKENS
+    return frozenset(hash(ids[i : i + n]) for i in range(max(len(ids) - n + 1, 1)))
+
+
+def near_copy_ids(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether chunks `a` and `b` (token ids) share at least `NEAR_COPY_SHARE` of the shorter one's token
+    shingles (equal chunks do)."""
+    if a == b:
+        return True
+    sa, sb = token_shingles(a), token_shingles(b)
     if len(sa) > len(sb):
         sa, sb = sb, sa
     return len(sa & sb) >= NEAR_COPY_SHARE * max(len(sa), 1)
