@@ -35,6 +35,7 @@ from .chunk_context import ChunkContexts, copies_before, copies_digest, copy_set
 from .interleave import AfterLayer
 
 CAPTURED = "captured"  # the context recorded in the keys of capture="all" entries
+
 logger = logging.getLogger(__name__)
 
 
@@ -270,10 +271,10 @@ class ChunkCache:
 
         `prefix` is the KV of `prefix_ids`; `position` the chunk's place in the prompt and `isolated` whether it
         reads its isolated entry there, `copies` the near copies of it shown before it (`read_keys`; position None:
-        its own entry); a chunk prefilled now gets the
-        entry it is read from. With `lazy` (pipelined loading), a chunk found on disk or in Redis comes back
-        unread: its layers are fetched while the fusor runs. Without it, the chunk is read whole now, and one that
-        turns out damaged is recomputed here (its tier has dropped it and counted a miss).
+        its own entry); a chunk prefilled now gets the entry it is read from. With `lazy` (pipelined loading), a
+        chunk found on disk or in Redis comes back unread: its layers are fetched while the fusor runs. Without it,
+        the chunk is read whole now, and one that turns out damaged is recomputed here (its tier has dropped it and
+        counted a miss).
         """
         found = self.find(prefix_ids, ids, position, isolated, copies)
         if found is not None:

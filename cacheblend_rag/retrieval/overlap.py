@@ -34,15 +34,10 @@ def shingles(text: str) -> frozenset[int]:
 
 def near_copies(a: str, b: str) -> bool:
     """Whether `a` and `b` share at least `NEAR_COPY_SHARE` of the shorter one's shingles (equal texts do)."""
-    if a == b:
-        return True
-    sa, sb = shingles(a), shingles(b)
-    if len(sa) > len(sb):
-        sa, sb = sb, sa
-    return len(sa & sb) >= NEAR_COPY_SHARE * max(len(sa), 1)
+    return a == b or _share_enough(shingles(a), shingles(b))
 
 
-@functools.lru_cache(maxsize=4096)  # a set of a 512-token chunk is ~30 KB
+@functools.lru_cache(maxsize=1024)  # a set of a 512-token chunk is ~30 KB: ~30 MB at most
 def token_shingles(ids: tuple[int, ...]) -> frozenset[int]:
     """The hashes of the runs of `SHINGLE_TOKENS` token ids of a chunk (a shorter chunk is one run)."""
     n = SHINGLE_TOKENS
@@ -52,9 +47,11 @@ def token_shingles(ids: tuple[int, ...]) -> frozenset[int]:
 def near_copy_ids(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     """Whether chunks `a` and `b` (token ids) share at least `NEAR_COPY_SHARE` of the shorter one's token
     shingles (equal chunks do)."""
-    if a == b:
-        return True
-    sa, sb = token_shingles(a), token_shingles(b)
+    return a == b or _share_enough(token_shingles(a), token_shingles(b))
+
+
+def _share_enough(sa: frozenset[int], sb: frozenset[int]) -> bool:
+    """Whether one set of shingles holds at least `NEAR_COPY_SHARE` of the smaller one's."""
     if len(sa) > len(sb):
         sa, sb = sb, sa
     return len(sa & sb) >= NEAR_COPY_SHARE * max(len(sa), 1)
