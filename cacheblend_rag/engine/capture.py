@@ -29,7 +29,8 @@ def capturable(chunks: ChunkCache, prompt: TokenizedPrompt, policy: str | None =
     out: list[int] = []
     seen: set[tuple[int, ...]] = set()
     before: list[int] = []
-    for j, (ids, (isolated, copies)) in enumerate(zip(prompt.chunk_ids, chunks.reading(prompt.chunk_ids), strict=True)):
+    reading = chunks.reading(prompt.chunk_ids, policy)
+    for j, (ids, (isolated, copies)) in enumerate(zip(prompt.chunk_ids, reading, strict=True)):
         # whether this prompt computes the entry exactly (in memory) before asking the store whether it has it;
         # a later chunk read from its isolated entry is not computed by this prompt (it follows other chunks)
         exact = j == 0 or (
@@ -56,7 +57,7 @@ def capture(chunks: ChunkCache, prompt: TokenizedPrompt, layers: Sequence[tuple[
     spans = prompt.chunk_spans
     cos, sin = chunks.lm.rope(torch.arange(prompt.num_tokens, device=chunks.lm.device), torch.float32)
     out: dict[tuple[int, ...], ChunkKV] = {}
-    reading = chunks.reading(prompt.chunk_ids)
+    reading = chunks.reading(prompt.chunk_ids, policy)
     for j in positions:
         s, e = spans[j]
         ids = prompt.chunk_ids[j]

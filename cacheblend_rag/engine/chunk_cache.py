@@ -114,12 +114,9 @@ class ChunkCache:
         """The keys a chunk at `position` of a prompt is read from, best first: the first chunk, or one that
         `isolated_at` names (`isolated`), reads its isolated entry; under capture="all", a later chunk reads its
         captured entry, else its own; every other chunk reads its own entry, and so does a chunk at no position
-        (None: precompute and fills). `policy` replaces the engine's capture policy.
-
-        A captured entry is keyed by the near copies of the chunk it was cached after (`copies_before`): a chunk
-        whose prompt shows near copies `copies` before it reads an entry cached after those (all of them first,
-        then fewer: `copy_sets`), then the plain one; an entry cached after a near copy is never read where the
-        prompt does not show it (research.md, section 21)."""
+        (None: precompute and fills). `policy` replaces the engine's capture policy. A chunk shown after near copies
+        `copies` reads first a captured entry cached after them (`copy_sets`), then the plain one (research.md,
+        section 21)."""
         if position == 0 or isolated:  # research.md, sections 13, 17 and 19
             return (self.key(prefix_ids, chunk_ids, isolated=True),)
         own = self.key(prefix_ids, chunk_ids)
@@ -128,10 +125,13 @@ class ChunkCache:
             return (*after, self.key(prefix_ids, chunk_ids, captured=True), own)
         return (own,)
 
-    def reading(self, chunk_ids: Sequence[Sequence[int]]) -> list[tuple[bool, tuple[tuple[int, ...], ...]]]:
+    def reading(self, chunk_ids: Sequence[Sequence[int]], policy: str | None = None) -> list[tuple[bool, tuple]]:
         """Per position of a prompt's chunks, what `read_keys` needs besides the chunk: whether it reads its
-        isolated entry (`isolated_at`) and the near copies of it shown before it (`copies_before`)."""
-        return list(zip(self.isolated_at(chunk_ids), copies_before(chunk_ids), strict=True))
+        isolated entry (`isolated_at`) and the near copies of it shown before it (`copies_before`; only under
+        capture="all", whose keys name them; `policy` replaces the engine's)."""
+        all_ = (policy or self.capture_policy) == "all"
+        copies = copies_before(chunk_ids) if all_ else [()] * len(chunk_ids)
+        return list(zip(self.isolated_at(chunk_ids), copies, strict=True))
 
     def prompt_keys(
         self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], *, with_prefix: bool = True
