@@ -82,18 +82,18 @@ def main() -> None:
     sets: dict[str, list[str]] = defaultdict(list)
     for c in cases:
         sets[iso[c]["full"]["dataset"] if "full" in iso[c] else c.rsplit("-", 1)[0]].append(c)
-    m = "attention@0.15"
     names = ["isolated", *(NAMES.get(v, v) for v in runs)]
-    print(f"\nPer set, {m}: mean KL (first tokens kept), worst case's KL\n")
-    print("| set | cases | " + " | ".join(names) + " |")
-    print("|---|---:|" + "---|" * len(names))
-    for name, group in sorted(sets.items()):
-        cells = []
-        for run, key in [(iso, m), *((run, f"{m}+{v}") for v, run in runs.items())]:
-            kl = [run[c][key]["kl_mean"] for c in group]
-            kept = sum(int(run[c][key]["first_token"]) for c in group)
-            cells.append(f"{statistics.fmean(kl):.3f} ({kept}/{len(group)}), max {max(kl):.2f}")
-        print(f"| {name} | {len(group)} | " + " | ".join(cells) + " |")
+    for m in METHODS:
+        print(f"\nPer set, {m}: mean KL (first tokens kept), worst case's KL\n")
+        print("| set | cases | " + " | ".join(names) + " |")
+        print("|---|---:|" + "---|" * len(names))
+        for name, group in sorted(sets.items()):
+            cells = []
+            for run, key in [(iso, m), *((run, f"{m}+{v}") for v, run in runs.items())]:
+                kl = [run[c][key]["kl_mean"] for c in group]
+                kept = sum(int(run[c][key]["first_token"]) for c in group)
+                cells.append(f"{statistics.fmean(kl):.3f} ({kept}/{len(group)}), max {max(kl):.2f}")
+            print(f"| {name} | {len(group)} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -243,15 +243,8 @@ class ChunkCache:
         shape = (self.lm.shape.num_layers, self.lm.shape.num_kv_heads, num_tokens, self.lm.shape.head_dim)
         if hit.kv.dtype == self.dtype and tuple(hit.kv.shape) == shape:
             return hit
-        logger.warning(
-            "chunk %s in the %s tier has dtype %s and shape %s, expected %s and %s; recomputing it",
-            key[:12],
-            hit.tier,
-            hit.kv.dtype,
-            tuple(hit.kv.shape),
-            self.dtype,
-            shape,
-        )
+        logger.warning("chunk %s in the %s tier has dtype %s and shape %s, expected %s and %s; recomputing it",
+                       key[:12], hit.tier, hit.kv.dtype, tuple(hit.kv.shape), self.dtype, shape)  # fmt: skip
         self.store.discard(key)
         return None
 
