@@ -6,9 +6,10 @@ intervals over cases, first tokens kept, and the same per data set.
         capmix=benchmarks/results/fidelity-captured-mixed grp=benchmarks/results/fidelity-grouped
 
 Each argument is VARIANT=FOLDER: a `benchmarks/fidelity.py --chunk-context ...` run's folder and the suffix of its
-records' methods (`attention@0.15+grp`). The isolated records are the first run's (every run takes them from the
-main fidelity run); a case counts only where every run measured every method against the same full-recompute
-answer. Loads no model.
+records' methods (`attention@0.15+grp`); `LABEL:VARIANT=FOLDER` names by LABEL a run whose records carry
+VARIANT's suffix (two grouped runs: `grp=A rule:grp=B`). The isolated records are the first run's (every run
+takes them from the main fidelity run); a case counts only where every run measured every method against the same
+full-recompute answer. Loads no model.
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def records(folder: Path) -> dict[str, dict[str, dict]]:
     return by_case
 
 
+def label_name(label: str) -> str:
+    """How a run is named in the tables: `NAMES`' name for its label, else the label (before any `:`)."""
+    return NAMES.get(label, label.partition(":")[0])
+
+
+def suffix(label: str) -> str:
+    """The suffix of a run's records' methods: its label, or what follows `LABEL:`."""
+    return label.rpartition(":")[2]
+
+
 def common_cases(runs: dict[str, dict[str, dict[str, dict]]]) -> list[str]:
     """The cases every run measured every method of, against the same reference answer."""
     first = next(iter(runs.values()))
@@ -44,7 +55,7 @@ def common_cases(runs: dict[str, dict[str, dict[str, dict]]]) -> list[str]:
     for case in first:
         rows = [run.get(case, {}) for run in runs.values()]
         complete = all(m in first[case] for m in METHODS) and all(
-            f"{m}+{v}" in row for v, row in zip(runs, rows, strict=True) for m in METHODS
+            f"{m}+{suffix(v)}" in row for v, row in zip(runs, rows, strict=True) for m in METHODS
         )
         refs = {row["full"].get("reference") for row in rows if "full" in row}
         if complete and len(refs) <= 1:
@@ -72,24 +83,24 @@ def main() -> None:
         kept = sum(int(iso[c][m]["first_token"]) for c in cases)
         print(f"| {m} | isolated | {statistics.fmean(base):.3f} | | | {kept}/{len(cases)} |")
         for v, run in runs.items():
-            kl = [run[c][f"{m}+{v}"]["kl_mean"] for c in cases]
+            kl = [run[c][f"{m}+{suffix(v)}"]["kl_mean"] for c in cases]
             diffs = [a - b for a, b in zip(kl, base, strict=True)]
             lo, hi = bootstrap_ci(diffs)
-            kept = sum(int(run[c][f"{m}+{v}"]["first_token"]) for c in cases)
+            kept = sum(int(run[c][f"{m}+{suffix(v)}"]["first_token"]) for c in cases)
             closer = sum(d < 0 for d in diffs)
-            print(f"| {m} | {NAMES.get(v, v)} | {statistics.fmean(kl):.3f} | {statistics.fmean(diffs):+.3f} "
+            print(f"| {m} | {label_name(v)} | {statistics.fmean(kl):.3f} | {statistics.fmean(diffs):+.3f} "
                   f"[{lo:+.3f}, {hi:+.3f}] | {closer}/{len(cases)} | {kept}/{len(cases)} |")  # fmt: skip
     sets: dict[str, list[str]] = defaultdict(list)
     for c in cases:
         sets[iso[c]["full"]["dataset"] if "full" in iso[c] else c.rsplit("-", 1)[0]].append(c)
-    names = ["isolated", *(NAMES.get(v, v) for v in runs)]
+    names = ["isolated", *(label_name(v) for v in runs)]
     for m in METHODS:
         print(f"\nPer set, {m}: mean KL (first tokens kept), worst case's KL\n")
         print("| set | cases | " + " | ".join(names) + " |")
         print("|---|---:|" + "---|" * len(names))
         for name, group in sorted(sets.items()):
             cells = []
-            for run, key in [(iso, m), *((run, f"{m}+{v}") for v, run in runs.items())]:
+            for run, key in [(iso, m), *((run, f"{m}+{suffix(v)}") for v, run in runs.items())]:
                 kl = [run[c][key]["kl_mean"] for c in group]
                 kept = sum(int(run[c][key]["first_token"]) for c in group)
                 cells.append(f"{statistics.fmean(kl):.3f} ({kept}/{len(group)}), max {max(kl):.2f}")
