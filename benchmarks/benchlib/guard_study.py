@@ -51,11 +51,12 @@ def load_cases(
     probes: Iterable[Mapping[str, Any]] = (),
     grid: Sequence[float] = GRID,
     variant: str = "native",
+    base: float = BASE,
 ) -> dict[str, list[dict]]:
     """dataset -> one {method: record} per case that has full, reuse and every blend of `grid` (read through the
-    store `variant`: "native", or e.g. "cap" for `attention@0.15+cap`, named without the suffix) and the base
-    blend's risk signals, in case order. `probes` (`benchmarks/guard_probe.py`) add the signals to base-blend
-    records that lack them, when the probe saw the same prompt."""
+    store `variant`: "native", or e.g. "cap" for `attention@0.15+cap`, named without the suffix) and the risk
+    signals of the base blend (at ratio `base`), in case order. `probes` (`benchmarks/guard_probe.py`) add the
+    signals to base-blend records that lack them, when the probe saw the same prompt."""
     by_case: dict[tuple[str, str], dict[str, Mapping[str, Any]]] = defaultdict(dict)
     suffix = "" if variant == "native" else f"+{variant}"
     for r in records:
@@ -63,16 +64,16 @@ def load_cases(
             continue
         if r["method"] == "full" or r.get("codec", "native") == variant:
             by_case[(r["dataset"], r["case_id"])][r["method"].removesuffix(suffix)] = r
-    base = method_name(BASE)
+    base_method = method_name(base)
     for p in probes:
         methods = by_case.get((p["dataset"], p["case_id"]), {})
-        rec = methods.get(base)
+        rec = methods.get(base_method)
         if rec is not None and not rec.get("risk") and p["prompt_tokens"] == rec["prompt_tokens"]:
-            methods[base] = {**rec, "risk": p["risk"], "first_token_id": p["first_token_id"]}
+            methods[base_method] = {**rec, "risk": p["risk"], "first_token_id": p["first_token_id"]}
     needed = {"full", "reuse", *(method_name(x) for x in grid)}
     out: dict[str, list[dict]] = defaultdict(list)
     for (dataset, _), methods in sorted(by_case.items(), key=lambda item: _case_order(*item[0])):
-        if needed <= set(methods) and methods[base].get("risk"):
+        if needed <= set(methods) and methods[base_method].get("risk"):
             out[dataset].append(dict(methods))
     return dict(out)
 
@@ -95,7 +96,10 @@ def _fixed(rec: Mapping[str, Any], ratio: float) -> dict[str, Any]:
 
 
 def question(
-    case: Mapping[str, Mapping[str, Any]], grid: Sequence[float] = GRID, ladder: Sequence[float] = LADDER
+    case: Mapping[str, Mapping[str, Any]],
+    grid: Sequence[float] = GRID,
+    ladder: Sequence[float] = LADDER,
+    base: float = BASE,
 ) -> dict[str, Any]:
     """One case as a fidelity-profile question (`FidelityProfile`): reuse, each ratio of `grid` and 1.0 (full
     recompute: exact, at the cost of a full prefill over the shared first pass), the base blend's risk signals
@@ -105,7 +109,7 @@ def question(
     exact = {"first_token": 1.0, "top1": 1.0, "kl_mean": 0.0, "compute_share": 1.0 + reuse["compute_share"],
              "ttft_s": full["ttft_s"] + reuse["ttft_s"]}  # fmt: skip
     fixed.append({"ratio": 1.0, **exact})
-    steps, previous = [], method_name(BASE)
+    steps, previous = [], method_name(base)
     for ratio in ladder:
         if ratio >= 1.0:  # the ladder's end is exact: nothing after it to agree with
             steps.append({"ratio": ratio, "agree_prev": True, "kl_prev": 0.0})
@@ -118,20 +122,23 @@ def question(
         "id": full["case_id"],
         "reuse": _fixed(reuse, 0.0),
         "fixed": fixed,
-        "risk": case[method_name(BASE)]["risk"],
+        "risk": case[method_name(base)]["risk"],
         "steps": steps,
         "full_ttft_s": full["ttft_s"],
     }
 
 
 def profile(
-    cases: Sequence[Mapping[str, Any]], grid: Sequence[float] = GRID, ladder: Sequence[float] = LADDER
+    cases: Sequence[Mapping[str, Any]],
+    grid: Sequence[float] = GRID,
+    ladder: Sequence[float] = LADDER,
+    base: float = BASE,
 ) -> FidelityProfile:
     """The cases as a fidelity profile of the blends of `grid` whose guard (the KL trigger at each of `THRESHOLDS`)
-    escalates through `ladder` (0.5 then 1.0, or straight to 1.0)."""
+    escalates from the blend at `base` through `ladder` (0.5 then 1.0, or straight to 1.0)."""
     return FidelityProfile(
-        model="", dtype="float32", rule="attention", base_ratio=BASE, ratios=(*grid, 1.0), ladder=tuple(ladder),
-        thresholds=THRESHOLDS, questions=tuple(question(c, grid, ladder) for c in cases),
+        model="", dtype="float32", rule="attention", base_ratio=base, ratios=(*grid, 1.0), ladder=tuple(ladder),
+        thresholds=THRESHOLDS, questions=tuple(question(c, grid, ladder, base) for c in cases),
         source="benchmarks/fidelity.py",
     )  # fmt: skip
 
