@@ -1,5 +1,5 @@
 """Can a chunk's own text tell, at precompute time, whether its grouped entry will be closer to the prompt than its
-isolated one? (docs/research.md, "A chunk's own likelihood as a check on its group").
+isolated one? (research/README.md; its answer is in research/results/context_nll.md).
 
     python research/context_nll.py --cases multi_news:multi_news-0cd7b... musique:musique-6 ...
     python research/context_nll.py --per-set 5          # the first 5 cases of each set
@@ -57,7 +57,7 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def summary(path: Path) -> None:
-    """The table of docs/research.md from the rows: by the NLL change, and by the chunk's place in the prompt."""
+    """research/results/context_nll.md from the rows: by the NLL change, and by the chunk's place in the prompt."""
     rows = read_rows(path)
     d_nll = [r["nll_grp"] - r["nll_iso"] for r in rows]
     d_err = [r["err_grp"] - r["err_iso"] for r in rows]
@@ -105,12 +105,12 @@ def main() -> None:
         if not wanted.get(name) and not args.per_set:
             continue
         ds = load_dataset(name, args.data_dir, None)
-        ids = wanted.get(name, []) + [c.id for c in ds.cases[: args.per_set]]
+        ids = {*wanted.get(name, []), *(c.id for c in ds.cases[: args.per_set])}
         pool = pool_of(ds)
         vectors = embed_texts(load_embedder(), pool, batch_size=64, show_progress=False)
         lengths = [len(t) for t in tokenize_chunks(engine.tokenizer, pool, sep)]
         layout = group_of(pool, vectors, lengths, allowed=False)
-        for case in (c for c in ds.cases if c.id in dict.fromkeys(ids)):
+        for case in (c for c in ds.cases if c.id in ids):
             if (name, case.id) in done:
                 continue
             prompt = engine.build_prompt(list(case.chunks), case.question, template=ds.spec.template)
