@@ -68,13 +68,12 @@ CAPTURE_POLICIES = ("exact", "all")
 CODEC_NAMES = ("native", "fp16", "bf16", "int8", "int4")
 
 
-# Neighbours a chunk's KV is prefilled after where the corpus is known (contextual chunk KV). 0, isolated entries,
-# until the paired fidelity run on the default model shows a win: there it helped on average but broke some cases
-# (docs/benchmarks.md, "Contextual chunk KV"); 2 is the setting measured.
+# Neighbours a chunk's KV is prefilled after where the corpus is known (contextual chunk KV). 0: grouped precompute
+# took its place as the default (docs/benchmarks.md, "Contextual chunk KV"); 2 is the setting measured.
 DEFAULT_CONTEXT_NEIGHBOURS = 0
-# Grouped precompute: the most tokens of a group of similar chunks whose one full prefill gives each its stored KV
-# (`precompute(context="groups")`). 0: off by default until the paired fidelity run decides.
-DEFAULT_PRECOMPUTE_GROUPS = 0
+# Grouped precompute's group size, about a RAG prompt's chunks (6 of 512 tokens). On by default: on the paired
+# fidelity run it brought every ratio closer to full recompute (docs/benchmarks.md, "Grouped precompute").
+DEFAULT_PRECOMPUTE_GROUPS = 3072
 
 
 def mask_url(url: object) -> str:
@@ -209,13 +208,13 @@ class EngineConfig:
     memory_codec: str = "native"  # the memory tier (encoded entries are decoded layer by layer when read)
     blend: BlendConfig = field(default_factory=BlendConfig)
     # Contextual chunk KV (docs/how-it-works.md): where the engine is given the corpus (`precompute`, an index), each
-    # chunk's KV is prefilled after its n most similar other chunks, keeping only its own KV. 0: isolated entries
-    # (the default for now; 2 is the measured setting).
+    # chunk's KV is prefilled after its n most similar other chunks, keeping only its own KV. 0: off.
     context_neighbours: int = DEFAULT_CONTEXT_NEIGHBOURS
     # Grouped precompute (docs/configuration.md): `precompute(chunks)` lays the corpus out in groups of similar chunks
-    # of up to this many tokens and stores each chunk's KV from one full prefill of its group (as a captured entry,
-    # read under capture="all"), beside its isolated entry. 0: off. Exclusive with `context_neighbours`.
-    precompute_groups: int = DEFAULT_PRECOMPUTE_GROUPS
+    # of up to this many tokens and stores each chunk's KV from one full prefill of its group (a captured entry, read
+    # under capture="all") beside its isolated entry. 0: off. None: 3072, or 0 with `context_neighbours` or
+    # capture="exact" (`group_tokens`: the setting in force).
+    precompute_groups: int | None = None
     # What a full prefill the engine runs by itself (a cold request under the miss policy, a guard escalation to
     # r = 1) stores of its chunks' KV, which it holds for free: "exact" stores the chunks whose KV there is their
     # entry (the one right after the prefix) and prefills the others after the answer; "all" also stores every
@@ -269,7 +268,8 @@ class EngineConfig:
                 f"redis_url must start with redis://, rediss:// or unix://, got {mask_url(self.redis_url)!r}"
             )
         check_count("context_neighbours", self.context_neighbours, 0, "a number of chunks (0: no context)")
-        check_count("precompute_groups", self.precompute_groups, 0, "a number of tokens per group (0: off)")
+        if self.precompute_groups is not None:
+            check_count("precompute_groups", self.precompute_groups, 0, "tokens per group (0: off), or None")
         if self.precompute_groups and self.context_neighbours:
             raise ConfigError(
                 "precompute_groups stores each chunk's KV from its group's prefill, context_neighbours after its "
@@ -335,6 +335,14 @@ class EngineConfig:
         if self.capture is not None:
             return self.capture
         return "exact" if self.context_neighbours else "all"
+
+    @property
+    def group_tokens(self) -> int:
+        """Grouped precompute's group size in force (0: off): `precompute_groups`, or for None 3072 unless
+        `context_neighbours` or capture="exact" take the corpus's context instead."""
+        if self.precompute_groups is not None:
+            return self.precompute_groups
+        return 0 if self.context_neighbours or self.capture == "exact" else DEFAULT_PRECOMPUTE_GROUPS
 
     def store_options(self) -> dict[str, Any]:
         """The keyword arguments of `store.build_store` that make the tiers this config names."""

@@ -17,7 +17,8 @@ LADDER = (0.5, 1.0)
 
 
 def tiny_engine(guard=None, model=None, tokenizer=None):
-    config = EngineConfig(chunk_separator="", guard=guard, miss_policy="blend")
+    # isolated entries: on them this tiny model's three questions reach every end of the guard's ladder
+    config = EngineConfig(chunk_separator="", guard=guard, miss_policy="blend", precompute_groups=0)
     return CacheBlendEngine(model or make_tiny_model("qwen2"), tokenizer or make_tiny_tokenizer(), config=config)
 
 
@@ -403,10 +404,11 @@ def test_a_profile_measured_under_capture_all_equals_one_measured_on_isolated_en
     # The reference answer is a full prefill asked for, which stores as capture="exact" does: measuring on an
     # engine with the default capture="all" reads the isolated entries, as on an engine with "exact". (Were the
     # reference's in-context KV stored, every later method of the same prompt would read it and look exact.)
+    # Grouped precompute is off in both, so that both build isolated entries.
     model, tokenizer = make_tiny_model("qwen2"), make_tiny_tokenizer()
     profiles = []
     for capture in ("all", "exact"):
-        config = EngineConfig(chunk_separator="", miss_policy="blend", capture=capture)
+        config = EngineConfig(chunk_separator="", miss_policy="blend", capture=capture, precompute_groups=0)
         engine = CacheBlendEngine(model, tokenizer, config=config)
         profiles.append(measure_fidelity(engine, sample(2), ratios=(0.15,), thresholds=(0.1,), ladder=LADDER))
     for a, b in zip(profiles[0].questions, profiles[1].questions, strict=True):

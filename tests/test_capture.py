@@ -63,7 +63,7 @@ def test_exact_capture_stores_the_first_chunk_from_the_prompt_and_fills_the_rest
     engine.wait_for_fills()
     # every entry is the isolated one a precompute builds, the first cut from the full prefill
     isolated = engine_with(family, tiny_tokenizer, miss_policy="blend")
-    isolated.precompute(chunks, prefix=PREFIX)
+    isolated.precompute(chunks, prefix=PREFIX, context=None)
     for j in range(3):
         assert engine.chunk_key(prompt.prefix_ids, prompt.chunk_ids[j]) == isolated.chunk_key(
             prompt.prefix_ids, prompt.chunk_ids[j]
@@ -141,7 +141,7 @@ def test_a_guard_escalation_to_a_full_recompute_adds_the_captured_entries(family
     always = Guard(min_margin=1.0, ratios=(1.0,))  # every request is a near tie: straight to r = 1
     engine = engine_with(family, tiny_tokenizer, capture="all", miss_policy="blend", guard=always)
     chunks, prompt = three_chunks(engine)
-    engine.precompute(chunks, prefix=PREFIX)  # own entries only
+    engine.precompute(chunks, prefix=PREFIX, context=None)  # own entries only
     blended = engine.prefill(prompt, "blend")
     assert blended.metrics.escalations == [1.0] and blended.metrics.chunks_captured == 2  # the two after the first
     separate = engine_with(family, tiny_tokenizer, miss_policy="blend")

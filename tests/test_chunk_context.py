@@ -211,7 +211,7 @@ def test_the_index_gives_each_chunk_its_nearest_chunks_nearest_last():
 def test_precompute_takes_the_chunks_as_the_corpus_only_when_neighbours_are_asked_for(tiny_tokenizer):
     chunks = [random_words(60 + i, 12) for i in range(4)]
     off = CacheBlendEngine(make_tiny_model("llama"), tiny_tokenizer, config=EngineConfig(chunk_separator=""))
-    assert off.precompute(chunks, prefix="p") == (0, 4) and len(off.chunks.contexts) == 0  # default: isolated
+    assert off.precompute(chunks, prefix="p") == (0, 4) and len(off.chunks.contexts) == 0  # default: groups
     on = CacheBlendEngine(make_tiny_model("llama"), tiny_tokenizer,
                           config=EngineConfig(chunk_separator="", context_neighbours=1))  # fmt: skip
     assert on.precompute(chunks, prefix="p") == (0, 4) and len(on.chunks.contexts) == 4

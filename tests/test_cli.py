@@ -340,9 +340,13 @@ def test_precompute_groups_goes_from_the_command_line_to_the_engine_and_the_inde
     def config(*options):
         return engine_config(build_parser().parse_args(["ask", "--docs", "d", *options, "What is it?"]))
 
-    assert config().precompute_groups == 0
-    grouped = config("--precompute-groups", "3072")
-    assert grouped.precompute_groups == 3072 and grouped.capture_policy == "all"
+    grouped = config()  # on by default: groups of up to 3072 tokens, read under capture="all"
+    assert grouped.group_tokens == 3072 and grouped.capture_policy == "all"
+    assert config("--precompute-groups", "2048").group_tokens == 2048
+    assert config("--precompute-groups", "0").group_tokens == 0
+    # the corpus's other context, or a capture policy that would not read grouped entries, turns it off
+    assert config("--context-neighbours", "2").group_tokens == 0
+    assert config("--capture", "exact").group_tokens == 0
     with pytest.raises(ConfigError, match="choose one"):
         config("--precompute-groups", "3072", "--context-neighbours", "2")
     with pytest.raises(ConfigError, match="capture='all'"):
@@ -352,3 +356,5 @@ def test_precompute_groups_goes_from_the_command_line_to_the_engine_and_the_inde
         config = grouped
 
     assert record_index_contexts(Engine(), index=None) == "groups"  # type: ignore[arg-type]
+    Engine.config = config("--precompute-groups", "0")
+    assert record_index_contexts(Engine(), index=None) is None  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..config import CAPTURE_POLICIES, DEFAULT_CONTEXT_NEIGHBOURS, DEFAULT_PRECOMPUTE_GROUPS, Guard
+from ..config import CAPTURE_POLICIES, DEFAULT_CONTEXT_NEIGHBOURS, Guard
 from ..errors import CacheBlendError
 from ..retrieval.sources import DEFAULT_MAX_DOCUMENT_BYTES
 
@@ -59,10 +59,10 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-neighbours", type=int, default=DEFAULT_CONTEXT_NEIGHBOURS, metavar="N",
                         help="contextual chunk KV: each chunk's KV is prefilled after its N most similar chunks of "
                         "the index (only its own KV is kept); 0 stores each chunk alone")  # fmt: skip
-    parser.add_argument("--precompute-groups", type=int, default=DEFAULT_PRECOMPUTE_GROUPS, metavar="TOKENS",
+    parser.add_argument("--precompute-groups", type=int, default=None, metavar="TOKENS",
                         help="grouped precompute: store each chunk's KV from one full prefill of a group of similar "
-                        "chunks of the index, of up to TOKENS tokens (with --precompute-all; e.g. 3072); 0 stores "
-                        "each chunk alone")  # fmt: skip
+                        "chunks of the index, of up to TOKENS tokens (default 3072; off with --context-neighbours); "
+                        "0 stores each chunk alone")  # fmt: skip
     parser.add_argument("--kv-dir", help="keep chunk KV on disk in this folder, so later runs reuse it")
     parser.add_argument("--redis-url", help="share chunk KV through this Redis, e.g. redis://127.0.0.1:6379/0")
 

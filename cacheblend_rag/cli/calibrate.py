@@ -152,7 +152,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     header = {"model": engine.fingerprint, "dtype": config.dtype, "source": source, "context": context,
               "context_neighbours": config.context_neighbours,
-              "precompute_groups": config.precompute_groups}  # fmt: skip
+              "precompute_groups": config.group_tokens}  # fmt: skip
     journal = Journal(Path(f"{args.out}.partial.jsonl"), header)
     if journal.done:
         print(f"resuming: {len(journal.done)} questions already measured in {journal.path}", file=sys.stderr)

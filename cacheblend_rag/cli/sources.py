@@ -124,9 +124,9 @@ def build_index(
 def record_index_contexts(engine: CacheBlendEngine, index: ChunkIndex) -> str | None:
     """With `context_neighbours` set, record every indexed chunk's nearest chunks of the index as its context
     (from the vectors the index holds) and return "keep", the `precompute` context that builds those entries; with
-    `precompute_groups` set, return "groups" (grouped precompute); else None (isolated entries), touching neither
-    the index's vectors nor the corpus's tokens."""
-    if engine.config.precompute_groups:
+    grouped precompute in force (`group_tokens`, the default), return "groups"; else None (isolated entries),
+    touching neither the index's vectors nor the corpus's tokens."""
+    if engine.config.group_tokens:
         return "groups"
     n = engine.config.context_neighbours
     if not n:

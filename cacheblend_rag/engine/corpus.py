@@ -49,21 +49,22 @@ class CorpusMethods:
         `chunks` are taken as the corpus: each chunk's KV is prefilled after its `config.context_neighbours` most
         similar other chunks among them (`set_chunk_context`; `context=None` stores isolated entries, "keep" the
         contexts recorded already, a list per chunk gives other context texts; "groups" lays them out in groups of
-        similar chunks of up to `group_tokens` tokens (default: `config.precompute_groups`, else 3072) and keeps
+        similar chunks of up to `group_tokens` tokens (default: `config.group_tokens`, else 3072) and keeps
         each chunk's KV from its group's full prefill: `precompute_groups`). The default follows the engine's
-        settings: with `config.precompute_groups` set it means "groups". A chunk with a context also gets its
-        isolated entry, which a prompt reads for its first chunk (whose real context is the prefix alone).
+        settings: "groups" while grouped precompute is in force (`config.group_tokens`, the default), else
+        neighbours. A chunk with a context also gets its isolated entry, which a prompt reads for its first chunk
+        (whose real context is the prefix alone).
         The template's prefix does not depend on the question, so `question` is only needed by templates that
         place it before the chunks. Returns (already cached, newly computed).
         """
-        if isinstance(context, str) and context == NEIGHBOURS and self.config.precompute_groups:
+        if isinstance(context, str) and context == NEIGHBOURS and self.config.group_tokens:
             context = GROUPS  # the two settings are exclusive: this engine's corpus context is its groups
         grouped = isinstance(context, str) and context == GROUPS
         if grouped:
             check_groups_policy(self.config.capture_policy)
         prefix_ids, chunk_ids = self._take_corpus(chunks, None if grouped else context, question, template, prefix)
         if grouped:
-            group_tokens = group_tokens or self.config.precompute_groups or DEFAULT_GROUP_TOKENS
+            group_tokens = group_tokens or self.config.group_tokens or DEFAULT_GROUP_TOKENS
             found = group_indexes(chunks, [len(ids) for ids in chunk_ids], group_tokens)
             return self._fill_groups(prefix_ids, [[chunk_ids[i] for i in g] for g in found], show_progress)
         with self._lock:
