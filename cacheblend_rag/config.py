@@ -338,11 +338,11 @@ class EngineConfig:
 
     @property
     def group_tokens(self) -> int:
-        """Grouped precompute's group size in force (0: off): `precompute_groups`, or for None 3072 unless
-        `context_neighbours` or capture="exact" take the corpus's context instead."""
+        """Grouped precompute's group size in force (0: off): `precompute_groups`, or for None 3072 where the
+        capture policy in force reads grouped (captured) entries, "all"; 0 under "exact" (`context_neighbours`)."""
         if self.precompute_groups is not None:
             return self.precompute_groups
-        return 0 if self.context_neighbours or self.capture == "exact" else DEFAULT_PRECOMPUTE_GROUPS
+        return DEFAULT_PRECOMPUTE_GROUPS if self.capture_policy == "all" else 0
 
     def store_options(self) -> dict[str, Any]:
         """The keyword arguments of `store.build_store` that make the tiers this config names."""

@@ -13,10 +13,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..config import EngineConfig
+from ..config import DEFAULT_PRECOMPUTE_GROUPS, EngineConfig
 from .chunk_cache import ChunkCache
 from .chunk_context import NEIGHBOURS, ContextArg, assign_contexts, context_parts, corpus_ids
-from .grouped import DEFAULT_GROUP_TOKENS, GROUPS, check_groups_policy, fill_groups, group_indexes
+from .grouped import GROUPS, check_groups_policy, fill_groups, group_indexes
 from .prefill import Prefiller
 from .prompt import PromptTemplate, TokenizedPrompt
 from .request import check_length
@@ -64,7 +64,7 @@ class CorpusMethods:
             check_groups_policy(self.config.capture_policy)
         prefix_ids, chunk_ids = self._take_corpus(chunks, None if grouped else context, question, template, prefix)
         if grouped:
-            group_tokens = group_tokens or self.config.group_tokens or DEFAULT_GROUP_TOKENS
+            group_tokens = group_tokens or self.config.group_tokens or DEFAULT_PRECOMPUTE_GROUPS
             found = group_indexes(chunks, [len(ids) for ids in chunk_ids], group_tokens)
             return self._fill_groups(prefix_ids, [[chunk_ids[i] for i in g] for g in found], show_progress)
         with self._lock:

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from ..config import DEFAULT_PRECOMPUTE_GROUPS
 from ..errors import ConfigError
 from .capture import capturable
 from .chunk_cache import ChunkCache
@@ -24,7 +23,6 @@ from .prefill import Prefiller
 from .prompt import TokenizedPrompt
 
 GROUPS = "groups"  # `precompute(context=...)`: full prefills of groups of similar chunks, stored as captured KV
-DEFAULT_GROUP_TOKENS = DEFAULT_PRECOMPUTE_GROUPS  # about a RAG prompt's chunks: each group's prefill is one such
 
 
 def group_indexes(texts: Sequence[str], lengths: Sequence[int], group_tokens: int) -> list[list[int]]:
