@@ -1,4 +1,5 @@
-"""The number checks shared by the settings (`config`) and a request's arguments (`engine.request`).
+"""The number checks shared by the settings (`config`) and a request's arguments (`engine.request`), and
+`mask_url`, which shows a URL in an error without its password.
 
 It imports nothing but `errors`, so that `config` can use it without loading the engine, the store or torch.
 Each check raises a `ConfigError` that names the setting, the value given and, where it helps, what the number
@@ -36,3 +37,19 @@ def check_real(name: str, value: object, ok: Callable[[float], bool], rule: str)
 def check_ratio(name: str, value: object) -> None:
     """A share: a real number in [0, 1]."""
     check_real(name, value, lambda r: 0 <= r <= 1, "in [0, 1]")
+
+
+def mask_url(url: object) -> str:
+    """A URL as it may be shown (repr, errors, logs): any password replaced by `***`
+    (`redis://:secret@host:6379/0` -> `redis://:***@host:6379/0`); anything else unchanged."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    text = str(url)
+    try:
+        parts = urlsplit(text)
+        if parts.password is None:
+            return text
+    except ValueError:  # not a URL at all: show it only up to any '@' (what precedes it may be a secret)
+        return text.rsplit("@", 1)[-1] if "@" in text else text
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
-from .checks import check_count, check_ratio, check_real
+from .checks import check_count, check_ratio, check_real, mask_url
 from .errors import ConfigError
 from .guard import Guard  # the guard's policy lives with its signals and loop; re-exported here
 
@@ -74,22 +74,6 @@ DEFAULT_CONTEXT_NEIGHBOURS = 0
 # Grouped precompute's group size, about a RAG prompt's chunks (6 of 512 tokens). On by default: on the paired
 # fidelity run it brought every ratio closer to full recompute (docs/benchmarks.md, "Grouped precompute").
 DEFAULT_PRECOMPUTE_GROUPS = 3072
-
-
-def mask_url(url: object) -> str:
-    """A URL as it may be shown (repr, errors, logs): any password replaced by `***`
-    (`redis://:secret@host:6379/0` -> `redis://:***@host:6379/0`); anything else unchanged."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    text = str(url)
-    try:
-        parts = urlsplit(text)
-        if parts.password is None:
-            return text
-    except ValueError:  # not a URL at all: show it only up to any '@' (what precedes it may be a secret)
-        return text.rsplit("@", 1)[-1] if "@" in text else text
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 @dataclass(frozen=True)

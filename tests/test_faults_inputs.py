@@ -238,7 +238,7 @@ def test_the_fingerprint_sample_reaches_the_last_value_of_a_huge_tensor():
 
 
 def test_a_redis_password_never_shows_in_the_config_or_its_errors():
-    from cacheblend_rag.config import mask_url
+    from cacheblend_rag.checks import mask_url
     from cacheblend_rag.store.redis_store import RedisStore
 
     secret = "S3cretPassw0rd"
