@@ -15,6 +15,13 @@ then gets a table of each codec's paired difference to the uncompressed store (`
 
     python benchmarks/fidelity.py --rules attention --ratios 0.15,0.05 --kv-codec int8,int4 --limit 3 \
         --out benchmarks/results/fidelity-codecs
+
+With `--chunk-context` too, the variant is read through each codec as well (`attention@0.15+grp+int4`, paired
+against `attention@0.15+grp`): what a codec costs on entries cached in context.
+
+    python benchmarks/fidelity.py --rules attention --ratios 0.15 --kv-codec int8,int4 --chunk-context grouped \
+        --limit 3 --take-records benchmarks/results/fidelity-grouped-apart \
+        --out benchmarks/results/fidelity-grouped-codecs
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from benchlib.fidelity_context import (  # noqa: E402
     ContextPreparer,
     GroupPreparer,
     MixedCapturePreparer,
+    VariantThroughCodec,
     capture_engine,
     context_engine,
     context_verdict,
@@ -107,8 +115,14 @@ def run(args: argparse.Namespace) -> int:
                 ds.spec.name: load_dataset(n, args.data_dir, None) for n, ds in zip(names, datasets, strict=True)
             }
             prepare[GROUPED] = GroupPreparer(full_sets, args.group_tokens)
+        variants = list(prepare)  # the chunk-context variant, if any: through each codec too ('grp+int4')
+        for variant in variants:
+            through = VariantThroughCodec(engines[variant], prepare[variant])
+            prepare[variant] = through.fill_variant
+            for codec, codec_engine in codec_engines(engines[variant], codecs[1:]).items():
+                engines[f"{variant}+{codec}"], prepare[f"{variant}+{codec}"] = codec_engine, through
         if args.take_records:
-            wanted = {m.name for m in methods} | {"full"}
+            wanted = {m.name for m in methods} | {f"{m.name}+{v}" for m in methods for v in variants} | {"full"}
             cases = {(ds.spec.name, c.id) for ds in datasets for c in ds.cases}
             taken = take_records(args.take_records, args.out, run_settings_of(args), RESULTS_FILE,
                                  lambda r: r["method"] in wanted and (r["dataset"], r["case_id"]) in cases)  # fmt: skip

@@ -5,9 +5,17 @@ KV read through a codec, named after method and codec, and paired per case again
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
-from benchlib.fidelity_codecs import NOISE_NATS, POOLED, CodecDifference, codec_differences, codec_markdown
+from benchlib.fidelity_codecs import (
+    NOISE_NATS,
+    POOLED,
+    CodecDifference,
+    baseline_of,
+    codec_differences,
+    codec_markdown,
+)
 from benchlib.fidelity_report import write_fidelity_report
 from benchlib.fidelity_run import (
     codec_engines,
@@ -61,6 +69,8 @@ def test_codec_methods_carry_the_codec_in_their_name_and_native_keeps_the_plain_
     assert codec_method_name("reuse", "native") == "reuse"
     assert split_codec("attention@0.15+int4") == ("attention@0.15", "int4")
     assert split_codec("attention@0.15") == ("attention@0.15", "native")
+    assert split_codec("attention@0.15+grp+int4") == ("attention@0.15", "grp+int4")  # a codec over a variant
+    assert (baseline_of("int4"), baseline_of("grp"), baseline_of("grp+int4")) == ("native", "native", "grp")
     assert parse_codecs("int4, int8,int4") == ["native", "int4", "int8"]  # uncompressed first, once each
     with pytest.raises(ConfigError, match="unknown codec 'int3'"):
         parse_codecs("int3")
@@ -214,6 +224,36 @@ def test_captured_chunk_kv_is_measured_beside_isolated_and_its_own_prompt_gives_
         assert r["capture_order"] == earlier_order(r["case_id"], len(r["capture_order"]))
         assert r["capture_order"] != sorted(r["capture_order"]) and r["captured_chunks"] == len(r["capture_order"])
         assert r["same_context"] < r["captured_chunks"] and r["kl_mean"] > 1e-4
+
+
+def test_a_variant_read_through_a_codec_reads_the_variants_entries_and_is_paired_with_the_variant(engine, tmp_path):
+    # Captured chunk KV copied into a store that keeps it exactly ("cap+copy") must measure exactly as the variant
+    # does (it reads the captured entries, not isolated ones), also when resumed after the variant's records were
+    # done, so that the variant's store has to be filled again; "cap+int8" is paired against "cap", not isolated.
+    from benchlib.fidelity_context import CAPTURED, CapturePreparer, VariantThroughCodec, capture_engine
+
+    cap = capture_engine(engine)
+    copy = CacheBlendEngine(engine.model, engine.tokenizer, config=replace(cap.config, memory_codec="native"))
+    methods, data = fidelity_methods(["attention"], [0.15]), tiny_dataset(2)
+    shuffled = CapturePreparer()
+    run_fidelity(engine, [data], methods, tmp_path, codecs={"native": engine, CAPTURED: cap},
+                 prepare={CAPTURED: shuffled}, show_progress=False)  # fmt: skip
+    through = VariantThroughCodec(cap, shuffled)
+    engines = {"native": engine, CAPTURED: cap, "cap+copy": copy, **{
+        f"{CAPTURED}+{c}": e for c, e in codec_engines(cap, ["int8"]).items()}}  # fmt: skip
+    records = run_fidelity(engine, [data], methods, tmp_path, codecs=engines, show_progress=False, prepare={
+        CAPTURED: through.fill_variant, "cap+copy": through, "cap+int8": through})  # fmt: skip
+    kl = {(r["case_id"], r["method"]): r["kl_mean"] for r in records}
+    for case in ("c0", "c1"):
+        for m in ("reuse", "attention@0.15"):
+            assert kl[(case, f"{m}+cap+copy")] == kl[(case, f"{m}+cap")] != kl[(case, m)]
+    rows = {(r.codec, r.method): r for r in codec_differences(records) if r.dataset == "tinyqa"}
+    assert rows[("cap+copy", "reuse")].kl_diff == 0.0
+    int8 = rows[("cap+int8", "reuse")]
+    assert int8.kl_native == pytest.approx((kl[("c0", "reuse+cap")] + kl[("c1", "reuse+cap")]) / 2)
+    assert abs(int8.kl_diff) < NOISE_NATS
+    with pytest.raises(ValueError, match="own engine"):
+        through.fill_variant(copy, data.spec, data.cases[0], None)
 
 
 def test_records_of_another_run_are_taken_only_from_the_same_setup(tmp_path):

@@ -48,9 +48,17 @@ def _ok(records: Iterable[Mapping[str, object]]) -> list[Mapping[str, object]]:
     return [r for r in records if "error" not in r and r.get("kl_mean") is not None]
 
 
+def baseline_of(codec: str) -> str:
+    """What a codec's records are paired against: the uncompressed store, or for a codec over a variant of the
+    chunk KV ('grp+int4': grouped entries stored as int4) that variant uncompressed ('grp')."""
+    variant, sep, _ = codec.rpartition("+")
+    return variant if sep else NATIVE
+
+
 def codec_differences(records: Sequence[Mapping[str, object]]) -> list[CodecDifference]:
     """Per data set (sorted, then POOLED over all of them), per codec and method in the order first recorded: the
-    paired difference to the uncompressed store. Empty when the records hold no codec other than native."""
+    paired difference to the uncompressed store (to the variant uncompressed, for a codec over a variant: see
+    `baseline_of`). Empty when the records hold no codec other than native."""
     by_case: dict[tuple[str, str], dict[tuple[str, str], Mapping[str, object]]] = defaultdict(dict)
     pairs: dict[tuple[str, str], None] = {}  # (codec, method), in first-recorded order
     for r in _ok(records):
@@ -63,8 +71,8 @@ def codec_differences(records: Sequence[Mapping[str, object]]) -> list[CodecDiff
     for ds in [*datasets, POOLED] if len(datasets) > 1 else datasets:
         cases = [recs for (d, _), recs in sorted(by_case.items()) if ds in (d, POOLED)]
         for codec, method in pairs:
-            found = [(recs[(NATIVE, method)], recs[(codec, method)]) for recs in cases
-                     if (NATIVE, method) in recs and (codec, method) in recs]  # fmt: skip
+            base = (baseline_of(codec), method)
+            found = [(recs[base], recs[(codec, method)]) for recs in cases if base in recs and (codec, method) in recs]
             both = [pair for pair in found if _same_reference(*pair)]
             if both:
                 rows.append(replace(_difference(ds, codec, method, both), mismatched=len(found) - len(both)))
@@ -103,8 +111,9 @@ def _difference(
 
 CODEC_INTRO = (
     "### Stored KV codecs: paired difference to the uncompressed store",
-    "Per case, the method with its chunk KV read through the codec minus the same method uncompressed, against the "
-    f"same full-recompute reference. Within noise: the 95% interval includes 0, or KL rises by at most {NOISE_NATS} "
+    "Per case, the method with its chunk KV read through the codec minus the same method uncompressed (a codec over "
+    "a variant of the chunk KV, e.g. `grp+int4`, minus that variant uncompressed), against the same full-recompute "
+    f"reference. Within noise: the 95% interval includes 0, or KL rises by at most {NOISE_NATS} "
     "nats.",
 )
 

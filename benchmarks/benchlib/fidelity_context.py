@@ -18,6 +18,9 @@ text that is not in the measured prompt.
 `--chunk-context grouped` (`+grp`) measures `precompute(context="groups")`: the set's whole pool laid out in groups of
 similar passages (`retrieval.groups`, up to `--group-tokens` tokens each), and each case's chunks stored from one
 full prefill of their groups (`engine.precompute_groups`), isolated entries beside them.
+With `--kv-codec int4` as well, every variant is also read through each codec (`attention@0.15+grp+int4`): its
+entries of the case copied into a store that encodes them (`VariantThroughCodec`), paired against the variant
+uncompressed.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import replace
 from typing import Any
 
 from benchlib.fidelity_codecs import CodecDifference
+from benchlib.fidelity_run import copy_chunks
 from cacheblend_rag.engine import CacheBlendEngine, TokenizedPrompt
 from cacheblend_rag.engine.prompt import tokenize_chunks
 from cacheblend_rag.evaluation.datasets import Case, Dataset, TaskSpec
@@ -244,6 +248,37 @@ class GroupPreparer:
             "chunk_tokens": sum(tokens.values()) / max(len(tokens), 1),
             "first_in_group": sum(b == 0 for b in before),  # chunks with no captured entry (isolated everywhere)
         }
+
+
+Preparer = Callable[[CacheBlendEngine, TaskSpec, Case, TokenizedPrompt], dict[str, Any]]
+
+
+class VariantThroughCodec:
+    """Prepares a variant of the chunk KV read through a codec (`grp+int4`) without computing it again: the case's
+    entries as the variant's own engine holds them, put into the codec engine's store, which encodes them.
+
+    `fill_variant` is the variant's own preparer (register it for the variant); called for a codec engine, this
+    fills the variant's engine first when it holds another case (its records were taken, or done before a resume).
+    """
+
+    def __init__(self, variant_engine: CacheBlendEngine, prepare: Preparer) -> None:
+        self.engine, self.prepare = variant_engine, prepare
+        self.filled: tuple[str, str] | None = None  # the case the variant's engine holds
+        self.extra: dict[str, Any] = {}  # what its preparer reported for that case
+
+    def fill_variant(self, engine: CacheBlendEngine, spec: TaskSpec, case: Case, prompt: TokenizedPrompt) -> dict:
+        if engine is not self.engine:
+            raise ValueError("fill_variant prepares the variant's own engine")
+        self.extra = self.prepare(engine, spec, case, prompt)
+        self.filled = (spec.name, case.id)
+        return self.extra
+
+    def __call__(self, engine: CacheBlendEngine, spec: TaskSpec, case: Case, prompt: TokenizedPrompt) -> dict:
+        if self.filled != (spec.name, case.id):
+            self.fill_variant(self.engine, spec, case, prompt)
+        engine.clear_store()
+        copy_chunks(self.engine, engine, prompt)
+        return dict(self.extra)
 
 
 CONTEXT_INTRO = (

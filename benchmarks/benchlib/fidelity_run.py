@@ -73,8 +73,10 @@ def codec_method_name(method: str, codec: str) -> str:
 
 
 def split_codec(name: str) -> tuple[str, str]:
-    """A recorded method name -> (the method, the codec its chunk KV was read through); undoes `codec_method_name`."""
-    method, sep, codec = name.rpartition("+")
+    """A recorded method name -> (the method, the codec its chunk KV was read through); undoes `codec_method_name`.
+    The "codec" is everything after the method: a variant of the chunk KV and a codec over it read as one
+    ('attention@0.15+grp+int4' -> ('attention@0.15', 'grp+int4'); `fidelity_codecs.baseline_of`)."""
+    method, sep, codec = name.partition("+")
     return (method, codec) if sep else (name, NATIVE)
 
 
@@ -99,7 +101,7 @@ def codec_engines(engine: CacheBlendEngine, codecs: Sequence[str]) -> dict[str, 
     return engines
 
 
-def _copy_chunks(src: CacheBlendEngine, dst: CacheBlendEngine, prompt: TokenizedPrompt) -> None:
+def copy_chunks(src: CacheBlendEngine, dst: CacheBlendEngine, prompt: TokenizedPrompt) -> None:
     """Put the prompt's stored KV (prefix and chunks) from `src`'s store into `dst`'s, which encodes it with its
     codec: the same KV as a prefill on `dst` would store, without computing it again. An entry `src` no longer
     holds is left out; `dst` then prefills it when it is read."""
@@ -175,7 +177,7 @@ def run_fidelity(
                 extra = prepare[codec](codec_engine, spec, case, prompt)  # type: ignore[index]
             elif missing and codec_engine is not engine:
                 codec_engine.clear_store()  # only this case's chunks: the stores stay small
-                _copy_chunks(engine, codec_engine, prompt)
+                copy_chunks(engine, codec_engine, prompt)
             firsts: dict[str, torch.Tensor] = {}  # this codec's methods' first-token logits, in order
             for method in missing:
                 rec, logits = measure_with_logits(codec_engine, prompt, ref, method.blend)
