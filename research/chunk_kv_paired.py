@@ -74,6 +74,8 @@ def main() -> None:
             p.error(f"expected VARIANT=FOLDER, got {spec!r}")
         runs[variant] = records(Path(folder))
     cases = common_cases(runs)
+    if not cases:
+        p.error(f"no case has every one of {', '.join(METHODS)} in every run (isolated and each variant)")
     iso = next(iter(runs.values()))
     print(f"{len(cases)} cases measured by every run\n")
     print("| method | chunk KV | mean KL | minus isolated [95% CI] | closer | first tokens kept |")
