@@ -73,10 +73,7 @@ from benchlib.fidelity_run import (  # noqa: E402
 )
 from benchlib.records import load_records, take_records  # noqa: E402
 
-from cacheblend_rag.config import (
-    DEFAULT_PRECOMPUTE_GROUPS,  # noqa: E402
-    RULE_NAMES,  # noqa: E402
-)
+from cacheblend_rag.config import DEFAULT_PRECOMPUTE_GROUPS, RULE_NAMES  # noqa: E402
 from cacheblend_rag.evaluation import load_dataset  # noqa: E402
 from cacheblend_rag.store.codec import CODECS  # noqa: E402
 
