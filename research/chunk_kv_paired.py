@@ -7,9 +7,10 @@ intervals over cases, first tokens kept, and the same per data set.
 
 Each argument is VARIANT=FOLDER: a `benchmarks/fidelity.py --chunk-context ...` run's folder and the suffix of its
 records' methods (`attention@0.15+grp`); `LABEL:VARIANT=FOLDER` names by LABEL a run whose records carry
-VARIANT's suffix (two grouped runs: `grp=A rule:grp=B`). The isolated records are the first run's (every run
-takes them from the main fidelity run); a case counts only where every run measured every method against the same
-full-recompute answer. Loads no model.
+VARIANT's suffix (two grouped runs: `grp=A rule:grp=B`). `--methods` picks the methods compared (default: reuse
+and the default rule at r = 0.05 and 0.15; for a run that measured one ratio, `--methods reuse,attention@0.15`).
+The isolated records are the first run's (every run takes them from the main fidelity run); a case counts only
+where every run measured every method against the same full-recompute answer. Loads no model.
 """
 
 from __future__ import annotations
@@ -48,14 +49,14 @@ def suffix(label: str) -> str:
     return label.rpartition(":")[2]
 
 
-def common_cases(runs: dict[str, dict[str, dict[str, dict]]]) -> list[str]:
+def common_cases(runs: dict[str, dict[str, dict[str, dict]]], methods: tuple[str, ...] = METHODS) -> list[str]:
     """The cases every run measured every method of, against the same reference answer."""
     first = next(iter(runs.values()))
     out = []
     for case in first:
         rows = [run.get(case, {}) for run in runs.values()]
-        complete = all(m in first[case] for m in METHODS) and all(
-            f"{m}+{suffix(v)}" in row for v, row in zip(runs, rows, strict=True) for m in METHODS
+        complete = all(m in first[case] for m in methods) and all(
+            f"{m}+{suffix(v)}" in row for v, row in zip(runs, rows, strict=True) for m in methods
         )
         refs = {row["full"].get("reference") for row in rows if "full" in row}
         if complete and len(refs) <= 1:
@@ -66,21 +67,30 @@ def common_cases(runs: dict[str, dict[str, dict[str, dict]]]) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="VARIANT=FOLDER")
+    p.add_argument(
+        "--methods", default=",".join(METHODS), help="comma-separated methods to compare (default: %(default)s)"
+    )
     args = p.parse_args()
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    if not methods:
+        p.error("--methods names no method")
     runs = {}
     for spec in args.runs:
         variant, _, folder = spec.partition("=")
         if not folder:
             p.error(f"expected VARIANT=FOLDER, got {spec!r}")
         runs[variant] = records(Path(folder))
-    cases = common_cases(runs)
+    cases = common_cases(runs, methods)
     if not cases:
-        p.error(f"no case has every one of {', '.join(METHODS)} in every run (isolated and each variant)")
+        p.error(
+            f"no case has every one of {', '.join(methods)} in every run (isolated and each variant); "
+            "--methods picks fewer"
+        )
     iso = next(iter(runs.values()))
     print(f"{len(cases)} cases measured by every run\n")
     print("| method | chunk KV | mean KL | minus isolated [95% CI] | closer | first tokens kept |")
     print("|---|---|---:|---|---:|---:|")
-    for m in METHODS:
+    for m in methods:
         base = [iso[c][m]["kl_mean"] for c in cases]
         kept = sum(int(iso[c][m]["first_token"]) for c in cases)
         print(f"| {m} | isolated | {statistics.fmean(base):.3f} | | | {kept}/{len(cases)} |")
@@ -96,7 +106,7 @@ def main() -> None:
     for c in cases:
         sets[iso[c]["full"]["dataset"] if "full" in iso[c] else c.rsplit("-", 1)[0]].append(c)
     names = ["isolated", *(label_name(v) for v in runs)]
-    for m in METHODS:
+    for m in methods:
         print(f"\nPer set, {m}: mean KL (first tokens kept), worst case's KL\n")
         print("| set | cases | " + " | ".join(names) + " |")
         print("|---|---:|" + "---|" * len(names))
