@@ -1,6 +1,8 @@
 """The margin guard from a cheaper base blend: a fidelity run's blends at r = 0.05 and r = 0.15, each escalated
 straight to full recompute where its own first-token margin is under a threshold (`Guard(min_margin=m)` on a
-request blended at that ratio), replayed from the records exactly as the engine decides it
+request blended at that ratio), and the two-step ladder from r = 0.05 (`Guard(min_margin=m, ratios=(0.15,
+1.0))`: a near tie at 0.05 is blended again at 0.15, which stands where it picks the same first token), replayed
+from the records exactly as the engine decides it
 (`benchlib.guard_study`, `FidelityProfile.outcome`). First token kept, pooled with a 95% bootstrap interval and
 per set, mean compute share and the share escalated. Only cases whose blends at both ratios carry risk signals
 count. Loads no model.
@@ -36,14 +38,15 @@ def main() -> None:
     sets = sorted(name for name, cases in both.items() if cases)
     pooled = [c for name in sets for c in both[name]]
     print(f"{len(pooled)} cases; first token kept, pooled [95% CI] and per set ({' / '.join(sets)}), compute share\n")
-    print("| base | escalate where margin < | first token, pooled | per set | compute share | escalated |")
+    print("| blends | escalate where margin < | first token, pooled | per set | compute share | escalated |")
     print("|---:|---:|---|---|---:|---:|")
-    for b in BASES:
-        per_set = [margin_rows(profile(both[name], BASES, (1.0,), b)) for name in sets]
-        for i, row in enumerate(margin_rows(profile(pooled, BASES, (1.0,), b))):
+    for b, ladder in [(BASES[0], (1.0,)), (BASES[1], (1.0,)), (BASES[0], (BASES[1], 1.0))]:
+        per_set = [margin_rows(profile(both[name], BASES, ladder, b)) for name in sets]
+        path = " -> ".join(f"{r:g}" for r in (b, *ladder))
+        for i, row in enumerate(margin_rows(profile(pooled, BASES, ladder, b))):
             mean, lo, hi = row.first_token
             cells = " / ".join(f"{rows[i].first_token[0]:.2f}" for rows in per_set)
-            print(f"| {b} | {row.guard:g} | {mean:.2f} [{lo:.2f}, {hi:.2f}] | {cells} | {row.compute_share:.3f} | "
+            print(f"| {path} | {row.guard:g} | {mean:.2f} [{lo:.2f}, {hi:.2f}] | {cells} | {row.compute_share:.3f} | "
                   f"{row.escalated:.2f} |")  # fmt: skip
 
 
