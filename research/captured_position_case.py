@@ -7,19 +7,23 @@ every chunk captured (`EngineConfig(capture="all")`, the fidelity benchmark's `+
 first chunk isolated (its real context is the prefix alone); captured but the first two isolated. Prints mean
 KL(full || method) along full recompute's answer and the method's first token.
 
-    PYTHONPATH=benchmarks python research/captured_position_case.py --dataset multi_news --case 0
+    python research/captured_position_case.py --dataset multi_news --case 0
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from benchlib.fidelity_context import earlier_order
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig
-from cacheblend_rag.engine import TokenizedPrompt
-from cacheblend_rag.evaluation import load_dataset
-from cacheblend_rag.evaluation.fidelity import measure, prepare_case
+from benchlib.fidelity_context import earlier_order  # noqa: E402
+
+from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig  # noqa: E402
+from cacheblend_rag.engine import TokenizedPrompt  # noqa: E402
+from cacheblend_rag.evaluation import load_dataset  # noqa: E402
+from cacheblend_rag.evaluation.fidelity import measure, prepare_case  # noqa: E402
 
 
 def main() -> None:
