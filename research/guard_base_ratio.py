@@ -2,10 +2,9 @@
 straight to full recompute where its own first-token margin is under a threshold (`Guard(min_margin=m)` on a
 request blended at that ratio), and the two-step ladder from r = 0.05 (`Guard(min_margin=m, ratios=(0.15,
 1.0))`: a near tie at 0.05 is blended again at 0.15, which stands where it picks the same first token), replayed
-from the records exactly as the engine decides it
-(`benchlib.guard_study`, `FidelityProfile.outcome`). First token kept, pooled with a 95% bootstrap interval and
-per set, mean compute share and the share escalated. Only cases whose blends at both ratios carry risk signals
-count. Loads no model.
+from the records exactly as the engine decides it (`benchlib.guard_study`, `FidelityProfile.outcome`). First
+token kept, pooled with a 95% bootstrap interval and per set, mean compute share and the share escalated. Only
+cases whose blends at both ratios carry risk signals count. Loads no model.
 
     python research/guard_base_ratio.py benchmarks/results/fidelity-grouped-apart --variant grp
 
