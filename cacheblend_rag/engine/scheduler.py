@@ -1,7 +1,8 @@
-"""Serving many requests at once: one queue, one worker thread, decode steps batched across requests.
+"""Serving many requests at once: one queue, one server at a time, decode steps batched across requests.
 
 Every `generate` / `stream` / `agenerate` / `astream` call becomes a `Job` in one queue, whatever thread or event
-loop it comes from. One worker thread serves them all, in turns:
+loop it comes from. One server serves them all, in turns: the worker thread, or, for a request that is alone, the
+thread that reads its answer (below).
 1. it starts the oldest waiting job, if fewer than `max_batch` are decoding and its KV fits beside theirs
    (`max_tokens`): the job's prefill (one at a time, under the engine's lock), then its first token;
 2. it stores one chunk that a cold request was answered without, if one is queued (`DeferredFills`: the scheduler
@@ -16,6 +17,14 @@ Events go to each job's reader through a `Channel` (a queue for a thread, the ev
 a task); a slow reader only lets its own events pile up, and a reader that leaves cancels its job, which leaves the
 batch at the next step. The worker exits when nothing is left and starts again with the next job; at interpreter
 exit it is stopped (`stop`, called by `shutdown`): jobs still waiting or decoding get an error.
+
+A request alone (a `generate` or `stream` call while nothing else is queued or decoding) is served by the thread
+that reads it, in its turns, whenever that reader waits for its next event. On a CPU this is what makes one
+user's answer fast: PyTorch's OpenMP keeps a pool of threads per thread that runs torch operations, and once the
+pools hold more threads than the machine has cores, every pool stops spinning between operations and sleeps
+instead, so a worker thread beside the caller's own pool ran each decode step 1.4x slower (2-core CPU). The
+moment a second request arrives, from any thread or event loop, the worker thread takes over (between two turns)
+and serves both, so a slow or departed reader never holds up the others.
 """
 
 from __future__ import annotations
@@ -48,6 +57,13 @@ class Channel:
         self._sync: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._async: asyncio.Queue[Event] | None = asyncio.Queue() if loop is not None else None
 
+    def take(self) -> Event | None:
+        """The next event of a thread's channel if one is there, else None (never waits)."""
+        try:
+            return self._sync.get_nowait()
+        except queue.Empty:
+            return None
+
     def put(self, event: Event) -> bool:
         """-> False when the reader's event loop is gone (the job has no one left to answer)."""
         if self._async is None:
@@ -60,12 +76,9 @@ class Channel:
             return False
         return True
 
-    def events(self) -> Iterator[Event]:
-        while True:
-            event = self._sync.get()
-            yield event
-            if isinstance(event, (GenerationResult, BaseException)):
-                return
+    def get(self) -> Event:
+        """The next event of a thread's channel, waiting for it."""
+        return self._sync.get()
 
     async def async_events(self) -> AsyncIterator[Event]:
         assert self._async is not None
@@ -134,15 +147,24 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: list[Job] = []
         self._active: list[Job] = []
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the worker, while it serves
+        self._lone: Job | None = None  # the job alone in the queue whose reader serves it, while nothing else is
+        self._turn = threading.Lock()  # held by whoever runs a turn: the worker or the lone job's reader
         self._stopped = False
         self._hosted = 0  # decode steps run between the layers of the prefill in progress
         self.largest_batch = 0  # the most jobs one step has decoded together (for tests and benchmarks)
         self.largest_batch_tokens = 0  # the most KV positions (`Job.positions`) of the jobs of one step
         stop_at_exit(self)
 
-    def submit(self, prompt: TokenizedPrompt, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> Job:
-        """Queue a request; PromptError, before anything runs, for one whose KV could never fit `max_tokens`."""
+    def submit(
+        self,
+        prompt: TokenizedPrompt,
+        request: Request,
+        loop: asyncio.AbstractEventLoop | None = None,
+        serve_here: bool = False,
+    ) -> Job:
+        """Queue a request; PromptError, before anything runs, for one whose KV could never fit `max_tokens`.
+        With `serve_here` (a thread's reader), a request alone is served by its reader (`_serve_turn`)."""
         job = Job(prompt, request, Channel(loop))
         if self.max_tokens is not None and job.positions > self.max_tokens:
             raise PromptError(
@@ -157,17 +179,54 @@ class Scheduler:
                     "the engine is closed (engine.close(), or the interpreter is exiting): no new "
                     "request runs; build a new engine to go on"
                 )
+            others = [j for j in self._waiting + self._active if not (j.cancelled or j.finished)]
             self._waiting.append(job)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="cacheblend-scheduler", daemon=True)
-                self._thread.start()
+                if serve_here and not others:
+                    self._lone = job
+                else:  # the worker serves every job from now on, the lone one's too (from its next turn)
+                    self._lone = None
+                    self._thread = threading.Thread(target=self._run, name="cacheblend-scheduler", daemon=True)
+                    self._thread.start()
             self._cond.notify_all()
         return job
 
     def stream(self, prompt: TokenizedPrompt, request: Request) -> TextStream:
-        """Queue a request for a reader on this thread (or any other)."""
-        job = self.submit(prompt, request)
-        return TextStream(job.channel.events(), job.cancel)
+        """Queue a request for a reader on this thread (or any other); alone, it is served by its reader."""
+        job = self.submit(prompt, request, serve_here=True)
+        return TextStream(self._served_events(job), job.cancel)
+
+    def _served_events(self, job: Job) -> Iterator[Event]:
+        """A thread's events of `job`: while the job is alone, each missing event is made here (`_serve_turn`)."""
+        while True:
+            event = job.channel.take()
+            if event is None:
+                if self._serve_turn(job):
+                    continue
+                event = job.channel.get()  # the worker serves it
+            yield event
+            if isinstance(event, (GenerationResult, BaseException)):
+                return
+
+    def _serve_turn(self, job: Job) -> bool:
+        """Run one turn for the lone `job` on the calling thread (its reader's); -> False when `job` is not alone
+        (the worker serves it, or it is over). An interruption (KeyboardInterrupt) cancels the job."""
+        with self._turn:
+            with self._cond:
+                if self._lone is not job:
+                    return False
+            try:
+                self._one_turn()
+            except BaseException:
+                job.cancel()
+                raise
+            finally:
+                with self._cond:
+                    if self._lone is job and (job.finished or job.cancelled):
+                        self._lone = None  # nothing else is queued: let go of it (and of its cache) now
+                        self._waiting = [j for j in self._waiting if j is not job]
+                        self._active = [j for j in self._active if j is not job]
+        return True
 
     def astream(self, prompt: TokenizedPrompt, request: Request) -> AsyncTextStream:
         """Queue a request for a reader on the running event loop."""
@@ -181,6 +240,12 @@ class Scheduler:
             self._stopped = True
             self._cond.notify_all()
             thread = self._thread
+            lone = self._lone is not None
+        if lone and self._turn.acquire(timeout=-1 if timeout is None else timeout):  # its reader may not come back
+            try:
+                self._one_turn()  # ends every job with the error
+            finally:
+                self._turn.release()
         return joined(thread, timeout)
 
     @property
@@ -190,38 +255,53 @@ class Scheduler:
             return len(self._waiting) + len(self._active)
 
     def _run(self) -> None:
+        """The worker thread: turns until nothing is left."""
         self._background.host(True)
-        while True:
+        try:
+            while True:
+                with self._turn:
+                    if self._one_turn():
+                        continue
+                    with self._cond:
+                        if self._waiting or self._active:
+                            continue  # submitted meanwhile
+                        self._thread = None
+                        return
+        finally:
+            self._background.host(False)  # what is left is stored on the fills' own thread
+
+    def _one_turn(self) -> bool:
+        """Start a waiting job, store one queued chunk, step the decoding jobs; -> False when nothing was left to
+        serve (after a stop, every job has ended with an error). Run by one server at a time (`_turn`)."""
+        with self._cond:
+            self._waiting = [j for j in self._waiting if not j.cancelled]
+            self._active = [j for j in self._active if not (j.cancelled or j.finished)]
+            if self._stopped:
+                for j in self._waiting + self._active:
+                    j.cancel()
+                    j.channel.put(EngineClosedError("the engine stopped before this request was answered"))
+                self._waiting, self._active, self._lone = [], [], None
+            if not self._waiting and not self._active:
+                return False
+            job = None
+            if len(self._active) < self.max_batch:
+                job = next((j for j in self._waiting if self._ready(j.prompt)), None)
+                if job is not None and not self._fits(job):
+                    job = None  # it waits for room; later jobs do not pass it
+                if job is not None:
+                    self._waiting.remove(job)
+            batch = list(self._active)
+        if job is not None:
+            self._start(job)
+        stored = self._background.run_next(self._after_layer)
+        if job is None and not batch and not stored:
             with self._cond:
-                self._waiting = [j for j in self._waiting if not j.cancelled]
-                self._active = [j for j in self._active if not (j.cancelled or j.finished)]
-                if self._stopped:
-                    for j in self._waiting + self._active:
-                        j.cancel()
-                        j.channel.put(EngineClosedError("the engine stopped before this request was answered"))
-                    self._waiting, self._active = [], []
-                if not self._waiting and not self._active:
-                    self._background.host(False)  # what is left is stored on the fills' own thread
-                    self._thread = None
-                    return
-                job = None
-                if len(self._active) < self.max_batch:
-                    job = next((j for j in self._waiting if self._ready(j.prompt)), None)
-                    if job is not None and not self._fits(job):
-                        job = None  # it waits for room; later jobs do not pass it
-                    if job is not None:
-                        self._waiting.remove(job)
-                batch = list(self._active)
-            if job is not None:
-                self._start(job)
-            stored = self._background.run_next(self._after_layer)
-            if job is None and not batch and not stored:
-                with self._cond:
-                    self._cond.wait(0.02)  # only jobs whose chunks the fills' thread is storing: look again soon
-                continue
-            batch = [j for j in batch if not (j.cancelled or j.finished)]  # some may have ended in between
-            if batch:
-                self._step(batch)
+                self._cond.wait(0.02)  # only jobs whose chunks the fills' thread is storing: look again soon
+            return True
+        batch = [j for j in batch if not (j.cancelled or j.finished)]  # some may have ended in between
+        if batch:
+            self._step(batch)
+        return True
 
     def _start(self, job: Job) -> None:
         try:

@@ -1,0 +1,127 @@
+"""Which thread serves a request: its own reader while it is alone, the worker thread once another one arrives.
+
+A request alone runs on the thread that reads it (on a CPU, PyTorch's thread pool of that thread stays the only
+busy one, which keeps its operations fast). These tests check that this changes nothing a caller can see: the same
+answers, a second request from another thread is served at once (by the worker), an abandoned or interrupted lone
+request holds up nothing, and `close()` ends a lone request that is half read.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from cacheblend_rag import CacheBlendEngine, EngineClosedError, EngineConfig
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CHUNKS = [random_words(900 + i, 24) for i in range(3)]
+
+
+def engine_for(max_batch: int = 4) -> CacheBlendEngine:
+    engine = CacheBlendEngine(
+        make_tiny_model("qwen2", mute_eos=True),
+        make_tiny_tokenizer(),
+        config=EngineConfig(chunk_separator="", max_batch_size=max_batch),
+    )
+    engine.precompute(CHUNKS, prefix=random_words(1, 3))
+    return engine
+
+
+def args(i: int, new_tokens: int = 6) -> dict:
+    return dict(prefix=random_words(1, 3), suffix=random_words(50 + i, 4), max_new_tokens=new_tokens)
+
+
+def spy_steps(engine: CacheBlendEngine) -> list[str]:
+    """The name of the thread that runs each decode step, from now on."""
+    names: list[str] = []
+    step = engine.scheduler.decoder.step
+
+    def spy(*a, **k):
+        names.append(threading.current_thread().name)
+        return step(*a, **k)
+
+    engine.scheduler.decoder.step = spy
+    return names
+
+
+def scheduler_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "cacheblend-scheduler" and t.is_alive()]
+
+
+def test_a_lone_request_is_served_on_its_callers_thread_with_the_same_answer():
+    want = [engine_for(1).generate(CHUNKS, **args(i)).token_ids for i in range(2)]
+    engine = engine_for()
+    steps = spy_steps(engine)
+    before = set(scheduler_threads())
+    got = engine.generate(CHUNKS, **args(0)).token_ids
+    stream = engine.stream(CHUNKS, **args(1))
+    "".join(stream)
+    assert [got, stream.result.token_ids] == want
+    assert steps and set(steps) == {threading.current_thread().name}
+    assert not set(scheduler_threads()) - before  # no worker was needed
+
+
+def test_a_second_request_hands_both_to_the_worker_and_answers_stay_as_alone():
+    serial = engine_for(1)
+    want_first = serial.generate(CHUNKS, **args(0, 30)).token_ids
+    want_second = serial.generate(CHUNKS[:2], **args(1)).token_ids
+    engine = engine_for()
+    steps = spy_steps(engine)
+    first = engine.stream(CHUNKS, **args(0, 30))
+    next(first)  # served here, alone, up to its first delta
+    served_here = len(steps)
+    box: dict = {}
+    other = threading.Thread(target=lambda: box.update(r=engine.generate(CHUNKS[:2], **args(1))))
+    other.start()
+    other.join(60)  # answered while the first stream is not read: the worker serves it
+    assert not other.is_alive() and box["r"].token_ids == want_second
+    "".join(first)
+    assert first.result.token_ids == want_first
+    assert set(steps[:served_here]) <= {threading.current_thread().name}
+    assert "cacheblend-scheduler" in steps[served_here:]
+    assert engine.scheduler.largest_batch == 2
+
+
+def test_an_unread_lone_stream_holds_up_no_later_request():
+    engine = engine_for()
+    want = engine_for(1).generate(CHUNKS, **args(3)).token_ids
+    unread = engine.stream(CHUNKS, **args(2, 40))  # never read, never closed
+    box: dict = {}
+    other = threading.Thread(target=lambda: box.update(r=engine.generate(CHUNKS, **args(3))))
+    other.start()
+    other.join(60)
+    assert not other.is_alive() and box["r"].token_ids == want
+    unread.close()
+
+
+def test_an_interrupted_lone_request_ends_and_the_engine_goes_on():
+    engine = engine_for()
+    want = engine.generate(CHUNKS, **args(4)).token_ids
+    step = engine.scheduler.decoder.step
+    calls = {"n": 0}
+
+    def interrupted(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return step(*a, **k)
+
+    engine.scheduler.decoder.step = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(CHUNKS, **args(5, 20))
+    assert engine.generate(CHUNKS, **args(4)).token_ids == want
+    assert engine.scheduler.busy == 0
+
+
+def test_close_ends_a_half_read_lone_stream_with_a_clear_error():
+    engine = engine_for()
+    stream = engine.stream(CHUNKS, **args(6, 200))
+    assert isinstance(next(stream), str)
+    engine.close(timeout=30)
+    with pytest.raises(EngineClosedError, match="stopped before this request was answered"):
+        stream.collect()
+    with pytest.raises(EngineClosedError, match="no new request"):
+        engine.generate(CHUNKS, **args(7))
