@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..config import DEFAULT_PRECOMPUTE_GROUPS, EngineConfig
+from ..models.cpu import releasing_thread_pool
 from .chunk_cache import ChunkCache
 from .chunk_context import NEIGHBOURS, ContextArg, assign_contexts, context_parts, corpus_ids
 from .grouped import GROUPS, check_groups_policy, fill_groups, group_indexes
@@ -33,6 +34,7 @@ class CorpusMethods:
     _lock: threading.RLock
     _prefiller: Prefiller
 
+    @releasing_thread_pool
     def precompute(
         self,
         chunks: Sequence[str],
@@ -70,6 +72,7 @@ class CorpusMethods:
         with self._lock:
             return self.chunks.fill(prefix_ids, chunk_ids, show_progress=show_progress, heads=True)
 
+    @releasing_thread_pool
     def precompute_groups(
         self, groups: Sequence[Sequence[str]], question: str | None = None, *, template: PromptTemplate | None = None,
         prefix: str | None = None, show_progress: bool = False,

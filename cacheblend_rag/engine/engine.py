@@ -26,7 +26,7 @@ from typing_extensions import Unpack
 from ..config import BlendConfig, EngineConfig, PrefillMode, torch_dtype
 from ..errors import ConfigError
 from ..models.adapter import LayerwiseModel
-from ..models.cpu import warn_if_slow_bf16
+from ..models.cpu import releasing_thread_pool, warn_if_slow_bf16
 from ..models.fingerprint import model_fingerprint
 from ..models.int8 import int8_decode_lm
 from ..models.support import max_blend_length
@@ -54,6 +54,7 @@ class CacheBlendEngine(CorpusMethods):
     time its chunks take to load (paper §5.1), whenever the caller does not pin a ratio or a blend config.
     """
 
+    @releasing_thread_pool  # loading and quantizing ran here; requests may be served on another thread
     def __init__(
         self,
         model: torch.nn.Module,

@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import EngineClosedError, PromptError
+from ..models.cpu import release_thread_pool
 from .batch_decode import BatchDecoder, DecodeCache
 from .decoding import AsyncTextStream, Event, GenerationResult, TextStream, TokenLoop
 from .interleave import AfterLayer, HostedWork
@@ -188,7 +189,10 @@ class Scheduler:
                     self._lone = None
                     self._thread = threading.Thread(target=self._run, name="cacheblend-scheduler", daemon=True)
                     self._thread.start()
+            lone = self._lone is job
             self._cond.notify_all()
+        if not lone:
+            release_thread_pool()  # this thread waits (or returns to an event loop) while the worker computes
         return job
 
     def stream(self, prompt: TokenizedPrompt, request: Request) -> TextStream:
@@ -197,15 +201,23 @@ class Scheduler:
         return TextStream(self._served_events(job), job.cancel)
 
     def _served_events(self, job: Job) -> Iterator[Event]:
-        """A thread's events of `job`: while the job is alone, each missing event is made here (`_serve_turn`)."""
+        """A thread's events of `job`: while the job is alone, each missing event is made here (`_serve_turn`).
+        Once this thread no longer serves, its torch thread pool is let go (`release_thread_pool`)."""
+        served = False
         while True:
             event = job.channel.take()
             if event is None:
                 if self._serve_turn(job):
+                    served = True
                     continue
+                if served:
+                    release_thread_pool()  # handed to the worker: from now on this thread only waits
+                    served = False
                 event = job.channel.get()  # the worker serves it
             yield event
             if isinstance(event, (GenerationResult, BaseException)):
+                if served:
+                    release_thread_pool()
                 return
 
     def _serve_turn(self, job: Job) -> bool:
