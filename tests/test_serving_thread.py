@@ -8,14 +8,15 @@ request holds up nothing, and `close()` ends a lone request that is half read.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
+import torch
 
 from cacheblend_rag import CacheBlendEngine, EngineClosedError, EngineConfig
+from cacheblend_rag.models import release_thread_pool
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 CHUNKS = [random_words(900 + i, 24) for i in range(3)]
 
@@ -51,6 +52,26 @@ def scheduler_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "cacheblend-scheduler" and t.is_alive()]
 
 
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_release_thread_pool_ends_the_calling_threads_openmp_threads_and_torch_goes_on():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        product = torch.ones(512, 512) @ torch.ones(512, 512)  # a parallel operation: this thread's pool exists
+        with_pool = os_threads()
+        if not release_thread_pool():
+            pytest.skip("torch does not run on GNU OpenMP here")
+        assert os_threads() < with_pool
+        assert torch.equal(torch.ones(512, 512) @ torch.ones(512, 512), product)  # a new pool, the same result
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_a_lone_request_is_served_on_its_callers_thread_with_the_same_answer():
     want = [engine_for(1).generate(CHUNKS, **args(i)).token_ids for i in range(2)]
     engine = engine_for()
@@ -64,6 +85,7 @@ def test_a_lone_request_is_served_on_its_callers_thread_with_the_same_answer():
     assert not set(scheduler_threads()) - before  # no worker was needed
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_a_second_request_hands_both_to_the_worker_and_answers_stay_as_alone():
     serial = engine_for(1)
     want_first = serial.generate(CHUNKS, **args(0, 30)).token_ids
@@ -85,6 +107,7 @@ def test_a_second_request_hands_both_to_the_worker_and_answers_stay_as_alone():
     assert engine.scheduler.largest_batch == 2
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_an_unread_lone_stream_holds_up_no_later_request():
     engine = engine_for()
     want = engine_for(1).generate(CHUNKS, **args(3)).token_ids
@@ -97,6 +120,7 @@ def test_an_unread_lone_stream_holds_up_no_later_request():
     unread.close()
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_an_interrupted_lone_request_ends_and_the_engine_goes_on():
     engine = engine_for()
     want = engine.generate(CHUNKS, **args(4)).token_ids
@@ -116,6 +140,7 @@ def test_an_interrupted_lone_request_ends_and_the_engine_goes_on():
     assert engine.scheduler.busy == 0
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_close_ends_a_half_read_lone_stream_with_a_clear_error():
     engine = engine_for()
     stream = engine.stream(CHUNKS, **args(6, 200))

@@ -223,21 +223,28 @@ class Scheduler:
     def _serve_turn(self, job: Job) -> bool:
         """Run one turn for the lone `job` on the calling thread (its reader's); -> False when `job` is not alone
         (the worker serves it, or it is over). An interruption (KeyboardInterrupt) cancels the job."""
-        with self._turn:
+        with self._cond:
+            if self._lone is not job:
+                return False
+        # Never wait for the turn: whoever holds it now (the worker, just started by a second request, or `stop`)
+        # serves this job from now on, and a reader queued behind the worker's turns would stop reading its text.
+        if not self._turn.acquire(blocking=False):
+            return False
+        try:
             with self._cond:
                 if self._lone is not job:
                     return False
-            try:
-                self._one_turn()
-            except BaseException:
-                job.cancel()
-                raise
-            finally:
-                with self._cond:
-                    if self._lone is job and (job.finished or job.cancelled):
-                        self._lone = None  # nothing else is queued: let go of it (and of its cache) now
-                        self._waiting = [j for j in self._waiting if j is not job]
-                        self._active = [j for j in self._active if j is not job]
+            self._one_turn()
+        except BaseException:
+            job.cancel()
+            raise
+        finally:
+            with self._cond:
+                if self._lone is job and (job.finished or job.cancelled):
+                    self._lone = None  # nothing else is queued: let go of it (and of its cache) now
+                    self._waiting = [j for j in self._waiting if j is not job]
+                    self._active = [j for j in self._active if j is not job]
+            self._turn.release()
         return True
 
     def astream(self, prompt: TokenizedPrompt, request: Request) -> AsyncTextStream:
