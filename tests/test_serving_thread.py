@@ -1,9 +1,10 @@
 """Which thread serves a request: its own reader while it is alone, the worker thread once another one arrives.
 
 A request alone runs on the thread that reads it (on a CPU, PyTorch's thread pool of that thread stays the only
-busy one, which keeps its operations fast). These tests check that this changes nothing a caller can see: the same
-answers, a second request from another thread is served at once (by the worker), an abandoned or interrupted lone
-request holds up nothing, and `close()` ends a lone request that is half read.
+busy one, which keeps its operations fast), and a thread that stops computing lets its pool go
+(`release_thread_pool`). These tests check that this changes nothing a caller can see: the same answers, a second
+request from another thread is served at once (by the worker), an abandoned or interrupted lone request holds up
+nothing, `close()` ends a lone request that is half read, and torch works as before after a pool is let go.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ A request alone (a `generate` or `stream` call while nothing else is queued or d
 that reads it, in its turns, whenever that reader waits for its next event. On a CPU this is what makes one
 user's answer fast: PyTorch's OpenMP keeps a pool of threads per thread that runs torch operations, and once the
 pools hold more threads than the machine has cores, every pool stops spinning between operations and sleeps
-instead, so a worker thread beside the caller's own pool ran each decode step 1.4x slower (2-core CPU). The
+instead, so a worker thread beside the caller's own pool ran each decode step 1.3-1.4x slower (2-core CPU). The
 moment a second request arrives, from any thread or event loop, the worker thread takes over (between two turns)
 and serves both, so a slow or departed reader never holds up the others.
 """
@@ -31,85 +31,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 
 from ..errors import EngineClosedError, PromptError
 from ..models.cpu import release_thread_pool
 from .batch_decode import BatchDecoder, DecodeCache
 from .decoding import AsyncTextStream, Event, GenerationResult, TextStream, TokenLoop
 from .interleave import AfterLayer, HostedWork
+from .jobs import Channel, Job
 from .prefill import Prefill
 from .prompt import TokenizedPrompt
 from .request import Request
 from .shutdown import joined, stop_at_exit
 
 logger = logging.getLogger(__name__)
-
-
-class Channel:
-    """The events of one job, in order, from the worker to its reader: a thread (`loop` None) or an event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self._loop = loop
-        self._sync: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self._async: asyncio.Queue[Event] | None = asyncio.Queue() if loop is not None else None
-
-    def take(self) -> Event | None:
-        """The next event of a thread's channel if one is there, else None (never waits)."""
-        try:
-            return self._sync.get_nowait()
-        except queue.Empty:
-            return None
-
-    def put(self, event: Event) -> bool:
-        """-> False when the reader's event loop is gone (the job has no one left to answer)."""
-        if self._async is None:
-            self._sync.put(event)
-            return True
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(self._async.put_nowait, event)
-        except RuntimeError:  # the loop was closed
-            return False
-        return True
-
-    def get(self) -> Event:
-        """The next event of a thread's channel, waiting for it."""
-        return self._sync.get()
-
-    async def async_events(self) -> AsyncIterator[Event]:
-        assert self._async is not None
-        while True:
-            event = await self._async.get()
-            yield event
-            if isinstance(event, (GenerationResult, BaseException)):
-                return
-
-
-@dataclass(eq=False)
-class Job:
-    prompt: TokenizedPrompt
-    request: Request
-    channel: Channel
-    t0: float = field(default_factory=time.perf_counter)  # arrival: the time to first token counts from here
-    cancelled: bool = False  # its reader left
-    finished: bool = False  # its last event is sent
-    loop: TokenLoop | None = None
-    cache: DecodeCache | None = None
-    deferred: tuple[tuple[int, ...], ...] = ()
-    last_token_at: float = 0.0  # perf_counter when its last token (the first one, then each step's) was picked
-
-    @property
-    def positions(self) -> int:
-        """The KV positions it holds while decoding: its prompt and room for its whole answer."""
-        return self.prompt.num_tokens + self.request.sampling.max_new_tokens
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 class Scheduler:

@@ -1,0 +1,77 @@
+"""What the scheduler queues: a `Job` (one request, its decoding state and its cache) and the `Channel` that carries
+its events, in order, from whoever serves it to whoever reads it."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from .batch_decode import DecodeCache
+from .decoding import Event, GenerationResult, TokenLoop
+from .prompt import TokenizedPrompt
+from .request import Request
+
+
+class Channel:
+    """The events of one job, in order, from the worker to its reader: a thread (`loop` None) or an event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop
+        self._sync: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._async: asyncio.Queue[Event] | None = asyncio.Queue() if loop is not None else None
+
+    def take(self) -> Event | None:
+        """The next event of a thread's channel if one is there, else None (never waits)."""
+        try:
+            return self._sync.get_nowait()
+        except queue.Empty:
+            return None
+
+    def put(self, event: Event) -> bool:
+        """-> False when the reader's event loop is gone (the job has no one left to answer)."""
+        if self._async is None:
+            self._sync.put(event)
+            return True
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._async.put_nowait, event)
+        except RuntimeError:  # the loop was closed
+            return False
+        return True
+
+    def get(self) -> Event:
+        """The next event of a thread's channel, waiting for it."""
+        return self._sync.get()
+
+    async def async_events(self) -> AsyncIterator[Event]:
+        assert self._async is not None
+        while True:
+            event = await self._async.get()
+            yield event
+            if isinstance(event, (GenerationResult, BaseException)):
+                return
+
+
+@dataclass(eq=False)
+class Job:
+    prompt: TokenizedPrompt
+    request: Request
+    channel: Channel
+    t0: float = field(default_factory=time.perf_counter)  # arrival: the time to first token counts from here
+    cancelled: bool = False  # its reader left
+    finished: bool = False  # its last event is sent
+    loop: TokenLoop | None = None
+    cache: DecodeCache | None = None
+    deferred: tuple[tuple[int, ...], ...] = ()
+    last_token_at: float = 0.0  # perf_counter when its last token (the first one, then each step's) was picked
+
+    @property
+    def positions(self) -> int:
+        """The KV positions it holds while decoding: its prompt and room for its whole answer."""
+        return self.prompt.num_tokens + self.request.sampling.max_new_tokens
+
+    def cancel(self) -> None:
+        self.cancelled = True
