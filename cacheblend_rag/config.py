@@ -149,19 +149,29 @@ _DTYPES = {
 }
 
 
-def normalize_dtype_name(dtype: object) -> str:
-    """'bf16', torch.bfloat16, ... -> 'bfloat16'; anything else is a ConfigError listing the choices."""
+def normalize_dtype_name(dtype: object, device: object = "cpu") -> str:
+    """'bf16', torch.bfloat16, ... -> 'bfloat16'; anything else is a ConfigError listing the choices.
+
+    "auto" picks for `device`: bfloat16 on a GPU and on a CPU with bf16 instructions (AMX or AVX-512-BF16), where it
+    is the fast precision; float32 on other CPUs, where bf16 runs several times slower (`models.cpu`)."""
     name = str(dtype).removeprefix("torch.").lower()
+    if name == "auto":
+        from .models.cpu import cpu_has_bf16  # torch-free
+
+        return "bfloat16" if str(device).startswith("cuda") or cpu_has_bf16() else "float32"
     if name not in _DTYPES:
-        raise ConfigError(f"dtype must be one of float32, bfloat16, float16 (or fp32/bf16/fp16), got {dtype!r}")
+        raise ConfigError(
+            f"dtype must be one of float32, bfloat16, float16 (or fp32/bf16/fp16), or auto, got {dtype!r}"
+        )
     return _DTYPES[name]
 
 
-def torch_dtype(dtype: object) -> Any:
-    """'bf16', 'float32', torch.float16, ... -> the torch.dtype; anything else is a ConfigError."""
+def torch_dtype(dtype: object, device: object = "cpu") -> Any:
+    """'bf16', 'float32', torch.float16, 'auto' (for `device`), ... -> the torch.dtype; anything else is a
+    ConfigError."""
     import torch
 
-    return getattr(torch, normalize_dtype_name(dtype))
+    return getattr(torch, normalize_dtype_name(dtype, device))
 
 
 @dataclass(frozen=True)
@@ -169,7 +179,7 @@ class EngineConfig:
     """How the engine runs: device and precision, memory budget for chunk KV, prompt assembly."""
 
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
-    dtype: str = "float32"  # "float32" for quality and exactness, "bfloat16"/"float16" for speed
+    dtype: str = "float32"  # "float32" for exactness, "bfloat16"/"float16" for speed; "auto": bf16 where it is fast
     memory_budget_bytes: int = 2 * 1024**3  # in-process chunk KV store, LRU beyond this
     disk_dir: str | None = None  # local disk tier (diskcache) under this folder; None: no disk tier
     disk_budget_bytes: int = 20 * 1024**3
@@ -233,7 +243,7 @@ class EngineConfig:
     store_hmac_key: bytes | str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", normalize_dtype_name(self.dtype))
+        object.__setattr__(self, "dtype", normalize_dtype_name(self.dtype, self.device))  # "auto" decided here
         dev = str(self.device)
         if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

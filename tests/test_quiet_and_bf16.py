@@ -79,3 +79,26 @@ def test_a_model_converted_to_bf16_by_the_engine_warns_once(monkeypatch) -> None
         warnings.simplefilter("always")
         CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(dtype="bfloat16"))
     assert [str(w.message) for w in caught if "bf16 instructions" in str(w.message)] == [cpu.SLOW_BF16_WARNING]
+
+
+@pytest.mark.parametrize(
+    ("has_bf16", "device", "chosen"),
+    [(True, "cpu", "bfloat16"), (False, "cpu", "float32"), (None, "cpu", "float32"), (False, "cuda", "bfloat16")],
+)
+def test_dtype_auto_picks_bf16_where_it_is_fast_and_float32_elsewhere(monkeypatch, has_bf16, device, chosen):
+    monkeypatch.setattr(cpu, "cpu_has_bf16", lambda: has_bf16)
+    assert EngineConfig(dtype="auto", device=device).dtype == chosen
+    assert EngineConfig(dtype="AUTO", device=device).dtype == chosen
+
+
+def test_an_engine_and_a_model_loaded_with_dtype_auto_run_in_what_auto_chose(tiny_folder, monkeypatch) -> None:
+    from cacheblend_rag.models import load_model
+
+    monkeypatch.setattr(cpu, "cpu_has_bf16", lambda: True)
+    model, _ = load_model(str(tiny_folder), dtype="auto", show_progress=False)
+    assert model.dtype == torch.bfloat16
+    monkeypatch.setattr(cpu, "cpu_has_bf16", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # auto never picks the slow bf16
+        engine = CacheBlendEngine.from_pretrained(str(tiny_folder), config=EngineConfig(dtype="auto"))
+    assert (engine.config.dtype, engine.dtype) == ("float32", torch.float32)

@@ -55,7 +55,8 @@ def _add_document_arguments(parser: argparse.ArgumentParser, *, required: bool) 
 def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="preset, local checkpoint or hub id (default: the default preset)")
     parser.add_argument("--device", default="cpu", help="torch device to run the model on, e.g. cuda")
-    parser.add_argument("--dtype", default="float32", help="model precision: float32, bfloat16 or float16")
+    parser.add_argument("--dtype", default="float32", help="model precision: float32, bfloat16, float16, or auto "
+                        "(bfloat16 on a GPU or a CPU with AMX / AVX-512-BF16, else float32)")  # fmt: skip
     parser.add_argument("--context-neighbours", type=int, default=DEFAULT_CONTEXT_NEIGHBOURS, metavar="N",
                         help="contextual chunk KV: each chunk's KV is prefilled after its N most similar chunks of "
                         "the index (only its own KV is kept); 0 stores each chunk alone")  # fmt: skip

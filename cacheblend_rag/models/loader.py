@@ -57,9 +57,10 @@ __all__ = [
 HUB_PROBE_TIMEOUT_S = 3.0
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16" or one of those torch.dtypes to a dtype."""
-    return config_torch_dtype(dtype)  # the one dtype table, in config.py
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """Map "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16", one of those torch.dtypes, or "auto" (bfloat16 on
+    a GPU or a CPU with bf16 instructions, else float32: decided for `device`) to a dtype."""
+    return config_torch_dtype(dtype, device)  # the one dtype table, in config.py
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -278,7 +279,8 @@ def load_model(
             ("Qwen/Qwen2.5-7B-Instruct"), downloaded on first use; None: `default_model()`
             (`$CACHEBLEND_RAG_MODEL`, else the default preset).
         device: "cpu", "cuda" or "cuda:N".
-        dtype: "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16" or a torch.dtype.
+        dtype: "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16", a torch.dtype, or "auto" (bfloat16 on a
+            GPU or a CPU with AMX / AVX-512-BF16, else float32).
         cache_dir: a preset's converted copy goes here (default `cache_home()`); a hub model's files go to this
             Hugging Face cache (default `HF_HUB_CACHE`, ~/.cache/huggingface/hub).
         revision: branch, tag or commit of a hub id (default "main"); ignored for presets, folders and files.
@@ -294,7 +296,7 @@ def load_model(
         UnsupportedModelError: the model cannot be blended correctly (see `check_supported`); for a hub id this
             is decided from its config, before any weights are downloaded.
     """
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, device)
     torch_device = resolve_device(device)
     warn_if_slow_bf16(torch_device, torch_dtype)
 
