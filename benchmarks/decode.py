@@ -10,7 +10,8 @@ and the time to the last token, median over --repeats. Answers stop early at end
 Fidelity: along the native answer of each of --cases prompts (teacher forcing), every decode step runs once with
 native and once with int8 weights, each on its own cache from the same prefill; reports the mean
 KL(native || int8) of the next-token distributions and the share of steps whose top-1 token agrees.
-Writes OUT/results.json and summary.md.
+With a bf16 setting, bf16 is judged the same way against fp32: the first token of each engine's own blend
+(its own chunk KV) and every decode step along fp32's answer. Writes OUT/results.json and summary.md.
 
     python benchmarks/decode.py                       # default model, 6 x 512-token chunks, 128 tokens
     python benchmarks/decode.py --model smollm2-135m-instruct --new-tokens 16 --cases 2 --out /tmp/decode
@@ -69,6 +70,34 @@ def fidelity(engine: CacheBlendEngine, pool: list[str], args) -> dict:
     return dict(steps=len(kls), kl_mean=statistics.mean(kls), kl_max=max(kls), top1_agree=statistics.mean(agree))
 
 
+def kl_and_agree(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[float, int]:
+    p, q = torch.log_softmax(p_logits.float(), -1), torch.log_softmax(q_logits.float(), -1)
+    return float((p.exp() * (p - q)).sum()), int(p.argmax() == q.argmax())
+
+
+def bf16_fidelity(base: CacheBlendEngine, bf16: CacheBlendEngine, pool: list[str], args) -> dict:
+    """KL(fp32 || bf16) of the first token (each engine's own blend prefill, its own chunk KV) and of every decode
+    step along the fp32 greedy answer (teacher forcing, each engine on its own cache): bf16 judged like a codec."""
+    first, first_agree, kls, agree = [], [], [], []
+    ref, other = BatchDecoder(base.lm), BatchDecoder(bf16.lm)
+    for case in range(args.cases):
+        chunks = [pool[(case * 5 + j * 7) % len(pool)] for j in range(args.chunks)]
+        question = QUESTIONS[case % len(QUESTIONS)]
+        answer = base.generate(chunks, question, max_new_tokens=args.new_tokens).token_ids
+        pres = [engine.prefill(engine.build_prompt(chunks, question)) for engine in (base, bf16)]
+        kl, same = kl_and_agree(pres[0].logits, pres[1].logits)
+        first.append(kl)
+        first_agree.append(same)
+        a, b = (DecodeCache(pre.cache, pre.num_tokens, pre.num_tokens + len(answer)) for pre in pres)
+        for token in answer[:-1]:
+            kl, same = kl_and_agree(ref.step([token], [a])[0], other.step([token], [b])[0])
+            kls.append(kl)
+            agree.append(same)
+    return dict(cases=args.cases, first_kl_mean=statistics.mean(first), first_top1_agree=statistics.mean(first_agree),
+                steps=len(kls), kl_mean=statistics.mean(kls), kl_max=max(kls),
+                top1_agree=statistics.mean(agree))  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
@@ -93,11 +122,13 @@ def main() -> None:
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     if unknown := set(settings) - {"native", "int8", "bf16", "bf16-int8"}:
         raise SystemExit(f"unknown --settings {sorted(unknown)}: choose among native, int8, bf16, bf16-int8")
+    bf16_engine = None
     for weights in settings:
         if weights.startswith("bf16"):  # its own model copy and store: bf16 weights, bf16 chunk KV
             config = EngineConfig(dtype="bfloat16", decode_weights="int8" if weights == "bf16-int8" else "native")
             engine = CacheBlendEngine.from_pretrained(args.model, config=config, show_progress=False)
-            engine.precompute(chunks, QUESTIONS[0])
+            engine.precompute(pool if args.cases else chunks, QUESTIONS[0])
+            bf16_engine = bf16_engine or engine
         else:
             engine = CacheBlendEngine(base.model, base.tokenizer, config=EngineConfig(decode_weights=weights),
                                       store=base.store)  # fmt: skip
@@ -107,6 +138,9 @@ def main() -> None:
     if args.cases:
         results["int8_fidelity"] = fidelity(base, pool, args)
         print("int8 fidelity", results["int8_fidelity"], flush=True)
+        if bf16_engine is not None:
+            results["bf16_fidelity"] = bf16_fidelity(base, bf16_engine, pool, args)
+            print("bf16 fidelity", results["bf16_fidelity"], flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     lines = [f"Model {results['model']}, {results['cpu']}, {results['threads']} threads; warm blend (r = 0.15), "
              f"{results['prompt_tokens']}-token prompt, answers up to {args.new_tokens} tokens, median of "
@@ -120,6 +154,12 @@ def main() -> None:
         f = results["int8_fidelity"]
         lines += ["", f"int8 vs native along native's answers ({f['steps']} decode steps, {args.cases} prompts): "
                   f"mean KL {f['kl_mean']:.5f} nats (max {f['kl_max']:.4f}), "
+                  f"top-1 agreement {f['top1_agree']:.3f}."]  # fmt: skip
+    if "bf16_fidelity" in results:
+        f = results["bf16_fidelity"]
+        lines += ["", f"bf16 vs fp32, each with its own chunk KV and cache ({args.cases} prompts): first token mean KL "
+                  f"{f['first_kl_mean']:.5f} nats, top-1 agreement {f['first_top1_agree']:.3f}; along fp32's answers "
+                  f"({f['steps']} decode steps) mean KL {f['kl_mean']:.5f} (max {f['kl_max']:.4f}), "
                   f"top-1 agreement {f['top1_agree']:.3f}."]  # fmt: skip
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

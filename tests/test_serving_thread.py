@@ -109,6 +109,30 @@ def test_a_second_request_hands_both_to_the_worker_and_answers_stay_as_alone():
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_requests_that_come_and_go_from_several_threads_are_all_served_as_alone():
+    """Many lone-to-worker hand-overs and lone requests that start while the previous one's reader ends its turn."""
+    serial = engine_for(1)
+    want = {(t, i): serial.generate(CHUNKS[: 1 + (t + i) % 3], **args(10 * t + i, 3)).token_ids
+            for t in range(4) for i in range(5)}  # fmt: skip
+    engine = engine_for()
+    got: dict = {}
+
+    def client(t: int) -> None:
+        for i in range(5):
+            threading.Event().wait(0.001 * ((t * 7 + i * 3) % 5))  # stagger the arrivals
+            got[(t, i)] = engine.generate(CHUNKS[: 1 + (t + i) % 3], **args(10 * t + i, 3)).token_ids
+
+    clients = [threading.Thread(target=client, args=(t,)) for t in range(4)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join(120)
+    assert not any(c.is_alive() for c in clients), "a request was left with no one serving it"
+    assert got == want
+    assert engine.scheduler.busy == 0
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_an_unread_lone_stream_holds_up_no_later_request():
     engine = engine_for()
     want = engine_for(1).generate(CHUNKS, **args(3)).token_ids

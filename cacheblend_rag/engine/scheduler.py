@@ -163,10 +163,12 @@ class Scheduler:
         with self._cond:
             if self._lone is not job:
                 return False
-        # Never wait for the turn: whoever holds it now (the worker, just started by a second request, or `stop`)
-        # serves this job from now on, and a reader queued behind the worker's turns would stop reading its text.
-        if not self._turn.acquire(blocking=False):
-            return False
+        # Wait for the turn only while the job is still alone (the previous lone request's reader may be ending its
+        # turn): once a worker serves it, a reader queued behind the worker's turns would stop reading its text.
+        while not self._turn.acquire(timeout=0.01):
+            with self._cond:
+                if self._lone is not job:
+                    return False
         try:
             with self._cond:
                 if self._lone is not job:
