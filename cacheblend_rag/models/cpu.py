@@ -53,6 +53,7 @@ def warn_if_slow_bf16(device: object, dtype: object) -> None:
 P = ParamSpec("P")
 R = TypeVar("R")
 _libgomp_pause: list[Callable[[int], int]] = []
+_torch_without_libgomp: list[bool] = []  # [True] once torch was found loaded with no libgomp beside it
 _OMP_PAUSE_SOFT = 1  # omp_pause_soft: the pool's threads end; the next parallel operation on the thread starts new ones
 
 
@@ -60,7 +61,7 @@ def release_thread_pool() -> bool:
     """End the calling thread's OpenMP worker threads (`omp_pause_resource_all` of each libgomp this process has
     loaded); its next torch operation starts them again (tens of microseconds). -> whether a libgomp was found
     (False on a runtime that is not libgomp, such as macOS or Windows builds, where this does nothing)."""
-    if not _libgomp_pause:
+    if not _libgomp_pause and not _torch_without_libgomp:
         try:
             maps = Path("/proc/self/maps").read_text(errors="replace")
         except OSError:
@@ -72,6 +73,8 @@ def release_thread_pool() -> bool:
                 continue
             pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
             _libgomp_pause.append(pause)
+        if not _libgomp_pause and "libtorch_cpu" in maps:  # torch runs on another runtime: no need to look again
+            _torch_without_libgomp.append(True)
     for pause in _libgomp_pause:
         pause(_OMP_PAUSE_SOFT)
     return bool(_libgomp_pause)
