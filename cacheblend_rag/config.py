@@ -153,10 +153,10 @@ def normalize_dtype_name(dtype: object, device: object = "cpu") -> str:
     """'bf16', torch.bfloat16, ... -> 'bfloat16'; anything else is a ConfigError listing the choices.
 
     "auto" picks for `device`: bfloat16 on a GPU and on a CPU with bf16 instructions (AMX or AVX-512-BF16), where it
-    is the fast precision; float32 on other CPUs, where bf16 runs several times slower (`models.cpu`)."""
+    is the fast precision; float32 on other CPUs, where bf16 runs several times slower (`cpu.py`)."""
     name = str(dtype).removeprefix("torch.").lower()
     if name == "auto":
-        from .models.cpu import cpu_has_bf16  # torch-free
+        from .cpu import cpu_has_bf16  # torch-free
 
         return "bfloat16" if str(device).startswith("cuda") or cpu_has_bf16() else "float32"
     if name not in _DTYPES:

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.models import cpu, gguf
+from cacheblend_rag import CacheBlendEngine, EngineConfig, cpu
+from cacheblend_rag.models import gguf
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
 
 BAR = "Converting and de-quantizing GGUF tensors..."

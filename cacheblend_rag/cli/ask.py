@@ -15,7 +15,7 @@ import sys
 import time
 import warnings
 
-from ..models.cpu import SLOW_BF16_WARNING, cpu_has_bf16
+from ..cpu import SLOW_BF16_WARNING, cpu_has_bf16
 from .args import check_kv_dir, check_model_name, check_numbers, guard_from_args
 from .sources import build_index, read_sources, record_index_contexts
 

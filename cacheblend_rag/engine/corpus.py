@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..config import DEFAULT_PRECOMPUTE_GROUPS, EngineConfig
-from ..models.cpu import releasing_thread_pool
+from ..cpu import releasing_thread_pool
 from .chunk_cache import ChunkCache
 from .chunk_context import NEIGHBOURS, ContextArg, assign_contexts, context_parts, corpus_ids
 from .grouped import GROUPS, check_groups_policy, fill_groups, group_indexes

@@ -24,9 +24,9 @@ import torch
 from typing_extensions import Unpack
 
 from ..config import BlendConfig, EngineConfig, PrefillMode, torch_dtype
+from ..cpu import releasing_thread_pool, warn_if_slow_bf16
 from ..errors import ConfigError
 from ..models.adapter import LayerwiseModel
-from ..models.cpu import releasing_thread_pool, warn_if_slow_bf16
 from ..models.fingerprint import model_fingerprint
 from ..models.int8 import int8_decode_lm
 from ..models.support import max_blend_length

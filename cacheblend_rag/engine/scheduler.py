@@ -35,8 +35,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from ..cpu import release_thread_pool
 from ..errors import EngineClosedError, PromptError
-from ..models.cpu import release_thread_pool
 from .batch_decode import BatchDecoder, DecodeCache
 from .decoding import AsyncTextStream, Event, GenerationResult, TextStream, TokenLoop
 from .interleave import AfterLayer, HostedWork

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cacheblend_rag.config import torch_dtype as config_torch_dtype
+from cacheblend_rag.cpu import warn_if_slow_bf16
 from cacheblend_rag.errors import ConfigError, ModelNotFoundError
-from cacheblend_rag.models.cpu import warn_if_slow_bf16
 from cacheblend_rag.models.gguf import (
     assemble_preset_file,
     cache_home,
