@@ -62,17 +62,24 @@ def fidelity(engine: CacheBlendEngine, pool: list[str], args) -> dict:
         pre = engine.prefill(prompt)
         room = pre.num_tokens + len(answer)
         a, b = DecodeCache(pre.cache, pre.num_tokens, room), DecodeCache(pre.cache, pre.num_tokens, room)
-        for token in answer[:-1]:
-            p = torch.log_softmax(native.step([token], [a])[0], -1)
-            q = torch.log_softmax(int8.step([token], [b])[0], -1)
-            kls.append(float((p.exp() * (p - q)).sum()))
-            agree.append(int(p.argmax() == q.argmax()))
+        along_answer(native, a, int8, b, answer, kls, agree)
     return dict(steps=len(kls), kl_mean=statistics.mean(kls), kl_max=max(kls), top1_agree=statistics.mean(agree))
 
 
 def kl_and_agree(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[float, int]:
+    """KL(p || q) of two next-token distributions given as logits, and whether their top-1 tokens agree."""
     p, q = torch.log_softmax(p_logits.float(), -1), torch.log_softmax(q_logits.float(), -1)
     return float((p.exp() * (p - q)).sum()), int(p.argmax() == q.argmax())
+
+
+def along_answer(ref: BatchDecoder, a: DecodeCache, other: BatchDecoder, b: DecodeCache, answer: list[int],
+                 kls: list[float], agree: list[int]) -> None:  # fmt: skip
+    """Feed the answer's tokens to both decoders, each on its own cache (teacher forcing), and add each step's
+    `kl_and_agree` to `kls` and `agree`."""
+    for token in answer[:-1]:
+        kl, same = kl_and_agree(ref.step([token], [a])[0], other.step([token], [b])[0])
+        kls.append(kl)
+        agree.append(same)
 
 
 def bf16_fidelity(base: CacheBlendEngine, bf16: CacheBlendEngine, pool: list[str], args) -> dict:
@@ -89,10 +96,7 @@ def bf16_fidelity(base: CacheBlendEngine, bf16: CacheBlendEngine, pool: list[str
         first.append(kl)
         first_agree.append(same)
         a, b = (DecodeCache(pre.cache, pre.num_tokens, pre.num_tokens + len(answer)) for pre in pres)
-        for token in answer[:-1]:
-            kl, same = kl_and_agree(ref.step([token], [a])[0], other.step([token], [b])[0])
-            kls.append(kl)
-            agree.append(same)
+        along_answer(ref, a, other, b, answer, kls, agree)
     return dict(cases=args.cases, first_kl_mean=statistics.mean(first), first_top1_agree=statistics.mean(first_agree),
                 steps=len(kls), kl_mean=statistics.mean(kls), kl_max=max(kls),
                 top1_agree=statistics.mean(agree))  # fmt: skip

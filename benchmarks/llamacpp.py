@@ -30,12 +30,17 @@ from cacheblend_rag.models.gguf import assemble_preset_file
 from cacheblend_rag.models.presets import find_preset
 
 
+def run_json(cmd: list[str]) -> list[dict]:
+    """llama-bench's rows, from its `-o json` output."""
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+
 def bench(
     llama_bench: str, gguf: Path, prompt_tokens: int, new_tokens: int, threads: int, repeats: int, depth: int
 ) -> dict:
     cmd = [llama_bench, "-m", str(gguf), "-p", str(prompt_tokens), "-n", str(new_tokens), "-t", str(threads),
            "-r", str(repeats), "-o", "json"]  # fmt: skip
-    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    rows = run_json(cmd)
     prompt = next(r for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
     gen = next(r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
     row = dict(prompt_tokens_per_s=prompt["avg_ts"], decode_tokens_per_s_empty=gen["avg_ts"],
@@ -44,8 +49,7 @@ def bench(
     if depth:  # decoding after `depth` tokens of context: the test's own prompt is left out (-p 0)
         deep = [llama_bench, "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-d", str(depth), "-t", str(threads),
                 "-r", str(repeats), "-o", "json"]  # fmt: skip
-        rows = json.loads(subprocess.run(deep, check=True, capture_output=True, text=True).stdout)
-        gen = next(r for r in rows if r["n_gen"] > 0)
+        gen = next(r for r in run_json(deep) if r["n_gen"] > 0)
         row.update(decode_tokens_per_s=gen["avg_ts"], decode_depth=depth, command_depth=" ".join(deep))
     return row
 

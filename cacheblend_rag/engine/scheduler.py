@@ -117,7 +117,8 @@ class Scheduler:
                     "the engine is closed (engine.close(), or the interpreter is exiting): no new "
                     "request runs; build a new engine to go on"
                 )
-            others = [j for j in self._waiting + self._active if not (j.cancelled or j.finished)]
+            self._prune()
+            others = self._waiting + self._active
             self._waiting.append(job)
             if self._thread is None:
                 if serve_here and not others:
@@ -181,8 +182,7 @@ class Scheduler:
             with self._cond:
                 if self._lone is job and (job.finished or job.cancelled):
                     self._lone = None  # nothing else is queued: let go of it (and of its cache) now
-                    self._waiting = [j for j in self._waiting if j is not job]
-                    self._active = [j for j in self._active if j is not job]
+                    self._prune()
             self._turn.release()
         return True
 
@@ -232,8 +232,7 @@ class Scheduler:
         """Start a waiting job, store one queued chunk, step the decoding jobs; -> False when nothing was left to
         serve (after a stop, every job has ended with an error). Run by one server at a time (`_turn`)."""
         with self._cond:
-            self._waiting = [j for j in self._waiting if not j.cancelled]
-            self._active = [j for j in self._active if not (j.cancelled or j.finished)]
+            self._prune()
             if self._stopped:
                 for j in self._waiting + self._active:
                     j.cancel()
@@ -282,6 +281,11 @@ class Scheduler:
             return
         with self._cond:
             self._active.append(job)
+
+    def _prune(self) -> None:
+        """Drop the jobs no one serves any more: cancelled ones, and finished ones (under the condition's lock)."""
+        self._waiting = [j for j in self._waiting if not j.cancelled]
+        self._active = [j for j in self._active if not (j.cancelled or j.finished)]
 
     def _fits(self, job: Job) -> bool:
         """Whether `job`'s KV fits beside the decoding jobs' under `max_tokens` (under the condition's lock)."""
