@@ -22,7 +22,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.engine.planning import cold_cost_share
+from cacheblend_rag.engine.prefill.planning import cold_cost_share
 
 
 def prompt_chunks(tokenizer, data_dir: Path, prompts: int, count: int, tokens: int) -> list[list[str]]:

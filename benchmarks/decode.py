@@ -34,7 +34,7 @@ from benchlib.load_requests import QUESTIONS  # noqa: E402
 from benchlib.timing import add_data_dir_argument, chunk_texts  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
-from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache  # noqa: E402
+from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache  # noqa: E402
 from cacheblend_rag.models.int8 import int8_decode_lm  # noqa: E402
 
 

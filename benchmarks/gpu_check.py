@@ -29,7 +29,7 @@ from benchlib.timing import RANDOM_SHAPES, build_engine, make_prompt, warm_up
 
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.config import blend_rule
-from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache
+from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache
 from cacheblend_rag.models.adapter import attention_kernels
 
 

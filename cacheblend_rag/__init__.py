@@ -22,7 +22,7 @@ from .errors import (
     PromptError,
     UnsupportedModelError,
 )
-from .exports import lazy_getattr
+from .lazy_exports import lazy_getattr
 
 if TYPE_CHECKING:
     from .engine import (

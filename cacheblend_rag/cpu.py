@@ -1,16 +1,13 @@
 """What this CPU can do that matters for the dtype: bfloat16 is fast on a CPU only with bf16 instructions (Intel
 AMX, or AVX-512 with its BF16 extension). Without them PyTorch converts every bf16 value to float32 and back, and
-bfloat16 runs several times slower than float32 (4.1x measured on a 2-core AVX2 machine). And how its threads are
-kept: `release_thread_pool`. Torch-free, so the CLI's help can use it."""
+bfloat16 runs several times slower than float32 (4.1x measured on a 2-core AVX2 machine). Torch-free, so the
+settings and the CLI's help can use it."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import ParamSpec, TypeVar
 
 BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})  # /proc/cpuinfo's names for the instructions
 SLOW_BF16_WARNING = (
@@ -42,52 +39,3 @@ def warn_if_slow_bf16(device: object, dtype: object) -> None:
     nothing on other devices or dtypes, or where `cpu_has_bf16()` cannot tell. `device`, `dtype`: torch's."""
     if getattr(device, "type", device) == "cpu" and str(dtype) == "torch.bfloat16" and cpu_has_bf16() is False:
         warnings.warn(SLOW_BF16_WARNING, stacklevel=3)
-
-
-# PyTorch's Linux wheels run their CPU threads on GNU OpenMP (libgomp), which keeps a pool of threads for every thread
-# that runs torch operations. While the pools together hold more threads than the machine has cores, libgomp makes
-# every pool's threads sleep between operations instead of spinning, and a decode step (a few hundred short
-# parallel operations) ran 1.4x slower on a 2-core CPU. A thread that has done its share of torch work and now only
-# waits (it loaded the model, stored chunks, or read an answer that the engine's worker thread now serves) lets its
-# pool go, so the thread that computes keeps its pool's threads spinning.
-P = ParamSpec("P")
-R = TypeVar("R")
-_libgomp_pause: list[Callable[[int], int]] = []
-_torch_without_libgomp: list[bool] = []  # [True] once torch was found loaded with no libgomp beside it
-_OMP_PAUSE_SOFT = 1  # omp_pause_soft: the pool's threads end; the next parallel operation on the thread starts new ones
-
-
-def release_thread_pool() -> bool:
-    """End the calling thread's OpenMP worker threads (`omp_pause_resource_all` of each libgomp this process has
-    loaded); its next torch operation starts them again (tens of microseconds). -> whether a libgomp was found
-    (False on a runtime that is not libgomp, such as macOS or Windows builds, where this does nothing)."""
-    if not _libgomp_pause and not _torch_without_libgomp:
-        try:
-            maps = Path("/proc/self/maps").read_text(errors="replace")
-        except OSError:
-            return False
-        for path in sorted({line.split()[-1] for line in maps.splitlines() if "/libgomp" in line}):
-            try:
-                pause = ctypes.CDLL(path).omp_pause_resource_all
-            except (OSError, AttributeError):
-                continue
-            pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-            _libgomp_pause.append(pause)
-        if not _libgomp_pause and "libtorch_cpu" in maps:  # torch runs on another runtime: no need to look again
-            _torch_without_libgomp.append(True)
-    for pause in _libgomp_pause:
-        pause(_OMP_PAUSE_SOFT)
-    return bool(_libgomp_pause)
-
-
-def releasing_thread_pool(method: Callable[P, R]) -> Callable[P, R]:
-    """For an engine method that computes on its caller's thread: the caller's pool is let go when it returns."""
-
-    @functools.wraps(method)
-    def released(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return method(*args, **kwargs)
-        finally:
-            release_thread_pool()
-
-    return released

@@ -36,7 +36,7 @@ from transformers import DynamicCache  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from benchlib.cli import cpu_name  # noqa: E402
 
-from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache  # noqa: E402
+from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache  # noqa: E402
 from cacheblend_rag.models import load_model  # noqa: E402
 from cacheblend_rag.models.adapter import LayerwiseModel, rotate_keys  # noqa: E402
 from cacheblend_rag.models.int8 import Int8Linear, int8_decode_lm  # noqa: E402

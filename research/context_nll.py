@@ -28,7 +28,7 @@ import torch
 from near_copies import SETS, group_of, pool_of
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.engine.prompt import tokenize_chunks
+from cacheblend_rag.engine.request.prompt import tokenize_chunks
 from cacheblend_rag.evaluation import load_dataset
 from cacheblend_rag.retrieval.embeddings import embed_texts, load_embedder
 

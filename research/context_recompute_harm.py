@@ -38,7 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from benchlib.fidelity_context import PoolNeighbours, context_engine  # noqa: E402
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig
-from cacheblend_rag.engine.planning import blend_plan, chosen_plan, prefix_and_chunk_masks, question_mask, reuse_plan
+from cacheblend_rag.engine.prefill.planning import (
+    blend_plan,
+    chosen_plan,
+    prefix_and_chunk_masks,
+    question_mask,
+    reuse_plan,
+)
 from cacheblend_rag.evaluation import load_dataset
 from cacheblend_rag.evaluation.fidelity import Reference, prepare_case, token_kl
 from cacheblend_rag.fusion import FusionPlan, fuse

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from benchlib.timing import build_engine, make_prompt, warm_up  # noqa: E402
 from gpu_check import best_of, sync  # noqa: E402
 
-import cacheblend_rag.engine.prefill as prefill_module  # noqa: E402
-from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache  # noqa: E402
+import cacheblend_rag.engine.prefill.prefiller as prefill_module  # noqa: E402
+from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache  # noqa: E402
 from cacheblend_rag.fusion import fuse  # noqa: E402
 
 

@@ -28,7 +28,7 @@ from chunk_kv_paired import records  # noqa: E402
 from near_copies import group_of, pool_of  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine  # noqa: E402
-from cacheblend_rag.engine.prompt import tokenize_chunks  # noqa: E402
+from cacheblend_rag.engine.request.prompt import tokenize_chunks  # noqa: E402
 from cacheblend_rag.evaluation import load_dataset  # noqa: E402
 from cacheblend_rag.retrieval.embeddings import embed_texts, load_embedder  # noqa: E402
 

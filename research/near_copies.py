@@ -28,7 +28,7 @@ import numpy as np
 
 import cacheblend_rag.retrieval.overlap as overlap
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig
-from cacheblend_rag.engine.prompt import tokenize_chunks
+from cacheblend_rag.engine.request.prompt import tokenize_chunks
 from cacheblend_rag.evaluation import load_dataset
 from cacheblend_rag.evaluation.fidelity import measure, reference_answer
 from cacheblend_rag.retrieval.embeddings import embed_texts, load_embedder

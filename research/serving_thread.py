@@ -36,7 +36,7 @@ from benchlib.load_requests import QUESTIONS  # noqa: E402
 from benchlib.timing import chunk_texts  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
-from cacheblend_rag.cpu import release_thread_pool  # noqa: E402
+from cacheblend_rag.engine.serving.thread_pools import release_thread_pool  # noqa: E402
 
 WAYS = ("caller", "second thread", "second thread, pool released")
 

@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache
+from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.adapter import LayerwiseModel
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words

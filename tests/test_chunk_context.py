@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.engine.chunk_context import ChunkContexts, context_digest
+from cacheblend_rag.engine.chunks.context import ChunkContexts, context_digest
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.retrieval.neighbours import nearest_neighbours, neighbour_context
 from cacheblend_rag.store import chunk_key

@@ -16,7 +16,7 @@ from cacheblend_rag import CacheBlendEngine, EngineConfig
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.chunk_kv import ChunkKV
 from cacheblend_rag.store.codec import CODECS, KVCodec, PayloadSpec
-from cacheblend_rag.store.disk import DiskStore
+from cacheblend_rag.store.disk.tier import DiskStore
 from cacheblend_rag.store.lazy import LazyChunkKV
 from cacheblend_rag.store.memory import MemoryStore
 from cacheblend_rag.store.serialize import CorruptEntryError, deserialize_chunk, parse_layout, serialize_chunk

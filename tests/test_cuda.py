@@ -69,7 +69,7 @@ def test_cuda_batched_decode_of_mixed_lengths_equals_the_models_own_forward(fami
     # caches of different lengths equals that request decoded alone by the model's own forward.
     from transformers import DynamicCache
 
-    from cacheblend_rag.engine.batch_decode import BatchDecoder, DecodeCache
+    from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache
     from cacheblend_rag.models.adapter import LayerwiseModel
 
     model = make_tiny_model(family).to("cuda")

@@ -16,8 +16,8 @@ from cacheblend_rag import (
     PromptTemplate,
     blend_rule,
 )
-from cacheblend_rag.engine.generation import TextAssembler
-from cacheblend_rag.engine.request import SamplingParams
+from cacheblend_rag.engine.request.request import SamplingParams
+from cacheblend_rag.engine.serving.tokens import TextAssembler
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 

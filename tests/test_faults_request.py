@@ -177,7 +177,7 @@ def test_the_answer_methods_name_every_request_option_for_editors_and_type_check
     import typing
 
     from cacheblend_rag.engine import RequestOptions
-    from cacheblend_rag.engine.request import ALIASES, REQUEST_DEFAULTS
+    from cacheblend_rag.engine.request.request import ALIASES, REQUEST_DEFAULTS
 
     assert set(RequestOptions.__annotations__) == {*REQUEST_DEFAULTS, *ALIASES}  # one list, no option left out
     for method in ("generate", "stream", "agenerate", "astream"):

@@ -25,7 +25,8 @@ import pytest
 from test_store_tiers import make_kv, same
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.store import DiskStore, disk_files
+from cacheblend_rag.store import DiskStore
+from cacheblend_rag.store.disk import files as disk_files
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 EXACT_CODEC = "native"  # bit-exact entries, so an answer over stored chunks matches one over recomputed chunks

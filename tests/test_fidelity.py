@@ -23,7 +23,7 @@ from benchlib.records import load_records
 from fidelity import main
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, blend_rule
-from cacheblend_rag.engine.prompt import PromptTemplate
+from cacheblend_rag.engine.request.prompt import PromptTemplate
 from cacheblend_rag.errors import CacheBlendError, ConfigError
 from cacheblend_rag.evaluation import Case, Dataset, TaskSpec
 from cacheblend_rag.evaluation.fidelity import (

@@ -8,7 +8,7 @@ import torch
 from conftest import reference_logits_with_cache
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, PrefillMode, blend_rule
-from cacheblend_rag.engine.planning import prefix_and_chunk_masks
+from cacheblend_rag.engine.prefill.planning import prefix_and_chunk_masks
 from cacheblend_rag.fusion import FusionPlan, fuse, keep_counts, select_recompute_tokens, token_deviation
 from cacheblend_rag.models import LayerwiseModel, rotate_keys
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
@@ -224,7 +224,7 @@ def test_recording_the_questions_attention_leaves_the_reuse_pass_unchanged(famil
     # The attention rule's first pass records where the question looks (`attention_from`); its queries are then
     # all the tokens being recomputed, so their output is taken from the recorded probabilities instead of a
     # second attention call. The pass must give what it gives without recording: logits and every layer's KV.
-    from cacheblend_rag.engine.planning import question_mask, reuse_plan
+    from cacheblend_rag.engine.prefill.planning import question_mask, reuse_plan
 
     engine = CacheBlendEngine(
         make_tiny_model(family), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")

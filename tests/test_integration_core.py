@@ -1,4 +1,4 @@
-"""cacheblend_rag.integration: what the LangChain and LlamaIndex packages share, checked without either framework."""
+"""cacheblend_rag.frameworks: what the LangChain and LlamaIndex packages share, checked without either framework."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
 from cacheblend_rag.errors import ConfigError, PromptError
-from cacheblend_rag.integration import (
+from cacheblend_rag.frameworks import (
     CALL_ARGUMENTS,
     CONTEXT_PLACEHOLDER,
     ChatTurn,

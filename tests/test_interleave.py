@@ -11,7 +11,7 @@ import torch
 from test_batching import POOL, request_args
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.engine.interleave import between_layers
+from cacheblend_rag.engine.request.after_layer import between_layers
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.fusion import FusionPlan, fuse
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words

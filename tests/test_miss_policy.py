@@ -8,7 +8,7 @@ import torch
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, blend_rule
 from cacheblend_rag.engine import TokenizedPrompt
-from cacheblend_rag.engine.planning import cold_cost_share
+from cacheblend_rag.engine.prefill.planning import cold_cost_share
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 

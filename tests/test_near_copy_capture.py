@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.engine.chunk_context import copies_before, copies_digest
+from cacheblend_rag.engine.chunks.context import copies_before, copies_digest
 from cacheblend_rag.retrieval.overlap import near_copy_ids
 from cacheblend_rag.testing import make_tiny_model, random_words
 

@@ -13,8 +13,8 @@ import torch
 from test_store_tiers import make_kv, same
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.engine.pipeline import LayerPrefetcher
-from cacheblend_rag.store.disk import DiskStore
+from cacheblend_rag.engine.prefill.prefetch import LayerPrefetcher
+from cacheblend_rag.store.disk.tier import DiskStore
 from cacheblend_rag.store.lazy import LazyChunkKV
 from cacheblend_rag.store.memory import MemoryStore
 from cacheblend_rag.store.serialize import CorruptEntryError, parse_layout, serialize_chunk

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.engine.prompt import tokenize_chunks
+from cacheblend_rag.engine.request.prompt import tokenize_chunks
 from cacheblend_rag.errors import PromptError
 from cacheblend_rag.testing import INJECTION
 

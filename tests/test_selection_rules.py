@@ -9,8 +9,8 @@ import torch
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
 from cacheblend_rag.config import RULE_NAMES, blend_rule
-from cacheblend_rag.engine.planning import blend_plan, reuse_plan
-from cacheblend_rag.engine.prompt import TokenizedPrompt
+from cacheblend_rag.engine.prefill.planning import blend_plan, reuse_plan
+from cacheblend_rag.engine.request.prompt import TokenizedPrompt
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.fusion import anchor_counts, budget, fuse
 from cacheblend_rag.testing import make_tiny_model, random_words

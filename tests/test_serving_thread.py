@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cacheblend_rag import CacheBlendEngine, EngineClosedError, EngineConfig
-from cacheblend_rag.models import release_thread_pool
+from cacheblend_rag.engine.serving.thread_pools import release_thread_pool
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 CHUNKS = [random_words(900 + i, 24) for i in range(3)]

@@ -87,7 +87,7 @@ def test_a_script_that_ends_mid_work_exits_cleanly_with_no_worker_left():
 def test_the_fills_thread_ends_when_idle_and_starts_again_with_new_work(monkeypatch):
     import time
 
-    from cacheblend_rag.engine import fills
+    from cacheblend_rag.engine.serving import deferred_fills as fills
 
     monkeypatch.setattr(fills, "IDLE_S", 0.1)
     before = workers()

@@ -20,7 +20,7 @@ import torch
 from redis_helpers import RedisServer
 
 from cacheblend_rag.store.chunk_kv import ChunkKV
-from cacheblend_rag.store.disk import DiskStore
+from cacheblend_rag.store.disk.tier import DiskStore
 from cacheblend_rag.store.memory import MemoryStore
 from cacheblend_rag.store.serialize import (
     CorruptEntryError,
@@ -187,7 +187,7 @@ def test_disk_overwritten_value_file_is_a_logged_miss_and_removed(tmp_path, capl
     raw = bytearray(value_file.read_bytes())
     raw[len(raw) // 2 : len(raw) // 2 + 64] = b"\0" * 64
     value_file.write_bytes(bytes(raw))
-    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.disk"):
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.disk.tier"):
         assert store.get("chunk-a") is None
     assert "chunk-a" not in store
     assert store.stats.corrupt == 1 and store.stats.misses == 1

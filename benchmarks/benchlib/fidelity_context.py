@@ -37,7 +37,7 @@ from typing import Any
 from benchlib.fidelity_codecs import CodecDifference
 from benchlib.fidelity_run import copy_chunks
 from cacheblend_rag.engine import CacheBlendEngine, TokenizedPrompt
-from cacheblend_rag.engine.prompt import tokenize_chunks
+from cacheblend_rag.engine.request.prompt import tokenize_chunks
 from cacheblend_rag.evaluation.datasets import Case, Dataset, TaskSpec
 from cacheblend_rag.retrieval.embeddings import embed_texts, load_embedder
 from cacheblend_rag.retrieval.groups import similarity_groups

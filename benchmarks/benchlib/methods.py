@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from cacheblend_rag.config import RULE_NAMES, blend_rule
-from cacheblend_rag.engine.prompt import PromptTemplate
+from cacheblend_rag.engine.request.prompt import PromptTemplate
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.evaluation.datasets import Case, TaskSpec
 from cacheblend_rag.evaluation.scoring import first_line

@@ -7,7 +7,7 @@ torch, which reading a profile or building the command line's parser does not ne
 
 from typing import TYPE_CHECKING
 
-from ..exports import lazy_getattr
+from ..lazy_exports import lazy_getattr
 
 if TYPE_CHECKING:
     from .calibration import SampleQuestion, check_grid, measure_fidelity

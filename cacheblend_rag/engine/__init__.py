@@ -1,13 +1,13 @@
 """The request path: prompts made of chunks, the four prefill modes, decoding and per-request metrics."""
 
 from ..models.fingerprint import model_fingerprint
-from .decoding import AsyncTextStream, GenerationResult, TextStream
 from .engine import CacheBlendEngine
-from .metrics import RequestMetrics
-from .planning import RatioPolicy
-from .prefill import Prefill
-from .prompt import QA_SHORT_TEMPLATE, PromptTemplate, TokenizedPrompt, tokenize_parts
-from .request import Request, RequestOptions, SamplingParams
+from .prefill.planning import RatioPolicy
+from .prefill.prefiller import Prefill
+from .request.metrics import RequestMetrics
+from .request.prompt import QA_SHORT_TEMPLATE, PromptTemplate, TokenizedPrompt, tokenize_parts
+from .request.request import Request, RequestOptions, SamplingParams
+from .serving.decoding import AsyncTextStream, GenerationResult, TextStream
 
 __all__ = [
     "QA_SHORT_TEMPLATE",

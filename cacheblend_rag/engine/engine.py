@@ -24,25 +24,26 @@ import torch
 from typing_extensions import Unpack
 
 from ..config import BlendConfig, EngineConfig, PrefillMode, torch_dtype
-from ..cpu import releasing_thread_pool, warn_if_slow_bf16
+from ..cpu import warn_if_slow_bf16
 from ..errors import ConfigError
 from ..models.adapter import LayerwiseModel
 from ..models.fingerprint import model_fingerprint
 from ..models.int8 import int8_decode_lm
 from ..models.support import max_blend_length
 from ..store import ChunkStore, TieredStore, build_store
-from .batch_decode import BatchDecoder
-from .chunk_cache import ChunkCache
-from .corpus import CorpusMethods
-from .decoding import AsyncTextStream, GenerationResult, TextStream, TokenLoop
-from .fills import DeferredFills
-from .generation import eos_token_ids
-from .interleave import AfterLayer
-from .planning import RatioPolicy, check_blend
-from .prefill import Prefill, Prefiller
-from .prompt import PromptTemplate, TokenizedPrompt, tokenize_request
-from .request import Request, RequestOptions, calling, check_length, request_prompt
-from .scheduler import Scheduler
+from .chunks.cache import ChunkCache
+from .corpus.precompute import CorpusMethods
+from .prefill.planning import RatioPolicy, check_blend
+from .prefill.prefiller import Prefill, Prefiller
+from .request.after_layer import AfterLayer
+from .request.prompt import PromptTemplate, TokenizedPrompt, tokenize_request
+from .request.request import Request, RequestOptions, calling, check_length, request_prompt
+from .serving.batch_decode import BatchDecoder
+from .serving.decoding import AsyncTextStream, GenerationResult, TextStream, TokenLoop
+from .serving.deferred_fills import DeferredFills
+from .serving.scheduler import Scheduler
+from .serving.thread_pools import releasing_thread_pool
+from .serving.tokens import eos_token_ids
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..engine.prompt import QA_SHORT_TEMPLATE, PromptTemplate
+from ..engine.request.prompt import QA_SHORT_TEMPLATE, PromptTemplate
 from ..errors import CacheBlendError
 
 __all__ = [

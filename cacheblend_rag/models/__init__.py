@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..cpu import cpu_has_bf16, release_thread_pool  # torch-free, beside the package's settings
-from ..exports import lazy_getattr
+from ..cpu import cpu_has_bf16  # torch-free, beside the package's settings
+from ..lazy_exports import lazy_getattr
 from .presets import DEFAULT_PRESET, PRESETS, ModelPreset, default_model
 from .support import check_supported, max_blend_length, model_family
 
@@ -37,7 +37,6 @@ __all__ = [
     "load_model",
     "max_blend_length",
     "model_family",
-    "release_thread_pool",
     "rotate_keys",
     "unrotate_keys",
 ]

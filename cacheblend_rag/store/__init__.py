@@ -4,7 +4,7 @@ from ..errors import CorruptEntryError
 from .base import ChunkReader, ChunkStore, Hit, StoreStats
 from .chunk_kv import ChunkKV, chunk_key
 from .codec import CODECS, KVCodec, PayloadSpec, get_codec
-from .disk import DiskStore, check_disk_dir
+from .disk.tier import DiskStore, check_disk_dir
 from .lazy import LazyChunkKV
 from .memory import MemoryStore
 from .redis_store import RedisStore

@@ -225,7 +225,7 @@ def build_store(
     tiers: list[ChunkStore] = [MemoryStore(memory_bytes, codec=memory_codec)]
     names = ["memory"]
     if disk_dir is not None:
-        from .disk import DiskStore
+        from .disk.tier import DiskStore
 
         tiers.append(DiskStore(disk_dir, disk_bytes, hmac_key=key, codec=kv_codec))
         names.append("disk")

@@ -3,7 +3,7 @@
 Scope: resolving the engine (given, or loaded once per process by name), splitting a rendered prompt at the
 documents' placeholder into prefix / suffix, turning per-call kwargs into `engine.stream` arguments, and
 turning a request's `RequestMetrics` into LangChain usage metadata and generation info. The framework-free
-parts (placeholder, split, per-call arguments, model name, shared engines) are `cacheblend_rag.integration`'s,
+parts (placeholder, split, per-call arguments, model name, shared engines) are `cacheblend_rag.frameworks`'s,
 shared with the LlamaIndex package.
 """
 
@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
 from cacheblend_rag import CacheBlendEngine, GenerationResult
-from cacheblend_rag.engine.decoding import AsyncTextStream
-from cacheblend_rag.engine.prompt_text import PromptText
+from cacheblend_rag.engine.request.marked_text import PromptText
+from cacheblend_rag.engine.serving.decoding import AsyncTextStream
 from cacheblend_rag.errors import PromptError
-from cacheblend_rag.integration import (
+from cacheblend_rag.frameworks import (
     CONTEXT_PLACEHOLDER,
     ENGINE_SETTINGS,
     call_arguments,
@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 __all__ = ["CONTEXT_PLACEHOLDER", "CacheBlendParams", "load_engine", "split_prompt", "usage_from"]
 
-# LangChain's own keyword arguments of a call, besides the engine's (`cacheblend_rag.integration.CALL_ARGUMENTS`):
+# LangChain's own keyword arguments of a call, besides the engine's (`cacheblend_rag.frameworks.CALL_ARGUMENTS`):
 # the documents (the chains pass them), a per-call model, and the flag LangChain sets on streaming calls.
 _FRAMEWORK_KWARGS = ("chunks", "model", "stream")
 
@@ -187,7 +187,7 @@ class CacheBlendParams(BaseModel):
         return list(self.get_engine().tokenizer.encode(text, add_special_tokens=False))
 
     def _defaults(self) -> dict[str, Any]:
-        """This model's settings under the engine's names (`cacheblend_rag.integration.CALL_ARGUMENTS`)."""
+        """This model's settings under the engine's names (`cacheblend_rag.frameworks.CALL_ARGUMENTS`)."""
         return {
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,

@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.integration import load_engine
+from cacheblend_rag.frameworks import load_engine
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
 from llama_index.core.schema import NodeWithScore, TextNode
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 from cacheblend_rag.errors import ConfigError, PromptError
-from cacheblend_rag.integration import load_engine
+from cacheblend_rag.frameworks import load_engine
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
 from llama_index.core.base.llms.base import BaseLLM
 from llama_index.core.base.llms.types import ImageBlock, TextBlock

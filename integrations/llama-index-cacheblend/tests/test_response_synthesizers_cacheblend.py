@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 from cacheblend_rag.errors import PromptError
-from cacheblend_rag.integration import QuestionBeforeContextWarning
+from cacheblend_rag.frameworks import QuestionBeforeContextWarning
 from llama_index.core import MockEmbedding, VectorStoreIndex
 from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
 from llama_index.core.llms import MockLLM
@@ -196,7 +196,7 @@ def test_synthesizer_class_is_a_llamaindex_synthesizer() -> None:
 
 
 def test_question_before_the_context_warns_answers_and_reuses_nothing() -> None:
-    """The policy both framework packages share (cacheblend_rag.integration): such a template is accepted with a
+    """The policy both framework packages share (cacheblend_rag.frameworks): such a template is accepted with a
     QuestionBeforeContextWarning, every query answers but computes its chunks anew, and precomputing is refused."""
     llm = tiny_llm()
     question_first = PromptTemplate("w1 {query_str} w2 {context_str} w3")

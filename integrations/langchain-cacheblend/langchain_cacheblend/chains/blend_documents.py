@@ -5,7 +5,7 @@ documents' placeholder in place of `{context}` and the formatted documents trave
 The model splits the rendered prompt at the placeholder. When the text before the documents depends on the
 question, the chain still answers (as a full prefill would) but no chunk is ever reused: a
 `QuestionBeforeContextWarning` says so when the chain is built, and `precompute_documents` refuses such a prompt
-(`cacheblend_rag.integration` states this policy for both framework packages).
+(`cacheblend_rag.frameworks` states this policy for both framework packages).
 
 `create_blend_documents_chain` is the LCEL form (drop-in for `create_retrieval_chain`);
 `BlendStuffDocumentsChain` is the classic `BaseCombineDocumentsChain` form (for `RetrievalQA` and friends),
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cacheblend_rag.integration import CONTEXT_PLACEHOLDER, check_context_prompt, question_free_prefix
+from cacheblend_rag.frameworks import CONTEXT_PLACEHOLDER, check_context_prompt, question_free_prefix
 from langchain_classic.chains.combine_documents.base import BaseCombineDocumentsChain
 from langchain_core.callbacks import Callbacks
 from langchain_core.documents import Document

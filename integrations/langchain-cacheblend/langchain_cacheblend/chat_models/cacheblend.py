@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from cacheblend_rag.engine.prompt_text import PromptText
+from cacheblend_rag.engine.request.marked_text import PromptText
 from cacheblend_rag.errors import PromptError
-from cacheblend_rag.integration import ChatTurn, non_text_error, render_chat
+from cacheblend_rag.frameworks import ChatTurn, non_text_error, render_chat
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (
@@ -65,7 +65,7 @@ def _turn_of(message: BaseMessage) -> ChatTurn:
 
 def render_messages(tokenizer: Any, messages: Sequence[BaseMessage]) -> PromptText:
     """The prompt text of a conversation, ending with the start of the assistant's turn
-    (`cacheblend_rag.integration.render_chat`: the tokenizer's chat template, or "Role: text" lines)."""
+    (`cacheblend_rag.frameworks.render_chat`: the tokenizer's chat template, or "Role: text" lines)."""
     return render_chat(tokenizer, [_turn_of(m) for m in messages])
 
 

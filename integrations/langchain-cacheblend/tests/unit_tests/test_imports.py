@@ -28,9 +28,9 @@ def test_all_imports() -> None:
 
 
 def test_shared_names_are_the_integration_cores() -> None:
-    """The placeholder and the engine loader are cacheblend_rag.integration's: one engine per model per process,
+    """The placeholder and the engine loader are cacheblend_rag.frameworks's: one engine per model per process,
     whichever framework package asks for it."""
-    import cacheblend_rag.integration as core
+    import cacheblend_rag.frameworks as core
 
     import langchain_cacheblend
 

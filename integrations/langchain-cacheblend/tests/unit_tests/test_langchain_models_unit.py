@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 from cacheblend_rag.errors import PromptError
-from cacheblend_rag.integration import QuestionBeforeContextWarning
+from cacheblend_rag.frameworks import QuestionBeforeContextWarning
 from langchain_core.documents import Document
 from langchain_core.language_models import FakeListChatModel
 from langchain_core.messages import HumanMessage
@@ -220,7 +220,7 @@ def test_precompute_uses_the_prefix_requests_use(engine):
 
 
 def test_question_before_the_documents_warns_answers_and_reuses_nothing(engine):
-    """The policy both framework packages share (cacheblend_rag.integration): such a prompt is accepted with a
+    """The policy both framework packages share (cacheblend_rag.frameworks): such a prompt is accepted with a
     QuestionBeforeContextWarning, every question answers but computes its chunks anew, and precomputing is refused."""
     chat = ChatCacheBlend(engine=engine, max_tokens=2)
     late = ChatPromptTemplate.from_messages([("human", "w7 {input} w8 {context}")])

@@ -15,7 +15,7 @@ from typing import Any
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, GenerationResult, PrefillMode
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.integration import (
+from cacheblend_rag.frameworks import (
     ENGINE_SETTINGS,
     ChatTurn,
     call_arguments,
@@ -44,7 +44,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.prompts import BasePromptTemplate
 
-# Key of the request's metrics (`cacheblend_rag.integration.metrics_metadata`) in CompletionResponse.additional_kwargs
+# Key of the request's metrics (`cacheblend_rag.frameworks.metrics_metadata`) in CompletionResponse.additional_kwargs
 # and Response.metadata.
 METRICS_KEY = "cacheblend_metrics"
 
@@ -60,7 +60,7 @@ def _turn_of(message: ChatMessage) -> ChatTurn:
 
 
 class ChatTemplate:
-    """Renders chat messages with the tokenizer's chat template (`cacheblend_rag.integration.render_chat`),
+    """Renders chat messages with the tokenizer's chat template (`cacheblend_rag.frameworks.render_chat`),
     ending with the assistant turn's opening.
 
     A small callable object rather than a method of the LLM: the LLM's formatting fields then do not point back
@@ -95,7 +95,7 @@ class CacheBlendLLM(CustomLLM):
     Without `engine`, the engine of `model_name` (default: `$CACHEBLEND_RAG_MODEL`, else the default preset) is
     loaded on construction with the engine fields below (device, dtype, store tiers and budgets) and shared by
     every model object of the process with the same model and settings, LangChain's included
-    (`cacheblend_rag.integration.load_engine`).
+    (`cacheblend_rag.frameworks.load_engine`).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, hide_input_in_errors=True)
@@ -232,7 +232,7 @@ class CacheBlendLLM(CustomLLM):
         self, overrides: dict[str, Any], *, mode: PrefillMode | str = "full", recompute_ratio: float | None = None
     ) -> dict[str, Any]:
         """engine.generate() keyword arguments of one call: this LLM's decoding settings and the given `mode` and
-        `recompute_ratio`, each overridden by the call's keyword arguments (`cacheblend_rag.integration.
+        `recompute_ratio`, each overridden by the call's keyword arguments (`cacheblend_rag.frameworks.
         CALL_ARGUMENTS`; anything else raises TypeError)."""
         defaults = {
             "max_new_tokens": self.max_new_tokens,

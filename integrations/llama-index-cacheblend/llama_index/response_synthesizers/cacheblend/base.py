@@ -10,7 +10,7 @@ rendered by the LLM exactly as `llm.predict` would, then split where `{context_s
 nodes is the shared prefix of every chunk's cache key, the text after holds the question. A template that puts
 the question before the context still answers (as a full prefill would) but reuses no chunk: a
 `QuestionBeforeContextWarning` says so when the template is set, and `precompute` refuses it
-(`cacheblend_rag.integration` states this policy for both framework packages).
+(`cacheblend_rag.frameworks` states this policy for both framework packages).
 
 `BaseSynthesizer.synthesize` is the template method: it sends the events and answers an empty retrieval with
 the framework's usual empty response. This class writes only `get_response` / `aget_response`.
@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Seque
 from typing import Any
 
 from cacheblend_rag import AsyncTextStream, GenerationResult, PrefillMode, TextStream
-from cacheblend_rag.integration import (
+from cacheblend_rag.frameworks import (
     CONTEXT_PLACEHOLDER,
     check_context_prompt,
     question_free_prefix,

@@ -16,7 +16,7 @@ import json
 import os
 import re
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 MARKER = "cacheblend-store.json"
 _MARKER_BODY = {

@@ -15,10 +15,10 @@ from typing import Any, Protocol
 
 import torch
 
-from ..config import BlendConfig
-from ..errors import ConfigError
-from ..fusion import FusionPlan, anchor_counts, budget, keep_counts, top_scored
-from .prompt import TokenizedPrompt
+from ...config import BlendConfig
+from ...errors import ConfigError
+from ...fusion import FusionPlan, anchor_counts, budget, keep_counts, top_scored
+from ..request.prompt import TokenizedPrompt
 
 
 def check_blend(blend: BlendConfig, num_layers: int, name: str = "blend") -> None:

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..fusion import LayerLoader
+from ...fusion import LayerLoader
 
 
 class LayerPrefetcher:

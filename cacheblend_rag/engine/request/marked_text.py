@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import PromptError
+from ...errors import PromptError
 
 # Every internal marker starts with this; a question or message containing it is refused by name.
 RESERVED_PREFIX = "\x00<cacheblend-rag:"

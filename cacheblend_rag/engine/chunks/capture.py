@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.adapter import unrotate_keys
-from ..store import ChunkKV
-from .chunk_cache import ChunkCache
-from .prompt import TokenizedPrompt
+from ...models.adapter import unrotate_keys
+from ...store import ChunkKV
+from ..request.prompt import TokenizedPrompt
+from .cache import ChunkCache
 
 __all__ = ["capturable", "capture"]
 

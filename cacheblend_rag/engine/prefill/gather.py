@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..store import ChunkReader
-from .chunk_cache import ChunkCache
-from .interleave import AfterLayer
-from .metrics import RequestMetrics
-from .prompt import TokenizedPrompt
+from ...store import ChunkReader
+from ..chunks.cache import ChunkCache
+from ..request.after_layer import AfterLayer
+from ..request.metrics import RequestMetrics
+from ..request.prompt import TokenizedPrompt
 
 
 @dataclass

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from .generation import TextAssembler, TokenPicker
-from .metrics import RequestMetrics
-from .request import SamplingParams
+from ..request.metrics import RequestMetrics
+from ..request.request import SamplingParams
+from .tokens import TextAssembler, TokenPicker
 
 
 @dataclass

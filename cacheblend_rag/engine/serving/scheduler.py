@@ -35,16 +35,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from ..cpu import release_thread_pool
-from ..errors import EngineClosedError, PromptError
+from ...errors import EngineClosedError, PromptError
+from ..prefill.prefiller import Prefill
+from ..request.after_layer import AfterLayer, HostedWork
+from ..request.prompt import TokenizedPrompt
+from ..request.request import Request
 from .batch_decode import BatchDecoder, DecodeCache
 from .decoding import AsyncTextStream, Event, GenerationResult, TextStream, TokenLoop
-from .interleave import AfterLayer, HostedWork
 from .jobs import Channel, Job
-from .prefill import Prefill
-from .prompt import TokenizedPrompt
-from .request import Request
 from .shutdown import joined, stop_at_exit
+from .thread_pools import release_thread_pool
 
 logger = logging.getLogger(__name__)
 

@@ -13,17 +13,17 @@ import logging
 import os
 import sqlite3
 
-from ..errors import ConfigError, CorruptEntryError, NonFiniteKVError
-from .base import Hit
-from .chunk_kv import ChunkKV
-from .codec import TIER_CODEC, KVCodec, get_codec
-from .disk_files import import_diskcache
-from .disk_folder import claim_folder, write_marker
-from .disk_index import GuardedIndex, check_index, open_error
-from .disk_pause import WritePause
-from .lazy import LazyChunkKV
-from .serialize import header_length, parse_layout, serialize_chunk
-from .stats import CountedTier
+from ...errors import ConfigError, CorruptEntryError, NonFiniteKVError
+from ..base import Hit
+from ..chunk_kv import ChunkKV
+from ..codec import TIER_CODEC, KVCodec, get_codec
+from ..lazy import LazyChunkKV
+from ..serialize import header_length, parse_layout, serialize_chunk
+from ..stats import CountedTier
+from .files import import_diskcache
+from .folder import claim_folder, write_marker
+from .index import GuardedIndex, check_index, open_error
+from .pause import WritePause
 
 logger = logging.getLogger(__name__)
 

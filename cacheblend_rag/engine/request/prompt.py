@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ..errors import PromptError
-from .prompt_text import PromptText, as_prompt_text, check_unreserved, encode_text, render_chat_text
+from ...errors import PromptError
+from .marked_text import PromptText, as_prompt_text, check_unreserved, encode_text, render_chat_text
 
 _CHUNKS_MARK = "\x00<cacheblend-rag:chunks>\x00"
 _QUESTION_MARK = "\x00<cacheblend-rag:question>\x00"

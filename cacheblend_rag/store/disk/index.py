@@ -30,8 +30,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import ConfigError
-from .disk_files import import_diskcache, safe_bytes_disk
+from ...errors import ConfigError
+from .files import import_diskcache, safe_bytes_disk
 
 DB_NAME = "cache.db"
 _PROGRESS_STEPS = 1000  # SQLite VM steps between two deadline checks (well under a millisecond)

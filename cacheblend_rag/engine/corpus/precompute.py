@@ -13,14 +13,14 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..config import DEFAULT_PRECOMPUTE_GROUPS, EngineConfig
-from ..cpu import releasing_thread_pool
-from .chunk_cache import ChunkCache
-from .chunk_context import NEIGHBOURS, ContextArg, assign_contexts, context_parts, corpus_ids
-from .grouped import GROUPS, check_groups_policy, fill_groups, group_indexes
-from .prefill import Prefiller
-from .prompt import PromptTemplate, TokenizedPrompt
-from .request import check_length
+from ...config import DEFAULT_PRECOMPUTE_GROUPS, EngineConfig
+from ..chunks.cache import ChunkCache
+from ..chunks.context import NEIGHBOURS, ContextArg, assign_contexts, context_parts, corpus_ids
+from ..prefill.prefiller import Prefiller
+from ..request.prompt import PromptTemplate, TokenizedPrompt
+from ..request.request import check_length
+from ..serving.thread_pools import releasing_thread_pool
+from .groups import GROUPS, check_groups_policy, fill_groups, group_indexes
 
 
 class CorpusMethods:

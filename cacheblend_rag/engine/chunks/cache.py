@@ -27,12 +27,12 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import ConfigError
-from ..fusion import FusionPlan, LayerLoader, fuse
-from ..models.adapter import LayerwiseModel
-from ..store import ChunkKV, ChunkReader, ChunkStore, CorruptEntryError, Hit, TieredStore, chunk_key
-from .chunk_context import ChunkContexts, copies_before, copies_digest, copy_sets
-from .interleave import AfterLayer
+from ...errors import ConfigError
+from ...fusion import FusionPlan, LayerLoader, fuse
+from ...models.adapter import LayerwiseModel
+from ...store import ChunkKV, ChunkReader, ChunkStore, CorruptEntryError, Hit, TieredStore, chunk_key
+from ..request.after_layer import AfterLayer
+from .context import ChunkContexts, copies_before, copies_digest, copy_sets
 
 CAPTURED = "captured"  # the context recorded in the keys of capture="all" entries
 

@@ -21,17 +21,17 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ..config import BlendConfig, Guard, PrefillMode
-from ..fusion import FusionPlan, FusionResult, LayerLoader, fuse
-from ..guard import escalate, first_token_signals
-from ..models.adapter import LayerwiseModel
-from ..store import ChunkKV, CorruptEntryError
-from .capture import capturable, capture
-from .chunk_cache import ChunkCache
+from ...config import BlendConfig, Guard, PrefillMode
+from ...fusion import FusionPlan, FusionResult, LayerLoader, fuse
+from ...guard import escalate, first_token_signals
+from ...models.adapter import LayerwiseModel
+from ...store import ChunkKV, CorruptEntryError
+from ..chunks.cache import ChunkCache
+from ..chunks.capture import capturable, capture
+from ..request.after_layer import AfterLayer, between_layers
+from ..request.metrics import RequestMetrics
+from ..request.prompt import TokenizedPrompt
 from .gather import gather
-from .interleave import AfterLayer, between_layers
-from .metrics import RequestMetrics
-from .pipeline import LayerPrefetcher
 from .planning import (
     RatioPolicy,
     blend_plan,
@@ -40,7 +40,7 @@ from .planning import (
     question_mask,
     reuse_plan,
 )
-from .prompt import TokenizedPrompt
+from .prefetch import LayerPrefetcher
 
 logger = logging.getLogger(__name__)
 

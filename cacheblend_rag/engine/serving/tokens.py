@@ -20,7 +20,7 @@ from transformers import (
 )
 
 if TYPE_CHECKING:
-    from .request import SamplingParams
+    from ..request.request import SamplingParams
 
 
 class TokenPicker:

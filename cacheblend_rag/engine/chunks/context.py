@@ -24,9 +24,9 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ConfigError, PromptError
-from .prompt import PromptTemplate, tokenize_chunks, tokenize_prefix
-from .request import check_chunks, check_encodable, check_part, check_text
+from ...errors import ConfigError, PromptError
+from ..request.prompt import PromptTemplate, tokenize_chunks, tokenize_prefix
+from ..request.request import check_chunks, check_encodable, check_part, check_text
 
 
 def context_digest(context_ids: Sequence[int]) -> str:
@@ -48,7 +48,7 @@ def copies_before(chunk_ids: Sequence[Sequence[int]]) -> list[tuple[tuple[int, .
     keyed by these (`copies_digest`): its KV has read them, and a prompt that does not show them before the chunk
     reads it as a repeat that is not there (a MuSiQue passage cached after two windows of itself went several
     nats from full recompute; docs/research.md, sections 20 and 21)."""
-    from ..retrieval.overlap import near_copy_ids
+    from ...retrieval.overlap import near_copy_ids
 
     ids = [tuple(c) for c in chunk_ids]
     out: list[tuple[tuple[int, ...], ...]] = []
@@ -175,7 +175,7 @@ def context_parts(chunks: Sequence[str], context: ContextArg, n: int) -> list[li
             raise ConfigError(
                 f"context must be {NEIGHBOURS!r}, {KEEP!r}, None, or one list of texts per chunk; got {context!r}"
             )
-        from ..retrieval.neighbours import neighbour_context, neighbour_texts
+        from ...retrieval.neighbours import neighbour_context, neighbour_texts
 
         return [neighbour_context(found) for found in neighbour_texts(chunks, n)]
     parts = list(context)

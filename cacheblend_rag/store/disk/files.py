@@ -25,7 +25,7 @@ import stat
 import threading
 from typing import Any, BinaryIO
 
-from ..errors import CorruptEntryError
+from ...errors import CorruptEntryError
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from ..models.adapter import LayerwiseModel, rotate_keys
+from ...models.adapter import LayerwiseModel, rotate_keys
 
 
 class DecodeCache:

@@ -17,11 +17,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from ..checks import check_count, check_ratio, check_real
-from ..config import BlendConfig, PrefillMode
-from ..errors import CacheBlendError, ConfigError, PromptError
+from ...checks import check_count, check_ratio, check_real
+from ...config import BlendConfig, PrefillMode
+from ...errors import CacheBlendError, ConfigError, PromptError
+from .marked_text import PromptText
 from .prompt import PromptTemplate, TokenizedPrompt
-from .prompt_text import PromptText
 
 # The keyword arguments a request takes, with their defaults (the engine's names).
 REQUEST_DEFAULTS: dict[str, Any] = {

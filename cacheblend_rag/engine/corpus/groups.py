@@ -16,11 +16,11 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from ..errors import ConfigError
-from .capture import capturable
-from .chunk_cache import ChunkCache
-from .prefill import Prefiller
-from .prompt import TokenizedPrompt
+from ...errors import ConfigError
+from ..chunks.cache import ChunkCache
+from ..chunks.capture import capturable
+from ..prefill.prefiller import Prefiller
+from ..request.prompt import TokenizedPrompt
 
 GROUPS = "groups"  # `precompute(context=...)`: full prefills of groups of similar chunks, stored as captured KV
 
@@ -29,7 +29,7 @@ def group_indexes(texts: Sequence[str], lengths: Sequence[int], group_tokens: in
     """The indexes of `texts` (the first of repeated texts only) in groups of similar texts of at most
     `group_tokens` tokens (`lengths` per text), each in prefill order (`retrieval.groups.text_groups`, by the
     packaged embedder)."""
-    from ..retrieval.groups import text_groups  # the embedder loads only for grouped precompute
+    from ...retrieval.groups import text_groups  # the embedder loads only for grouped precompute
 
     first = {t: i for i, t in reversed(list(enumerate(texts)))}
     unique = sorted(first.values())

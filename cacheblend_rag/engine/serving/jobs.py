@@ -9,10 +9,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from ..request.prompt import TokenizedPrompt
+from ..request.request import Request
 from .batch_decode import DecodeCache
 from .decoding import Event, GenerationResult, TokenLoop
-from .prompt import TokenizedPrompt
-from .request import Request
 
 
 class Channel:

@@ -21,9 +21,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from ..store import ChunkKV
-from .interleave import AfterLayer, HostedWork
-from .metrics import RequestMetrics
+from ...store import ChunkKV
+from ..request.after_layer import AfterLayer, HostedWork
+from ..request.metrics import RequestMetrics
 from .shutdown import joined, stop_at_exit
 
 logger = logging.getLogger(__name__)

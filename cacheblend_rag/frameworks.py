@@ -40,8 +40,8 @@ from typing import Any
 
 from .config import EngineConfig, PrefillMode
 from .engine import CacheBlendEngine, Request
-from .engine.prompt_text import PromptText, render_chat_text
-from .engine.request import ALIASES as REQUEST_ALIASES
+from .engine.request.marked_text import PromptText, render_chat_text
+from .engine.request.request import ALIASES as REQUEST_ALIASES
 from .errors import ConfigError, PromptError
 
 __all__ = [
