@@ -73,7 +73,7 @@ from benchlib.fidelity_run import (  # noqa: E402
 )
 from benchlib.records import load_records, take_records  # noqa: E402
 
-from cacheblend_rag.config import DEFAULT_PRECOMPUTE_GROUPS, RULE_NAMES  # noqa: E402
+from cacheblend_rag.config import DEFAULT_GROUP_TOKENS, RULE_NAMES  # noqa: E402
 from cacheblend_rag.evaluation import load_dataset  # noqa: E402
 from cacheblend_rag.store.codec import CODECS  # noqa: E402
 
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                    "from two earlier requests of half the passages each among other cases' ('+capmix'); grouped: "
                    "from full prefills of groups of similar passages of the pool, as precompute(context='groups') "
                    "stores a corpus ('+grp')")  # fmt: skip
-    p.add_argument("--group-tokens", type=int, default=DEFAULT_PRECOMPUTE_GROUPS, help="with --chunk-context grouped: "
+    p.add_argument("--group-tokens", type=int, default=DEFAULT_GROUP_TOKENS, help="with --chunk-context grouped: "
                    "the most tokens of a group")  # fmt: skip
     p.add_argument("--context-neighbours", type=int, default=2, help="with --chunk-context: neighbours per chunk")
     p.add_argument("--context-order", choices=["nearest", "acyclic"], default="nearest", help="with --chunk-context "

@@ -8,7 +8,7 @@ thread, best of `--repeats`) and its TTFT through `generate` (the scheduler's th
 reuse, blend at each ratio, and the blends of `--rules` (default `paper`, which needs no first pass) at the same
 ratios. Then decode steps after the longest prompt: one request, and a batch of `--batch` requests whose caches all
 have different lengths (as under load), best of 16 steps; and the decode rate of one `--new-tokens` answer through
-`generate`. Beside them: reuse and blend with `pipelined_loading` on and off (load, wait and compute time of
+`generate`. Beside them: reuse and blend with pipelined loading on and off (load, wait and compute time of
 `generate`), and a full prefill kept off cuDNN attention. `--profile` adds torch.profiler's top ops and cProfile's
 top Python functions of one full and one blend prefill. Writes OUT/gpu_check.json. The timing does not depend on
 the weights' values.
@@ -21,14 +21,13 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
 
 import torch
 from benchlib.cli import add_out_argument
 from benchlib.timing import RANDOM_SHAPES, build_engine, make_prompt, warm_up
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.config import blend_rule
+from cacheblend_rag.config import StoreConfig, blend_rule
 from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache
 from cacheblend_rag.models.adapter import attention_kernels
 
@@ -102,10 +101,11 @@ def ttft_rows(engine, prompt, args) -> dict[str, dict[str, float]]:
 
 
 def pipeline_rows(engine, prompt, args) -> dict[str, dict[str, float]]:
-    """The same prefills on a second engine over the same model with `pipelined_loading=False` (chunk KV loaded on the
-    calling thread, no prefetch thread), a full prefill kept off cuDNN attention like the fusor, and each mode's
-    `generate` metrics split into load, wait and compute time (median of `--repeats`)."""
-    inline = CacheBlendEngine(engine.model, engine.tokenizer, config=replace(engine.config, pipelined_loading=False))
+    """The same prefills on a second engine over the same model without pipelined loading (chunk KV loaded on the
+    calling thread, no prefetch thread: `prefiller.pipelined = False`), a full prefill kept off cuDNN attention like
+    the fusor, and each mode's `generate` metrics split into load, wait and compute time (median of `--repeats`)."""
+    inline = CacheBlendEngine(engine.model, engine.tokenizer, config=engine.config)
+    inline.prefiller.pipelined = False
     warm_up(inline, prompt)
     rows = {}
     for name, mode, opts in [("reuse", "reuse", {}), ("blend r=0.15", "blend", {"recompute_ratio": 0.15})]:
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     add_out_argument(p, "gpu_check", "folder for gpu_check.json")
     args = p.parse_args(argv)
     args.random_weights = True
-    engine = build_engine(args, args.dtype, memory_budget_bytes=int(args.memory_gb * 1024**3))
+    engine = build_engine(args, args.dtype, store=StoreConfig(memory_budget_bytes=int(args.memory_gb * 1024**3)))
     report = {"device": device_name(args.device), "torch": torch.__version__, "shape": args.model_shape,
               "dtype": args.dtype, "lengths": {}}  # fmt: skip
     print(f"== {args.model_shape} random weights, {args.dtype} on {report['device']}; prefill alone: best of "

@@ -15,9 +15,9 @@ Each setting is a way to serve them:
 With --cold-share F, that share of the requests (the same ones in every repeat) is cold: its chunks are texts the
 engine has never stored (a pool chunk with a unique two-word tag in front), so it takes the miss policy's path
 (--miss-policy; under the default "auto" a fully cold request is answered with a full prefill, whose chunk KV is
-stored as --capture says: "all", the engine's default, keeps every chunk from that prefill; "exact" keeps the first
-and prefills the others after the answer, in the background). Cold chunks are dropped from the store after each
-run, so every run starts from the same warm pool. Such a row is named "SETTING, 25% cold".
+stored as --chunk-context says: "grouped", the engine's default, and "captured" keep every chunk from that prefill;
+"isolated" keeps the first and prefills the others after the answer, in the background). Cold chunks are dropped from
+the store after each run, so every run starts from the same warm pool. Such a row is named "SETTING, 25% cold".
 
 Reports, per setting and load, answers per minute, generated tokens per second, TTFT p50/p90/p99 (from arrival,
 queueing included) and time per output token; with --repeats R > 1 each as its mean and 95% t interval over the
@@ -57,8 +57,8 @@ from benchlib.load_requests import QUESTIONS, Planned, plan_requests  # noqa: E4
 from benchlib.queueing import poisson_arrivals  # noqa: E402
 from benchlib.timing import RANDOM_SHAPES, add_data_dir_argument, build_engine, chunk_texts  # noqa: E402
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
-from cacheblend_rag.config import CAPTURE_POLICIES, MISS_POLICIES  # noqa: E402
+from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig  # noqa: E402
+from cacheblend_rag.config import CHUNK_CONTEXTS, MISS_POLICIES  # noqa: E402
 
 SETTINGS = {
     "blend-serial": dict(mode="blend", max_batch_size=1, decode_weights="native"),
@@ -229,8 +229,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "first) or seconds, e.g. none,0.5")  # fmt: skip
     p.add_argument("--cold-share", default="0", help="shares (0..1) of cold requests, comma-separated: 0,0.25")
     p.add_argument("--miss-policy", default="auto", choices=MISS_POLICIES, help="what a cold request does")
-    p.add_argument("--capture", default=None, choices=CAPTURE_POLICIES,
-                   help="what a cold request's full prefill stores (default: the engine's)")  # fmt: skip
+    p.add_argument("--chunk-context", default="grouped", choices=tuple(CHUNK_CONTEXTS),
+                   help="how chunk KV is cached, and what a cold request's full prefill stores")  # fmt: skip
     p.add_argument("--check-serial", action="store_true",
                    help="re-serve each batched row's requests alone and count differing greedy answers")  # fmt: skip
     p.add_argument("--chunks", type=int, default=6)
@@ -268,12 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name()
     results = dict(model=label, cpu=device, device=args.device, dtype=args.dtype, threads=torch.get_num_threads(),
                    chunks=args.chunks, chunk_tokens=args.chunk_tokens, new_tokens=args.new_tokens,
-                   repeats=args.repeats, arrivals=args.arrivals, miss_policy=args.miss_policy, capture=args.capture,
+                   repeats=args.repeats, arrivals=args.arrivals, miss_policy=args.miss_policy,
+                   chunk_context=args.chunk_context,
                    interval="95% Student t over the repeats (from 2 repeats on)", rows=[])  # fmt: skip
     if args.arrivals == "poisson":
         results.update(requests=args.requests, seed=args.seed)
     key, _ = load_axis(results)
-    base = build_engine(args, args.dtype, memory_budget_bytes=int(args.memory_gb * 2**30))
+    base = build_engine(args, args.dtype, store=StoreConfig(memory_budget_bytes=int(args.memory_gb * 2**30)))
     if args.random_weights:  # one token per word "wN"
         g = torch.Generator().manual_seed(1)
         pool = [" ".join(f"w{int(i)}" for i in torch.randint(2, 32000, (args.chunk_tokens,), generator=g))
@@ -285,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def engine_for(spec: dict, max_batch: int, gap: float | None = None) -> CacheBlendEngine:
         config = EngineConfig(device=args.device, dtype=args.dtype, max_batch_size=max_batch,
-                              decode_weights=spec["decode_weights"], miss_policy=args.miss_policy, capture=args.capture,
+                              decode_weights=spec["decode_weights"], miss_policy=args.miss_policy,
+                              chunk_context=args.chunk_context,
                               max_token_gap_s=gap)  # fmt: skip
         return CacheBlendEngine(base.model, base.tokenizer, config=config, store=base.store)  # same warm store
 

@@ -43,7 +43,7 @@ from benchlib import timing  # noqa: E402
 from benchlib.cli import add_out_argument  # noqa: E402
 from benchlib.report import pyplot, save_figure  # noqa: E402
 
-from cacheblend_rag import CacheBlendEngine  # noqa: E402
+from cacheblend_rag import CacheBlendEngine, StoreConfig  # noqa: E402
 from cacheblend_rag.errors import PromptError  # noqa: E402
 
 
@@ -141,7 +141,7 @@ def plot(report: dict[str, Any], sweeps: list[Sweep], names: list[str], path: Pa
 def run(args) -> dict[str, Any]:
     data_dir = Path(args.data_dir) if args.data_dir else None
     t = time.perf_counter()
-    engine = timing.build_engine(args, args.dtype, memory_budget_bytes=int(args.memory_gb * 1024**3))
+    engine = timing.build_engine(args, args.dtype, store=StoreConfig(memory_budget_bytes=int(args.memory_gb * 1024**3)))
     model = timing.model_label(args)
     print(
         f"== {model} {args.dtype} on {args.device} (loaded in {time.perf_counter() - t:.1f}s, "

@@ -7,13 +7,13 @@ attends to most). Start with `CacheBlendEngine`.
 Folders: `models/` (presets, loading, layer-wise adapter), `store/` (chunk KV and its stores), `fusion/` (token
 selection and the blended prefill), `engine/` (one request end to end), `controller/` (the loading controller),
 `retrieval/` (chunking, FAISS, neighbours), `evaluation/` (data sets, scoring, fidelity to full recompute),
-`cli` (the command line), `integration` (what the LangChain and LlamaIndex packages share). The methods the
+`cli` (the command line), `frameworks` (what the LangChain and LlamaIndex packages share). The methods the
 benchmarks compare live outside the package, in the repository's `benchmarks/benchlib/`.
 """
 
 from typing import TYPE_CHECKING
 
-from .config import RULE_NAMES, RULES, BlendConfig, EngineConfig, Guard, PrefillMode, blend_rule
+from .config import RULE_NAMES, RULES, BlendConfig, EngineConfig, Guard, PrefillMode, StoreConfig, blend_rule
 from .errors import (
     CacheBlendError,
     ConfigError,
@@ -81,6 +81,7 @@ __all__ = [
     "PromptTemplate",
     "Request",
     "RequestMetrics",
+    "StoreConfig",
     "TextStream",
     "TokenizedPrompt",
     "UnsupportedModelError",

@@ -38,7 +38,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .config import EngineConfig, PrefillMode
+from .config import EngineConfig, PrefillMode, StoreConfig
 from .engine import CacheBlendEngine, Request
 from .engine.request.marked_text import PromptText, render_chat_text
 from .engine.request.request import ALIASES as REQUEST_ALIASES
@@ -252,7 +252,8 @@ def metrics_metadata(metrics: Any, *, detailed: bool = False) -> dict[str, Any]:
 # -- the engine and its name -----------------------------------------------------------------------------------
 
 
-# What a framework model object may set of the engine it loads (EngineConfig's names); None: EngineConfig's default.
+# What a framework model object may set of the engine it loads (the names of EngineConfig and, for the store, of
+# StoreConfig); None: the default.
 ENGINE_SETTINGS = (
     "device",
     "dtype",
@@ -277,7 +278,8 @@ def engine_config(**settings: Any) -> EngineConfig:
     given = {name: value for name, value in settings.items() if value is not None}
     if "disk_dir" in given:
         given["disk_dir"] = os.path.abspath(os.path.expanduser(os.fspath(given["disk_dir"])))
-    return EngineConfig(**given)
+    store = StoreConfig(**{name: given.pop(name) for name in STORE_SETTINGS if name in given})
+    return EngineConfig(store=store, **given)
 
 
 def check_no_store_settings(**settings: Any) -> None:
@@ -286,7 +288,7 @@ def check_no_store_settings(**settings: Any) -> None:
     if given:
         raise ConfigError(
             f"{', '.join(given)} set the store of an engine the model loads, but an engine was passed in, which "
-            "has its own; put them in that engine's EngineConfig, or drop engine= to let the model load one"
+            "has its own; put them in that engine's StoreConfig, or drop engine= to let the model load one"
         )
 
 

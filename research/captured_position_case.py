@@ -38,7 +38,7 @@ def main() -> None:
     engine = CacheBlendEngine.from_pretrained(args.model, config=EngineConfig(miss_policy="blend"), show_progress=False)
     prompt, ref = prepare_case(engine, spec, case)
     capture = CacheBlendEngine(engine.model, engine.tokenizer, template=engine.template,
-                               config=EngineConfig(capture="all", miss_policy="full"))  # fmt: skip
+                               config=EngineConfig(miss_policy="full"))  # fmt: skip
     order = earlier_order(case.id, len(prompt.chunk_ids))
     earlier = TokenizedPrompt(prompt.prefix_ids, tuple(prompt.chunk_ids[i] for i in order), prompt.suffix_ids)
     print(f"{spec.name} {case.id}: {prompt.num_tokens} tokens, {len(order)} chunks, earlier order {order}")

@@ -25,7 +25,11 @@ def main() -> None:
     config = EngineConfig(dtype="float32", miss_policy="blend")
     engine = CacheBlendEngine.from_pretrained("smollm2-135m-instruct", config=config, show_progress=False)
     coded = {  # engines on the same model whose memory tier keeps chunk KV through each codec
-        codec: CacheBlendEngine(engine.model, engine.tokenizer, config=dataclasses.replace(config, memory_codec=codec))
+        codec: CacheBlendEngine(
+            engine.model,
+            engine.tokenizer,
+            config=dataclasses.replace(config, store=dataclasses.replace(config.store, memory_codec=codec)),
+        )
         for codec in ("int8", "int4")
     }
     native: dict[str, list[float]] = {rule: [] for rule in RULES}

@@ -123,7 +123,7 @@ def case_study(name: str, case_id: str, data_dir: str, ablate: str = "allowed") 
         load(found)
         row(f"{ablate}, only chunk {j} grouped")
     nb = CacheBlendEngine(
-        engine.model, engine.tokenizer, config=EngineConfig(miss_policy="blend", context_neighbours=2)
+        engine.model, engine.tokenizer, config=EngineConfig(miss_policy="blend", chunk_context="isolated")
     )
     contexts = [neighbour_context(n) for n in neighbour_texts(chunks, 2, pool=pool)]
     nb.precompute(chunks, case.question, template=spec.template, context=contexts)

@@ -18,7 +18,7 @@ LADDER = (0.5, 1.0)
 
 def tiny_engine(guard=None, model=None, tokenizer=None):
     # isolated entries: on them this tiny model's three questions reach every end of the guard's ladder
-    config = EngineConfig(chunk_separator="", guard=guard, miss_policy="blend", precompute_groups=0)
+    config = EngineConfig(chunk_separator="", guard=guard, miss_policy="blend", chunk_context="captured")
     return CacheBlendEngine(model or make_tiny_model("qwen2"), tokenizer or make_tiny_tokenizer(), config=config)
 
 
@@ -400,15 +400,15 @@ def test_a_profile_of_more_questions_than_any_calibration_measures_is_refused_be
         FidelityProfile.load(path)
 
 
-def test_a_profile_measured_under_capture_all_equals_one_measured_on_isolated_entries():
-    # The reference answer is a full prefill asked for, which stores as capture="exact" does: measuring on an
-    # engine with the default capture="all" reads the isolated entries, as on an engine with "exact". (Were the
-    # reference's in-context KV stored, every later method of the same prompt would read it and look exact.)
-    # Grouped precompute is off in both, so that both build isolated entries.
+def test_a_profile_measured_with_captured_entries_equals_one_measured_on_isolated_entries():
+    # The reference answer is a full prefill asked for, which stores only the entries it computes exactly: measuring
+    # on an engine whose full prefills keep every chunk's KV ("captured") reads the isolated entries, as on an
+    # "isolated" engine. (Were the reference's in-context KV stored, every later method of the same prompt would
+    # read it and look exact.) Neither precomputes in groups, so that both build isolated entries.
     model, tokenizer = make_tiny_model("qwen2"), make_tiny_tokenizer()
     profiles = []
-    for capture in ("all", "exact"):
-        config = EngineConfig(chunk_separator="", miss_policy="blend", capture=capture, precompute_groups=0)
+    for chunk_context in ("captured", "isolated"):  # full prefills keep every chunk's KV, or only exact entries
+        config = EngineConfig(chunk_separator="", miss_policy="blend", chunk_context=chunk_context)
         engine = CacheBlendEngine(model, tokenizer, config=config)
         profiles.append(measure_fidelity(engine, sample(2), ratios=(0.15,), thresholds=(0.1,), ladder=LADDER))
     for a, b in zip(profiles[0].questions, profiles[1].questions, strict=True):

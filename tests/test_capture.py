@@ -37,7 +37,7 @@ def test_unrotating_a_rotated_key_gives_the_raw_key_back(family, tiny_tokenizer)
 
 
 def test_captured_kv_equals_a_prefill_after_the_same_context(family, tiny_tokenizer):
-    capturing = engine_with(family, tiny_tokenizer, capture="all", miss_policy="full")
+    capturing = engine_with(family, tiny_tokenizer, chunk_context="captured", miss_policy="full")
     chunks, prompt = three_chunks(capturing)
     cold = capturing.generate(prompt, max_new_tokens=2)
     capturing.wait_for_fills()
@@ -56,7 +56,7 @@ def test_captured_kv_equals_a_prefill_after_the_same_context(family, tiny_tokeni
 
 
 def test_exact_capture_stores_the_first_chunk_from_the_prompt_and_fills_the_rest_alone(family, tiny_tokenizer):
-    engine = engine_with(family, tiny_tokenizer, miss_policy="full", capture="exact")
+    engine = engine_with(family, tiny_tokenizer, miss_policy="full", chunk_context="isolated")
     chunks, prompt = three_chunks(engine)
     cold = engine.generate(prompt, max_new_tokens=2)
     assert cold.metrics.chunks_missed == 3 and cold.metrics.chunks_captured == 1
@@ -84,7 +84,7 @@ def test_a_full_request_stores_what_it_computed_and_fills_nothing(family, tiny_t
 
 
 def test_capture_all_keys_its_entries_apart_from_isolated_ones(family, tiny_tokenizer):
-    engine = engine_with(family, tiny_tokenizer, capture="all", miss_policy="full")
+    engine = engine_with(family, tiny_tokenizer, chunk_context="captured", miss_policy="full")
     _, prompt = three_chunks(engine)
     for ids in prompt.chunk_ids:
         assert engine.chunk_key(prompt.prefix_ids, ids) != engine.chunk_key(prompt.prefix_ids, ids, captured=True)
@@ -102,11 +102,11 @@ def test_the_first_chunk_of_a_prompt_never_reads_kv_captured_after_other_chunks(
     # Captured in the order C, A, B: A's and B's entries were computed after other chunks. Asked in the order
     # A, B, C, the first chunk A (real context: the prefix alone) is a miss of its own, isolated, entry and is
     # prefilled alone; B reads its captured entry; C, captured first, reads its own entry.
-    engine = engine_with(family, tiny_tokenizer, capture="all", miss_policy="blend")
+    engine = engine_with(family, tiny_tokenizer, chunk_context="captured", miss_policy="blend")
     chunks, prompt = three_chunks(engine)
     earlier = engine.build_prompt([chunks[2], chunks[0], chunks[1]], prefix=PREFIX, suffix=random_words(45, 6))
     # the earlier request was cold, and the miss policy answered it in full (an engine on the same store)
-    config = EngineConfig(chunk_separator="", capture="all", miss_policy="full")
+    config = EngineConfig(chunk_separator="", miss_policy="full")
     first = CacheBlendEngine(engine.model, tiny_tokenizer, config=config, store=engine.store)
     assert first.generate(earlier, max_new_tokens=1).metrics.chunks_captured == 3
     first.wait_for_fills()
@@ -125,21 +125,22 @@ def test_the_first_chunk_of_a_prompt_never_reads_kv_captured_after_other_chunks(
     assert engine.chunk_key(prompt.prefix_ids, prompt.chunk_ids[2], captured=True) not in engine.store
 
 
-def test_capture_settings_are_checked():
-    assert EngineConfig().capture_policy == "all"  # the default
-    assert EngineConfig(context_neighbours=2).capture_policy == "exact"  # entries built after neighbours instead
-    assert EngineConfig(capture="exact").capture_policy == "exact"
-    with pytest.raises(ConfigError, match="capture must be one of exact, all"):
-        EngineConfig(capture="everything")
-    with pytest.raises(ConfigError, match="choose one"):
-        EngineConfig(capture="all", context_neighbours=2)
+def test_each_chunk_context_reads_and_stores_the_captured_entries_it_names():
+    assert EngineConfig().capture_policy == "all" and EngineConfig().group_tokens == 3072  # the default: grouped
+    assert EngineConfig(chunk_context="captured").capture_policy == "all"
+    assert EngineConfig(chunk_context="captured").group_tokens == 0
+    assert EngineConfig(chunk_context="isolated").capture_policy == "exact"
+    with pytest.raises(ConfigError, match="chunk_context must be one of grouped, captured, isolated"):
+        EngineConfig(chunk_context="everything")
+    with pytest.raises(ConfigError, match="chunk_context='isolated'"):
+        EngineConfig(capture="exact")
 
 
 def test_a_guard_escalation_to_a_full_recompute_adds_the_captured_entries(family, tiny_tokenizer):
     from cacheblend_rag import Guard
 
     always = Guard(min_margin=1.0, ratios=(1.0,))  # every request is a near tie: straight to r = 1
-    engine = engine_with(family, tiny_tokenizer, capture="all", miss_policy="blend", guard=always)
+    engine = engine_with(family, tiny_tokenizer, chunk_context="captured", miss_policy="blend", guard=always)
     chunks, prompt = three_chunks(engine)
     engine.precompute(chunks, prefix=PREFIX, context=None)  # own entries only
     blended = engine.prefill(prompt, "blend")

@@ -76,8 +76,8 @@ def test_a_chunk_cached_after_a_later_chunk_of_the_prompt_reads_its_isolated_ent
     acb = engine.build_prompt([a, c, b], prefix=prefix, suffix=random_words(34, 6))
     contexts = [[], [c], [a, b]]
     engine.precompute([a, b, c], prefix=prefix, context=contexts)
-    assert engine.chunks.isolated_at(abc.chunk_ids) == [True, True, False]
-    assert engine.chunks.isolated_at(acb.chunk_ids) == [True, True, False]
+    assert [p.isolated for p in engine.placements(abc)] == [True, True, False]
+    assert [p.isolated for p in engine.placements(acb)] == [True, True, False]
     isolated_b = chunk_key(engine.fingerprint, engine.dtype, abc.prefix_ids, abc.chunk_ids[1])
     after_c = engine.chunk_key(abc.prefix_ids, abc.chunk_ids[1])
     assert after_c != isolated_b
@@ -139,14 +139,16 @@ def test_context_arguments_are_checked(tiny_engine):
         tiny_engine.precompute(chunks, prefix="p", context=[["x"]])
     with pytest.raises(ConfigError, match="one list of texts per chunk"):
         tiny_engine.precompute(chunks, prefix="p", context=["x", "y"])
-    with pytest.raises(ConfigError, match="'neighbours', 'keep', None"):
+    with pytest.raises(ConfigError, match="'keep', None"):
         tiny_engine.precompute(chunks, prefix="p", context="nearest")
+    with pytest.raises(ConfigError, match="left the product.*one list of texts per chunk"):
+        tiny_engine.precompute(chunks, prefix="p", context="neighbours")
     with pytest.raises(ConfigError, match="non-empty text"):
         tiny_engine.precompute(chunks, prefix="p", context=[[""], []])
     with pytest.raises(ConfigError, match="its own context"):
         tiny_engine.precompute(chunks, prefix="p", context=[[chunks[0]], []])
-    with pytest.raises(ConfigError, match="context_neighbours"):
-        EngineConfig(context_neighbours=-1)
+    with pytest.raises(ConfigError, match="neighbour context left the product"):
+        EngineConfig(context_neighbours=2)
 
 
 def test_chunk_contexts_hold_each_part_once_and_forget_cleanly():
@@ -208,15 +210,13 @@ def test_the_index_gives_each_chunk_its_nearest_chunks_nearest_last():
     assert index.neighbour_contexts(0) == [[], [], [], []]
 
 
-def test_precompute_takes_the_chunks_as_the_corpus_only_when_neighbours_are_asked_for(tiny_tokenizer):
+def test_precompute_follows_the_engines_chunk_context_and_records_no_context_by_itself(tiny_tokenizer):
     chunks = [random_words(60 + i, 12) for i in range(4)]
-    off = CacheBlendEngine(make_tiny_model("llama"), tiny_tokenizer, config=EngineConfig(chunk_separator=""))
-    assert off.precompute(chunks, prefix="p") == (0, 4) and len(off.chunks.contexts) == 0  # default: groups
-    on = CacheBlendEngine(make_tiny_model("llama"), tiny_tokenizer,
-                          config=EngineConfig(chunk_separator="", context_neighbours=1))  # fmt: skip
-    assert on.precompute(chunks, prefix="p") == (0, 4) and len(on.chunks.contexts) == 4
-    ids = on.build_prompt(chunks, prefix="p", suffix="q").chunk_ids
-    for i, own in enumerate(ids):  # each chunk after one other chunk of the corpus
-        assert on.chunks.contexts.tokens(own) in [other for j, other in enumerate(ids) if j != i]
-    assert on.precompute(chunks, prefix="p") == (4, 0)  # the same neighbours: the same entries
-    assert on.set_chunk_context(chunks, "keep") == 4
+    for chunk_context, stored_captured in [("grouped", True), ("captured", False), ("isolated", False)]:
+        config = EngineConfig(chunk_separator="", chunk_context=chunk_context)
+        engine = CacheBlendEngine(make_tiny_model("llama"), tiny_tokenizer, config=config)
+        assert engine.precompute(chunks, prefix="p") == (0, 4) and len(engine.chunks.contexts) == 0
+        prompt = engine.build_prompt(chunks, prefix="p", suffix="q")
+        captured = [engine.chunk_key(prompt.prefix_ids, ids, captured=True) in engine.store for ids in prompt.chunk_ids]
+        assert any(captured) == stored_captured, chunk_context  # grouped: a group's later chunks as it held them
+        assert engine.precompute(chunks, prefix="p") == (4, 0)

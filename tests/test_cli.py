@@ -316,45 +316,33 @@ def test_the_parser_is_built_without_importing_torch_and_every_lazy_export_resol
             package.nope  # noqa: B018
 
 
-def test_capture_is_the_engines_default_unless_asked(capsys):
+def test_chunk_context_goes_from_the_command_line_to_the_engine_and_the_index():
     from cacheblend_rag.cli import build_parser
     from cacheblend_rag.cli.ask import engine_config
-    from cacheblend_rag.errors import ConfigError
+    from cacheblend_rag.cli.sources import index_context
 
     def config(*options):
         return engine_config(build_parser().parse_args(["ask", "--docs", "d", *options, "What is it?"]))
 
-    assert config().capture is None and config().capture_policy == "all"
-    assert config("--capture", "exact").capture_policy == "exact"
-    assert config("--context-neighbours", "2").capture_policy == "exact"  # entries built after neighbours instead
-    with pytest.raises(ConfigError, match="choose one"):
-        config("--capture", "all", "--context-neighbours", "2")
+    grouped = config()  # the default: groups of up to 3072 tokens, read as captured entries
+    assert grouped.chunk_context == "grouped" and grouped.group_tokens == 3072 and grouped.capture_policy == "all"
+    captured = config("--chunk-context", "captured")
+    assert captured.group_tokens == 0 and captured.capture_policy == "all"
+    isolated = config("--chunk-context", "isolated")
+    assert isolated.group_tokens == 0 and isolated.capture_policy == "exact"
 
-
-def test_precompute_groups_goes_from_the_command_line_to_the_engine_and_the_index():
-    from cacheblend_rag.cli import build_parser
-    from cacheblend_rag.cli.ask import engine_config
-    from cacheblend_rag.cli.sources import record_index_contexts
-    from cacheblend_rag.errors import ConfigError
-
-    def config(*options):
-        return engine_config(build_parser().parse_args(["ask", "--docs", "d", *options, "What is it?"]))
-
-    grouped = config()  # on by default: groups of up to 3072 tokens, read under capture="all"
-    assert grouped.group_tokens == 3072 and grouped.capture_policy == "all"
-    assert config("--precompute-groups", "2048").group_tokens == 2048
-    assert config("--precompute-groups", "0").group_tokens == 0
-    # the corpus's other context, or a capture policy that would not read grouped entries, turns it off
-    assert config("--context-neighbours", "2").group_tokens == 0
-    assert config("--capture", "exact").group_tokens == 0
-    with pytest.raises(ConfigError, match="choose one"):
-        config("--precompute-groups", "3072", "--context-neighbours", "2")
-    with pytest.raises(ConfigError, match="capture='all'"):
-        config("--precompute-groups", "3072", "--capture", "exact")
-
-    class Engine:  # what `record_index_contexts` reads of an engine, for an index it never has to open
+    class Engine:  # what `index_context` reads of an engine
         config = grouped
 
-    assert record_index_contexts(Engine(), index=None) == "groups"  # type: ignore[arg-type]
-    Engine.config = config("--precompute-groups", "0")
-    assert record_index_contexts(Engine(), index=None) is None  # type: ignore[arg-type]
+    assert index_context(Engine()) == "groups"  # type: ignore[arg-type]
+    Engine.config = captured
+    assert index_context(Engine()) is None  # type: ignore[arg-type]
+
+
+def test_the_options_that_left_the_command_line_are_refused(capsys):
+    from cacheblend_rag.cli import build_parser
+
+    for gone in (["--capture", "exact"], ["--context-neighbours", "2"], ["--precompute-groups", "0"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["ask", "--docs", "d", *gone, "What is it?"])
+        assert "unrecognized arguments" in capsys.readouterr().err

@@ -233,7 +233,11 @@ def test_a_variant_read_through_a_codec_reads_the_variants_entries_and_is_paired
     from benchlib.fidelity_context import CAPTURED, CapturePreparer, VariantThroughCodec, capture_engine
 
     cap = capture_engine(engine)
-    copy = CacheBlendEngine(engine.model, engine.tokenizer, config=replace(cap.config, memory_codec="native"))
+    copy = CacheBlendEngine(
+        engine.model,
+        engine.tokenizer,
+        config=replace(cap.config, store=replace(cap.config.store, memory_codec="native")),
+    )
     methods, data = fidelity_methods(["attention"], [0.15]), tiny_dataset(2)
     shuffled = CapturePreparer()
     run_fidelity(engine, [data], methods, tmp_path, codecs={"native": engine, CAPTURED: cap},

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save as st_save
 from test_store_tiers import make_kv, same
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.chunk_kv import ChunkKV
 from cacheblend_rag.store.codec import CODECS, KVCodec, PayloadSpec
@@ -183,7 +183,7 @@ def test_the_disk_tier_stores_int8_by_default_and_the_memory_tier_native(tmp_pat
         for got, want in ((out.keys, kv.keys), (out.values, kv.values)):
             step = (want.max() - want.min()).item() / 255  # an int8 step over the whole range: >= each axis's step
             assert not torch.equal(got, want) and torch.allclose(got, want, rtol=0, atol=step)
-    assert EngineConfig().kv_codec == "int8" and EngineConfig().memory_codec == "native"
+    assert StoreConfig().kv_codec == "int8" and StoreConfig().memory_codec == "native"
 
 
 # ---------------------------------------------------------------- the engine's settings
@@ -193,9 +193,9 @@ CHUNKS = [random_words(501, 40), random_words(502, 30), random_words(503, 50)]
 
 def test_config_names_the_codec_field_value_and_choices():
     with pytest.raises(ConfigError, match=r"kv_codec must be one of \['bf16', 'fp16', 'int4', 'int8', 'native'\]"):
-        EngineConfig(kv_codec="int3")
+        EngineConfig(store=StoreConfig(kv_codec="int3"))
     with pytest.raises(ConfigError, match="memory_codec must be one of .* got 'zstd'"):
-        EngineConfig(memory_codec="zstd")
+        EngineConfig(store=StoreConfig(memory_codec="zstd"))
 
 
 def test_the_settings_name_the_codecs_the_store_ships():
@@ -219,7 +219,9 @@ def test_the_engine_stores_disk_entries_in_its_kv_codec_and_blends_from_them(tmp
 
     engines = {}
     for name in ("native", "int8"):
-        config = EngineConfig(chunk_separator="", memory_budget_bytes=0, disk_dir=str(tmp_path / name), kv_codec=name)
+        config = EngineConfig(
+            chunk_separator="", store=StoreConfig(memory_budget_bytes=0, disk_dir=str(tmp_path / name), kv_codec=name)
+        )
         engines[name] = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=config)
         ask(engines[name])  # cold: answered in full, its chunks stored after the call, in the background
         engines[name].wait_for_fills()

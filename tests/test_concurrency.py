@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 THREADS, PER_THREAD = 8, 25
@@ -15,7 +15,9 @@ def test_eight_threads_give_the_same_outputs_as_serial_runs(tmp_path):
         make_tiny_model("qwen2"),
         make_tiny_tokenizer(),
         config=EngineConfig(
-            miss_policy="blend", chunk_separator="", disk_dir=str(tmp_path / "kv"), memory_budget_bytes=200_000
+            miss_policy="blend",
+            chunk_separator="",
+            store=StoreConfig(disk_dir=str(tmp_path / "kv"), memory_budget_bytes=200_000),
         ),
     )
     pool = [random_words(200 + i, 12) for i in range(10)]  # chunks shared across requests, as a retriever would return

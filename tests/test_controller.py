@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
 from cacheblend_rag.controller import ComputePoint, LoadingController, LoadingProfile, TierSpeed, profile_engine
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
@@ -104,7 +104,9 @@ def ask(engine, **kw):
 
 def test_engine_uses_the_controllers_ratio_unless_one_is_pinned(tmp_path):
     # A disk so slow (per the profile) that the controller recomputes everything it can while loading.
-    config = EngineConfig(miss_policy="blend", chunk_separator="", memory_budget_bytes=0, disk_dir=str(tmp_path))
+    config = EngineConfig(
+        miss_policy="blend", chunk_separator="", store=StoreConfig(memory_budget_bytes=0, disk_dir=str(tmp_path))
+    )
     model = make_tiny_model("llama")
     with pytest.raises(ConfigError, match="measured for model m in float32"):
         CacheBlendEngine(model, make_tiny_tokenizer(), config=config, controller=LoadingController(make_profile()))

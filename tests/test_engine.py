@@ -14,6 +14,7 @@ from cacheblend_rag import (
     MemoryStore,
     PromptError,
     PromptTemplate,
+    StoreConfig,
     blend_rule,
 )
 from cacheblend_rag.engine.request.request import SamplingParams
@@ -129,8 +130,9 @@ def test_bytes_loaded_are_the_stored_bytes_whether_or_not_loading_is_pipelined(c
     chunks = [random_words(44, 15), random_words(45, 15)]
     loaded = {}
     for pipelined in (False, True):
-        config = EngineConfig(miss_policy="blend", chunk_separator="", memory_codec=codec, pipelined_loading=pipelined)
+        config = EngineConfig(miss_policy="blend", chunk_separator="", store=StoreConfig(memory_codec=codec))
         eng = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=config)
+        eng.prefiller.pipelined = pipelined
         ask(eng, chunks, max_new_tokens=1)
         loaded[pipelined] = ask(eng, chunks, max_new_tokens=1).metrics.bytes_loaded
     assert loaded[False] == loaded[True] > 0
@@ -143,13 +145,14 @@ def test_bytes_loaded_are_the_stored_bytes_whether_or_not_loading_is_pipelined(c
 
 def test_cold_chunks_give_the_same_answer_as_warm_ones():
     chunks = [random_words(51, 15), random_words(52, 15), random_words(53, 15)]
-    config = EngineConfig(miss_policy="blend", chunk_separator="", context_neighbours=2)
+    contexts = [[chunks[2]], [chunks[0]], [chunks[1], chunks[0]]]
+    config = EngineConfig(miss_policy="blend", chunk_separator="", chunk_context="isolated")
     cold = CacheBlendEngine(make_tiny_model("qwen3"), make_tiny_tokenizer(), config=config)
     warm = CacheBlendEngine(make_tiny_model("qwen3"), make_tiny_tokenizer(), config=config)
-    # The same corpus on both: the cold engine only records each chunk's context (its nearest neighbours), the
-    # warm one also computes the entries; a miss is prefilled after the same context, so the answers agree.
-    cold.set_chunk_context(chunks, prefix=random_words(1, 4))
-    warm.precompute(chunks, prefix=random_words(1, 4))
+    # The same corpus on both: the cold engine only records each chunk's context, the warm one also computes the
+    # entries; a miss is prefilled after the same context, so the answers agree.
+    cold.set_chunk_context(chunks, contexts, prefix=random_words(1, 4))
+    warm.precompute(chunks, prefix=random_words(1, 4), context=contexts)
     a, b = ask(cold, chunks, max_new_tokens=6), ask(warm, chunks, max_new_tokens=6)
     assert a.metrics.chunks_missed == 3 and b.metrics.chunks_hit == 3
     assert a.token_ids == b.token_ids
@@ -296,7 +299,7 @@ def test_a_damaged_store_entry_is_recomputed_not_used(caplog):
 
 
 def test_chunks_come_back_from_the_disk_tier_in_a_new_engine(tmp_path):
-    config = EngineConfig(miss_policy="blend", chunk_separator="", disk_dir=str(tmp_path / "kv"))
+    config = EngineConfig(miss_policy="blend", chunk_separator="", store=StoreConfig(disk_dir=str(tmp_path / "kv")))
     chunks = [random_words(101, 12), random_words(102, 12)]
     first = CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
     a = ask(first, chunks, max_new_tokens=4)
@@ -313,7 +316,7 @@ def test_chunks_come_back_from_the_disk_tier_in_a_new_engine(tmp_path):
 
 def test_engine_config_checks_the_redis_url():
     with pytest.raises(ConfigError, match="redis_url must start with"):
-        EngineConfig(miss_policy="blend", redis_url="localhost:6379")
+        EngineConfig(miss_policy="blend", store=StoreConfig(redis_url="localhost:6379"))
 
 
 def test_a_closed_stream_stops_generating(engine):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from redis_helpers import RedisServer, started_cluster
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
 from cacheblend_rag.store import ChunkStore, DiskStore, MemoryStore, RedisStore, TieredStore
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
@@ -26,7 +26,8 @@ def ask(engine):
 
 def engine_on(**tiers) -> CacheBlendEngine:
     # memory_budget_bytes=0: nothing stays in process memory, every chunk comes from the lower tier
-    config = EngineConfig(miss_policy="blend", chunk_separator="", memory_budget_bytes=0, kv_codec=EXACT_CODEC, **tiers)
+    store = StoreConfig(**{"memory_budget_bytes": 0, "kv_codec": EXACT_CODEC, **tiers})
+    config = EngineConfig(miss_policy="blend", chunk_separator="", store=store)
     return CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
 
 
@@ -75,7 +76,7 @@ def test_a_garbled_redis_value_is_a_miss_and_the_answer_stays_right():
 def test_clear_store_drops_chunk_kv_and_the_answer_stays_right(tmp_path):
     from cacheblend_rag.errors import ConfigError
 
-    config = EngineConfig(miss_policy="blend", chunk_separator="", disk_dir=str(tmp_path / "kv"))
+    config = EngineConfig(miss_policy="blend", chunk_separator="", store=StoreConfig(disk_dir=str(tmp_path / "kv")))
     engine = CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
     reference = ask(engine)
     assert ask(engine).metrics.chunks_hit == 2
@@ -128,8 +129,9 @@ def make_tier(kind: str, request, tmp_path) -> ChunkStore:
 def test_every_store_and_stack_gives_the_memory_stores_tokens(kinds, pipelined, request, tmp_path, reference_tokens):
     tiers = [make_tier(kind, request, tmp_path) for kind in kinds]
     store = tiers[0] if len(tiers) == 1 else TieredStore(tiers)
-    config = EngineConfig(miss_policy="blend", chunk_separator="", pipelined_loading=pipelined)
+    config = EngineConfig(miss_policy="blend", chunk_separator="")
     engine = CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config, store=store)
+    engine.prefiller.pipelined = pipelined
     try:
         cold = ask(engine)
         assert cold.token_ids == reference_tokens and cold.metrics.chunks_missed == 2

@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_store_tiers import make_kv
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store import DiskStore, MemoryStore, TieredStore
 from cacheblend_rag.store.serialize import CorruptEntryError, parse_layout, serialize_chunk
@@ -32,17 +32,13 @@ BIG = 1024  # tokens: above diskcache's 32 KiB threshold, so the entry is a file
 EXACT_CODEC = "native"
 
 
-def engine_on(pipelined: bool = True, **config) -> CacheBlendEngine:
+def engine_on(pipelined: bool = True, **tiers) -> CacheBlendEngine:
     # memory_budget_bytes=0: nothing stays in process memory, every chunk comes from the lower tiers.
-    config = EngineConfig(
-        miss_policy="blend",
-        chunk_separator="",
-        memory_budget_bytes=0,
-        pipelined_loading=pipelined,
-        kv_codec=EXACT_CODEC,
-        **config,
-    )
-    return CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
+    store = StoreConfig(**{"memory_budget_bytes": 0, "kv_codec": EXACT_CODEC, **tiers})
+    config = EngineConfig(miss_policy="blend", chunk_separator="", store=store)
+    engine = CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
+    engine.prefiller.pipelined = pipelined  # False: each layer read when the fusor needs it (the reference)
+    return engine
 
 
 def ask(engine, chunks=CHUNKS):
@@ -231,7 +227,7 @@ def test_a_garbled_cache_db_is_one_clear_error_at_start_up(tmp_path):
         CacheBlendEngine(
             make_tiny_model("qwen2"),
             make_tiny_tokenizer(),
-            config=EngineConfig(miss_policy="blend", disk_dir=str(folder)),
+            config=EngineConfig(miss_policy="blend", store=StoreConfig(disk_dir=str(folder))),
         )
 
 
@@ -334,7 +330,7 @@ def test_with_an_hmac_key_the_redis_tier_refuses_entries_forged_without_it(redis
 
 
 def test_an_engine_with_an_hmac_key_answers_right_over_a_forged_disk_tier(tmp_path):
-    engine = engine_on(disk_dir=str(tmp_path / "kv"), store_hmac_key=KEY)
+    engine = engine_on(disk_dir=str(tmp_path / "kv"), hmac_key=KEY)
     reference = ask(engine)
     engine.store.flush()
     unsigned = DiskStore(tmp_path / "kv", codec=EXACT_CODEC)
@@ -348,4 +344,4 @@ def test_an_engine_with_an_hmac_key_answers_right_over_a_forged_disk_tier(tmp_pa
 
 def test_a_short_hmac_key_is_refused():
     with pytest.raises(ConfigError, match="at least 16 bytes"):
-        EngineConfig(miss_policy="blend", store_hmac_key="short")
+        EngineConfig(miss_policy="blend", store=StoreConfig(hmac_key="short"))

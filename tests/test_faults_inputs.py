@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
 from cacheblend_rag.cli import build_parser, main
 from cacheblend_rag.errors import ConfigError, PromptError
 from cacheblend_rag.models.fingerprint import model_fingerprint
@@ -238,15 +238,15 @@ def test_the_fingerprint_sample_reaches_the_last_value_of_a_huge_tensor():
 
 
 def test_a_redis_password_never_shows_in_the_config_or_its_errors():
-    from cacheblend_rag.checks import mask_url
+    from cacheblend_rag.config.checks import mask_url
     from cacheblend_rag.store.redis_store import RedisStore
 
     secret = "S3cretPassw0rd"
-    config = EngineConfig(redis_url=f"redis://:{secret}@127.0.0.1:1/0", store_hmac_key="k" * 20)
+    config = EngineConfig(store=StoreConfig(redis_url=f"redis://:{secret}@127.0.0.1:1/0", hmac_key="k" * 20))
     assert secret not in repr(config) and secret not in str(config) and "k" * 20 not in repr(config)
     assert "redis://:***@127.0.0.1:1/0" in repr(config)
     with pytest.raises(ConfigError) as bad_scheme:
-        EngineConfig(redis_url=f"http://user:{secret}@host/0")
+        EngineConfig(store=StoreConfig(redis_url=f"http://user:{secret}@host/0"))
     assert secret not in str(bad_scheme.value) and "user:***@host" in str(bad_scheme.value)
     pytest.importorskip("redis")
     with pytest.raises(ConfigError) as cluster_db:

@@ -3,11 +3,13 @@ and no store content can make a request fail."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig, Request
+from cacheblend_rag import CacheBlendEngine, EngineConfig, Request, StoreConfig
+from cacheblend_rag.config.store_config import STORE_FIELDS
 from cacheblend_rag.errors import ConfigError, PromptError
 from cacheblend_rag.store import DiskStore, MemoryStore, TieredStore
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
@@ -109,16 +111,39 @@ def test_precompute_refuses_the_same_wrong_types(engine):
         ("max_prompt_tokens", 1.5, "max_prompt_tokens must be an integer >= 1"),
         ("max_prompt_tokens", True, "max_prompt_tokens must be an integer >= 1"),
         ("max_prompt_tokens", float("nan"), "max_prompt_tokens must be an integer >= 1"),
-        ("pipelined_loading", "yes", "pipelined_loading must be True or False"),
+        ("chunk_context", "neighbours", "chunk_context must be one of grouped, captured, isolated"),
+        ("store", {"disk_dir": "kv"}, "store must be a StoreConfig, got dict"),
     ],
 )
 def test_engine_settings_of_the_wrong_type_are_refused_by_name(field, value, match):
     with pytest.raises(ConfigError, match=match):
+        if field in STORE_FIELDS:
+            StoreConfig(**{field: value})
+        else:
+            EngineConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value, replacement",
+    [
+        ("disk_dir", "kv", r"EngineConfig\(store=StoreConfig\(disk_dir=...\)\)"),
+        ("store_hmac_key", "k" * 16, r"StoreConfig\(hmac_key=...\)"),
+        ("capture", "exact", "chunk_context='isolated'"),
+        ("precompute_groups", 0, "chunk_context"),
+        ("context_neighbours", 2, "context=\\[\\[text"),
+        ("stale_key_temperature", 1.25, "left the product"),
+        ("pipelined_loading", False, "always on"),
+    ],
+)
+def test_a_setting_that_left_engine_config_names_its_replacement(field, value, replacement):
+    with pytest.raises(ConfigError, match=replacement):
         EngineConfig(**{field: value})
+    with pytest.raises(ConfigError, match=replacement):
+        replace(EngineConfig(), **{field: value})
 
 
 def test_a_path_object_is_a_disk_folder(tmp_path):
-    assert EngineConfig(disk_dir=tmp_path / "kv").disk_dir == str(tmp_path / "kv")
+    assert StoreConfig(disk_dir=tmp_path / "kv").disk_dir == str(tmp_path / "kv")
 
 
 # ---------------------------------------------------------------- store contents never fail a request
@@ -146,7 +171,7 @@ def test_the_same_chunks_damaged_in_two_lower_tiers_still_answer(tmp_path):
     engine = CacheBlendEngine(
         make_tiny_model("qwen2"),
         make_tiny_tokenizer(),
-        config=EngineConfig(chunk_separator="", pipelined_loading=True),
+        config=EngineConfig(chunk_separator=""),
         store=store,
     )
     prefix, suffix = random_words(1, 4), random_words(2, 5)

@@ -24,7 +24,7 @@ import diskcache
 import pytest
 from test_store_tiers import make_kv, same
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
 from cacheblend_rag.store import DiskStore
 from cacheblend_rag.store.disk import files as disk_files
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
@@ -34,11 +34,10 @@ BIG = 1024  # tokens: above diskcache's 32 KiB threshold, so the entry is a valu
 MB = 1024**2
 
 
-def engine_on(store=None, **config) -> CacheBlendEngine:
+def engine_on(store=None, **tiers) -> CacheBlendEngine:
     # memory_budget_bytes=0: nothing stays in process memory, every chunk comes from the lower tiers.
-    config = EngineConfig(
-        miss_policy="blend", chunk_separator="", memory_budget_bytes=0, kv_codec=EXACT_CODEC, **config
-    )
+    settings = StoreConfig(**{"memory_budget_bytes": 0, "kv_codec": EXACT_CODEC, **tiers})
+    config = EngineConfig(miss_policy="blend", chunk_separator="", store=settings)
     return CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config, store=store)
 
 
@@ -178,11 +177,11 @@ def test_a_read_only_index_still_serves_the_stored_entries(tmp_path, monkeypatch
 _PRECOMPUTE = textwrap.dedent(
     """
     import sys, torch
-    from cacheblend_rag import CacheBlendEngine, EngineConfig
+    from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
     from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
     torch.set_num_threads(1)
-    config = EngineConfig(miss_policy="blend", chunk_separator="", memory_budget_bytes=0, kv_codec="native",
-                          disk_dir=sys.argv[1])
+    config = EngineConfig(miss_policy="blend", chunk_separator="",
+                          store=StoreConfig(memory_budget_bytes=0, kv_codec="native", disk_dir=sys.argv[1]))
     engine = CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
     for i in range(int(sys.argv[2])):
         engine.precompute([random_words(7000 + i, 60)], prefix=random_words(1, 4), context=None)

@@ -96,23 +96,20 @@ def test_precompute_groups_a_corpus_by_similarity(tiny_tokenizer):
     assert reuse.metrics.chunks_missed == 0 and reuse.metrics.chunks_hit == 5
 
 
-def test_grouped_precompute_needs_the_capture_policy_that_reads_it(tiny_tokenizer):
-    engine = engine_with("llama", tiny_tokenizer, capture="exact")
-    with pytest.raises(ConfigError, match="capture='all'"):
+def test_grouped_precompute_needs_an_engine_that_reads_it(tiny_tokenizer):
+    engine = engine_with("llama", tiny_tokenizer, chunk_context="isolated")
+    with pytest.raises(ConfigError, match="chunk_context='grouped'"):
         engine.precompute_groups([[random_words(1, 5), random_words(2, 5)]], prefix=PREFIX)
-    with pytest.raises(ConfigError, match="capture='all'"):
+    with pytest.raises(ConfigError, match="chunk_context='grouped'"):
         engine.precompute([random_words(1, 5)], prefix=PREFIX, context="groups")
 
 
-def test_the_engines_setting_makes_precompute_grouped_and_is_checked(tiny_tokenizer):
-    engine = engine_with("llama", tiny_tokenizer, miss_policy="blend", precompute_groups=40)
+def test_the_default_chunk_context_makes_precompute_grouped(tiny_tokenizer):
+    engine = engine_with("llama", tiny_tokenizer, miss_policy="blend")
     chunks = [random_words(110 + i, 15) for i in range(4)]
-    assert engine.precompute(chunks, prefix=PREFIX) == (0, 4)
+    assert engine.precompute(chunks, prefix=PREFIX, group_tokens=40) == (0, 4)
     prompt = engine.build_prompt(chunks, prefix=PREFIX, suffix=random_words(99, 4))
     captured = [engine.chunk_key(prompt.prefix_ids, ids, captured=True) in engine.store for ids in prompt.chunk_ids]
     assert sum(captured) >= 2  # groups of two 15-token chunks: the second of each has its captured entry
-    for bad, match in [(dict(precompute_groups=-1), "precompute_groups"),
-                       (dict(precompute_groups=64, context_neighbours=2), "choose one"),
-                       (dict(precompute_groups=64, capture="exact"), "capture='all'")]:  # fmt: skip
-        with pytest.raises(ConfigError, match=match):
-            EngineConfig(**bad)
+    with pytest.raises(ConfigError, match="group_tokens must be a whole number"):
+        engine.precompute(chunks, prefix=PREFIX, group_tokens=-1)

@@ -35,10 +35,10 @@ MIN_STRICT_ESCALATIONS = 3  # of 12: measured 5 (first-token KL to reuse 0.20-0.
 
 @pytest.fixture(scope="module")
 def engine() -> CacheBlendEngine:
-    # capture="exact": every question reads the same isolated entries. Under "all" a guard's escalation to r = 1
+    # chunk_context="isolated": every question reads the same isolated entries. Otherwise a guard's escalation to r = 1
     # stores the chunks' KV as that prompt had them, and the next questions (same passages, same order) would blend
     # from it, nearly exact: good for serving, but not what this gate measures.
-    config = EngineConfig(dtype="float32", miss_policy="blend", capture="exact")
+    config = EngineConfig(dtype="float32", miss_policy="blend", chunk_context="isolated")
     return CacheBlendEngine.from_pretrained("smollm2-135m-instruct", config=config, show_progress=False)
 
 

@@ -130,7 +130,7 @@ def test_model_objects_share_an_engine_only_when_model_and_store_settings_are_eq
     disk = tmp_path / "kv"
     first = load_engine(tiny_checkpoint, disk_dir=str(disk), memory_budget_bytes=2**20)
     assert load_engine(tiny_checkpoint, disk_dir=str(disk / ".." / "kv"), memory_budget_bytes=2**20) is first
-    assert first.config.disk_dir == str(disk) and first.config.memory_budget_bytes == 2**20
+    assert first.config.store.disk_dir == str(disk) and first.config.store.memory_budget_bytes == 2**20
     assert load_engine(tiny_checkpoint, disk_dir=str(tmp_path / "other"), memory_budget_bytes=2**20) is not first
     assert load_engine(tiny_checkpoint, disk_dir=str(disk)) is not first  # another memory budget
     assert load_engine(tiny_checkpoint) is load_engine(tiny_checkpoint, device="cpu", disk_dir=None)

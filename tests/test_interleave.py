@@ -135,7 +135,7 @@ def test_chunks_stored_after_a_cold_request_host_the_decode_steps_of_the_request
     engine = CacheBlendEngine(
         make_tiny_model("qwen2", mute_eos=True),
         make_tiny_tokenizer(),
-        config=EngineConfig(miss_policy="full", chunk_separator="", max_token_gap_s=0.0, capture="exact"),
+        config=EngineConfig(miss_policy="full", chunk_separator="", max_token_gap_s=0.0, chunk_context="isolated"),
     )
     engine.precompute(long_chunks, prefix=long_args["prefix"])
     fills: list[tuple[str, bool]] = []
@@ -175,7 +175,7 @@ def test_without_a_scheduler_running_the_fills_thread_stores_the_chunks():
     engine = CacheBlendEngine(
         make_tiny_model("qwen2"),
         make_tiny_tokenizer(),
-        config=EngineConfig(miss_policy="full", chunk_separator="", capture="exact"),
+        config=EngineConfig(miss_policy="full", chunk_separator="", chunk_context="isolated"),
     )
     names: list[str] = []
     fill = engine.chunks.fill

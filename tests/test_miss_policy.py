@@ -17,7 +17,7 @@ PREFIX, SUFFIX = random_words(1, 4), random_words(2, 6)
 
 
 def engine_with(policy: str, model=None) -> CacheBlendEngine:
-    config = EngineConfig(chunk_separator="", miss_policy=policy, capture="exact")  # cold chunks: filled after
+    config = EngineConfig(chunk_separator="", miss_policy=policy, chunk_context="isolated")  # cold chunks: filled after
     return CacheBlendEngine(model or make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
 
 

@@ -20,7 +20,7 @@ C = random_words(63, 24)
 
 
 def engine_with(family: str, tokenizer, **config) -> CacheBlendEngine:
-    config = EngineConfig(chunk_separator="", **{"capture": "all", **config})
+    config = EngineConfig(chunk_separator="", **{"chunk_context": "captured", **config})
     return CacheBlendEngine(make_tiny_model(family), tokenizer, config=config)
 
 
@@ -53,7 +53,7 @@ def test_an_entry_cached_after_a_near_copy_is_read_only_where_the_prompt_shows_i
     # the prompt does not show A: A2 reads its own entry, never the one that has read A
     hidden = prompt_of(engine, [B, A2])
     assert engine.prompt_keys(hidden, with_prefix=False)[1] == engine.chunk_key(hidden.prefix_ids, a2)
-    config = EngineConfig(chunk_separator="", capture="all", miss_policy="blend")
+    config = EngineConfig(chunk_separator="", miss_policy="blend")
     reader = CacheBlendEngine(engine.model, tiny_tokenizer, config=config, store=engine.store)
     reuse = reader.prefill(hidden, "reuse").metrics
     assert (reuse.chunks_hit, reuse.chunks_hit_captured, reuse.chunks_missed) == (1, 0, 1)  # B's isolated entry
@@ -66,7 +66,7 @@ def test_a_prompt_showing_the_same_near_copies_reads_kv_equal_to_a_prefill_after
     capturing.wait_for_fills()
     a, a2 = cold.chunk_ids
     kv = capturing.store.get(capturing.chunk_key(cold.prefix_ids, a2, captured=True, copies=[a]))
-    separate = engine_with(family, tiny_tokenizer, miss_policy="blend", capture="exact")
+    separate = engine_with(family, tiny_tokenizer, miss_policy="blend", chunk_context="isolated")
     separate.precompute([A2], prefix=PREFIX, context=[[A]])
     want = separate.store.get(separate.chunk_key(cold.prefix_ids, a2))
     for got, ref in zip((kv.keys, kv.values), (want.keys, want.values), strict=True):

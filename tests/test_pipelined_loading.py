@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_store_tiers import make_kv, same
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
 from cacheblend_rag.engine.prefill.prefetch import LayerPrefetcher
 from cacheblend_rag.store.disk.tier import DiskStore
 from cacheblend_rag.store.lazy import LazyChunkKV
@@ -161,10 +161,10 @@ CHUNKS = [random_words(401, 40), random_words(402, 30), random_words(403, 50)]
 
 def engine_on(pipelined: bool, **tiers) -> CacheBlendEngine:
     # memory_budget_bytes=0: nothing stays in process memory, every chunk comes from the lower tier
-    config = EngineConfig(
-        miss_policy="blend", chunk_separator="", memory_budget_bytes=0, pipelined_loading=pipelined, **tiers
-    )
-    return CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=config)
+    config = EngineConfig(miss_policy="blend", chunk_separator="", store=StoreConfig(memory_budget_bytes=0, **tiers))
+    engine = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=config)
+    engine.prefiller.pipelined = pipelined  # False: each layer read when the fusor needs it (the reference)
+    return engine
 
 
 def ask(engine, mode="blend"):

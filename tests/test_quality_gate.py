@@ -13,7 +13,6 @@ import statistics
 import pytest
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig, blend_rule
-from cacheblend_rag.config import DEFAULT_PRECOMPUTE_GROUPS
 from cacheblend_rag.evaluation.fidelity import Reference, measure, reference_answer
 from cacheblend_rag.testing import GATE_ANSWER_TOKENS, GATE_PASSAGES, GATE_QUESTIONS
 
@@ -169,7 +168,7 @@ def test_grouped_precompute_brings_reuse_and_the_blend_closer_to_full_recompute(
     # an engine on the same model with a store of its own, its corpus precomputed in groups of similar passages
     # (the passages chained by similarity: not the order the measured prompts put them in)
     grouped = CacheBlendEngine(engine.model, engine.tokenizer,
-                               config=replace(engine.config, precompute_groups=DEFAULT_PRECOMPUTE_GROUPS))  # fmt: skip
+                               config=replace(engine.config, chunk_context="grouped"))  # fmt: skip
     done = [grouped.precompute(CHUNKS, question) for question in QUESTIONS]  # the setting means "groups"
     assert done[0][1] > 0 and all(computed == 0 for _, computed in done[1:])  # the prefix is the same
     prompt = references[0][0]

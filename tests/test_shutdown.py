@@ -53,7 +53,7 @@ def test_close_ends_open_requests_with_a_clear_error_and_refuses_new_ones():
 
 def test_close_drops_queued_fills_and_nothing_waits_for_them():
     before = workers()
-    engine = tiny_engine(miss_policy="full", capture="exact")
+    engine = tiny_engine(miss_policy="full", chunk_context="isolated")
     for i in range(4):  # cold requests: their chunks are queued to be prefilled and stored after each answer
         engine.generate(chunks(i), "a question", max_new_tokens=1)
     engine.close(timeout=30)
@@ -69,7 +69,7 @@ atexit.register(lambda: print("alive at exit:", sorted(
 from cacheblend_rag import CacheBlendEngine, EngineConfig
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 engine = CacheBlendEngine(make_tiny_model("llama", mute_eos=True), make_tiny_tokenizer(),
-                          config=EngineConfig(chunk_separator="", miss_policy="full", capture="exact"))
+                          config=EngineConfig(chunk_separator="", miss_policy="full", chunk_context="isolated"))
 engine.generate([random_words(i, 40) for i in range(4)], "a question", max_new_tokens=1)  # queues 4 fills
 streams = [engine.stream([random_words(50 + i, 40)], "a question", max_new_tokens=300) for i in range(3)]
 print("first:", repr(next(iter(streams[0]))))
@@ -91,7 +91,7 @@ def test_the_fills_thread_ends_when_idle_and_starts_again_with_new_work(monkeypa
 
     monkeypatch.setattr(fills, "IDLE_S", 0.1)
     before = workers()
-    engine = tiny_engine(miss_policy="full", capture="exact")
+    engine = tiny_engine(miss_policy="full", chunk_context="isolated")
     for i in range(2):
         engine.generate(chunks(20 + i), "a question", max_new_tokens=1)
         assert engine.wait_for_fills(timeout=30)

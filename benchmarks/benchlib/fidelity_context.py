@@ -7,11 +7,11 @@ of a case's chunk are its `n` most similar passages among every case's passages 
 cosine, the chunk's own text left out), as a user's index over the whole corpus would give them, never the
 case's own passages alone. The paired table is `fidelity_codecs.codec_differences` with "ctx" as the variant.
 
-`--chunk-context captured` measures chunk KV as `EngineConfig(capture="all")` keeps it (`attention@0.15+cap`): each
-chunk's entry cut from the full prefill of an earlier request that retrieved the same passages in another order
-(a seeded shuffle per case), so a chunk's cached context is the passages that came before it there, not here.
-The prompt's first chunk reads its own (isolated) entry, as the engine does: when the earlier request had it
-elsewhere, it is prefilled alone during the measured request (in its TTFT, not in its compute share).
+`--chunk-context captured` measures chunk KV as `EngineConfig(chunk_context="captured")` keeps it
+(`attention@0.15+cap`): each chunk's entry cut from the full prefill of an earlier request that retrieved the same
+passages in another order (a seeded shuffle per case), so a chunk's cached context is the passages that came before it
+there, not here. The prompt's first chunk reads its own (isolated) entry, as the engine does: when the earlier request
+had it elsewhere, it is prefilled alone during the measured request (in its TTFT, not in its compute share).
 `--chunk-context captured-mixed` (`+capmix`) is the harder case: two earlier requests, each with half of the
 case's passages and as many passages of other cases of the set, shuffled, so a chunk was captured mostly after
 text that is not in the measured prompt.
@@ -81,8 +81,9 @@ class PoolNeighbours:
 
 
 def context_engine(engine: CacheBlendEngine, n: int) -> CacheBlendEngine:
-    """An engine on `engine`'s model (shared) with its own store, for contextual entries of `n` neighbours."""
-    config = replace(engine.config, context_neighbours=n)
+    """An engine on `engine`'s model (shared) with its own store, for contextual entries of `n` neighbours (each
+    chunk's given as its context by `ContextPreparer`; only exact entries captured, as such entries need)."""
+    config = replace(engine.config, chunk_context="isolated")
     return CacheBlendEngine(engine.model, engine.tokenizer, config=config, template=engine.template)
 
 
@@ -117,7 +118,7 @@ class ContextPreparer:
 
 def capture_engine(engine: CacheBlendEngine) -> CacheBlendEngine:
     """An engine on `engine`'s model (shared) with its own store, keeping chunk KV as full prefills capture it."""
-    config = replace(engine.config, capture="all", miss_policy="blend", context_neighbours=0)
+    config = replace(engine.config, miss_policy="blend", chunk_context="grouped")
     return CacheBlendEngine(engine.model, engine.tokenizer, config=config, template=engine.template)
 
 
@@ -126,8 +127,8 @@ _cold_engines: weakref.WeakKeyDictionary[CacheBlendEngine, CacheBlendEngine] = w
 
 def answer_cold(engine: CacheBlendEngine, prompt: TokenizedPrompt) -> int:
     """Serve `prompt` as a cold request meets a capture engine: its chunks are not stored, the miss policy answers
-    it with a full prefill, and that prefill's chunk KV is stored as `capture="all"` keeps it (an engine on the
-    same model and store whose miss policy is "full"; the measuring engine's own, "blend", would prefill the missed
+    it with a full prefill, and that prefill's chunk KV is stored as `chunk_context="grouped"` keeps it (an engine on
+    the same model and store whose miss policy is "full"; the measuring engine's own, "blend", would prefill the missed
     chunks alone). -> how many chunks were captured."""
     cold = _cold_engines.get(engine)
     if cold is None or cold.store is not engine.store:

@@ -95,7 +95,7 @@ def codec_engines(engine: CacheBlendEngine, codecs: Sequence[str]) -> dict[str, 
     that codec; `engine` itself for the uncompressed store."""
     engines = {}
     for name in codecs:
-        config = replace(engine.config, memory_codec=name)
+        config = replace(engine.config, store=replace(engine.config.store, memory_codec=name))
         engines[name] = engine if name == NATIVE else CacheBlendEngine(engine.model, engine.tokenizer, config=config,
                                                                       template=engine.template)  # fmt: skip
     return engines

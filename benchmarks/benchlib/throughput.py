@@ -123,7 +123,7 @@ def run_throughput(
             )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    budget = settings.store_bytes or engine.config.memory_budget_bytes
+    budget = settings.store_bytes or engine.config.store.memory_budget_bytes
     result = ThroughputResult(settings, budget, dict(info or {}))
     original_store = engine.store
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..config import CAPTURE_POLICIES, DEFAULT_CONTEXT_NEIGHBOURS, Guard
+from ..config import CHUNK_CONTEXTS, Guard
 from ..errors import CacheBlendError
 from ..retrieval.sources import DEFAULT_MAX_DOCUMENT_BYTES
 
@@ -57,13 +57,10 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device to run the model on, e.g. cuda")
     parser.add_argument("--dtype", default="float32", help="model precision: float32, bfloat16, float16, or auto "
                         "(bfloat16 on a GPU or a CPU with AMX / AVX-512-BF16, else float32)")  # fmt: skip
-    parser.add_argument("--context-neighbours", type=int, default=DEFAULT_CONTEXT_NEIGHBOURS, metavar="N",
-                        help="contextual chunk KV: each chunk's KV is prefilled after its N most similar chunks of "
-                        "the index (only its own KV is kept); 0 stores each chunk alone")  # fmt: skip
-    parser.add_argument("--precompute-groups", type=int, default=None, metavar="TOKENS",
-                        help="grouped precompute: store each chunk's KV from one full prefill of a group of similar "
-                        "chunks of the index, of up to TOKENS tokens (default 3072; off with --context-neighbours); "
-                        "0 stores each chunk alone")  # fmt: skip
+    parser.add_argument("--chunk-context", choices=tuple(CHUNK_CONTEXTS), default="grouped",
+                        help="how chunk KV is cached: grouped (each chunk within a group of similar chunks of the "
+                        "index, and as full prefills of questions held it), captured (alone, and as full prefills "
+                        "held it) or isolated (alone only, the paper's setting)")  # fmt: skip
     parser.add_argument("--kv-dir", help="keep chunk KV on disk in this folder, so later runs reuse it")
     parser.add_argument("--redis-url", help="share chunk KV through this Redis, e.g. redis://127.0.0.1:6379/0")
 
@@ -154,10 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="a question whose chunks are not stored yet: full prefill then store them (full), prefill each chunk "
         "then blend (blend), or whichever costs less compute (auto)",
     )
-    ask.add_argument("--capture", choices=CAPTURE_POLICIES, default=None,
-                     help="what a full prefill of a cold question stores: every chunk's KV as it was there, for "
-                     "later questions that place the chunk second or later (all, the default), or only what "
-                     "equals the chunk's own entry (exact; the others are prefilled alone afterwards)")  # fmt: skip
     ask.add_argument("--guard", action="store_true", help="turn on the fidelity guard: a blend whose first token "
                      "is a near tie (top-1 minus top-2 probability below --guard-margin) is recomputed in "
                      "full")  # fmt: skip

@@ -17,14 +17,14 @@ import warnings
 
 from ..cpu import SLOW_BF16_WARNING, cpu_has_bf16
 from .args import check_kv_dir, check_model_name, check_numbers, guard_from_args
-from .sources import build_index, read_sources, record_index_contexts
+from .sources import build_index, index_context, read_sources
 
 __all__ = ["cmd_ask", "engine_config"]
 
 
 def engine_config(args: argparse.Namespace):
     """The EngineConfig `ask`'s options name, checked before any model loads."""
-    from ..config import BlendConfig, EngineConfig
+    from ..config import BlendConfig, EngineConfig, StoreConfig
 
     blend = BlendConfig(recompute_ratio=args.ratio) if args.ratio is not None else BlendConfig()
     check_model_name(args.model)
@@ -36,13 +36,10 @@ def engine_config(args: argparse.Namespace):
         device=args.device,
         dtype=args.dtype,
         blend=blend,
-        disk_dir=args.kv_dir,
-        redis_url=args.redis_url,
+        store=StoreConfig(disk_dir=args.kv_dir, redis_url=args.redis_url),
         miss_policy=args.miss_policy,
         guard=guard_from_args(args),
-        context_neighbours=args.context_neighbours,
-        precompute_groups=args.precompute_groups,
-        capture=args.capture,
+        chunk_context=args.chunk_context,
         decode_weights=args.decode_weights,
     )
 
@@ -87,9 +84,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if index is None:
         assert sources.record is not None, "documents come with the record of their index"
         index = build_index(args, sources.documents, engine.tokenizer, sources.record, args.index)
-    # Contextual chunk KV: each chunk's entry is prefilled after its nearest chunks in the index, whether now
-    # (--precompute-all) or when a request first misses it.
-    context = record_index_contexts(engine, index)
+    context = index_context(engine)  # in groups of similar chunks of the index (--chunk-context grouped), or alone
     if args.precompute_all:
         t = time.perf_counter()
         hits, misses = engine.precompute([c.text for c in index.chunks], context=context, show_progress=True)

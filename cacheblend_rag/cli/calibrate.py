@@ -98,11 +98,11 @@ def format_table(table: list[Estimate]) -> str:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from ..config import BlendConfig, EngineConfig
+    from ..config import BlendConfig, EngineConfig, StoreConfig
     from ..controller import Targets, check_grid, measure_fidelity
     from ..engine import CacheBlendEngine
     from ..retrieval import MIN_CHUNK_TOKENS
-    from .sources import build_index, read_sources, record_index_contexts
+    from .sources import build_index, index_context, read_sources
 
     # Arguments, paths and the sample first: loading the model takes seconds, a typo should not.
     check_numbers(
@@ -125,14 +125,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         blend=BlendConfig(args.ratio),
-        disk_dir=args.kv_dir,
-        redis_url=args.redis_url,
-        context_neighbours=args.context_neighbours,
-        precompute_groups=args.precompute_groups,
+        store=StoreConfig(disk_dir=args.kv_dir, redis_url=args.redis_url),
+        chunk_context=args.chunk_context,
     )
     t = time.perf_counter()
     engine = CacheBlendEngine.from_pretrained(args.model, config=config)
-    context = "neighbours"  # a sample's own chunks are its corpus, unless an index gives the whole one
+    context = "auto"  # a sample's own chunks are its corpus, unless an index gives the whole one
     print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     if items is None:
         from ..controller import SampleQuestion
@@ -142,7 +140,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if index is None:
             assert sources.record is not None, "documents come with the record of their index"
             index = build_index(args, sources.documents, engine.tokenizer, sources.record, args.index)
-        context = record_index_contexts(engine, index)  # as `ask` will run: after its nearest chunks of the index
+        context = index_context(engine)  # as `ask` will run
         items = [
             SampleQuestion(
                 f"q{i}", tuple(h.chunk.text for h in index.search(q, k=args.top_k)), q, None, args.max_new_tokens
@@ -151,8 +149,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         ]
 
     header = {"model": engine.fingerprint, "dtype": config.dtype, "source": source, "context": context,
-              "context_neighbours": config.context_neighbours,
-              "precompute_groups": config.group_tokens}  # fmt: skip
+              "chunk_context": config.chunk_context}  # fmt: skip
     journal = Journal(Path(f"{args.out}.partial.jsonl"), header)
     if journal.done:
         print(f"resuming: {len(journal.done)} questions already measured in {journal.path}", file=sys.stderr)

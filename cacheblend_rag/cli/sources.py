@@ -121,15 +121,7 @@ def build_index(
     return index
 
 
-def record_index_contexts(engine: CacheBlendEngine, index: ChunkIndex) -> str | None:
-    """With `context_neighbours` set, record every indexed chunk's nearest chunks of the index as its context
-    (from the vectors the index holds) and return "keep", the `precompute` context that builds those entries; with
-    grouped precompute in force (`group_tokens`, the default), return "groups"; else None (isolated entries),
-    touching neither the index's vectors nor the corpus's tokens."""
-    if engine.config.group_tokens:
-        return "groups"
-    n = engine.config.context_neighbours
-    if not n:
-        return None
-    engine.set_chunk_context([c.text for c in index.chunks], index.neighbour_contexts(n))
-    return "keep"
+def index_context(engine: CacheBlendEngine) -> str | None:
+    """The `precompute` context of an index's chunks: "groups" under `chunk_context="grouped"` (the default), else
+    None (each chunk alone)."""
+    return "groups" if engine.config.group_tokens else None

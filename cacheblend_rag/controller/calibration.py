@@ -54,10 +54,10 @@ def measure_question(
     ratios: Sequence[float],
     base_ratio: float,
     ladder: Sequence[float],
-    context: Any = "neighbours",
+    context: Any = "auto",
 ) -> dict[str, Any]:
     """One question's record of a fidelity profile (see `FidelityProfile`). `context`: how its chunks' KV is
-    built, as `engine.precompute` takes it ("keep": the contexts an index recorded)."""
+    built, as `engine.precompute` takes it ("auto": as the engine's chunk_context says)."""
     from ..evaluation import reference_answer
 
     t0 = time.perf_counter()
@@ -104,7 +104,7 @@ def measure_fidelity(
     ladder: Sequence[float] = DEFAULT_LADDER,
     source: str = "",
     on_question: Callable[[dict[str, Any]], None] | None = None,
-    context: Any = "neighbours",
+    context: Any = "auto",
     done: Mapping[str, dict[str, Any]] | None = None,
 ) -> FidelityProfile:
     """A fidelity profile of `engine` (its rule; base ratio: its blend's, unless given) over `sample`.

@@ -32,6 +32,7 @@ from ..models.int8 import int8_decode_lm
 from ..models.support import max_blend_length
 from ..store import ChunkStore, TieredStore, build_store
 from .chunks.cache import ChunkCache
+from .chunks.placement import Placement
 from .corpus.precompute import CorpusMethods
 from .prefill.planning import RatioPolicy, check_blend
 from .prefill.prefiller import Prefill, Prefiller
@@ -77,7 +78,7 @@ class CacheBlendEngine(CorpusMethods):
         self.lm = LayerwiseModel(self.model)
         self.device, self.dtype = device, dtype
         check_blend(self.config.blend, self.lm.shape.num_layers, "blend.check_layers")
-        store = store if store is not None else build_store(**self.config.store_options())
+        store = store if store is not None else build_store(**self.config.store.build_options())
         self.template = template or PromptTemplate()
         self.fingerprint = model_fingerprint(self.model)
         self.controller = controller
@@ -87,14 +88,13 @@ class CacheBlendEngine(CorpusMethods):
         limits = [self.lm.shape.max_positions, self.config.max_prompt_tokens, max_blend_length(self.model.config)]
         self.max_tokens = min(x for x in limits if x is not None)
         self.chunks = ChunkCache(self.lm, store, self.fingerprint, self.dtype, self.config.capture_policy)
-        self._prefiller = Prefiller(
+        self.prefiller = Prefiller(
             self.model,
             self.lm,
             self.chunks,
-            pipelined=self.config.pipelined_loading,
+            pipelined=True,
             miss_policy=self.config.miss_policy,
             guard=self.config.guard,
-            stale_key_temperature=self.config.stale_key_temperature,
         )
         self._lock = threading.RLock()
         self._fills = DeferredFills(self.chunks.store_or_fill, self._lock)  # run by the scheduler while it serves
@@ -182,14 +182,20 @@ class CacheBlendEngine(CorpusMethods):
         copies: Sequence[Sequence[int]] = (),
     ) -> str:
         """The store key of a chunk's KV when it follows `prefix_ids` (model fingerprint, dtype, tokens, context);
-        with `captured`, of its captured entry (`EngineConfig.capture="all"`), cached after the near copies of it
-        `copies` (token ids of overlapping windows of its text; none: the plain captured entry)."""
+        with `captured`, of its captured entry (a full prefill's, read unless chunk_context="isolated"), cached after
+        the near copies of it `copies` (token ids of overlapping windows of its text; none: the plain captured
+        entry)."""
         return self.chunks.key(prefix_ids, chunk_ids, captured=captured, copies=copies)
+
+    def placements(self, prompt: TokenizedPrompt) -> tuple[Placement, ...]:
+        """Which stored entry each chunk of the prompt reads now, and which a miss or a full prefill stores: the plan
+        a request makes before reading any KV (`engine.chunks.placement`)."""
+        return self.chunks.place(prompt.prefix_ids, prompt.chunk_ids)
 
     def prompt_keys(self, prompt: TokenizedPrompt, *, with_prefix: bool = True) -> list[str]:
         """The store keys this engine reads a prompt's KV from now: the prefix's (if any, and `with_prefix`), then
-        each chunk's in order (the first chunk's isolated entry; a later one's captured entry where capture="all"
-        stored one, else its own)."""
+        each chunk's in order (the first chunk's isolated entry; a later one's captured entry where one is stored,
+        else its own)."""
         return self.chunks.prompt_keys(prompt.prefix_ids, prompt.chunk_ids, with_prefix=with_prefix)
 
     def clear_store(self, tiers: Sequence[str] | None = None) -> None:
@@ -253,7 +259,7 @@ class CacheBlendEngine(CorpusMethods):
         policy = self.controller if mode is PrefillMode.BLEND and not pinned else None
         self._fills.wait_for(prompt.chunk_ids)  # a chunk an earlier cold request is storing: wait, not recompute
         with self._lock:
-            pre = self._prefiller.run_retrying(prompt, mode, blend, policy, self.store_tiers, after_layer)
+            pre = self.prefiller.run_retrying(prompt, mode, blend, policy, self.store_tiers, after_layer)
         # entries a full prefill computed: stored at once on the fills' thread (no compute, only the store's writes)
         self._fills.submit(prompt.prefix_ids, pre.captured, pre.metrics, pre.captured)
         pre.captured = {}  # the fills' thread holds them until stored
@@ -275,7 +281,7 @@ class CacheBlendEngine(CorpusMethods):
         if ids.ndim != 1 or ids.numel() == 0:
             raise ConfigError("extend needs a non-empty list of token ids")
         with self._lock:
-            logits = self._prefiller.forward(ids, prefill.num_tokens, prefill.cache, all_logits=True)
+            logits = self.prefiller.forward(ids, prefill.num_tokens, prefill.cache, all_logits=True)
         prefill.num_tokens += ids.numel()
         return logits
 

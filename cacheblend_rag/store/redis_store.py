@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from ..checks import mask_url
+from ..config.checks import mask_url
 from ..errors import ConfigError, CorruptEntryError, NonFiniteKVError
 from . import redis_scripts
 from .base import Hit

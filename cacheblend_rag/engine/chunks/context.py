@@ -5,9 +5,8 @@ recomputes some tokens to restore that. A chunk prefilled after text like what p
 nearest neighbours in the corpus) starts closer to a full prefill, so full KV reuse and the blend drift less.
 Only the chunk's own KV is kept, so a contextual entry costs the same storage as an isolated one; the price is
 the context's tokens, prefilled once per chunk at precompute time. The first chunk of a prompt follows the prefix
-alone, so it reads the chunk's isolated entry (`ChunkCache.read_keys`), which `precompute` stores beside it. So
-does a chunk whose context holds a chunk placed after it in the prompt (`ChunkCache.isolated_at`): its entry has
-read text that this prompt shows only later, and the later chunk, once recomputed, reads as a repeat of it.
+alone, so it reads the chunk's isolated entry, which `precompute` stores beside it; so does a chunk whose context
+holds a chunk placed after it in the prompt (the rules are in `placement`).
 
 `ChunkContexts` records, per chunk (by its tokens), the token ids of the text its entry is built after. The
 context's digest is part of the entry's store key (`store.chunk_key`), so an entry always says which context
@@ -47,7 +46,7 @@ def copies_before(chunk_ids: Sequence[Sequence[int]]) -> list[tuple[tuple[int, .
     (`retrieval.overlap.near_copy_ids`: overlapping windows of one text), in prompt order. A captured entry is
     keyed by these (`copies_digest`): its KV has read them, and a prompt that does not show them before the chunk
     reads it as a repeat that is not there (a MuSiQue passage cached after two windows of itself went several
-    nats from full recompute; docs/research.md, sections 20 and 21)."""
+    nats from full recompute; docs/research.md, "Near copies in a chunk's context")."""
     from ...retrieval.overlap import near_copy_ids
 
     ids = [tuple(c) for c in chunk_ids]
@@ -154,30 +153,29 @@ class ChunkContexts:
             del self._parts[pid]
 
 
-NEIGHBOURS = "neighbours"  # `context=` value: each chunk's nearest neighbours among the chunks given
 KEEP = "keep"  # `context=` value: the contexts recorded already (`set_chunk_context`), isolated where none
+NEIGHBOURS_GONE = (
+    "context='neighbours' left the product: grouped precompute (the default) caches each chunk after similar chunks; "
+    "to cache each chunk after texts of your choosing, pass one list of texts per chunk"
+)
 ContextArg = str | Sequence[Sequence[str]] | None
 
 
-def context_parts(chunks: Sequence[str], context: ContextArg, n: int) -> list[list[str]] | None:
-    """Per chunk, the texts its KV is prefilled after, in order (nearest neighbour last); None: change nothing.
+def context_parts(chunks: Sequence[str], context: ContextArg) -> list[list[str]] | None:
+    """Per chunk, the texts its KV is prefilled after, in order (the one placed last is nearest); None: change
+    nothing.
 
-    `context`: "neighbours" (the `n` most similar other chunks of `chunks`, by the packaged embedder), "keep"
-    (what is recorded), None (no context: isolated entries), or one list of texts per chunk, placed before it
-    in the order given.
+    `context`: "keep" (what is recorded), None (no context: isolated entries), or one list of texts per chunk,
+    placed before it in the order given.
     """
     if context is None:
         return [[] for _ in chunks]
     if isinstance(context, str):
         if context == KEEP:
             return None
-        if context != NEIGHBOURS:
-            raise ConfigError(
-                f"context must be {NEIGHBOURS!r}, {KEEP!r}, None, or one list of texts per chunk; got {context!r}"
-            )
-        from ...retrieval.neighbours import neighbour_context, neighbour_texts
-
-        return [neighbour_context(found) for found in neighbour_texts(chunks, n)]
+        if context == "neighbours":
+            raise ConfigError(NEIGHBOURS_GONE)
+        raise ConfigError(f"context must be {KEEP!r}, None, or one list of texts per chunk; got {context!r}")
     parts = list(context)
     if len(parts) != len(chunks) or any(isinstance(p, str) for p in parts):
         raise ConfigError(

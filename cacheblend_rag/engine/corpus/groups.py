@@ -1,13 +1,12 @@
 """Grouped precompute: a corpus's chunk KV from full prefills of groups of similar chunks.
 
-`engine.precompute(chunks, context="groups")` lays the chunks out in groups of similar chunks
-(`retrieval.groups`) and runs one full prefill per group: each later chunk's KV from it is stored as its captured
-entry (the entry a chunk after the first of a prompt reads under `capture="all"`, the default, as if an earlier
+`engine.precompute(chunks)` (under `chunk_context="grouped"`, the default, or with `context="groups"`) lays the
+chunks out in groups of similar chunks (`retrieval.groups`) and runs one full prefill per group: each later chunk's
+KV from it is stored as its captured entry (the entry a chunk after the first of a prompt reads, as if an earlier
 request had held the group), the group's first chunk's as its isolated entry (what the first chunk of a prompt
-reads), and the later chunks' isolated entries are prefilled alone, so every chunk has both. Each
-chunk's KV is thus computed after text like what precedes it in real prompts for about twice its own tokens (its
-isolated entry, its place in one group), where neighbour context (`context="neighbours"`) prefills each chunk's
-neighbours again for every chunk.
+reads), and the later chunks' isolated entries are prefilled alone, so every chunk has both. Each chunk's KV is thus
+computed after text like what precedes it in real prompts, for about twice its own tokens (its isolated entry, its
+place in one group).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from tqdm.auto import tqdm
 
 from ...errors import ConfigError
 from ..chunks.cache import ChunkCache
-from ..chunks.capture import capturable
 from ..prefill.prefiller import Prefiller
 from ..request.prompt import TokenizedPrompt
 
@@ -38,12 +36,12 @@ def group_indexes(texts: Sequence[str], lengths: Sequence[int], group_tokens: in
 
 
 def check_groups_policy(capture_policy: str) -> None:
-    """Grouped precompute stores captured entries, which requests read only under capture="all"."""
+    """Grouped precompute stores captured entries, which requests read only under the capture policy "all"."""
     if capture_policy != "all":
         raise ConfigError(
-            f"context='groups' stores each chunk's KV as a group's full prefill computes it (a captured entry), "
-            f"which requests read only under capture='all' (the default); this engine's capture policy is "
-            f"{capture_policy!r}. Use context='neighbours' or None, or capture='all' without context_neighbours"
+            "context='groups' stores each chunk's KV as a group's full prefill computes it (a captured entry), "
+            "which this engine's requests never read (chunk_context='isolated'); use context=None, or "
+            "EngineConfig(chunk_context='grouped'), the default"
         )
 
 
@@ -64,15 +62,16 @@ def fill_groups(
     unique = list(dict.fromkeys(ids for group in groups for ids in group))
     prompts = [TokenizedPrompt(tuple(prefix_ids), group, (0,)) for group in groups]
     # each group's entries not stored yet (its first chunk's is its isolated entry), asked of the store once
-    pending = [capturable(chunks, p, "all") for p in prompts]
+    plans = [chunks.place(p.prefix_ids, p.chunk_ids, "all") for p in prompts]
+    pending = [[placed for placed in plan if placed.capture] for plan in plans]
     # a later chunk's isolated entry needs a prefill of its own; a first chunk's comes with its group's
     later = list(dict.fromkeys(ids for group in groups for ids in group[1:]))
     missing = {ids for ids in later if chunks.key(prefix_ids, ids, isolated=True) not in chunks.store}
-    missing |= {p.chunk_ids[j] for p, positions in zip(prompts, pending, strict=True) for j in positions}
+    missing |= {placed.ids for todo in pending for placed in todo}
     chunks.fill(prefix_ids, later, show_progress=show_progress)
     bar = tqdm(total=len(prompts), desc="prefilling chunk groups", unit="group", disable=not show_progress)
-    for prompt, positions in zip(prompts, pending, strict=True):
-        for kv in prefiller.capture_full(prompt, positions, "all").values():
+    for prompt, todo in zip(prompts, pending, strict=True):
+        for kv in prefiller.capture_full(prompt, todo).values():
             chunks.store.put(kv)
         bar.update()
     bar.close()

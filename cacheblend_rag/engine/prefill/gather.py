@@ -1,18 +1,20 @@
-"""Reading a prompt's stored KV for the fusor: the prefix's entry, then each chunk's, in prompt order.
+"""Reading a prompt's stored KV for the fusor: the prefix's entry, then each chunk's, in prompt order, as the
+request's plan places them (`chunks.placement`).
 
 A chunk with no entry is prefilled here and stored (the miss policy `blend`, or a chunk the policy chose to compute
 inside the request), and the request's metrics count every chunk as a hit (by tier, with the bytes read) or a miss
-(with the time its prefill took). Each part also gets the scale its keys are loaded with: `1 / T` for a chunk whose
-entry was computed out of this prompt's context when `stale_key_temperature` T is set, 1 otherwise.
+(with the time its prefill took).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...store import ChunkReader
 from ..chunks.cache import ChunkCache
+from ..chunks.placement import Placement
 from ..request.after_layer import AfterLayer
 from ..request.metrics import RequestMetrics
 from ..request.prompt import TokenizedPrompt
@@ -22,35 +24,30 @@ from ..request.prompt import TokenizedPrompt
 class Gathered:
     parts: list[ChunkReader]  # the prefix's KV (when there is a prefix), then one per chunk
     bytes_by_tier: dict[str, int]  # stored bytes of the chunks found, per tier
-    key_scales: list[float]  # one per part
 
 
 def gather(
     chunks: ChunkCache,
     prompt: TokenizedPrompt,
-    n_chunks: int,
+    plan: Sequence[Placement],
     fresh: set[str],
     m: RequestMetrics,
     *,
     lazy: bool,
-    stale_key_temperature: float = 1.0,
     after_layer: AfterLayer | None = None,
 ) -> Gathered:
-    """The prefix's and the first `n_chunks` chunks' KV (`lazy`: entries on disk or in Redis come back unread, for
-    pipelined loading). A missing chunk is prefilled with `after_layer` between its layers, and its key added to
-    `fresh` (the entries this request computed: a later retry counts them as misses, not hits)."""
+    """The prefix's KV and that of the chunks `plan` places (the prompt's first ones; `lazy`: entries on disk or in
+    Redis come back unread, for pipelined loading). A missing chunk is prefilled with `after_layer` between its
+    layers, and its key added to `fresh` (the entries this request computed: a later retry counts them as misses,
+    not hits)."""
     prefix = chunks.load_prefix(prompt.prefix_ids)
     prefix_kv = None if prefix is None else prefix.kv
-    out = Gathered([prefix_kv] if prefix_kv is not None else [], {}, [1.0] if prefix_kv is not None else [])
-    before: list[int] = []  # the chunk tokens before the current chunk in the prompt
+    out = Gathered([prefix_kv] if prefix_kv is not None else [], {})
     seen: set[str] = set()  # a chunk repeated in one prompt is prefilled once: one miss, then hits
-    reading = chunks.reading(prompt.chunk_ids)
-    for j, ids in enumerate(prompt.chunk_ids[:n_chunks]):
+    for placed in plan:
         t0 = time.perf_counter()
-        isolated, copies = reading[j]
-        kv, tier, stored_bytes, captured = chunks.get_or_prefill(prefix_kv, prompt.prefix_ids, ids, lazy=lazy,
-                                                                 position=j, isolated=isolated, copies=copies,
-                                                                 after_layer=after_layer)  # fmt: skip
+        kv, tier, stored_bytes, captured = chunks.read(prefix_kv, prompt.prefix_ids, placed, lazy=lazy,
+                                                       after_layer=after_layer)  # fmt: skip
         if tier is None:
             fresh.add(kv.key)
         repeat = kv.key in seen
@@ -59,18 +56,14 @@ def gather(
             m.chunks_hit += 1
             m.hits_by_tier[tier] = m.hits_by_tier.get(tier, 0) + 1
             m.bytes_loaded += stored_bytes
-            m.reused_tokens += len(ids)
+            m.reused_tokens += len(placed.ids)
             m.chunks_hit_captured += captured
             out.bytes_by_tier[tier] = out.bytes_by_tier.get(tier, 0) + stored_bytes
         else:
             m.chunks_missed += 1
-            m.cold_tokens += len(ids)
+            m.cold_tokens += len(placed.ids)
             m.precompute_s += time.perf_counter() - t0
         out.parts.append(kv)
-        # at 1 (off) no entry needs to be told exact or stale
-        exact = stale_key_temperature == 1.0 or chunks.exact_at(prompt.prefix_ids, ids, kv.key, before)
-        out.key_scales.append(1.0 if exact else 1 / stale_key_temperature)
-        before.extend(ids)
     if prefix is not None:
         m.bytes_loaded += prefix.stored_bytes
     return out

@@ -27,7 +27,8 @@ from ...guard import escalate, first_token_signals
 from ...models.adapter import LayerwiseModel
 from ...store import ChunkKV, CorruptEntryError
 from ..chunks.cache import ChunkCache
-from ..chunks.capture import capturable, capture
+from ..chunks.capture import capture
+from ..chunks.placement import Placement, missing_chunks
 from ..request.after_layer import AfterLayer, between_layers
 from ..request.metrics import RequestMetrics
 from ..request.prompt import TokenizedPrompt
@@ -55,7 +56,7 @@ class Prefill:
     metrics: RequestMetrics
     # chunks (token ids) that were not stored and were answered by a full prefill: store them after the answer
     deferred: tuple[tuple[int, ...], ...] = ()
-    # entries cut from this request's full prefill (`capture.capture`), to store at once
+    # entries cut from this request's full prefill (`chunks.capture`), to store at once
     captured: dict[tuple[int, ...], ChunkKV] = field(default_factory=dict)
 
 
@@ -71,15 +72,15 @@ class Prefiller:
         pipelined: bool,
         miss_policy: str,
         guard: Guard | None = None,
-        stale_key_temperature: float = 1.0,
     ) -> None:
         self.model = model
         self.lm = lm
         self.chunks = chunks
+        # stored layers are read on a thread ahead of the fusor (`prefetch`); False reads each one when the fusor
+        # needs it, the reference the benchmarks and tests compare the pipeline with
         self.pipelined = pipelined
         self.miss_policy = miss_policy  # see EngineConfig.miss_policy
         self.guard = guard  # see EngineConfig.guard
-        self.stale_key_temperature = stale_key_temperature  # see EngineConfig.stale_key_temperature
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int, cache: DynamicCache, *, all_logits: bool = False) -> torch.Tensor:
@@ -143,17 +144,18 @@ class Prefiller:
             # Without chunks there is nothing to reuse or blend: every mode is a full prefill. It reads no stored
             # KV, and stores, at no cost, the chunks whose entries it computes exactly: a full prefill asked for
             # (a reference to measure other modes against, say) never stores its prompt's in-context KV, which
-            # any later mode would read (capture="all" captures from cold requests and guard escalations).
-            return self._full(prompt, m, t0, capturable(self.chunks, prompt, "exact"), after_layer, "exact")
+            # any later mode would read (captured entries come from cold requests and guard escalations).
+            plan = self.chunks.place(prompt.prefix_ids, prompt.chunk_ids, "exact")
+            return self._full(prompt, m, t0, [p for p in plan if p.capture], after_layer)
+        plan = self.chunks.place(prompt.prefix_ids, prompt.chunk_ids)  # which entry each chunk reads
         if mode is not PrefillMode.PREFIX and self.miss_policy != "blend":
-            cold = self._answer_cold_in_full(prompt, mode, blend, m, t0, after_layer)
+            cold = self._answer_cold_in_full(prompt, plan, mode, blend, m, t0, after_layer)
             if cold is not None:
                 return cold
 
         # Which chunks this mode reads from the cache: prefix caching can reuse only the first one.
         n_chunks = 1 if mode is PrefillMode.PREFIX else len(prompt.chunk_ids)
-        got = gather(self.chunks, prompt, n_chunks, fresh, m, lazy=self.pipelined,
-                     stale_key_temperature=self.stale_key_temperature, after_layer=after_layer)  # fmt: skip
+        got = gather(self.chunks, prompt, plan[:n_chunks], fresh, m, lazy=self.pipelined, after_layer=after_layer)
         t_found = time.perf_counter()
         m.load_s = t_found - t0 - m.precompute_s  # store lookups
 
@@ -165,7 +167,7 @@ class Prefiller:
                 m.controller = decision.to_dict()
             blend_cfg = blend
             m.recompute_ratio = blend.recompute_ratio
-        load = self.chunks.layer_loader(got.parts, n, got.key_scales)
+        load = self.chunks.layer_loader(got.parts, n)
         result, load_s, wait_s = self._fuse(prompt, load, n_chunks, blend_cfg, m, after_layer)
         assert result.logits is not None
         cache = DynamicCache(config=self.model.config)
@@ -181,38 +183,35 @@ class Prefiller:
         captured: dict[tuple[int, ...], ChunkKV] = {}
         if m.escalations and m.escalations[-1] >= 1.0:  # the guard recomputed every token: a full prefill's KV
             layers = list(zip(result.keys, result.values, strict=True))
-            captured = capture(self.chunks, prompt, layers, capturable(self.chunks, prompt))
+            todo = [p for p in plan if p.capture and p.keys[0] not in fresh]  # not what this request just stored
+            captured = capture(self.chunks, prompt, layers, todo)
             m.chunks_captured = len(captured)
         return Prefill(cache, result.logits, n, m, captured=captured)
 
-    def capture_full(
-        self, prompt: TokenizedPrompt, positions: Sequence[int], policy: str | None = None
-    ) -> dict[tuple[int, ...], ChunkKV]:
-        """A full prefill of `prompt` run for the entries it computes: those of the chunks at `positions`
-        (`capturable` under `policy`), cut from it; nothing runs when `positions` is empty."""
-        if not positions:
+    def capture_full(self, prompt: TokenizedPrompt, placements: Sequence[Placement]) -> dict[tuple[int, ...], ChunkKV]:
+        """A full prefill of `prompt` run for the entries it computes: those of the chunks `placements` (of the
+        prompt's plan), cut from it; nothing runs when there are none."""
+        if not placements:
             return {}
-        return self._full(prompt, RequestMetrics(mode=PrefillMode.FULL.value), time.perf_counter(), positions,
-                          policy=policy).captured  # fmt: skip
+        return self._full(prompt, RequestMetrics(mode=PrefillMode.FULL.value), time.perf_counter(), placements).captured
 
     def _full(
         self,
         prompt: TokenizedPrompt,
         m: RequestMetrics,
         t0: float,
-        positions: Sequence[int] = (),
+        placements: Sequence[Placement] = (),
         after_layer: AfterLayer | None = None,
-        policy: str | None = None,
     ) -> Prefill:
         """The model's own prefill of the whole prompt: exact, and reads nothing from the store. The entries of
-        the chunks at `positions` (`capturable` under `policy`) are cut from it (`Prefill.captured`)."""
+        the chunks `placements` (of the prompt's plan, those to capture) are cut from it (`Prefill.captured`)."""
         n, num_layers = prompt.num_tokens, self.lm.shape.num_layers
         m.mode = PrefillMode.FULL.value
         cache = DynamicCache(config=self.model.config)
         with between_layers(self.lm.layers, after_layer):
             logits = self.forward(prompt.input_ids(), 0, cache)
         layers = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
-        captured = capture(self.chunks, prompt, layers, positions, policy)
+        captured = capture(self.chunks, prompt, layers, placements)
         m.compute_s = time.perf_counter() - t0
         m.recomputed_tokens = n
         m.recomputed_per_layer = [n] * num_layers
@@ -223,6 +222,7 @@ class Prefiller:
     def _answer_cold_in_full(
         self,
         prompt: TokenizedPrompt,
+        plan: Sequence[Placement],
         mode: PrefillMode,
         blend: BlendConfig,
         m: RequestMetrics,
@@ -232,13 +232,13 @@ class Prefiller:
         """A full prefill when prefilling the request's missing chunks first would cost more than it (the miss
         policy). The missing chunks that prefill computes as their entries are stored from it (`Prefill.captured`);
         the others are prefilled and stored after the answer (`Prefill.deferred`). None: go on cached."""
-        missing = self.chunks.missing(prompt.prefix_ids, prompt.chunk_ids)
+        missing = missing_chunks(plan)
         if not missing:
             return None
         share = cold_cost_share(prompt, missing, blend if mode is PrefillMode.BLEND else None, self.lm.shape.num_layers)
         if self.miss_policy == "auto" and share < 1.0:
             return None
-        pre = self._full(prompt, m, t0, capturable(self.chunks, prompt), after_layer)
+        pre = self._full(prompt, m, t0, [p for p in plan if p.capture], after_layer)
         gone = set(missing)
         m.chunks_missed = sum(tuple(ids) in gone for ids in prompt.chunk_ids)
         m.chunks_hit = len(prompt.chunk_ids) - m.chunks_missed

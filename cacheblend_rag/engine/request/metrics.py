@@ -18,7 +18,7 @@ class RequestMetrics:
     chunks_hit: int = 0
     chunks_missed: int = 0  # not in the store: prefilled on the spot and stored
     chunks_captured: int = 0  # missed chunks stored from this request's own full prefill (no second prefill)
-    # hits read from a captured entry (capture="all"): KV an earlier full prefill computed after other chunks
+    # hits read from a captured entry: KV an earlier full prefill (a request's or a group's) computed after others
     chunks_hit_captured: int = 0
     hits_by_tier: dict[str, int] = field(default_factory=dict)  # chunk hits per store tier (memory, disk, redis)
     bytes_loaded: int = 0  # read from store tiers, as their codecs stored it (int8 on disk: about a quarter of fp32)

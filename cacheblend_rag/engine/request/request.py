@@ -5,7 +5,7 @@ prompt's chunks and text.
 framework integrations' per-call arguments), with its `SamplingParams`; `request_prompt` checks the chunks, the
 question, the prefix and the suffix and builds the prompt; `check_length` says whether it fits the model's context.
 A wrong name, type or value is one `ConfigError` / `PromptError` that names the method the caller called
-(`calling`). Numbers are checked by `cacheblend_rag.checks`, shared with the engine's settings. What the engine
+(`calling`). Numbers are checked by `cacheblend_rag.config.checks`, shared with the engine's settings. What the engine
 checks against its model (a rule's layers, the context length) is `CacheBlendEngine._check_request`, which calls
 these; the prefill and the decoding loop check nothing again.
 """
@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from ...checks import check_count, check_ratio, check_real
 from ...config import BlendConfig, PrefillMode
+from ...config.checks import check_count, check_ratio, check_real
 from ...errors import CacheBlendError, ConfigError, PromptError
 from .marked_text import PromptText
 from .prompt import PromptTemplate, TokenizedPrompt

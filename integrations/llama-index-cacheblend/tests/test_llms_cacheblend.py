@@ -150,7 +150,8 @@ def checkpoint(tmp_path_factory) -> str:
 
 def test_store_settings_reach_the_loaded_engine_and_only_equal_ones_share_it(checkpoint, tmp_path) -> None:
     llm = CacheBlendLLM(model_name=checkpoint, disk_dir=str(tmp_path / "a"), memory_budget_bytes=2**20)
-    assert (llm.engine.config.disk_dir, llm.engine.config.memory_budget_bytes) == (str(tmp_path / "a"), 2**20)
+    store = llm.engine.config.store
+    assert (store.disk_dir, store.memory_budget_bytes) == (str(tmp_path / "a"), 2**20)
     same = CacheBlendLLM(model_name=checkpoint, disk_dir=str(tmp_path / "a"), memory_budget_bytes=2**20)
     assert same.engine is llm.engine
     assert CacheBlendLLM(model_name=checkpoint, disk_dir=str(tmp_path / "b")).engine is not llm.engine

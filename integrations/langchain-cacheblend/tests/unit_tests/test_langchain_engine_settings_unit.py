@@ -26,8 +26,8 @@ def test_store_settings_reach_the_loaded_engine(checkpoint, tmp_path):
         redis_budget_bytes=2**29,
     )
     config = chat.get_engine().config
-    assert (config.disk_dir, config.memory_budget_bytes) == (str(tmp_path / "kv"), 2**20)
-    assert (config.disk_budget_bytes, config.redis_budget_bytes, config.dtype) == (2**30, 2**29, "float32")
+    assert (config.store.disk_dir, config.store.memory_budget_bytes) == (str(tmp_path / "kv"), 2**20)
+    assert (config.store.disk_budget_bytes, config.store.redis_budget_bytes, config.dtype) == (2**30, 2**29, "float32")
 
 
 def test_models_with_different_stores_never_share_an_engine(checkpoint, tmp_path):

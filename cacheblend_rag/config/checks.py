@@ -1,7 +1,7 @@
 """The number checks shared by the settings (`config`) and a request's arguments (`engine.request`), and
 `mask_url`, which shows a URL in an error without its password.
 
-It imports nothing but `errors`, so that `config` can use it without loading the engine, the store or torch.
+It imports nothing but `errors`, so that the settings can use it without loading the engine, the store or torch.
 Each check raises a `ConfigError` that names the setting, the value given and, where it helps, what the number
 counts; a bool is never read as a number (True is not 1).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def check_count(name: str, value: object, minimum: int, hint: str = "") -> None:

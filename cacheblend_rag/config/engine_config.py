@@ -1,0 +1,132 @@
+"""`EngineConfig`: where and how the model runs, the store, the blend, how chunk KV is cached, and serving."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ..errors import ConfigError
+from ..guard import Guard
+from .blend import BlendConfig
+from .checks import check_count, check_real
+from .dtype import normalize_dtype_name
+from .store_config import STORE_FIELDS, StoreConfig
+
+DECODE_WEIGHTS = ("native", "int8")
+MISS_POLICIES = ("auto", "blend", "full")
+# How a chunk's KV is cached (`EngineConfig.chunk_context`), with what each stores beside the chunk's isolated entry.
+CHUNK_CONTEXTS: dict[str, str] = {
+    "grouped": "precompute caches each chunk within a group of similar chunks; full prefills keep every chunk's KV",
+    "captured": "precompute caches each chunk alone; full prefills keep every later chunk's KV as that prompt had it",
+    "isolated": "every chunk cached alone, after the prompt's prefix only (the paper's setting)",
+}
+# Grouped precompute's group size, about a RAG prompt's chunks (6 of 512 tokens): on the paired fidelity run it brought
+# every ratio closer to full recompute (docs/benchmarks.md, "Grouped precompute").
+DEFAULT_GROUP_TOKENS = 3072
+
+# Settings that left `EngineConfig`, and what replaces each (refused with that advice for one release).
+_MOVED_TO_STORE = "moved to StoreConfig: EngineConfig(store=StoreConfig({name}=...))"
+REMOVED: dict[str, str] = {
+    **{name: _MOVED_TO_STORE.format(name=name) for name in STORE_FIELDS if name != "hmac_key"},
+    "store_hmac_key": "moved to StoreConfig: EngineConfig(store=StoreConfig(hmac_key=...))",
+    "capture": "replaced by chunk_context: capture='all' is chunk_context='captured' (or the default 'grouped'), "
+    "capture='exact' is chunk_context='isolated'",
+    "precompute_groups": "replaced by chunk_context: 'grouped' (the default) precomputes in groups, 'captured' or "
+    "'isolated' does not; the group size is precompute(..., group_tokens=N)",
+    "context_neighbours": "neighbour context left the product (grouped precompute, the default, took its place); "
+    "to cache chunks after given texts, pass them as precompute(chunks, context=[[text, ...], ...])",
+    "stale_key_temperature": "the attention temperature on stale KV left the product (within noise for the default "
+    "blend; docs/research.md keeps its study)",
+    "pipelined_loading": "pipelined loading is always on (benchmarks compare it with "
+    "engine.prefiller.pipelined = False)",
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs: device and precision, the chunk KV store, the blend, how chunk KV is cached, serving."""
+
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    dtype: str = "float32"  # "float32" for exactness, "bfloat16"/"float16" for speed; "auto": bf16 where it is fast
+    store: StoreConfig = field(default_factory=StoreConfig)  # the tiers that keep chunk KV, their budgets and codecs
+    blend: BlendConfig = field(default_factory=BlendConfig)  # the blend's rule and ratio r
+    # How chunk KV is cached beside each chunk's isolated entry: "grouped" (default), "captured" or "isolated"
+    # (`CHUNK_CONTEXTS`; docs/configuration.md, "How chunk KV is cached").
+    chunk_context: str = "grouped"
+    # A request with chunks not stored yet: "blend" prefills each missing chunk, stores it and blends; "full" answers
+    # with a full prefill and stores the missing chunks after the answer; "auto" does the latter only when the
+    # missing chunks would cost more to prefill than the whole prompt (docs/benchmarks.md, "Cold requests").
+    miss_policy: str = "auto"
+    # The fidelity guard of the "attention" rule (`guard.Guard`): escalates a request whose blend looks risky
+    # to a larger recompute budget. None: off.
+    guard: Guard | None = None
+    chunk_separator: str = "\n\n"  # appended to each chunk's text before tokenizing (part of its cache key)
+    max_prompt_tokens: int | None = None  # None: the model's context length
+    # How many requests decode together: each decode step reads the weights once for all of them. Requests past it
+    # wait in arrival order. 1 serves one request at a time (docs/configuration.md, "Serving many requests").
+    max_batch_size: int = 8
+    # The most KV positions the requests decoding together may hold (each: its prompt and room for its answer); a
+    # request that would pass it waits for room, one that could never fit is refused (PromptError). None: no bound.
+    max_batch_tokens: int | None = None
+    # The weights decode steps read: "native" (the model's, exact) or "int8" (CPU only: per-channel int8 copies of
+    # the linear layers, a quarter of the bytes; the first token stays exact, later tokens may differ).
+    decode_weights: str = "native"
+    # While a prompt is prefilled, the requests already decoding get a step between two of its layers once their
+    # last step is this many seconds old, so their answers keep streaming through a long prefill. None: off.
+    max_token_gap_s: float | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> EngineConfig:
+        gone = [name for name in kwargs if name in REMOVED]
+        if gone:
+            raise ConfigError("; ".join(f"EngineConfig({name}=...): {REMOVED[name]}" for name in gone))
+        return super().__new__(cls)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", normalize_dtype_name(self.dtype, self.device))  # "auto" decided here
+        dev = str(self.device)
+        if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not isinstance(self.store, StoreConfig):
+            raise ConfigError(f"store must be a StoreConfig, got {type(self.store).__name__}")
+        if self.chunk_context not in CHUNK_CONTEXTS:
+            raise ConfigError(f"chunk_context must be one of {', '.join(CHUNK_CONTEXTS)}, got {self.chunk_context!r}")
+        check_count("max_batch_size", self.max_batch_size, 1, "a number of requests (1: one at a time)")
+        if self.max_batch_tokens is not None:
+            check_count("max_batch_tokens", self.max_batch_tokens, 1, "a number of KV positions, or None")
+        if self.decode_weights not in DECODE_WEIGHTS:
+            raise ConfigError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}, got {self.decode_weights!r}")
+        if self.decode_weights == "int8" and dev != "cpu":
+            raise ConfigError("decode_weights='int8' runs on the CPU's int8 kernels; use 'native' on a GPU")
+        if self.max_token_gap_s is not None:
+            check_real("max_token_gap_s", self.max_token_gap_s, lambda s: s >= 0,
+                       "a number of seconds >= 0 (0: a step after every layer) or None (off)")  # fmt: skip
+        if self.max_prompt_tokens is not None:
+            check_count("max_prompt_tokens", self.max_prompt_tokens, 1, "a number of tokens, or None")
+        if not isinstance(self.chunk_separator, str):
+            raise ConfigError(f"chunk_separator must be a string, got {type(self.chunk_separator).__name__}")
+        if not isinstance(self.blend, BlendConfig):
+            raise ConfigError(f"blend must be a BlendConfig, got {type(self.blend).__name__}")
+        if self.guard is not None and not isinstance(self.guard, Guard):
+            raise ConfigError(f"guard must be a Guard or None, got {type(self.guard).__name__}")
+        if self.guard is not None and not self.blend.uses_attention_pass:
+            raise ConfigError(
+                f"the guard reads the 'attention' rule's first pass, but blend.rule is {self.blend.rule!r}; use "
+                "blend_rule('attention', r) or guard=None"
+            )
+        if self.miss_policy not in MISS_POLICIES:
+            raise ConfigError(f"miss_policy must be one of {', '.join(MISS_POLICIES)}, got {self.miss_policy!r}")
+
+    def __repr__(self) -> str:  # the dataclass's; the store's repr masks its secrets
+        return f"{type(self).__name__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields(self))})"
+
+    @property
+    def capture_policy(self) -> str:
+        """Which captured entries requests read and full prefills store: "all" (every later chunk's, as the prompt
+        computed it) for "grouped" and "captured", "exact" (only entries a full prefill computes as they are
+        stored) for "isolated" (`engine.chunks.placement`)."""
+        return "exact" if self.chunk_context == "isolated" else "all"
+
+    @property
+    def group_tokens(self) -> int:
+        """Grouped precompute's group size (0: chunks are precomputed alone)."""
+        return DEFAULT_GROUP_TOKENS if self.chunk_context == "grouped" else 0
