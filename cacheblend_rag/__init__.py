@@ -4,10 +4,10 @@ Each retrieved chunk's KV cache is computed once and stored; a request loads the
 at their real positions and recomputes only a share of the chunk tokens (by default the 15% the question
 attends to most). Start with `CacheBlendEngine`.
 
-Folders: `models/` (presets, loading, layer-wise adapter), `store/` (chunk KV and its stores), `fusion/` (token
-selection and the blended prefill), `engine/` (one request end to end), `controller/` (the loading controller),
-`retrieval/` (chunking, FAISS, neighbours), `evaluation/` (data sets, scoring, fidelity to full recompute),
-`cli` (the command line), `frameworks` (what the LangChain and LlamaIndex packages share). The methods the
+Folders: `config/` (the settings), `models/` (presets, loading, layer-wise adapter), `store/` (chunk KV and its
+stores), `fusion/` (token selection and the blended prefill), `engine/` (one request end to end), `controller/` (the
+loading controller), `retrieval/` (chunking, FAISS, neighbours), `evaluation/` (data sets, scoring, fidelity to full
+recompute), `cli` (the command line), `frameworks` (what the LangChain and LlamaIndex packages share). The methods the
 benchmarks compare live outside the package, in the repository's `benchmarks/benchlib/`.
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import reference_logits_with_cache
+from reference_forward import reference_logits_with_cache
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, PrefillMode, blend_rule
 from cacheblend_rag.engine.prefill.planning import prefix_and_chunk_masks

@@ -35,7 +35,7 @@ def check_numbers(*checks: tuple[str, float | None, float]) -> None:
             raise CacheBlendError(f"{flag} must be >= {low}, got {value}")
 
 
-def _add_document_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
+def _add_document_arguments(parser: argparse._ActionsContainer, *, required: bool) -> None:
     """--docs and how its files are chosen and read (`ask` and `index`)."""
     parser.add_argument("--docs", required=required, help="folder (or one file) of text documents to answer from")
     parser.add_argument("--encoding", default="utf-8", help="text encoding of the files, e.g. latin-1")
@@ -52,7 +52,7 @@ def _add_document_arguments(parser: argparse.ArgumentParser, *, required: bool) 
     parser.add_argument("--chunk-tokens", type=int, default=512, help="chunk size, in tokens of the model")
 
 
-def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_runtime_arguments(parser: argparse._ActionsContainer) -> None:
     parser.add_argument("--model", help="preset, local checkpoint or hub id (default: the default preset)")
     parser.add_argument("--device", default="cpu", help="torch device to run the model on, e.g. cuda")
     parser.add_argument("--dtype", default="float32", help="model precision: float32, bfloat16, float16, or auto "
@@ -95,14 +95,14 @@ def add_calibrate_parser(sub: argparse._SubParsersAction, formatter: type[argpar
                      "held back to check the choice made on the others")  # fmt: skip
 
 
-def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_target_arguments(parser: argparse._ActionsContainer) -> None:
     parser.add_argument("--target-first-token", type=float, default=0.95, help="share of answers whose first "
                         "token must match full recompute's")  # fmt: skip
     parser.add_argument("--target-top1", type=float, help="mean share of answer tokens ranked first by both")
     parser.add_argument("--target-kl", type=float, help="highest mean KL to full recompute, nats")
 
 
-def add_fidelity_arguments(ask: argparse.ArgumentParser) -> None:
+def add_fidelity_arguments(ask: argparse._ActionsContainer) -> None:
     """`ask`'s options that apply a fidelity profile."""
     ask.add_argument("--fidelity-profile", help="a fidelity profile (`cacheblend-rag calibrate`): the cheapest "
                      "ratio / guard meeting the targets; with --profile it is the floor r_min")  # fmt: skip
@@ -135,37 +135,40 @@ def build_parser() -> argparse.ArgumentParser:
 
     ask = sub.add_parser("ask", help="answer questions over a folder of text files", formatter_class=_HelpFormatter)
     ask.add_argument("questions", nargs="+", help="one or more questions")
-    _add_document_arguments(ask, required=False)
-    ask.add_argument("--index", help="folder for the chunk index: loaded when it holds one built from the same "
+    docs = ask.add_argument_group("documents")
+    _add_document_arguments(docs, required=False)
+    docs.add_argument("--index", help="folder for the chunk index: loaded when it holds one built from the same "
                      "--docs and settings, else (re)built there; must be new, empty or an index")  # fmt: skip
-    _add_runtime_arguments(ask)
-    ask.add_argument("--decode-weights", choices=("native", "int8"), default="native",
+    _add_runtime_arguments(ask.add_argument_group("model and store"))
+    answering = ask.add_argument_group("answering")
+    tuning = ask.add_argument_group("tuning and measuring (docs/configuration.md)")
+    tuning.add_argument("--decode-weights", choices=("native", "int8"), default="native",
                      help="int8: decode from int8 copies of the weights (CPU; several times faster per token, the "
                      "first token stays exact, later ones may differ; see docs/benchmarks.md)")  # fmt: skip
-    ask.add_argument("--mode", default="blend", choices=MODES, help="how the prompt's KV is built")
-    ask.add_argument("--ratio", type=float, help="recompute ratio for blend (default: the engine's, 0.15)")
-    ask.add_argument(
+    tuning.add_argument("--mode", default="blend", choices=MODES, help="how the prompt's KV is built")
+    answering.add_argument("--ratio", type=float, help="recompute ratio for blend (default: the engine's, 0.15)")
+    tuning.add_argument(
         "--miss-policy",
         default="auto",
         choices=["auto", "blend", "full"],
         help="a question whose chunks are not stored yet: full prefill then store them (full), prefill each chunk "
         "then blend (blend), or whichever costs less compute (auto)",
     )
-    ask.add_argument("--guard", action="store_true", help="turn on the fidelity guard: a blend whose first token "
+    answering.add_argument("--guard", action="store_true", help="turn on the fidelity guard: a blend whose first token "
                      "is a near tie (top-1 minus top-2 probability below --guard-margin) is recomputed in "
                      "full")  # fmt: skip
     # Default None, so a margin given without --guard can be refused; the value used is Guard's default.
-    ask.add_argument("--guard-margin", type=float, metavar="M", help="with --guard: the first-token margin below "
+    answering.add_argument("--guard-margin", type=float, metavar="M", help="with --guard: the first-token margin below "
                      f"which a blend is recomputed in full, in [0, 1] (default: {Guard().min_margin:g})")  # fmt: skip
-    ask.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question")
-    ask.add_argument("--max-new-tokens", type=int, default=128, help="longest answer, in tokens")
-    ask.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
-    ask.add_argument("--precompute-all", action="store_true", help="compute every chunk's KV up front (timed) "
+    answering.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question")
+    answering.add_argument("--max-new-tokens", type=int, default=128, help="longest answer, in tokens")
+    answering.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    answering.add_argument("--precompute-all", action="store_true", help="compute every chunk's KV up front (timed) "
                      "instead of in the request that first retrieves it")  # fmt: skip
-    ask.add_argument("--show-sources", action="store_true", help="print the retrieved chunks' sources")
-    ask.add_argument("--profile", help="a loading profile (`cacheblend-rag profile`): r is chosen per request")
-    ask.add_argument("--min-ratio", type=float, default=0.15, help="with --profile: the quality floor r_min")
-    add_fidelity_arguments(ask)
+    answering.add_argument("--show-sources", action="store_true", help="print the retrieved chunks' sources")
+    tuning.add_argument("--profile", help="a loading profile (`cacheblend-rag profile`): r is chosen per request")
+    tuning.add_argument("--min-ratio", type=float, default=0.15, help="with --profile: the quality floor r_min")
+    add_fidelity_arguments(tuning)
 
     prof = sub.add_parser("profile", help="measure blend compute and tier read speeds for the loading controller",
                           formatter_class=_HelpFormatter)  # fmt: skip

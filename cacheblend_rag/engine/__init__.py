@@ -1,4 +1,6 @@
-"""The request path: prompts made of chunks, the four prefill modes, decoding and per-request metrics."""
+"""The request path, in rooms: `request/` (arguments, prompt, metrics), `chunks/` (which entry each chunk reads),
+`prefill/` (the four prefill modes), `serving/` (the scheduler, batched decoding, streams), `corpus/` (precompute);
+`engine.py` composes them into `CacheBlendEngine`."""
 
 from ..models.fingerprint import model_fingerprint
 from .engine import CacheBlendEngine

@@ -1,16 +1,16 @@
 """The engine: one model, one chunk store, and the four ways to prefill a prompt made of chunks.
 
-It composes the parts, each in its own module:
-- `prompt`: templates and tokenized prompts (prefix, chunks, suffix);
-- `corpus`: a corpus's chunk KV ahead of requests (`precompute`: isolated, after neighbours, or grouped);
-- `chunk_cache`: chunk KV by key, from the store or prefilled and stored;
-- `planning`: which tokens a prefill recomputes (pure functions to a `FusionPlan`);
-- `prefill` and `gather`: the four prefill modes and the request's metrics, over the stored KV gathered for it;
-- `decoding`: a request's token loop and the streams callers read;
-- `scheduler` and `batch_decode`: one queue for every request, decode steps batched across requests;
-- `fills`: the chunks a cold request skipped, stored after its answer, in the scheduler's turns.
-One forward runs at a time (a lock): the model's modules are shared, and on a CPU parallel forwards only contend;
-concurrency comes from batching decode steps, not from parallel forwards.
+It composes the rooms beside it:
+- `request/`: a request's checked arguments, its tokenized prompt, its metrics, the hook between a prefill's layers;
+- `chunks/`: which stored entry each chunk of a prompt reads (`placement`), found or prefilled (`cache`), and the
+  entries a full prefill computes for free (`capture`);
+- `prefill/`: the four prefill modes over the KV gathered for them, planned by pure functions (`planning`);
+- `serving/`: one queue for every request, decode steps batched across requests, the token loop and streams, and
+  the chunks cold requests skipped, stored after their answers (`deferred_fills`);
+- `corpus/`: a corpus's chunk KV ahead of requests (`precompute`, grouped or alone).
+The call path: `generate` -> `scheduler.stream` -> (a turn of the scheduler) -> `run_prefill` -> `Prefiller.run` ->
+`fusion.fuse`. One forward runs at a time (a lock): the model's modules are shared, and on a CPU parallel forwards
+only contend; concurrency comes from batching decode steps, not from parallel forwards.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from .request.prompt import PromptTemplate, TokenizedPrompt, tokenize_request
 from .request.request import Request, RequestOptions, calling, check_length, request_prompt
 from .serving.batch_decode import BatchDecoder
 from .serving.decoding import AsyncTextStream, GenerationResult, TextStream, TokenLoop
-from .serving.deferred_fills import DeferredFills
+from .serving.deferred_fills import DeferredFills, FillStats
 from .serving.scheduler import Scheduler
 from .serving.thread_pools import releasing_thread_pool
 from .serving.tokens import eos_token_ids
@@ -99,15 +99,10 @@ class CacheBlendEngine(CorpusMethods):
         self._lock = threading.RLock()
         self._fills = DeferredFills(self.chunks.store_or_fill, self._lock)  # run by the scheduler while it serves
         self.scheduler = Scheduler(
+            self,  # its steps: `run_prefill`, `token_loop` and `fills`
             # decode steps run on the model itself, or on int8 copies of its linear layers (`decode_weights`)
             BatchDecoder(int8_decode_lm(self.model) if self.config.decode_weights == "int8" else self.lm),
             self._lock,
-            prefill=self._prefill,
-            new_loop=lambda request: TokenLoop(self.tokenizer, self.eos_ids, request.sampling, self.device),
-            ready=lambda prompt: self._fills.wait_for(prompt.chunk_ids, timeout=0),
-            # after a request's last token: store, off its path, the chunks a cold request was answered without
-            finished=lambda job, result: self._fills.submit(job.prompt.prefix_ids, job.deferred, result.metrics),
-            background=self._fills,
             max_batch=self.config.max_batch_size,
             max_tokens=self.config.max_batch_tokens,
             max_token_gap_s=self.config.max_token_gap_s,
@@ -225,12 +220,23 @@ class CacheBlendEngine(CorpusMethods):
         """
         request = Request(mode=mode, recompute_ratio=recompute_ratio, blend=blend)
         self._check_request(prompt, request, "prefill")
-        pre = self._prefill(prompt, request)
+        pre = self.run_prefill(prompt, request)
         # the chunks a cold prefill answered without are stored now, so the next request finds them (`generate` and
         # `stream` leave that to the background: `wait_for_fills`)
-        self._fills.submit(prompt.prefix_ids, pre.deferred, pre.metrics)
+        self._fills.submit(prompt.prefix_ids, pre.deferred)
         self._fills.wait_for(prompt.chunk_ids)
         return pre
+
+    @property
+    def fills(self) -> DeferredFills:
+        """The queue of chunks that cold requests were answered without, stored after their answers."""
+        return self._fills
+
+    @property
+    def fill_stats(self) -> FillStats:
+        """What storing the chunks cold requests skipped has done so far: chunks prefilled and stored, entries stored
+        from full prefills, failures, the seconds it took, and what is still queued (see `wait_for_fills`)."""
+        return self._fills.stats
 
     def wait_for_fills(self, timeout: float | None = None) -> bool:
         """Wait until the chunks that cold requests were answered without are stored (they are stored on a
@@ -250,7 +256,10 @@ class CacheBlendEngine(CorpusMethods):
             check_blend(request.blend or self.config.blend, self.lm.shape.num_layers, "blend")
             self.check_length(prompt, request.sampling.max_new_tokens if method != "prefill" else 0)
 
-    def _prefill(self, prompt: TokenizedPrompt, request: Request, after_layer: AfterLayer | None = None) -> Prefill:
+    def run_prefill(self, prompt: TokenizedPrompt, request: Request, after_layer: AfterLayer | None = None) -> Prefill:
+        """The prefill of a checked request, as the scheduler runs it: the ratio the request, the engine's blend or
+        the controller gives; after any chunk of the prompt still being stored; under the engine's lock, with
+        `after_layer` between its layers. The entries a full prefill computed are queued to be stored at once."""
         mode = request.mode
         pinned = request.recompute_ratio is not None or request.blend is not None
         blend = request.blend or self.config.blend
@@ -261,9 +270,13 @@ class CacheBlendEngine(CorpusMethods):
         with self._lock:
             pre = self.prefiller.run_retrying(prompt, mode, blend, policy, self.store_tiers, after_layer)
         # entries a full prefill computed: stored at once on the fills' thread (no compute, only the store's writes)
-        self._fills.submit(prompt.prefix_ids, pre.captured, pre.metrics, pre.captured)
+        self._fills.submit(prompt.prefix_ids, pre.captured, pre.captured)
         pre.captured = {}  # the fills' thread holds them until stored
         return pre
+
+    def token_loop(self, request: Request) -> TokenLoop:
+        """A fresh token loop (sampling, stops, the answer's text) for a request's decoding."""
+        return TokenLoop(self.tokenizer, self.eos_ids, request.sampling, self.device)
 
     @property
     def store_tiers(self) -> int:

@@ -245,6 +245,7 @@ class Prefiller:
         m.cold_tokens = sum(len(ids) for ids in missing)
         m.fallback = f"full prefill: {len(missing)} of {len(prompt.chunk_ids)} chunks not stored yet"
         pre.deferred = tuple(ids for ids in missing if ids not in pre.captured)
+        m.chunks_deferred = len(pre.deferred)
         return pre
 
     def _fuse(

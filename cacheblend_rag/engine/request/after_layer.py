@@ -17,24 +17,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 from torch import nn
 
 AfterLayer = Callable[[int], None]  # runs with a layer's index when a pass over the prompt has finished that layer
-
-
-class HostedWork(Protocol):
-    """Work the scheduler's thread runs in its turns while it serves requests (the chunks cold requests skipped,
-    `fills.DeferredFills`), and leaves to a thread of its own when it stops."""
-
-    def host(self, active: bool) -> None:
-        """The scheduler starts (True) or stops (False) running this work in its turns."""
-        ...
-
-    def run_next(self, after_layer: AfterLayer | None = None) -> bool:
-        """Run one item on the calling thread, `after_layer` between its layers; -> False when none was waiting."""
-        ...
 
 
 @contextmanager

@@ -26,9 +26,8 @@ class RequestMetrics:
     wait_s: float = 0.0  # time the fusor sat waiting for loaded KV: the part of load_s compute did not hide
     pipelined: bool = False  # layer-wise loading ran on a thread beside the fusor
     precompute_s: float = 0.0  # prefilling chunks that missed, within this request (part of ttft_s)
-    # prefilling and storing the missed chunks the full prefill did not capture, after the answer, on a background
-    # thread: 0 until it is done (`engine.wait_for_fills()`), never part of the request's own time
-    deferred_fill_s: float = 0.0
+    # missed chunks left to be prefilled and stored after the answer (`engine.fill_stats` counts them once stored)
+    chunks_deferred: int = 0
     fallback: str | None = None  # why the request ran otherwise than asked (e.g. a full prefill for a cold one)
     # the "attention" rule's risk signals of the first blend (guard.first_token_signals), and the ratios a
     # guard escalated through (1.0: every chunk token recomputed, a full prefill's result)
@@ -44,6 +43,14 @@ class RequestMetrics:
     generated_tokens: int = 0
     recomputed_per_layer: list[int] = field(default_factory=list)
     controller: dict[str, Any] | None = None  # the loading controller's decision, when it chose the ratio
+
+    def __getattr__(self, name: str) -> Any:  # only for names the dataclass does not have
+        if name == "deferred_fill_s":
+            raise AttributeError(
+                "RequestMetrics.deferred_fill_s is gone: a request's metrics are final when its call returns; read "
+                "engine.fill_stats.prefill_s (after engine.wait_for_fills()) for the chunks stored after the answer"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def recompute_share(self) -> float:

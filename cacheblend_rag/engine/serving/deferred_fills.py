@@ -10,7 +10,8 @@ answer, and it runs one chunk at a time in one of two places:
 - otherwise on a background thread of its own, one chunk per turn of the engine's lock.
 A request that needs a chunk still queued waits for it (`wait_for`) rather than computing it twice; on the host's
 thread, waiting means storing the queued chunks there. `wait()` waits for everything (before a process exits);
-at exit without it, what is still queued is dropped (`stop`, called by `shutdown`).
+at exit without it, what is still queued is dropped (`stop`, called by `shutdown`). What the fills did is counted in
+`stats` (`engine.fill_stats`), never written into a request's metrics after its call returned.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from ...store import ChunkKV
-from ..request.after_layer import AfterLayer, HostedWork
-from ..request.metrics import RequestMetrics
+from ..request.after_layer import AfterLayer
 from .shutdown import joined, stop_at_exit
 
 logger = logging.getLogger(__name__)
@@ -33,10 +34,21 @@ logger = logging.getLogger(__name__)
 Fill = Callable[[Sequence[int], Sequence[int], ChunkKV | None, AfterLayer | None], None]
 IDLE_S = 5.0  # the background thread ends after this long with nothing queued
 
-Item = tuple[tuple[int, ...], tuple[int, ...], RequestMetrics, ChunkKV | None]
+Item = tuple[tuple[int, ...], tuple[int, ...], ChunkKV | None]
 
 
-class DeferredFills(HostedWork):
+@dataclass(frozen=True)
+class FillStats:
+    """What the fills have done since the engine was made (`engine.fill_stats`)."""
+
+    prefilled: int  # chunks prefilled and stored after the answers that skipped them
+    captured: int  # entries stored from the full prefill that computed them (a write, no compute)
+    failed: int  # fills that raised (logged; the next request that needs the chunk computes it)
+    prefill_s: float  # seconds spent prefilling and storing, other requests' decode steps in between excluded
+    pending: int  # chunks queued or being stored now
+
+
+class DeferredFills:
     """The queue of chunks to store, its background thread (started on first use, a daemon: pending fills are only
     cache entries, so a process that exits without `wait()` loses nothing but them) and the host's turns."""
 
@@ -49,17 +61,18 @@ class DeferredFills(HostedWork):
         self._host: int | None = None  # the thread that runs the queue while it serves requests
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._prefilled = self._captured = self._failed = 0
+        self._prefill_s = 0.0
         stop_at_exit(self)
 
     def submit(
         self,
         prefix_ids: Sequence[int],
         chunks: Iterable[Sequence[int]],
-        metrics: RequestMetrics,
         captured: Mapping[tuple[int, ...], ChunkKV] | None = None,
     ) -> None:
-        """Queue `chunks` (after `prefix_ids`) to be stored, from their `captured` entry where there is one;
-        `metrics.deferred_fill_s` adds the time the others took to prefill and store."""
+        """Queue `chunks` (after `prefix_ids`) to be stored, from their `captured` entry where there is one, else
+        prefilled."""
         chunks = tuple(tuple(c) for c in chunks)
         if not chunks:
             return
@@ -69,7 +82,7 @@ class DeferredFills(HostedWork):
                 return  # the process is exiting: a cache entry is not worth holding it up
             for c in chunks:
                 self._pending[c] = self._pending.get(c, 0) + 1
-                self._items.append((tuple(prefix_ids), c, metrics, captured.get(c)))
+                self._items.append((tuple(prefix_ids), c, captured.get(c)))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="cacheblend-deferred-fills", daemon=True)
                 self._thread.start()
@@ -128,6 +141,13 @@ class DeferredFills(HostedWork):
         with self._cond:
             return sum(self._pending.values())
 
+    @property
+    def stats(self) -> FillStats:
+        """What the fills have done so far, and how many chunks are still queued."""
+        with self._cond:
+            pending = sum(self._pending.values())
+            return FillStats(self._prefilled, self._captured, self._failed, self._prefill_s, pending)
+
     def _has_pending(self, wanted: set[tuple[int, ...]]) -> bool:
         with self._cond:
             return bool(wanted & self._pending.keys())
@@ -146,7 +166,7 @@ class DeferredFills(HostedWork):
             self._store(item, None)
 
     def _store(self, item: Item, after_layer: AfterLayer | None) -> None:
-        prefix_ids, chunk, metrics, kv = item
+        prefix_ids, chunk, kv = item
         hosted = 0.0  # time spent in `after_layer` (other requests' decode steps), not in this fill
 
         def timed(layer_idx: int) -> None:
@@ -157,16 +177,23 @@ class DeferredFills(HostedWork):
             hosted += time.perf_counter() - t
 
         t = time.perf_counter()
+        failed = False
         try:
             with self._lock:
                 self._fill(prefix_ids, chunk, kv, None if after_layer is None else timed)
         except Exception as exc:  # a fill is an optimisation: report it and go on
+            failed = True
             logger.warning("storing a chunk after a cold request failed (%s: %s); the next request that "
                            "retrieves it computes it", type(exc).__name__, exc)  # fmt: skip
         finally:
-            if kv is None:  # a captured entry only costs its store's write
-                metrics.deferred_fill_s += time.perf_counter() - t - hosted  # before the waiters are told
-            with self._cond:
+            with self._cond:  # counted before the waiters are told
+                if failed:
+                    self._failed += 1
+                elif kv is None:
+                    self._prefilled += 1
+                    self._prefill_s += time.perf_counter() - t - hosted
+                else:
+                    self._captured += 1
                 self._done(chunk)
                 self._cond.notify_all()
 

@@ -1,5 +1,6 @@
-"""What the scheduler queues: a `Job` (one request, its decoding state and its cache) and the `Channel` that carries
-its events, in order, from whoever serves it to whoever reads it."""
+"""What the scheduler queues and serves: a `Job` (one request, its decoding state and its cache), the `Channel` that
+carries its events, in order, from whoever serves it to whoever reads it, and `Served`, what the scheduler needs of
+the engine."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import queue
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from ..prefill.prefiller import Prefill
+from ..request.after_layer import AfterLayer
 from ..request.prompt import TokenizedPrompt
 from ..request.request import Request
 from .batch_decode import DecodeCache
 from .decoding import Event, GenerationResult, TokenLoop
+from .deferred_fills import DeferredFills
 
 
 class Channel:
@@ -75,3 +80,20 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+class Served(Protocol):
+    """What the scheduler serves (the engine): a request's two steps, and the chunks to store in its turns."""
+
+    @property
+    def fills(self) -> DeferredFills:
+        """The chunks cold requests were answered without, stored by the scheduler's worker in its turns."""
+        ...
+
+    def run_prefill(self, prompt: TokenizedPrompt, request: Request, after_layer: AfterLayer | None) -> Prefill:
+        """The request's prefill (taking the engine's lock itself), `after_layer` between its layers if given."""
+        ...
+
+    def token_loop(self, request: Request) -> TokenLoop:
+        """A fresh token loop for the request's sampling settings."""
+        ...

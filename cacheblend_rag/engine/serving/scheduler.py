@@ -33,16 +33,15 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from ...errors import EngineClosedError, PromptError
-from ..prefill.prefiller import Prefill
-from ..request.after_layer import AfterLayer, HostedWork
+from ..request.after_layer import AfterLayer
 from ..request.prompt import TokenizedPrompt
 from ..request.request import Request
 from .batch_decode import BatchDecoder, DecodeCache
-from .decoding import AsyncTextStream, Event, GenerationResult, TextStream, TokenLoop
-from .jobs import Channel, Job
+from .decoding import AsyncTextStream, Event, GenerationResult, TextStream
+from .jobs import Channel, Job, Served
 from .shutdown import joined, stop_at_exit
 from .thread_pools import release_thread_pool
 
@@ -50,27 +49,18 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """The queue and the worker. The engine gives it its steps:
+    """The queue and the worker, over what it serves (`Served`: the engine's prefill and token loop, and its fills).
 
-    - `prefill(prompt, request, after_layer)`: the request's prefill (takes the engine's lock itself), calling
-      `after_layer` between its layers when it is given;
-    - `new_loop(request)`: a fresh `TokenLoop` for the request's sampling settings;
-    - `ready(prompt)`: False while one of the prompt's chunks is still being stored by a background fill (the job
-      then waits in the queue, and later jobs may start first);
-    - `finished(job, result)`: runs after a job's last token (queues what a cold request skipped to be stored);
-    - `background`: the queue of chunks to store, which this worker runs in its turns while it serves requests.
+    A job waits in the queue while one of its chunks is still being stored by a fill (later jobs may start first);
+    after a job's last token, the chunks a cold request was answered without are queued to be stored.
     """
 
     def __init__(
         self,
+        served: Served,
         decoder: BatchDecoder,
         lock: threading.RLock,
         *,
-        prefill: Callable[[TokenizedPrompt, Request, AfterLayer | None], Prefill],
-        new_loop: Callable[[Request], TokenLoop],
-        ready: Callable[[TokenizedPrompt], bool],
-        finished: Callable[[Job, GenerationResult], None],
-        background: HostedWork,
         max_batch: int,
         max_tokens: int | None = None,
         max_token_gap_s: float | None = None,
@@ -80,8 +70,7 @@ class Scheduler:
         self.max_tokens = max_tokens
         self.max_token_gap_s = max_token_gap_s
         self._lock = lock
-        self._prefill, self._new_loop, self._ready, self._finished = prefill, new_loop, ready, finished
-        self._background = background
+        self._served = served
         self._cond = threading.Condition()
         self._waiting: list[Job] = []
         self._active: list[Job] = []
@@ -208,13 +197,13 @@ class Scheduler:
 
     @property
     def busy(self) -> int:
-        """How many jobs are waiting or decoding."""
+        """How many jobs are waiting or decoding (a job that ended is counted until the server's next turn drops it)."""
         with self._cond:
             return len(self._waiting) + len(self._active)
 
     def _run(self) -> None:
         """The worker thread: turns until nothing is left."""
-        self._background.host(True)
+        self._served.fills.host(True)
         try:
             while True:
                 with self._turn:
@@ -226,7 +215,7 @@ class Scheduler:
                         self._thread = None
                         return
         finally:
-            self._background.host(False)  # what is left is stored on the fills' own thread
+            self._served.fills.host(False)  # what is left is stored on the fills' own thread
 
     def _one_turn(self) -> bool:
         """Start a waiting job, store one queued chunk, step the decoding jobs; -> False when nothing was left to
@@ -242,7 +231,7 @@ class Scheduler:
                 return False
             job = None
             if len(self._active) < self.max_batch:
-                job = next((j for j in self._waiting if self._ready(j.prompt)), None)
+                job = next((j for j in self._waiting if self._ready(j)), None)
                 if job is not None and not self._fits(job):
                     job = None  # it waits for room; later jobs do not pass it
                 if job is not None:
@@ -250,7 +239,7 @@ class Scheduler:
             batch = list(self._active)
         if job is not None:
             self._start(job)
-        stored = self._background.run_next(self._after_layer)
+        stored = self._served.fills.run_next(self._after_layer)
         if job is None and not batch and not stored:
             with self._cond:
                 self._cond.wait(0.02)  # only jobs whose chunks the fills' thread is storing: look again soon
@@ -263,10 +252,10 @@ class Scheduler:
     def _start(self, job: Job) -> None:
         try:
             self._hosted = 0
-            pre = self._prefill(job.prompt, job.request, self._after_layer)
+            pre = self._served.run_prefill(job.prompt, job.request, self._after_layer)
             pre.metrics.interleaved_steps = self._hosted
             job.deferred = pre.deferred
-            job.loop = self._new_loop(job.request)
+            job.loop = self._served.token_loop(job.request)
             first = job.loop.first(pre.logits, pre.metrics, job.t0)
             job.last_token_at = time.perf_counter()
             if not self._send(job, first):
@@ -281,6 +270,10 @@ class Scheduler:
             return
         with self._cond:
             self._active.append(job)
+
+    def _ready(self, job: Job) -> bool:
+        """False while one of the job's chunks is still being stored by a fill."""
+        return self._served.fills.wait_for(job.prompt.chunk_ids, timeout=0)
 
     def _prune(self) -> None:
         """Drop the jobs no one serves any more: cancelled ones, and finished ones (under the condition's lock)."""
@@ -342,7 +335,7 @@ class Scheduler:
         rest, result = job.loop.result()
         if rest:
             job.channel.put(rest)
-        try:
-            self._finished(job, result)
+        try:  # store, off its path, the chunks a cold request was answered without
+            self._served.fills.submit(job.prompt.prefix_ids, job.deferred)
         finally:
             job.channel.put(result)

@@ -15,7 +15,7 @@ import sweep
 from benchlib import cli, load_report, quality, timing
 from benchlib.report import comparable_cases
 
-DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 
 
 def _record(dataset: str, method: str, case: str, score: float, ttft: float) -> dict:
@@ -102,7 +102,7 @@ def test_every_benchmark_writes_under_benchmarks_results_by_default(name, folder
     monkeypatch.setenv("COLUMNS", "400")  # --help on one line per option
     with pytest.raises(SystemExit):
         importlib.import_module(name).main(["--help"])
-    root = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    root = Path(__file__).resolve().parents[1] / "results"
     assert f"(default: {root / folder})" in capsys.readouterr().out
 
 

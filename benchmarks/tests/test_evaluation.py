@@ -29,7 +29,7 @@ from cacheblend_rag.evaluation.datasets import QA_SPEC_TEMPLATE, load_samsum, sp
 from cacheblend_rag.evaluation.scoring import parse_short_answer, token_f1
 from cacheblend_rag.testing import random_words
 
-DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 needs_data = pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"benchmark data not present at {DATA_DIR.resolve()}")
 
 
