@@ -38,7 +38,7 @@ from .prefill.planning import RatioPolicy, check_blend
 from .prefill.prefiller import Prefill, Prefiller
 from .request.after_layer import AfterLayer
 from .request.prompt import PromptTemplate, TokenizedPrompt, tokenize_request
-from .request.request import Request, RequestOptions, calling, check_length, request_prompt
+from .request.request import Request, RequestOptions, calling, check_length, check_prompt_parts
 from .serving.batch_decode import BatchDecoder
 from .serving.decoding import AsyncTextStream, GenerationResult, TextStream, TokenLoop
 from .serving.deferred_fills import DeferredFills, FillStats
@@ -329,7 +329,11 @@ class CacheBlendEngine(CorpusMethods):
     ) -> tuple[TokenizedPrompt, Request]:
         """The checked request of one `generate` / `stream` call and its tokenized prompt."""
         request = Request.from_options(method, options)
-        prompt = request_prompt(self.build_prompt, method, chunks, question, request)
+        prompt = check_prompt_parts(method, chunks, question, request)
+        if prompt is None:
+            with calling(method):
+                prompt = self.build_prompt(chunks, question, template=request.template, prefix=request.prefix,
+                                           suffix=request.suffix)  # fmt: skip
         self._check_request(prompt, request, method)
         return prompt, request
 

@@ -2,9 +2,9 @@
 prompt's chunks and text.
 
 `Request.from_options(method, options)` reads the keyword arguments of `engine.generate` / `engine.stream` (and the
-framework integrations' per-call arguments), with its `SamplingParams`; `request_prompt` checks the chunks, the
-question, the prefix and the suffix and builds the prompt; `check_length` says whether it fits the model's context.
-A wrong name, type or value is one `ConfigError` / `PromptError` that names the method the caller called
+framework integrations' per-call arguments), with its `SamplingParams`; `check_prompt_parts` checks the chunks, the
+question, the prefix and the suffix (or takes a prebuilt prompt); `check_length` says whether it fits the model's
+context. A wrong name, type or value is one `ConfigError` / `PromptError` that names the method the caller called
 (`calling`). Numbers are checked by `cacheblend_rag.config.checks`, shared with the engine's settings. What the engine
 checks against its model (a rule's layers, the context length) is `CacheBlendEngine._check_request`, which calls
 these; the prefill and the decoding loop check nothing again.
@@ -12,7 +12,7 @@ these; the prefill and the decoding loop check nothing again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -221,15 +221,12 @@ def check_length(prompt: TokenizedPrompt, max_new_tokens: int, limit: int) -> No
         )
 
 
-def request_prompt(
-    build_prompt: Callable[..., TokenizedPrompt],
-    method: str,
-    chunks: Sequence[str] | TokenizedPrompt,
-    question: str | None,
-    request: Request,
-) -> TokenizedPrompt:
-    """The tokenized prompt of one `generate` / `stream` call: a prebuilt one as given (then with no question,
-    prefix or suffix beside it), else built from checked chunks and question by `build_prompt`."""
+def check_prompt_parts(
+    method: str, chunks: Sequence[str] | TokenizedPrompt, question: str | None, request: Request
+) -> TokenizedPrompt | None:
+    """The parts of one `generate` / `stream` call's prompt, checked: a prebuilt prompt is returned as given (then
+    with no question, prefix or suffix beside it); chunks and a question are checked, and None says to build the
+    prompt from them."""
     if isinstance(chunks, TokenizedPrompt):
         if question is not None or request.prefix is not None or request.suffix is not None:
             raise PromptError(f"{method}(): a prebuilt prompt already has its question; pass no question, prefix "
@@ -239,4 +236,4 @@ def request_prompt(
         check_chunks(chunks)
         check_text("question", question, optional=True)
         check_encodable(chunks, question=question, prefix=request.prefix, suffix=request.suffix)
-        return build_prompt(chunks, question, template=request.template, prefix=request.prefix, suffix=request.suffix)
+    return None
