@@ -38,6 +38,11 @@ class CorruptEntryError(CacheBlendError):
     """
 
 
+class EntryGoneError(CorruptEntryError):
+    """A stored entry went away (evicted or replaced by the store) while its layers were read: a miss, not damage.
+    The engine recomputes the chunk as for a damaged one; the tier counts it apart (`TierStats.vanished`)."""
+
+
 class EngineClosedError(CacheBlendError, RuntimeError):
     """The engine was stopped (`CacheBlendEngine.close()`, or the interpreter is exiting): it takes no request, and
     the requests it had not answered end with this error. Build a new engine to go on."""

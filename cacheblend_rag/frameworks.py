@@ -18,10 +18,14 @@ that does not depend on the framework lives here, so both packages behave the sa
   a `PromptText`: the template's control tokens stay control tokens, while a control-token string inside a message
   stays text, so neither a message nor a document stuffed into one can forge a turn. Documents passed as chunks
   are tokenized the same way by the engine.
+- **Retrieved documents** become chunks through `document_chunks`: blank ones are left out, a text that is not a
+  string is a `PromptError`. Text UTF-8 cannot encode (a lone surrogate) is a `PromptError` naming where it is, in
+  a document or in a chat message.
 - **Per-call arguments** are `CALL_ARGUMENTS`, the engine's names (`max_tokens` is accepted for
   `max_new_tokens`); `call_arguments` merges a model object's settings with a call's and refuses unknown ones.
 - **A model object's settings** use the same names: `max_new_tokens`, with `max_tokens` accepted for it where the
-  object is built too (`setting_aliases`).
+  object is built too (`setting_aliases`), and are checked where the object is built (`call_arguments(settings,
+  {})`), not at its first call.
 - **Response metadata** is `metrics_metadata(metrics, detailed=...)`: the request's `RequestMetrics` without the
   per-layer list (`DETAILED_METRICS`) unless a model object's `detailed_metrics` asks for it.
 - **The model's name** is `resolve_model_name(requested, engine)`, and `load_engine` shares one engine per
@@ -42,6 +46,7 @@ from .config import EngineConfig, PrefillMode, StoreConfig
 from .engine import CacheBlendEngine, Request
 from .engine.request.marked_text import PromptText, render_chat_text
 from .engine.request.request import ALIASES as REQUEST_ALIASES
+from .engine.request.request import check_encodable
 from .errors import ConfigError, PromptError
 
 __all__ = [
@@ -167,6 +172,7 @@ def render_chat(tokenizer: Any, turns: Sequence[ChatTurn]) -> PromptText:
     """
     if not turns:
         raise PromptError("no messages to answer; pass at least one message")
+    check_encodable((), **{f"{t.role} message {i}": t.content for i, t in enumerate(turns)})
     if has_chat_template(tokenizer):
         return render_chat_text(tokenizer, [{"role": t.role, "content": t.content} for t in turns])
     text = PromptText()
@@ -214,11 +220,29 @@ def call_arguments(
         given[name] = key
         args[name] = value
     stop = args["stop"]
-    args["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if stop is None or isinstance(stop, (str, list, tuple)):  # anything else is refused below, as the engine does
+        args["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if PrefillMode.parse(args["mode"]) is not PrefillMode.BLEND:
         args["recompute_ratio"] = None
     Request.from_options("a call", args)  # one check, one message per mistake, as the engine's
     return args
+
+
+def document_chunks(texts: Sequence[object]) -> list[str]:
+    """The chunks of a request's retrieved documents: each document's text, in order, without the blank ones.
+
+    A splitter or a retriever may return an empty document; it has no KV worth caching and nothing to read, so it is
+    left out (both frameworks do the same). A document whose text is not a string is a PromptError naming it.
+    """
+    if isinstance(texts, (str, bytes)):
+        raise PromptError("documents must be a list of texts, got a single string; wrap it: [text]")
+    out = []
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise PromptError(f"document {i}'s text must be a string, got {type(text).__name__}")
+        if text.strip():
+            out.append(text)
+    return out
 
 
 def setting_aliases(settings: Mapping[str, Any]) -> dict[str, Any]:

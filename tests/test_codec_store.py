@@ -59,16 +59,19 @@ def test_layers_of_an_encoded_entry_are_known_byte_ranges_checked_on_their_encod
         layout.decode_layer(1, data[k0:k1], data[v0:v1])
 
 
-def test_an_entry_of_another_codec_is_a_counted_miss_in_the_disk_tier(tmp_path):
-    DiskStore(tmp_path, 10 * 1024**2, codec="int8").put(make_kv("chunk-a"))
+def test_tiers_of_two_codecs_on_one_folder_keep_their_own_entries(tmp_path):
+    int8 = DiskStore(tmp_path, 10 * 1024**2, codec="int8")
+    int8.put(make_kv("chunk-a"))
     with pytest.raises(CorruptEntryError, match="written with codec 'int8', this tier reads 'native'"):
         deserialize_chunk(serialize_chunk(make_kv("chunk-a"), codec=CODECS["int8"]), "chunk-a")
     native = DiskStore(tmp_path, 10 * 1024**2, codec="native")
-    assert native.get("chunk-a") is None  # dropped: a miss, counted as such
-    assert native.stats.misses == 1 and native.stats.corrupt == 1 and native.stats.hits == 0
-    assert native.open("chunk-a") is None and "chunk-a" not in native
-    native.put(make_kv("chunk-a"))  # the miss is recomputed and stored again, in this tier's codec
+    assert native.entry_name("chunk-a") != int8.entry_name("chunk-a")
+    assert native.get("chunk-a") is None  # the int8 entry is not this tier's: a plain miss, nothing dropped
+    assert native.stats.misses == 1 and native.stats.corrupt == 0 and native.stats.hits == 0
+    assert native.open("chunk-a") is None and "chunk-a" not in native and "chunk-a" in int8
+    native.put(make_kv("chunk-a"))  # the miss is recomputed and stored beside it, in this tier's codec
     assert same(native.get("chunk-a"), make_kv("chunk-a"))
+    assert int8.get("chunk-a") is not None and int8.stats.corrupt == 0  # the int8 entry is still there
 
 
 def previous_format_entry(kv) -> bytes:
@@ -95,7 +98,8 @@ def test_an_entry_in_the_previous_format_is_a_counted_miss(tmp_path):
     diskcache = pytest.importorskip("diskcache")
     kv = make_kv("chunk-a", tokens=1024)  # a file in the disk tier, read by range
     store = DiskStore(tmp_path, 10 * 1024**2)
-    diskcache.Cache(str(tmp_path)).set("chunk-a", previous_format_entry(kv))  # written by the previous version
+    # written by the previous version under this tier's name (an entry of before names existed is never looked up)
+    diskcache.Cache(str(tmp_path)).set(store.entry_name("chunk-a"), previous_format_entry(kv))
     assert store.open("chunk-a") is None
     assert store.stats.misses == 1 and store.stats.corrupt == 1 and "chunk-a" not in store
     with pytest.raises(CorruptEntryError, match="format version '2'"):

@@ -95,3 +95,14 @@ def test_cuda_batched_decode_of_mixed_lengths_equals_the_models_own_forward(fami
             torch.testing.assert_close(got[b], out.logits[0, -1].float(), atol=1e-4, rtol=1e-4)
             lengths[b] += 1
         tokens = [int(row.argmax()) for row in got]
+
+
+def test_a_cuda_engine_in_a_forked_child_refuses_with_advice():
+    from test_faults_peers import in_a_child
+
+    engine = CacheBlendEngine(
+        make_tiny_model("qwen2"), make_tiny_tokenizer(), config=EngineConfig(device="cuda", chunk_separator="")
+    )
+    engine.generate([random_words(1, 10)], prefix=random_words(2, 3), suffix=random_words(3, 3), max_new_tokens=1)
+    child = in_a_child(lambda: engine.generate([random_words(1, 10)], "q", max_new_tokens=1).text)
+    assert "build the engine after forking" in child["error"] and child["error"].startswith("EngineClosedError")

@@ -167,7 +167,7 @@ def test_every_malformed_header_is_a_corrupt_entry_error(damage):
 @pytest.mark.parametrize("damage", list(MALFORMED))
 def test_a_malformed_disk_entry_is_a_counted_miss(tmp_path, damage, read):
     store = DiskStore(tmp_path, budget_bytes=10 * 1024**2, codec=EXACT_CODEC)
-    store._index.cache.set("chunk-a", MALFORMED[damage])  # another writer sharing the folder
+    store._index.cache.set(store.entry_name("chunk-a"), MALFORMED[damage])  # another writer sharing the folder
     assert getattr(store, read)("chunk-a") is None
     assert store.stats.corrupt == 1 and store.stats.misses == 1 and "chunk-a" not in store
 
@@ -308,9 +308,10 @@ def test_with_an_hmac_key_the_disk_tier_refuses_entries_forged_without_it(tmp_pa
     signed.put(make_kv("chunk-a", tokens=BIG))
     assert signed.get("chunk-a") is not None
     unsigned = DiskStore(tmp_path, codec=EXACT_CODEC)
-    assert unsigned.get("chunk-a") is not None  # a reader without the key still reads signed entries
+    assert unsigned.get("chunk-a") is None and unsigned.stats.corrupt == 0  # not its entry: a plain miss
+    assert signed.get("chunk-a") is not None  # and it stays, for the readers with the key
     for forgery in (forged("chunk-a"), serialize_chunk(make_kv("chunk-a", tokens=BIG, seed=99), hmac_key=b"x" * 32)):
-        signed._index.cache.set("chunk-a", forgery)
+        signed._index.cache.set(signed.entry_name("chunk-a"), forgery)  # a writer that knows where signed ones lie
         assert signed.get("chunk-a") is None and signed.open("chunk-a") is None
     assert signed.stats.corrupt == 2
 
@@ -333,11 +334,12 @@ def test_an_engine_with_an_hmac_key_answers_right_over_a_forged_disk_tier(tmp_pa
     engine = engine_on(disk_dir=str(tmp_path / "kv"), hmac_key=KEY)
     reference = ask(engine)
     engine.store.flush()
-    unsigned = DiskStore(tmp_path / "kv", codec=EXACT_CODEC)
-    for key in list(unsigned._index.cache):
-        good = unsigned.get(key)
+    signed = DiskStore(tmp_path / "kv", hmac_key=KEY, codec=EXACT_CODEC)
+    for name in list(signed._index.cache):
+        key = name.split(".", 1)[0]  # the chunk key (a hex digest), before the codec and signing key's digest
+        good = signed.get(key)
         noisy = torch.randn_like(good.keys)
-        unsigned._index.cache.set(key, serialize_chunk(type(good)(key, noisy, good.values)))  # forged, checksums right
+        signed._index.cache.set(name, serialize_chunk(type(good)(key, noisy, good.values)))  # forged, checksums right
     again = ask(engine)
     assert again.token_ids == reference.token_ids and again.metrics.chunks_missed == 2
 

@@ -106,7 +106,8 @@ def test_a_view_planted_in_place_of_the_index_table_while_the_store_is_open_make
     sql(
         tmp_path / "kv",
         "DROP TABLE Cache",
-        f"CREATE VIEW Cache AS {endless} SELECT 'chunk-a' AS key, 1 AS raw, x AS value FROM c WHERE x < 0",
+        f"CREATE VIEW Cache AS {endless} SELECT '{store.entry_name('chunk-a')}' AS key, 1 AS raw, x AS value "
+        "FROM c WHERE x < 0",
     )
     assert within(20, lambda: store.get("chunk-a")) is None  # the view's scan never ends by itself
     within(20, lambda: store.put(make_kv("chunk-b", tokens=BIG)))
@@ -201,7 +202,8 @@ def test_a_planted_exclusive_locking_mode_never_locks_out_a_second_process(tmp_p
 @pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "serial"])
 def test_an_entry_the_engine_drops_as_damaged_counts_as_a_miss_in_the_tier(tmp_path, pipelined):
     engine, reference, disk = warm_disk_engine(tmp_path, pipelined)
-    keys = [key for (key,) in sql(tmp_path / "kv", "SELECT key FROM Cache")]
+    suffix = disk.entry_name("").removeprefix(".")  # what the tier adds to a key: "." and its codec's name
+    keys = [name.removesuffix("." + suffix) for (name,) in sql(tmp_path / "kv", "SELECT key FROM Cache")]
     for key in keys:  # well-formed entries under the chunks' keys, with a shape this model never makes
         disk.put(make_kv(key, tokens=3))
     engine.store.flush()

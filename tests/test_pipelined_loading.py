@@ -149,9 +149,9 @@ def test_redis_entry_evicted_while_being_read_is_caught(redis_store):
     lazy = redis_store.open("chunk-a").kv
     lazy.layer(0)
     redis_store._client.delete(redis_store.value_key("chunk-a"))  # evicted by another worker meanwhile
-    with pytest.raises(CorruptEntryError, match="truncated, or evicted"):
+    with pytest.raises(CorruptEntryError, match="went away while its layers were read"):  # an EntryGoneError
         lazy.layer(1)
-    assert redis_store.stats.corrupt == 1 and len(redis_store) == 0
+    assert redis_store.stats.vanished == 1 and redis_store.stats.corrupt == 0 and len(redis_store) == 0
 
 
 # ---------------------------------------------------------------- the engine with and without the pipeline

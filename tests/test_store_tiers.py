@@ -198,7 +198,7 @@ def test_disk_overwritten_value_file_is_a_logged_miss_and_removed(tmp_path, capl
 def test_disk_foreign_value_is_a_miss_and_never_unpickled(tmp_path, planted):
     diskcache = pytest.importorskip("diskcache")
     store = DiskStore(tmp_path, budget_bytes=10 * 1024**2)
-    diskcache.Cache(str(tmp_path)).set("chunk-a", planted)  # another writer sharing the directory
+    diskcache.Cache(str(tmp_path)).set(store.entry_name("chunk-a"), planted)  # another writer sharing the directory
     assert store.get("chunk-a") is None
     assert "chunk-a" not in store
     assert store.stats.corrupt == 1

@@ -42,6 +42,7 @@ from .request.request import Request, RequestOptions, calling, check_length, che
 from .serving.batch_decode import BatchDecoder
 from .serving.decoding import AsyncTextStream, GenerationResult, TextStream, TokenLoop
 from .serving.deferred_fills import DeferredFills, FillStats
+from .serving.forking import ForkSteps, prepare_for_forks
 from .serving.scheduler import Scheduler
 from .serving.thread_pools import releasing_thread_pool
 from .serving.tokens import eos_token_ids
@@ -107,6 +108,10 @@ class CacheBlendEngine(CorpusMethods):
             max_tokens=self.config.max_batch_tokens,
             max_token_gap_s=self.config.max_token_gap_s,
         )
+        # a process that forks with this engine: the child serves too, with workers of its own (`forking`)
+        workers = (self.scheduler, self._fills)
+        self._forks = ForkSteps(self._lock, workers, lambda: self.chunks.store, device.type == "cuda")
+        prepare_for_forks(self._forks)
 
     @classmethod
     def from_pretrained(
@@ -219,6 +224,7 @@ class CacheBlendEngine(CorpusMethods):
         only its ratio. The controller, if any, chooses the ratio only when neither is given.
         """
         request = Request(mode=mode, recompute_ratio=recompute_ratio, blend=blend)
+        self._forks.check()
         self._check_request(prompt, request, "prefill")
         pre = self.run_prefill(prompt, request)
         # the chunks a cold prefill answered without are stored now, so the next request finds them (`generate` and
@@ -328,6 +334,7 @@ class CacheBlendEngine(CorpusMethods):
         self, method: str, chunks: Sequence[str] | TokenizedPrompt, question: str | None, options: Mapping[str, Any]
     ) -> tuple[TokenizedPrompt, Request]:
         """The checked request of one `generate` / `stream` call and its tokenized prompt."""
+        self._forks.check()
         request = Request.from_options(method, options)
         prompt = check_prompt_parts(method, chunks, question, request)
         if prompt is None:

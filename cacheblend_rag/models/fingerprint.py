@@ -4,6 +4,9 @@ Chunk KV is only valid for the exact weights that computed it, and disk and Redi
 processes and machines, so two models that differ anywhere must never share a fingerprint. What it covers:
 
 - the architecture: the model's config, minus fields that do not change the computation (its path, versions);
+- the buffers (the rotary embedding's `inv_freq`, ...): tensors the forward reads that are not parameters and that
+  no checkpoint file holds (they are computed when the model is built), hashed whole up to 4096 values, sampled
+  beyond, so a model whose rotary frequencies were changed never reads another model's entries;
 - the weights, one of two ways:
   - **checkpoint content**: when the model was loaded from a local folder of weight files (`*.safetensors` or
     `*.bin`, as `from_pretrained` leaves in `model.name_or_path`; the presets load their converted copy this way),
@@ -48,6 +51,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     """A 32-hex-digit digest of the model's architecture and weights (see the module docstring for what it covers)."""
     cfg = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
+    h.update(b"buffers\0" + _sample_digest(model.named_buffers()).encode())
     files = checkpoint_files(model)
     if files:
         h.update(b"checkpoint\0" + checkpoint_digest(files).encode())

@@ -98,6 +98,8 @@ class LazyChunkKV:
                 try:
                     try:
                         buffers = self._read_ranges(ranges)
+                    except CorruptEntryError:  # the reader's own finding (the entry went away meanwhile)
+                        raise
                     except Exception as exc:  # the file or server failed mid-read: the entry cannot be used now
                         raise CorruptEntryError(
                             f"entry {self.key[:12]}: layers {missing[0]}.. could not be read "

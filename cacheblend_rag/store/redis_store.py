@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ..config.checks import mask_url
-from ..errors import ConfigError, CorruptEntryError, NonFiniteKVError
+from ..errors import ConfigError, CorruptEntryError, EntryGoneError, NonFiniteKVError
 from . import redis_scripts
 from .base import Hit
 from .chunk_kv import ChunkKV
@@ -65,9 +65,10 @@ class RedisStore(CountedTier):
     shards` and its own LRU order. `cluster=True` (or `?cluster=1` in the URL) talks to a Redis Cluster through
     any of its nodes; it defaults to 16 shards there, 1 on a single server. Unreachable Redis: each call is a
     miss or a dropped put, the outage is logged once, and the server is not asked again for `backoff_s` seconds,
-    so requests do not queue on timeouts. A corrupt entry (or, with `hmac_key`, an unsigned one) is deleted,
-    logged and counted as a miss. Entries are encoded with `codec` (`codec.py`); one written with another codec is
-    a miss. Safe to share between threads.
+    so requests do not queue on timeouts. A corrupt entry (or, with `hmac_key`, a forged one) is deleted, logged
+    and counted as a miss. Entries are encoded with `codec` (`codec.py`) and kept under a name of the key, the codec
+    and the signing key's digest (`serialize.stored_name`), so a worker with another codec or signing key keeps its
+    own entries beside these. Safe to share between threads.
     """
 
     def __init__(
@@ -152,8 +153,8 @@ class RedisStore(CountedTier):
         return zlib.crc32(key.encode()) % self.shards
 
     def value_key(self, key: str) -> str:
-        """The Redis key that holds chunk `key`'s bytes."""
-        return f"{self._tag(self._shard(key))}:{key}"
+        """The Redis key that holds chunk `key`'s bytes (under its stored name: key, codec, signing key's digest)."""
+        return f"{self._tag(self._shard(key))}:{self.entry_name(key)}"
 
     def _bookkeeping(self, shard: int) -> list[str]:
         tag = self._tag(shard)
@@ -210,7 +211,7 @@ class RedisStore(CountedTier):
         return result
 
     def get(self, key: str) -> ChunkKV | None:
-        data = self._call("get", lambda: self._scripts["get"](keys=self._keys(key), args=[key]), None)
+        data = self._call("get", lambda: self._scripts["get"](keys=self._keys(key), args=[self.entry_name(key)]), None)
         if data is None:
             self._count_miss()
             return None
@@ -228,7 +229,7 @@ class RedisStore(CountedTier):
         The entry can be evicted or replaced while its layers are read; a layer that then comes back short or
         different fails its check, and the engine recomputes the chunk.
         """
-        args = [key, _HEAD_BYTES]
+        args = [self.entry_name(key), _HEAD_BYTES]
         found = self._call("open", lambda: self._scripts["open"](keys=self._keys(key), args=args), None)
         if not found:
             self._count_miss()
@@ -255,7 +256,13 @@ class RedisStore(CountedTier):
             pipe = self._client.pipeline(transaction=False)
             for start, end in ranges:
                 pipe.getrange(value_key, start, end - 1)
-            return pipe.execute()
+            out = pipe.execute()
+            if any(len(got) < end - start for got, (start, end) in zip(out, ranges, strict=False)):
+                # shorter than the entry that was opened: Redis evicted it (maxmemory) or another worker replaced it
+                if not self._call("exists", lambda: self._client.exists(value_key), 1):
+                    self._delete(key)  # gone: forget its bookkeeping too (a replaced entry is left as it is)
+                raise EntryGoneError(f"entry {key[:12]} went away while its layers were read")
+            return out
 
         return self._hand_out(key, LazyChunkKV(layout, read_ranges))
 
@@ -272,8 +279,8 @@ class RedisStore(CountedTier):
             # Storing it would evict everything else and then itself; drop any older copy instead.
             self._delete(kv.key)
             return
-        keys = self._keys(kv.key)
-        args = [data, kv.key, budget, keys[0].removesuffix(kv.key)]
+        keys, name = self._keys(kv.key), self.entry_name(kv.key)
+        args = [data, name, budget, keys[0].removesuffix(name)]
         evicted = self._call("put", lambda: self._scripts["put"](keys=keys, args=args), None)
         if evicted is not None:
             with self._lock:
@@ -281,7 +288,8 @@ class RedisStore(CountedTier):
                 self.stats.evictions += int(evicted)
 
     def _delete(self, key: str) -> None:
-        self._call("discard", lambda: self._scripts["discard"](keys=self._keys(key)[:4], args=[key]), None)
+        keys, name = self._keys(key)[:4], self.entry_name(key)
+        self._call("discard", lambda: self._scripts["discard"](keys=keys, args=[name]), None)
 
     def clear(self) -> None:
         """Delete every entry of this namespace and its bookkeeping (not other namespaces), shard by shard."""

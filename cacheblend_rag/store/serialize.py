@@ -65,6 +65,17 @@ def layer_digest(key_bytes: memoryview | bytes, value_bytes: memoryview | bytes)
     return h.hexdigest()
 
 
+def stored_name(key: str, codec: KVCodec, hmac_key: bytes | None) -> str:
+    """The name a shared tier keeps chunk `key`'s entry under: the key, the codec and, for signed entries, which
+    signing key (a digest of it, which tells nothing of the key). Workers that write another codec or sign with
+    another key then keep entries of their own beside each other's, where under one name they would each read the
+    other's as unreadable and replace it, over and over."""
+    name = f"{key}.{codec.name}"
+    if hmac_key is not None:
+        name += "." + hashlib.sha256(b"cacheblend-rag signing key\0" + hmac_key).hexdigest()[:16]
+    return name
+
+
 def _signature(meta: dict[str, str], hmac_key: bytes) -> str:
     """HMAC-SHA256 of the metadata (every field but the signature itself), which covers each layer's sha256."""
     body = json.dumps({k: v for k, v in meta.items() if k != "hmac"}, sort_keys=True).encode()

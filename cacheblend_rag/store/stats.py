@@ -14,10 +14,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..errors import EntryGoneError
 from .base import Hit, StoreStats
+from .serialize import stored_name
 
 if TYPE_CHECKING:
     from ..errors import CorruptEntryError
+    from .codec import KVCodec
     from .lazy import LazyChunkKV
 
 
@@ -26,6 +29,7 @@ class TierStats(StoreStats):
     corrupt: int = 0  # entries that failed to decode, were dropped and counted as misses
     errors: int = 0  # operations the backend failed (I/O error, Redis unreachable); each one is a miss or a lost put
     skipped: int = 0  # writes not tried while the tier pauses them (a full or read-only disk folder): lost puts
+    vanished: int = 0  # entries evicted or replaced by the store while their layers were read: misses, not damage
 
     def refused_hit(self, nbytes: int) -> None:
         """A hit `open` counted was refused before a layer of it was read: a corrupt miss after all."""
@@ -70,6 +74,9 @@ class CountedTier(ABC):
     through `_hand_out`, and drops a damaged entry through `_drop_corrupt`.
     """
 
+    codec: KVCodec  # set by the subclass: how its entries are encoded
+    hmac_key: bytes | None  # set by the subclass: the key its entries are signed with, if any
+
     def __init__(self, name: str, label: str, logger: logging.Logger) -> None:
         self.name = name
         self.stats = TierStats()
@@ -77,6 +84,11 @@ class CountedTier(ABC):
         self._logger = logger
         self._lock = threading.Lock()  # guards `stats`
         self._unread = UnreadHits()
+
+    def entry_name(self, key: str) -> str:
+        """The name this tier keeps `key`'s entry under (`serialize.stored_name`: the key, the codec, the signing
+        key's digest), so that peers with another codec or signing key keep entries of their own."""
+        return stored_name(key, self.codec, self.hmac_key)
 
     @abstractmethod
     def _delete(self, key: str) -> None:
@@ -113,12 +125,22 @@ class CountedTier(ABC):
         return Hit(lazy, self.name)
 
     def _drop_corrupt(self, key: str, exc: CorruptEntryError, *, was_hit: bool = False) -> None:
-        """Count a corrupt entry as a miss (taking back the hit `open` counted for it) and delete it."""
-        self._logger.warning("%s: dropping a corrupt entry (%s); it will be recomputed", self._label, exc)
+        """Count a corrupt entry as a miss (taking back the hit `open` counted for it) and delete it. An entry that
+        went away while it was read (`EntryGoneError`) is a miss counted apart (`vanished`), with nothing to
+        delete."""
+        gone = isinstance(exc, EntryGoneError)
+        if gone:
+            self._logger.info("%s: %s; it will be recomputed", self._label, exc)
+        else:
+            self._logger.warning("%s: dropping a corrupt entry (%s); it will be recomputed", self._label, exc)
         self._unread.forget(key)
         with self._lock:
-            self.stats.corrupt += 1
+            if gone:
+                self.stats.vanished += 1
+            else:
+                self.stats.corrupt += 1
             self.stats.misses += 1
             if was_hit:
                 self.stats.hits -= 1
-        self._delete(key)
+        if not gone:
+            self._delete(key)

@@ -160,6 +160,20 @@ class TieredStore:
         for tier in self.tiers:
             tier.flush()
 
+    @property
+    def writes_back(self) -> bool:
+        """Whether the lower tiers are written on a thread of this stack's own (`flush` waits for it)."""
+        return self._writer is not None
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child: the writer thread is the parent's (gone here, with what it had queued, which the
+        parent writes); start a new one, with a fresh lock."""
+        self._lock = threading.Lock()
+        self._pending = set()
+        self._unread = {}
+        if self._writer is not None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-write-back")
+
     def close(self) -> None:
         """Finish pending writes, stop the writer thread and close every tier."""
         if self._writer is not None:

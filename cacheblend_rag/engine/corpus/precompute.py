@@ -19,6 +19,7 @@ from ..chunks.context import ContextArg, assign_contexts, context_parts, corpus_
 from ..prefill.prefiller import Prefiller
 from ..request.prompt import PromptTemplate, TokenizedPrompt
 from ..request.request import check_length
+from ..serving.forking import ForkSteps
 from ..serving.thread_pools import releasing_thread_pool
 from .groups import GROUPS, check_groups_policy, fill_groups, group_indexes
 
@@ -41,6 +42,7 @@ class CorpusMethods:
     chunks: ChunkCache
     max_tokens: int
     _lock: threading.RLock
+    _forks: ForkSteps
     prefiller: Prefiller
 
     @releasing_thread_pool
@@ -122,6 +124,7 @@ class CorpusMethods:
         prefix: str | None,
     ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:  # fmt: skip
         """Check and tokenize a corpus, record each chunk's context; -> (prefix ids, chunk ids)."""
+        self._forks.check()
         prefix_ids, chunk_ids = corpus_ids(self.tokenizer, template or self.template, chunks, question, prefix,
                                            self.config.chunk_separator, self.max_tokens)  # fmt: skip
         parts = context_parts(chunks, context)

@@ -135,6 +135,14 @@ class DeferredFills:
             thread = self._thread
         return joined(thread, timeout)
 
+    def after_fork_in_child(self) -> None:
+        """In a forked child (`forking`): what the parent queued is the parent's to store; start empty, with no
+        thread and a fresh lock."""
+        self._cond = threading.Condition()
+        self._items = deque()
+        self._pending = {}
+        self._host = self._thread = None
+
     @property
     def pending(self) -> int:
         """How many chunks are queued or being stored."""

@@ -195,6 +195,15 @@ class Scheduler:
                 self._turn.release()
         return joined(thread, timeout)
 
+    def after_fork_in_child(self) -> None:
+        """In a forked child (`forking`): the parent's worker and readers do not exist here; start with no worker,
+        nothing queued and fresh locks (one of the parent's threads may have held them)."""
+        self._cond = threading.Condition()
+        self._turn = threading.Lock()
+        self._waiting, self._active = [], []
+        self._thread = self._lone = None
+        self._hosted = 0
+
     @property
     def busy(self) -> int:
         """How many jobs are waiting or decoding (a job that ended is counted until the server's next turn drops it)."""

@@ -81,7 +81,9 @@ class DiskStore(CountedTier):
     counted in `stats.skipped`, reads still serve what is stored, and each pause costs one failed write.
 
     With `hmac_key`, entries are signed when written and entries without a valid signature are refused (misses).
-    Entries are encoded with `codec` (`codec.py`); one written with another codec is a miss.
+    Entries are encoded with `codec` (`codec.py`). Each entry is kept under a name of the key, the codec and the
+    signing key's digest (`serialize.stored_name`): a worker with another codec or signing key on the same folder
+    keeps its own entries beside these, never reads or deletes them.
     """
 
     def __init__(
@@ -149,13 +151,14 @@ class DiskStore(CountedTier):
         """The entry with only its header read and checked; None (counted) on a miss or a bad entry."""
         handle = None
         try:
-            inline, limit = self._index.inline_length(key), self._index.inline_limit
+            name = self.entry_name(key)
+            inline, limit = self._index.inline_length(name), self._index.inline_limit
             if inline is not None and inline >= limit:  # checked before a byte of it is read
                 raise CorruptEntryError(
                     f"entry {key[:12]} keeps {inline} bytes inside the index, where this tier keeps only values "
                     f"under {limit} bytes"
                 )
-            handle = None if inline is None else self._read(key)
+            handle = None if inline is None else self._read(name)
             if handle is None:
                 self._count_miss()
                 return None
@@ -182,16 +185,17 @@ class DiskStore(CountedTier):
             return None
         return LazyChunkKV(layout, reader, close=close)
 
-    def _read(self, key: str) -> object:
-        """The entry's bytes or open value file, moved to the most recently used end unless writes are paused."""
+    def _read(self, name: str) -> object:
+        """The bytes or open value file of the entry kept as `name`, moved to the most recently used end unless
+        writes are paused."""
         if not self._pause.paused:
             try:
-                return self._index.read(key)
+                return self._index.read(name)
             except self._backend_errors as exc:
                 if not self._pause.failed(exc):
                     raise
-                self._count_error("LRU update", key, exc, miss=False)
-        return self._index.peek(key)
+                self._count_error("LRU update", name, exc, miss=False)
+        return self._index.peek(name)
 
     def _skipped(self) -> bool:
         """True (counted) when writes are paused: the caller makes none."""
@@ -212,9 +216,9 @@ class DiskStore(CountedTier):
         try:
             if len(data) > self.budget_bytes:
                 # Storing it would evict everything else and then itself; drop any older copy instead.
-                self._index.delete(kv.key)
+                self._index.delete(self.entry_name(kv.key))
                 return
-            evicted = self._index.put(kv.key, data)  # a failed put deletes the value file it wrote
+            evicted = self._index.put(self.entry_name(kv.key), data)  # a failed put deletes the value file it wrote
         except self._backend_errors as exc:
             self._count_error("put", kv.key, exc)
             self._pause.failed(exc)
@@ -228,7 +232,7 @@ class DiskStore(CountedTier):
         if self._skipped():
             return
         try:
-            self._index.delete(key)
+            self._index.delete(self.entry_name(key))
         except self._backend_errors as exc:
             self._count_error("delete", key, exc)
             self._pause.failed(exc)
@@ -247,7 +251,7 @@ class DiskStore(CountedTier):
 
     def __contains__(self, key: object) -> bool:
         try:
-            return isinstance(key, str) and self._index.inline_length(key) is not None
+            return isinstance(key, str) and self._index.inline_length(self.entry_name(key)) is not None
         except self._backend_errors:
             return False
 

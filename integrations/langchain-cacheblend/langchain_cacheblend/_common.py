@@ -151,11 +151,12 @@ class CacheBlendParams(BaseModel):
 
     @model_validator(mode="after")
     def _check_engine_settings(self) -> CacheBlendParams:
-        """Bad store settings fail here, where the model is built, not at its first call."""
+        """Bad store or call settings fail here, where the model is built, not at its first call."""
         if self.engine is not None:
             check_no_store_settings(**self._engine_settings())
         else:
             engine_config(**self._engine_settings())
+        call_arguments(self._defaults(), {}, framework=_FRAMEWORK_KWARGS)
         return self
 
     def _engine_settings(self) -> dict[str, Any]:

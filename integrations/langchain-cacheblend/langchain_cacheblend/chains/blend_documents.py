@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cacheblend_rag.frameworks import CONTEXT_PLACEHOLDER, check_context_prompt, question_free_prefix
+from cacheblend_rag.frameworks import CONTEXT_PLACEHOLDER, check_context_prompt, document_chunks, question_free_prefix
 from langchain_classic.chains.combine_documents.base import BaseCombineDocumentsChain
 from langchain_core.callbacks import Callbacks
 from langchain_core.documents import Document
@@ -81,7 +81,7 @@ def render_documents_prompt(
 ) -> tuple[PromptValue, list[str]]:
     """-> (the prompt rendered with the documents' placeholder, the formatted documents: the chunks)."""
     doc_prompt = document_prompt or DEFAULT_DOCUMENT_PROMPT
-    chunks = [format_document(doc, doc_prompt) for doc in documents]
+    chunks = document_chunks([format_document(doc, doc_prompt) for doc in documents])
     values = {k: v for k, v in inputs.items() if k in prompt.input_variables and k != document_variable_name}
     value = prompt.invoke({**values, document_variable_name: CONTEXT_PLACEHOLDER})
     return value, chunks
@@ -116,7 +116,7 @@ def precompute_documents(
     """
     doc_prompt = document_prompt or DEFAULT_DOCUMENT_PROMPT
     prefix = documents_prefix(llm, prompt, document_variable_name)
-    chunks = [format_document(doc, doc_prompt) for doc in documents]
+    chunks = document_chunks([format_document(doc, doc_prompt) for doc in documents])
     return llm.get_engine().precompute(chunks, prefix=prefix)
 
 
@@ -160,7 +160,7 @@ def create_blend_documents_chain(
             raise KeyError(
                 f"the chain's input needs the documents under {document_variable_name!r}, got keys {sorted(inputs)}"
             )
-        chunks = [format_document(doc, doc_prompt) for doc in inputs[document_variable_name]]
+        chunks = document_chunks([format_document(doc, doc_prompt) for doc in inputs[document_variable_name]])
         return placeholder_prompt | model.bind(chunks=chunks, **call_kwargs)
 
     return (RunnableLambda(bind_documents, name="blend_documents") | parser).with_config(

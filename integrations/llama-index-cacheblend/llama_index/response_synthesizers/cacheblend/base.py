@@ -25,6 +25,7 @@ from cacheblend_rag import AsyncTextStream, GenerationResult, PrefillMode, TextS
 from cacheblend_rag.frameworks import (
     CONTEXT_PLACEHOLDER,
     check_context_prompt,
+    document_chunks,
     question_free_prefix,
     split_at_context,
 )
@@ -189,7 +190,7 @@ class BlendSynthesizer(BaseSynthesizer):
         Returns (already cached, newly computed). Later queries that retrieve them find them in the store.
         PromptError when the template puts the question before the context: no query would read this KV.
         """
-        texts = [t for t in (node_text(n) for n in nodes) if t.strip()]
+        texts = document_chunks([node_text(n) for n in nodes])
         prefix = question_free_prefix(self._renderer(self._text_qa_template), question="{query_str}")
         return self._blend_llm.engine.precompute(texts, prefix=prefix)
 
@@ -199,8 +200,7 @@ class BlendSynthesizer(BaseSynthesizer):
         """engine.generate/stream keyword arguments for one query, or {} when no chunk has text."""
         if isinstance(text_chunks, str):
             raise TypeError("text_chunks must be a sequence of strings, got a single string; wrap it: [text]")
-        # Blank nodes carry nothing to reuse or read, and the engine refuses empty chunks.
-        chunks = [c for c in text_chunks if c.strip()]
+        chunks = document_chunks(text_chunks)  # blank nodes carry nothing to reuse or read
         if not chunks:
             return {}
         prefix, suffix = self.prompt_parts(query_str)
