@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from ...store import ChunkReader
 from ..chunks.cache import ChunkCache
 from ..chunks.placement import Placement
-from ..request.after_layer import AfterLayer
-from ..request.metrics import RequestMetrics
-from ..request.prompt import TokenizedPrompt
+from .state import PrefillRun
 
 
 @dataclass
@@ -26,20 +24,12 @@ class Gathered:
     bytes_by_tier: dict[str, int]  # stored bytes of the chunks found, per tier
 
 
-def gather(
-    chunks: ChunkCache,
-    prompt: TokenizedPrompt,
-    plan: Sequence[Placement],
-    fresh: set[str],
-    m: RequestMetrics,
-    *,
-    lazy: bool,
-    after_layer: AfterLayer | None = None,
-) -> Gathered:
+def gather(chunks: ChunkCache, run: PrefillRun, plan: Sequence[Placement], *, lazy: bool) -> Gathered:
     """The prefix's KV and that of the chunks `plan` places (the prompt's first ones; `lazy`: entries on disk or in
-    Redis come back unread, for pipelined loading). A missing chunk is prefilled with `after_layer` between its
-    layers, and its key added to `fresh` (the entries this request computed: a later retry counts them as misses,
-    not hits)."""
+    Redis come back unread, for pipelined loading). A missing chunk is prefilled with the run's `after_layer` between
+    its layers, and its key added to the run's `fresh` (the entries this request computed: a later retry counts them
+    as misses, not hits)."""
+    prompt, m, fresh = run.prompt, run.metrics, run.fresh
     prefix = chunks.load_prefix(prompt.prefix_ids)
     prefix_kv = None if prefix is None else prefix.kv
     out = Gathered([prefix_kv] if prefix_kv is not None else [], {})
@@ -47,7 +37,7 @@ def gather(
     for placed in plan:
         t0 = time.perf_counter()
         kv, tier, stored_bytes, captured = chunks.read(prefix_kv, prompt.prefix_ids, placed, lazy=lazy,
-                                                       after_layer=after_layer)  # fmt: skip
+                                                       after_layer=run.after_layer)  # fmt: skip
         if tier is None:
             fresh.add(kv.key)
         repeat = kv.key in seen

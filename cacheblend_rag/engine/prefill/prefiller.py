@@ -42,6 +42,7 @@ from .planning import (
     reuse_plan,
 )
 from .prefetch import LayerPrefetcher
+from .state import PrefillRun
 
 logger = logging.getLogger(__name__)
 
@@ -117,28 +118,30 @@ class Prefiller:
         fresh: set[str] = set()  # chunks prefilled during this request: misses, even when found on a retry
         for attempt in range((len(prompt.chunk_ids) + 1) * tiers + 1):
             try:
-                return self.run(prompt, mode, blend, fresh, policy, after_layer)
+                return self.run(prompt, mode, blend, policy, after_layer, fresh)
             except CorruptEntryError as exc:
                 logger.warning("prefill attempt %d read a damaged chunk (%s); trying again", attempt + 1, exc)
         logger.warning("the store kept returning damaged chunks; answering with a full prefill")
-        return self.run(prompt, PrefillMode.FULL, blend, fresh, None, after_layer)
+        return self.run(prompt, PrefillMode.FULL, blend, None, after_layer, fresh)
 
     def run(
         self,
         prompt: TokenizedPrompt,
         mode: PrefillMode,
         blend: BlendConfig,
-        fresh: set[str],
-        policy: RatioPolicy | None,
+        policy: RatioPolicy | None = None,
         after_layer: AfterLayer | None = None,
+        fresh: set[str] | None = None,
     ) -> Prefill:
-        """`fresh` collects the chunks prefilled during this request (misses, even when found on a retry);
-        `policy` chooses the blend ratio when given; `after_layer(layer_idx)` runs between the layers of each
-        pass over the prompt (the scheduler's decode steps for the requests already answering)."""
+        """One attempt: `policy` chooses the blend ratio when given; `after_layer(layer_idx)` runs between the layers
+        of each pass over the prompt (the scheduler's decode steps for the requests already answering); `fresh`
+        collects the chunks prefilled during this request, across its attempts (`PrefillRun`)."""
         n = prompt.num_tokens
         num_layers = self.lm.shape.num_layers
-        m = RequestMetrics(mode=mode.value, prompt_tokens=n)
-        t0 = time.perf_counter()
+        run = PrefillRun(
+            prompt, RequestMetrics(mode=mode.value, prompt_tokens=n), after_layer, set() if fresh is None else fresh
+        )
+        m = run.metrics
 
         if mode is PrefillMode.FULL or not prompt.chunk_ids:
             # Without chunks there is nothing to reuse or blend: every mode is a full prefill. It reads no stored
@@ -146,18 +149,18 @@ class Prefiller:
             # (a reference to measure other modes against, say) never stores its prompt's in-context KV, which
             # any later mode would read (captured entries come from cold requests and guard escalations).
             plan = self.chunks.place(prompt.prefix_ids, prompt.chunk_ids, "exact")
-            return self._full(prompt, m, t0, [p for p in plan if p.capture], after_layer)
+            return self._full(run, [p for p in plan if p.capture])
         plan = self.chunks.place(prompt.prefix_ids, prompt.chunk_ids)  # which entry each chunk reads
         if mode is not PrefillMode.PREFIX and self.miss_policy != "blend":
-            cold = self._answer_cold_in_full(prompt, plan, mode, blend, m, t0, after_layer)
+            cold = self._answer_cold_in_full(run, plan, mode, blend)
             if cold is not None:
                 return cold
 
         # Which chunks this mode reads from the cache: prefix caching can reuse only the first one.
         n_chunks = 1 if mode is PrefillMode.PREFIX else len(prompt.chunk_ids)
-        got = gather(self.chunks, prompt, plan[:n_chunks], fresh, m, lazy=self.pipelined, after_layer=after_layer)
+        got = gather(self.chunks, run, plan[:n_chunks], lazy=self.pipelined)
         t_found = time.perf_counter()
-        m.load_s = t_found - t0 - m.precompute_s  # store lookups
+        m.load_s = t_found - run.t0 - m.precompute_s  # store lookups
 
         blend_cfg = None  # prefix / reuse: every token with loaded KV is used as is
         if mode is PrefillMode.BLEND:
@@ -168,7 +171,7 @@ class Prefiller:
             blend_cfg = blend
             m.recompute_ratio = blend.recompute_ratio
         load = self.chunks.layer_loader(got.parts, n)
-        result, load_s, wait_s = self._fuse(prompt, load, n_chunks, blend_cfg, m, after_layer)
+        result, load_s, wait_s = self._fuse(run, load, n_chunks, blend_cfg)
         assert result.logits is not None
         cache = DynamicCache(config=self.model.config)
         for layer_idx, (k, v) in enumerate(zip(result.keys, result.values, strict=True)):
@@ -183,7 +186,7 @@ class Prefiller:
         captured: dict[tuple[int, ...], ChunkKV] = {}
         if m.escalations and m.escalations[-1] >= 1.0:  # the guard recomputed every token: a full prefill's KV
             layers = list(zip(result.keys, result.values, strict=True))
-            todo = [p for p in plan if p.capture and p.keys[0] not in fresh]  # not what this request just stored
+            todo = [p for p in plan if p.capture and p.keys[0] not in run.fresh]  # not what this request just stored
             captured = capture(self.chunks, prompt, layers, todo)
             m.chunks_captured = len(captured)
         return Prefill(cache, result.logits, n, m, captured=captured)
@@ -193,26 +196,20 @@ class Prefiller:
         prompt's plan), cut from it; nothing runs when there are none."""
         if not placements:
             return {}
-        return self._full(prompt, RequestMetrics(mode=PrefillMode.FULL.value), time.perf_counter(), placements).captured
+        return self._full(PrefillRun(prompt, RequestMetrics(mode=PrefillMode.FULL.value)), placements).captured
 
-    def _full(
-        self,
-        prompt: TokenizedPrompt,
-        m: RequestMetrics,
-        t0: float,
-        placements: Sequence[Placement] = (),
-        after_layer: AfterLayer | None = None,
-    ) -> Prefill:
+    def _full(self, run: PrefillRun, placements: Sequence[Placement] = ()) -> Prefill:
         """The model's own prefill of the whole prompt: exact, and reads nothing from the store. The entries of
         the chunks `placements` (of the prompt's plan, those to capture) are cut from it (`Prefill.captured`)."""
+        prompt, m = run.prompt, run.metrics
         n, num_layers = prompt.num_tokens, self.lm.shape.num_layers
         m.mode = PrefillMode.FULL.value
         cache = DynamicCache(config=self.model.config)
-        with between_layers(self.lm.layers, after_layer):
+        with between_layers(self.lm.layers, run.after_layer):
             logits = self.forward(prompt.input_ids(), 0, cache)
         layers = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
         captured = capture(self.chunks, prompt, layers, placements)
-        m.compute_s = time.perf_counter() - t0
+        m.compute_s = time.perf_counter() - run.t0
         m.recomputed_tokens = n
         m.recomputed_per_layer = [n] * num_layers
         m.compute_share = 1.0
@@ -220,25 +217,19 @@ class Prefiller:
         return Prefill(cache, logits, n, m, captured=captured)
 
     def _answer_cold_in_full(
-        self,
-        prompt: TokenizedPrompt,
-        plan: Sequence[Placement],
-        mode: PrefillMode,
-        blend: BlendConfig,
-        m: RequestMetrics,
-        t0: float,
-        after_layer: AfterLayer | None,
+        self, run: PrefillRun, plan: Sequence[Placement], mode: PrefillMode, blend: BlendConfig
     ) -> Prefill | None:
         """A full prefill when prefilling the request's missing chunks first would cost more than it (the miss
         policy). The missing chunks that prefill computes as their entries are stored from it (`Prefill.captured`);
         the others are prefilled and stored after the answer (`Prefill.deferred`). None: go on cached."""
+        prompt, m = run.prompt, run.metrics
         missing = missing_chunks(plan)
         if not missing:
             return None
         share = cold_cost_share(prompt, missing, blend if mode is PrefillMode.BLEND else None, self.lm.shape.num_layers)
         if self.miss_policy == "auto" and share < 1.0:
             return None
-        pre = self._full(prompt, m, t0, [p for p in plan if p.capture], after_layer)
+        pre = self._full(run, [p for p in plan if p.capture])
         gone = set(missing)
         m.chunks_missed = sum(tuple(ids) in gone for ids in prompt.chunk_ids)
         m.chunks_hit = len(prompt.chunk_ids) - m.chunks_missed
@@ -249,13 +240,7 @@ class Prefiller:
         return pre
 
     def _fuse(
-        self,
-        prompt: TokenizedPrompt,
-        load: LayerLoader,
-        n_loaded: int,
-        blend: BlendConfig | None,
-        m: RequestMetrics,
-        after_layer: AfterLayer | None,
+        self, run: PrefillRun, load: LayerLoader, n_loaded: int, blend: BlendConfig | None
     ) -> tuple[FusionResult, float, float]:
         """Run the fusor with the loaded KV (`load`: the prefix, then the first `n_loaded` chunks in order) at the
         head of the prompt.
@@ -269,6 +254,7 @@ class Prefiller:
         Returns the result, the time spent loading KV (reading, checking, assembling) and the part of it the
         fusor waited for (all of it without pipelining; with it, only what compute did not hide).
         """
+        prompt, m, after_layer = run.prompt, run.metrics, run.after_layer
         if blend is None:
             return self._run_fusor(reuse_plan(prompt, n_loaded), load, after_layer=after_layer)
         if not blend.uses_attention_pass:
