@@ -346,3 +346,20 @@ def test_the_options_that_left_the_command_line_are_refused(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["ask", "--docs", "d", *gone, "What is it?"])
         assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_a_long_question_is_echoed_by_its_start_and_length():
+    from cacheblend_rag.cli.ask import ECHO_CHARS, echoed
+
+    assert echoed("What does the warranty cover?") == "What does the warranty cover?"
+    long = "word " * 1000
+    shown = echoed(long)
+    assert len(shown) < ECHO_CHARS + 40 and shown.endswith("... (5,000 characters)") and shown.startswith("word word")
+
+
+def test_docs_says_when_an_index_replaces_it(no_model_loads):
+    from cacheblend_rag.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    ask_help = sub.choices["ask"].format_help()
+    assert "not needed with --index" in " ".join(ask_help.split())

@@ -37,7 +37,8 @@ def check_numbers(*checks: tuple[str, float | None, float]) -> None:
 
 def _add_document_arguments(parser: argparse._ActionsContainer, *, required: bool) -> None:
     """--docs and how its files are chosen and read (`ask` and `index`)."""
-    parser.add_argument("--docs", required=required, help="folder (or one file) of text documents to answer from")
+    parser.add_argument("--docs", required=required, help="folder (or one file) of text documents to answer from"
+                        + ("" if required else " (not needed with --index of a saved index)"))  # fmt: skip
     parser.add_argument("--encoding", default="utf-8", help="text encoding of the files, e.g. latin-1")
     parser.add_argument("--suffix", action="append", metavar=".EXT", help="read the files ending in .EXT instead "
                         "of .txt/.md/.rst; repeat for several")  # fmt: skip

@@ -44,6 +44,16 @@ def engine_config(args: argparse.Namespace):
     )
 
 
+ECHO_CHARS = 200  # the most of a question the `Q:` line shows
+
+
+def echoed(question: str, limit: int = ECHO_CHARS) -> str:
+    """A question as the `Q:` line shows it: whole up to `limit` characters, else its start and its length."""
+    if len(question) <= limit:
+        return question
+    return f"{question[:limit].rstrip()}... ({len(question):,} characters)"
+
+
 def cmd_ask(args: argparse.Namespace) -> int:
     from ..engine import CacheBlendEngine
     from ..retrieval import MIN_CHUNK_TOKENS
@@ -95,7 +105,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         )
     for question in args.questions:
         hits = index.search(question, k=args.top_k)
-        print(f"\nQ: {question}")
+        print(f"\nQ: {echoed(question)}")
         if args.show_sources:
             for h in hits:
                 print(f"   [{h.score:.3f}] {h.chunk.source} #{h.chunk.index}")
