@@ -98,7 +98,8 @@ class CacheBlendEngine(CorpusMethods):
             guard=self.config.guard,
         )
         self._lock = threading.RLock()
-        self._fills = DeferredFills(self.chunks.store_or_fill, self._lock)  # run by the scheduler while it serves
+        # the chunks cold requests were answered without, stored after their answers (by the scheduler while it serves)
+        self.fills = DeferredFills(self.chunks.store_or_fill, self._lock)
         self.scheduler = Scheduler(
             self,  # its steps: `run_prefill`, `token_loop` and `fills`
             # decode steps run on the model itself, or on int8 copies of its linear layers (`decode_weights`)
@@ -109,7 +110,7 @@ class CacheBlendEngine(CorpusMethods):
             max_token_gap_s=self.config.max_token_gap_s,
         )
         # a process that forks with this engine: the child serves too, with workers of its own (`forking`)
-        workers = (self.scheduler, self._fills)
+        workers = (self.scheduler, self.fills)
         self._forks = ForkSteps(self._lock, workers, lambda: self.chunks.store, device.type == "cuda")
         prepare_for_forks(self._forks)
 
@@ -194,17 +195,14 @@ class CacheBlendEngine(CorpusMethods):
 
     def prompt_keys(self, prompt: TokenizedPrompt, *, with_prefix: bool = True) -> list[str]:
         """The store keys this engine reads a prompt's KV from now: the prefix's (if any, and `with_prefix`), then
-        each chunk's in order (the first chunk's isolated entry; a later one's captured entry where one is stored,
-        else its own)."""
+        the entry each chunk's plan finds, or the one a miss stores (`placements`)."""
         return self.chunks.prompt_keys(prompt.prefix_ids, prompt.chunk_ids, with_prefix=with_prefix)
 
     def clear_store(self, tiers: Sequence[str] | None = None) -> None:
-        """Drop the stored chunk KV: every tier, or only the named ones (`["memory"]` frees this process's
-        memory and keeps disk and Redis, which other workers may share). Waits for a request in flight to
-        finish first, and for chunks being stored after cold requests; the next request recomputes whatever
-        it no longer finds.
-        """
-        self._fills.wait()
+        """Drop the stored chunk KV: every tier, or only the named ones (`["memory"]` frees this process's memory and
+        keeps disk and Redis, which other workers may share), once the request in flight and the chunks being stored
+        after cold requests are done; the next request recomputes whatever it no longer finds."""
+        self.fills.wait()
         with self._lock:
             self.chunks.clear(tiers)
 
@@ -224,40 +222,36 @@ class CacheBlendEngine(CorpusMethods):
         only its ratio. The controller, if any, chooses the ratio only when neither is given.
         """
         request = Request(mode=mode, recompute_ratio=recompute_ratio, blend=blend)
-        self._forks.check()
         self._check_request(prompt, request, "prefill")
         pre = self.run_prefill(prompt, request)
         # the chunks a cold prefill answered without are stored now, so the next request finds them (`generate` and
         # `stream` leave that to the background: `wait_for_fills`)
-        self._fills.submit(prompt.prefix_ids, pre.deferred)
-        self._fills.wait_for(prompt.chunk_ids)
+        self.fills.submit(prompt.prefix_ids, pre.deferred)
+        self.fills.wait_for(prompt.chunk_ids)
         return pre
-
-    @property
-    def fills(self) -> DeferredFills:
-        """The queue of chunks that cold requests were answered without, stored after their answers."""
-        return self._fills
 
     @property
     def fill_stats(self) -> FillStats:
         """What storing the chunks cold requests skipped has done so far: chunks prefilled and stored, entries stored
         from full prefills, failures, the seconds it took, and what is still queued (see `wait_for_fills`)."""
-        return self._fills.stats
+        return self.fills.stats
 
     def wait_for_fills(self, timeout: float | None = None) -> bool:
         """Wait until the chunks that cold requests were answered without are stored (they are stored on a
         background thread after the call returns; a request that needs one waits for it by itself). -> False
         if `timeout` seconds ran out first."""
-        return self._fills.wait(timeout)
+        return self.fills.wait(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop serving: requests not answered yet end with EngineClosedError, later ones raise it, and the chunks
         still queued to be stored are dropped (`wait_for_fills()` first keeps them). Runs by itself at exit."""
         self.scheduler.stop(timeout)
-        self._fills.stop(timeout)
+        self.fills.stop(timeout)
 
     def _check_request(self, prompt: TokenizedPrompt, request: Request, method: str) -> None:
-        """What a request needs of this engine: a rule this model has the layers for, a prompt that fits."""
+        """What a request needs of this engine: a process it can run in, a rule this model has the layers for, a
+        prompt that fits."""
+        self._forks.check()
         with calling(method):
             check_blend(request.blend or self.config.blend, self.lm.shape.num_layers, "blend")
             self.check_length(prompt, request.sampling.max_new_tokens if method != "prefill" else 0)
@@ -272,11 +266,11 @@ class CacheBlendEngine(CorpusMethods):
         if request.recompute_ratio is not None:
             blend = blend.with_ratio(request.recompute_ratio)
         policy = self.controller if mode is PrefillMode.BLEND and not pinned else None
-        self._fills.wait_for(prompt.chunk_ids)  # a chunk an earlier cold request is storing: wait, not recompute
+        self.fills.wait_for(prompt.chunk_ids)  # a chunk an earlier cold request is storing: wait, not recompute
         with self._lock:
             pre = self.prefiller.run_retrying(prompt, mode, blend, policy, self.store_tiers, after_layer)
         # entries a full prefill computed: stored at once on the fills' thread (no compute, only the store's writes)
-        self._fills.submit(prompt.prefix_ids, pre.captured, pre.captured)
+        self.fills.submit(prompt.prefix_ids, pre.captured, pre.captured)
         pre.captured = {}  # the fills' thread holds them until stored
         return pre
 
@@ -334,7 +328,6 @@ class CacheBlendEngine(CorpusMethods):
         self, method: str, chunks: Sequence[str] | TokenizedPrompt, question: str | None, options: Mapping[str, Any]
     ) -> tuple[TokenizedPrompt, Request]:
         """The checked request of one `generate` / `stream` call and its tokenized prompt."""
-        self._forks.check()
         request = Request.from_options(method, options)
         prompt = check_prompt_parts(method, chunks, question, request)
         if prompt is None:
