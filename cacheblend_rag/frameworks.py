@@ -219,12 +219,10 @@ def call_arguments(
             raise TypeError(f"{given[name]!r} and {key!r} set the same thing; pass one of them")
         given[name] = key
         args[name] = value
-    stop = args["stop"]
-    if stop is None or isinstance(stop, (str, list, tuple)):  # anything else is refused below, as the engine does
-        args["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if PrefillMode.parse(args["mode"]) is not PrefillMode.BLEND:
         args["recompute_ratio"] = None
-    Request.from_options("a call", args)  # one check, one message per mistake, as the engine's
+    request = Request.from_options("a call", args)  # one check, one message per mistake, as the engine's
+    args["stop"] = request.sampling.stop  # in the engine's form: a tuple of strings
     return args
 
 

@@ -99,8 +99,8 @@ def test_a_child_forked_with_a_tiered_store_writes_its_lower_tier_and_stores_its
     def child():
         answer = ask(engine, cold).token_ids  # stored in memory, then on disk by the child's own write-back
         engine.store.flush()
-        return answer, engine.store.tiers[1].__contains__(engine.prompt_keys(engine.build_prompt(
-            cold, prefix=PREFIX, suffix=SUFFIX), with_prefix=False)[0])  # fmt: skip
+        first_key = engine.prompt_keys(engine.build_prompt(cold, prefix=PREFIX, suffix=SUFFIX), with_prefix=False)[0]
+        return answer, first_key in engine.store.tiers[1]
 
     answer, on_disk = in_a_child(child)["value"]
     assert on_disk and answer == ask(engine, cold).token_ids

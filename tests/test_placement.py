@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cacheblend_rag.engine.chunks.context import ChunkContexts
-from cacheblend_rag.engine.chunks.placement import EntryKeys, capture_positions, missing_chunks, place_chunks
+from cacheblend_rag.engine.chunks.placement import EntryKeys, missing_chunks, place_chunks, to_capture
 
 PREFIX = (1, 2, 3)
 A = tuple(range(100, 140))
@@ -22,6 +22,10 @@ def entry_keys(contexts: ChunkContexts | None = None, max_positions: int = 4096)
 
 def plan(keys: EntryKeys, chunks, stored=(), policy="all"):
     return place_chunks(keys, PREFIX, chunks, set(stored).__contains__, policy)
+
+
+def capture_positions(placed) -> list[int]:
+    return [p.position for p in to_capture(placed)]
 
 
 @pytest.mark.parametrize("policy", ["exact", "all"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
@@ -115,9 +115,6 @@ class EngineConfig:
             )
         if self.miss_policy not in MISS_POLICIES:
             raise ConfigError(f"miss_policy must be one of {', '.join(MISS_POLICIES)}, got {self.miss_policy!r}")
-
-    def __repr__(self) -> str:  # the dataclass's; the store's repr masks its secrets
-        return f"{type(self).__name__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields(self))})"
 
     @property
     def capture_policy(self) -> str:

@@ -290,6 +290,7 @@ class CacheBlendEngine(CorpusMethods):
         Row t is the next-token distribution after `token_ids[t]`, so `prefill.logits` followed by rows 0..T-2
         score a continuation of T tokens. The prefill's cache grows by these tokens and `num_tokens` with it.
         """
+        self._forks.check()
         ids = torch.as_tensor(list(token_ids), dtype=torch.long)
         if ids.ndim != 1 or ids.numel() == 0:
             raise ConfigError("extend needs a non-empty list of token ids")

@@ -52,7 +52,6 @@ class ChunkCache:
         self.lm = lm
         self.capture_policy = capture  # "exact" or "all": see `placement`
         self._store = store
-        self.fingerprint = fingerprint
         self.dtype = dtype
         self.contexts = ChunkContexts()  # per chunk, the text its entry is prefilled after (none: isolated)
         self.keys = EntryKeys(fingerprint, dtype, self.contexts, lm.shape.max_positions)

@@ -137,6 +137,6 @@ def missing_chunks(plan: Sequence[Placement]) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(p.ids for p in plan if p.found is None))
 
 
-def capture_positions(plan: Sequence[Placement]) -> list[int]:
-    """The positions a full prefill of the prompt stores entries for (`Placement.capture`)."""
-    return [p.position for p in plan if p.capture]
+def to_capture(plan: Sequence[Placement]) -> list[Placement]:
+    """The chunks whose entries a full prefill of the prompt stores (`Placement.capture`), in prompt order."""
+    return [p for p in plan if p.capture]

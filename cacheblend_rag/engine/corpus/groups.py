@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from ...errors import ConfigError
 from ..chunks.cache import ChunkCache
+from ..chunks.placement import to_capture
 from ..prefill.prefiller import Prefiller
 from ..request.prompt import TokenizedPrompt
 
@@ -63,7 +64,7 @@ def fill_groups(
     prompts = [TokenizedPrompt(tuple(prefix_ids), group, (0,)) for group in groups]
     # each group's entries not stored yet (its first chunk's is its isolated entry), asked of the store once
     plans = [chunks.place(p.prefix_ids, p.chunk_ids, "all") for p in prompts]
-    pending = [[placed for placed in plan if placed.capture] for plan in plans]
+    pending = [to_capture(plan) for plan in plans]
     # a later chunk's isolated entry needs a prefill of its own; a first chunk's comes with its group's
     later = list(dict.fromkeys(ids for group in groups for ids in group[1:]))
     missing = {ids for ids in later if chunks.key(prefix_ids, ids, isolated=True) not in chunks.store}

@@ -28,7 +28,7 @@ from ...models.adapter import LayerwiseModel
 from ...store import ChunkKV, CorruptEntryError
 from ..chunks.cache import ChunkCache
 from ..chunks.capture import capture
-from ..chunks.placement import Placement, missing_chunks
+from ..chunks.placement import Placement, missing_chunks, to_capture
 from ..request.after_layer import AfterLayer, between_layers
 from ..request.metrics import RequestMetrics
 from ..request.prompt import TokenizedPrompt
@@ -149,7 +149,7 @@ class Prefiller:
             # (a reference to measure other modes against, say) never stores its prompt's in-context KV, which
             # any later mode would read (captured entries come from cold requests and guard escalations).
             plan = self.chunks.place(prompt.prefix_ids, prompt.chunk_ids, "exact")
-            return self._full(run, [p for p in plan if p.capture])
+            return self._full(run, to_capture(plan))
         plan = self.chunks.place(prompt.prefix_ids, prompt.chunk_ids)  # which entry each chunk reads
         if mode is not PrefillMode.PREFIX and self.miss_policy != "blend":
             cold = self._answer_cold_in_full(run, plan, mode, blend)
@@ -186,7 +186,7 @@ class Prefiller:
         captured: dict[tuple[int, ...], ChunkKV] = {}
         if m.escalations and m.escalations[-1] >= 1.0:  # the guard recomputed every token: a full prefill's KV
             layers = list(zip(result.keys, result.values, strict=True))
-            todo = [p for p in plan if p.capture and p.keys[0] not in run.fresh]  # not what this request just stored
+            todo = [p for p in to_capture(plan) if p.keys[0] not in run.fresh]  # not what this request just stored
             captured = capture(self.chunks, prompt, layers, todo)
             m.chunks_captured = len(captured)
         return Prefill(cache, result.logits, n, m, captured=captured)
@@ -229,7 +229,7 @@ class Prefiller:
         share = cold_cost_share(prompt, missing, blend if mode is PrefillMode.BLEND else None, self.lm.shape.num_layers)
         if self.miss_policy == "auto" and share < 1.0:
             return None
-        pre = self._full(run, [p for p in plan if p.capture])
+        pre = self._full(run, to_capture(plan))
         gone = set(missing)
         m.chunks_missed = sum(tuple(ids) in gone for ids in prompt.chunk_ids)
         m.chunks_hit = len(prompt.chunk_ids) - m.chunks_missed
