@@ -108,15 +108,31 @@ def first_token_signals(
     recomputed: torch.Tensor,
 ) -> dict[str, Any]:
     """The risk signals of one blend. logits: [vocab]; attention: [N], the question's mean attention on each token
-    in the first pass; chunk_tokens, recomputed: [N] bool (the chunk tokens; those the blend recomputed)."""
-    on_chunks = float(attention[chunk_tokens].sum())
-    stale = float(attention[chunk_tokens & ~recomputed].sum())
+    in the first pass; chunk_tokens: [N] bool, the chunk tokens; recomputed: the chunk tokens the blend recomputed,
+    as an [N] bool mask or an index tensor. Worked out where the tensors are and read back in one transfer."""
+    import torch  # loaded already: the tensors are given (the module itself stays free of it)
+
+    device = attention.device
+    chunk_tokens = chunk_tokens.to(device)
+    if recomputed.dtype != torch.bool:
+        recomputed = torch.zeros_like(chunk_tokens).index_fill_(0, recomputed.to(device), True)
+    p, q = blend_logits.float().log_softmax(dim=-1), reuse_logits.float().log_softmax(dim=-1)
+    on_chunks = (attention * chunk_tokens).sum()
+    stale = (attention * (chunk_tokens & ~recomputed.to(device))).sum()
+    top_p, top_q = p.exp().topk(2).values, q.exp().topk(2).values
+    signals = torch.stack((
+        (p.exp() * (p - q)).sum().clamp_min(0.0),
+        (p.argmax() == q.argmax()).float(),
+        top_p[0] - top_p[1],
+        top_q[0] - top_q[1],
+        torch.where(on_chunks > 0, stale / on_chunks, torch.zeros_like(on_chunks)),
+    )).tolist()  # fmt: skip
     return {
-        "kl_reuse": kl(blend_logits, reuse_logits),
-        "agree_reuse": bool(int(blend_logits.argmax()) == int(reuse_logits.argmax())),
-        "margin": top2_margin(blend_logits),
-        "reuse_margin": top2_margin(reuse_logits),
-        "stale_attention": stale / on_chunks if on_chunks > 0 else 0.0,
+        "kl_reuse": signals[0],
+        "agree_reuse": bool(signals[1]),
+        "margin": signals[2],
+        "reuse_margin": signals[3],
+        "stale_attention": signals[4],
     }
 
 

@@ -54,14 +54,14 @@ def first_token(engine: CacheBlendEngine, prompt, plan: FusionPlan, first: Refer
     """-> (KL(full || method) on the first answer token, the method's top token) for one plan over the store;
     `first`: full recompute's reference cut to its first token."""
     parts = [engine.store.get(k) for k in engine.prompt_keys(prompt)]
-    result = fuse(engine.lm, plan, engine.chunks.layer_loader(parts, prompt.num_tokens))
+    result = fuse(engine.lm, plan, engine.chunks.prompt_kv(parts, prompt.num_tokens))
     return float(token_kl(first, result.logits[None])[0]), int(result.logits.argmax())
 
 
 def question_scores(engine: CacheBlendEngine, prompt) -> torch.Tensor:
     """The attention rule's first pass over the store: how much the question attends to each prompt token."""
     parts = [engine.store.get(k) for k in engine.prompt_keys(prompt)]
-    probe = fuse(engine.lm, reuse_plan(prompt), engine.chunks.layer_loader(parts, prompt.num_tokens),
+    probe = fuse(engine.lm, reuse_plan(prompt), engine.chunks.prompt_kv(parts, prompt.num_tokens),
                  want_logits=False, attention_from=question_mask(prompt))  # fmt: skip
     assert probe.attention is not None
     return probe.attention.cpu()

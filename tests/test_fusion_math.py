@@ -158,7 +158,7 @@ def test_planted_outlier_in_loaded_kv_is_recomputed(family):
     start, _ = prompt.chunk_spans[1]
     victim = start + 7
     parts = [engine.store.get(k) for k in engine.prompt_keys(prompt)]
-    load = engine.chunks.layer_loader(parts, n)
+    load = engine.chunks.layer_loader(parts)
 
     def planted(layer_idx):
         k, v = load(layer_idx)
@@ -167,7 +167,7 @@ def test_planted_outlier_in_loaded_kv_is_recomputed(family):
         return k, v
 
     plan = chunks_reused_plan(prompt, keep=1)
-    result = fuse(engine.lm, plan, planted)
+    result = fuse(engine.lm, plan, engine.chunks.prompt_kv(parts, n, load=planted))
     assert victim in result.selected_positions.tolist()
     assert result.recomputed_per_layer[2] == 1 + len(prompt.suffix_ids)
 
@@ -187,7 +187,7 @@ def test_one_masked_attention_call_equals_position_blocks(family, keep):
     kept = 12 if keep == 12 else sum(len(c) for c in prompt.chunk_ids)
     plan = chunks_reused_plan(prompt, keep=kept)
     results = [
-        fuse(engine.lm, plan, engine.chunks.layer_loader(parts, n), block_size=size) for size in (0, 8, 512, None)
+        fuse(engine.lm, plan, engine.chunks.prompt_kv(parts, n), block_size=size) for size in (0, 8, 512, None)
     ]
     one_call = results[0]
     assert one_call.selected_positions.numel() == kept + len(prompt.suffix_ids)
@@ -236,7 +236,7 @@ def test_recording_the_questions_attention_leaves_the_reuse_pass_unchanged(famil
         fuse(
             engine.lm,
             reuse_plan(prompt),
-            engine.chunks.layer_loader(parts, prompt.num_tokens),
+            engine.chunks.prompt_kv(parts, prompt.num_tokens),
             block_size=block_size,
             attention_from=rows,
         )  # fmt: skip

@@ -48,7 +48,7 @@ def test_the_fusor_calls_back_between_layers_and_computes_the_same():
     plan = FusionPlan(prompt.input_ids(), torch.arange(n), exact, reused, (1,), (6,), "key")
 
     def run(after_layer=None):
-        return fuse(engine.lm, plan, engine.chunks.layer_loader(parts, n), after_layer=after_layer)
+        return fuse(engine.lm, plan, engine.chunks.prompt_kv(parts, n), after_layer=after_layer)
 
     called: list[int] = []
     plain, ticked = run(), run(called.append)

@@ -90,8 +90,7 @@ def test_attention_plan_takes_the_highest_scored_tokens_outside_the_anchors():
     scores[hot] = torch.tensor([4.0, 3.0, 2.0, 1.0])
     scores[0] = 100.0  # a prefix token: never a candidate
     plan = blend_plan(prompt, blend_rule("attention", 0.05), scores)  # budget 3
-    chosen = ~plan.exact & ~plan.reused
-    assert chosen[:64].nonzero().squeeze(1).tolist() == [5, 20, 40]
+    assert plan.chosen is not None and plan.chosen.tolist() == [5, 20, 40]  # recomputed besides the question
     with pytest.raises(ConfigError, match="one score per prompt token"):
         blend_plan(prompt, blend_rule("attention", 0.05))
 
@@ -142,7 +141,8 @@ def test_attention_probe_equals_the_models_own_attention_weights(family, tiny_to
 
     question = torch.zeros(n, dtype=torch.bool)
     question[-q:] = True
-    probe = fuse(engine.lm, reuse_plan(prompt), load, want_logits=False, attention_from=question)
+    probe = fuse(engine.lm, reuse_plan(prompt), engine.chunks.prompt_kv(parts, n, load=load), want_logits=False,
+                 attention_from=question)  # fmt: skip
     layers = engine.lm.shape.num_layers
     assert probe.recomputed_per_layer == [q] * layers
 

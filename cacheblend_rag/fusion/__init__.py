@@ -1,6 +1,7 @@
 """The fusion step of CacheBlend: token selection and the blended, layer-by-layer prefill."""
 
-from .fusor import FusionPlan, FusionResult, LayerLoader, attention_mask, fuse
+from .fusor import FusionPlan, FusionResult, attention_mask, fuse
+from .prompt_kv import LayerLoader, PromptKV
 from .selection import (
     anchor_counts,
     budget,
@@ -14,6 +15,7 @@ __all__ = [
     "FusionPlan",
     "FusionResult",
     "LayerLoader",
+    "PromptKV",
     "anchor_counts",
     "attention_mask",
     "budget",

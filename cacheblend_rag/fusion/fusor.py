@@ -15,21 +15,22 @@ positions. With every reused token kept this is a full prefill; with none kept i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..errors import CacheBlendError
-from ..models.adapter import LayerwiseModel, causal_mask, rotate_keys
+from ..models.adapter import LayerwiseModel, causal_mask, rope_rotate
+from .prompt_kv import LayerLoader, PromptKV
 from .selection import select_recompute_tokens, token_deviation
-
-# layer_idx -> (raw keys [Hkv, N, D], values [Hkv, N, D]) of all N prompt tokens, loaded KV where there is
-# some (anything, e.g. zeros, for computed tokens). The fusor may write into the returned tensors.
-LayerLoader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-
 
 @dataclass(frozen=True)
 class FusionPlan:
+    """Which tokens a fused prefill recomputes. The masks live on the host and everything the fusor needs from them
+    (indices, counts, whether the recomputed tokens are the prompt's tail) is worked out here once, so the layer
+    loop never reads a tensor back from the device; `chosen` may live on the device (a rule's choice made there)."""
+
     input_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64, true positions (normally 0..N-1)
     exact: torch.Tensor  # [N] bool
@@ -37,13 +38,18 @@ class FusionPlan:
     check_layers: tuple[int, ...] = ()
     keep_counts: tuple[int, ...] = ()  # reused tokens kept after each check layer
     deviation: str = "key"  # on check layers, rank by the deviation of "key" or "value"
+    # [K] indices, ascending, of tokens marked exact that are recomputed on every layer all the same: a rule's
+    # choice made on the device (from the question's attention), which the host need not read; None: none
+    chosen: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.input_ids.shape[0]
         for name in ("positions", "exact", "reused"):
             if getattr(self, name).shape != (n,):
                 raise CacheBlendError(f"plan.{name} must have shape ({n},), got {tuple(getattr(self, name).shape)}")
-        if bool((self.exact & self.reused).any()):
+        exact, reused = self.exact.cpu().numpy(), self.reused.cpu().numpy()  # host masks: numpy, not device ops
+        positions = self.positions.cpu().numpy()
+        if (exact & reused).any():
             raise CacheBlendError("a token cannot be both exact and reused")
         if self.deviation not in ("key", "value"):
             raise CacheBlendError(f"plan.deviation must be 'key' or 'value', got {self.deviation!r}")
@@ -51,21 +57,50 @@ class FusionPlan:
             raise CacheBlendError(
                 f"one keep count per check layer: {len(self.check_layers)} layers, {len(self.keep_counts)} counts"
             )
-        if self.positions.numel() > 1 and bool((self.positions[1:] <= self.positions[:-1]).any()):
+        if n > 1 and (positions[1:] <= positions[:-1]).any():
             raise CacheBlendError("plan.positions must be strictly increasing (tokens in prompt order)")
-        if bool(self.exact[-1]) or bool(self.reused[-1]):
+        if exact[-1] or reused[-1]:
             raise CacheBlendError("the prompt's last token must be computed (its hidden state gives the logits)")
+        if self.chosen is not None and (self.check_layers or self.chosen.dim() != 1):
+            raise CacheBlendError("plan.chosen is a [K] index tensor, for a plan without check layers")
+        computed = np.flatnonzero(~exact)  # recomputed from the first layer on (besides `chosen`)
+        object.__setattr__(self, "computed", computed)
+        object.__setattr__(self, "candidates", np.flatnonzero(reused[computed]))  # indices into `computed`
+        # the recomputed tokens are the prompt's last ones, in order (then no mask is needed while all are kept)
+        object.__setattr__(self, "tail", self.chosen is None and int(computed[0]) == n - computed.size)
+
+    computed: np.ndarray = field(init=False, repr=False, compare=False)
+    candidates: np.ndarray = field(init=False, repr=False, compare=False)
+    tail: bool = field(init=False, repr=False, compare=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
 
 
 @dataclass
 class FusionResult:
-    keys: list[torch.Tensor]  # per layer, rotated [Hkv, N, D]: ready for the decode cache
-    values: list[torch.Tensor]  # per layer [Hkv, N, D]
-    raw_keys: list[torch.Tensor] | None  # per layer, before RoPE, when asked for
+    kv: PromptKV  # the prompt's KV after the prefill, every layer: what the decode cache takes
     logits: torch.Tensor | None  # [vocab] float32, of the last token, when asked for
     recomputed_per_layer: list[int]  # tokens whose KV was recomputed on each layer
     selected_positions: torch.Tensor  # [R] positions recomputed on the last layer
     attention: torch.Tensor | None = None  # [N] float32: mean attention paid to each token, when asked for
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer, rotated keys [Hkv, N, D] (views of `kv`)."""
+        return [self.kv.keys[i] for i in range(self.kv.num_layers)]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        """Per layer, values [Hkv, N, D] (views of `kv`)."""
+        return [self.kv.values[i] for i in range(self.kv.num_layers)]
+
+    @property
+    def raw_keys(self) -> list[torch.Tensor] | None:
+        """Per layer, keys before RoPE [Hkv, N, D], when the prompt's KV keeps them (`PromptKV(keep_raw=True)`)."""
+        raw = self.kv.raw_keys
+        return None if raw is None else [raw[i] for i in range(raw.shape[0])]
 
 
 def attention_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -124,131 +159,133 @@ def attend_blocks(
 def fuse(
     lm: LayerwiseModel,
     plan: FusionPlan,
-    load_layer: LayerLoader,
+    kv: PromptKV,
     *,
     want_logits: bool = True,
-    keep_raw_keys: bool = False,
     block_size: int | None = None,
     attention_from: torch.Tensor | None = None,
     after_layer: Callable[[int], None] | None = None,
 ) -> FusionResult:
-    """Run the blended prefill of one prompt. See the module docstring for the rule.
+    """Run the blended prefill of one prompt over its KV `kv` (`PromptKV`, built for the plan's positions), writing
+    the recomputed tokens' KV into it. See the module docstring for the rule.
 
     `block_size`: queries are attended in groups of this many positions (see `attend_blocks`); 0 attends them in
     one call (unmasked as the tail of the causal square when they are the prompt's last tokens). By default 512
     on a CPU, where the masked-away half of the scores is real work, and 0 on a GPU, where each block costs a host
     synchronization and a dozen kernel launches.
-    `attention_from`: [N] bool, tokens (computed on every layer, e.g. the question) whose attention to every
+    `attention_from`: [N] bool (host), tokens (computed on every layer, e.g. the question) whose attention to every
     token is averaged over heads, these queries and all layers but the last into `FusionResult.attention`. When
     they are all the tokens being recomputed (full KV reuse's question), their attention output is taken from
     those same probabilities, so the keys are read once per layer, not twice.
     `after_layer(layer_idx)` runs when a layer is done (the scheduler decodes other requests there); it must not
     touch this prompt's tensors.
+
+    Nothing in the layer loop reads a tensor back to the host: the plan's indices and counts are worked out on the
+    host before it, and a check layer keeps its most deviating tokens with a top-k of a known size.
     """
-    num_layers = lm.shape.num_layers
+    num_layers, n = lm.shape.num_layers, plan.num_tokens
     if plan.check_layers and plan.check_layers[-1] >= num_layers:
         raise CacheBlendError(
             f"check layer {plan.check_layers[-1]} does not exist: "
             f"the model has {num_layers} layers (0..{num_layers - 1})"
         )
+    if kv.num_tokens != n or kv.num_layers != num_layers:
+        raise CacheBlendError(f"the prompt KV holds {kv.num_layers} layers of {kv.num_tokens} tokens; the plan needs "
+                              f"{num_layers} of {n}")  # fmt: skip
     device = lm.device
     if block_size is None:
         block_size = 512 if device.type == "cpu" else 0
     positions = plan.positions.to(device)
-    cos, sin = lm.rope(positions)  # [N, D]
-    exact = plan.exact.to(device)
-    reused = plan.reused.to(device)
     checks = dict(zip(plan.check_layers, plan.keep_counts, strict=True))
-    attn_rows = None if attention_from is None else attention_from.to(device)
-    attn_sum = torch.zeros(positions.shape[0], dtype=torch.float32, device=device)
-    attn_layers = 0
-
-    active = (~exact).nonzero().squeeze(1)  # [A] indices of tokens being recomputed
-    # Whether the computed tokens are the prompt's last ones (no exact token after them), worked out on the host
-    # once: then `active` is that tail whenever no check layer has dropped a token.
-    computed = ~plan.exact.cpu()
-    n_computed = int(computed.sum())
-    tail = bool(computed[computed.numel() - n_computed :].all())
-    mask_for: torch.Tensor | None = None  # the `active` whose one-call attention mask (`layer_mask`) is built
-    layer_mask: torch.Tensor | None = None
+    computed = torch.from_numpy(plan.computed).to(device)
+    count = plan.computed.size  # tokens recomputed on this layer, known on the host
+    if plan.chosen is not None:
+        active = torch.sort(torch.cat((plan.chosen.to(device), computed))).values  # [A] indices being recomputed
+        count += int(plan.chosen.shape[0])
+    else:
+        active = computed
+    n_computed, tail = count, plan.tail
+    # on check layers: the reused tokens among `active` (candidates) and the others (kept whatever the check says)
+    cand = torch.from_numpy(plan.candidates).to(device) if checks else None
+    fixed = torch.from_numpy(np.setdiff1d(np.arange(count), plan.candidates)).to(device) if checks else None
+    n_cand = plan.candidates.size
     hidden = lm.embed(plan.input_ids.to(device)[active])  # [A, hidden]
-    last = positions.shape[0] - 1
-
-    keys_out: list[torch.Tensor] = []
-    values_out: list[torch.Tensor] = []
-    raw_out: list[torch.Tensor] | None = [] if keep_raw_keys else None
+    cos_a, sin_a = kv.cos[active], kv.sin_signed[active]
+    rows = probe_mask = None
+    if attention_from is not None:  # indices of the recorded queries among `active`, from the host masks
+        if plan.chosen is not None or checks:
+            raise CacheBlendError("attention_from is recorded on a plan whose recomputed tokens are known on the host")
+        recorded = np.flatnonzero(attention_from.cpu().numpy()[plan.computed])
+        rows = None if recorded.size == count else torch.from_numpy(recorded).to(device)
+        n_rows = recorded.size
+        probe_mask = causal_mask(positions[active if rows is None else active[rows]], positions)  # [Q, N]
+    attn_sum = torch.zeros(n, dtype=torch.float32, device=device)
+    attn_layers = 0
+    layer_mask: torch.Tensor | None = None  # the one-call attention mask of `active`, built once per set
     counts: list[int] = []
-    probe_for: torch.Tensor | None = None  # the `active` whose attention rows (`rows`, `mask`) are computed
 
     for layer_idx in range(num_layers):
-        raw_k, v = load_layer(layer_idx)  # [Hkv, N, D] each
+        keys, values = kv.layer(layer_idx)  # [Hkv, N, D] each, keys rotated; written in place below
         x = lm.normed_input(layer_idx, hidden)  # [A, hidden]
-        fresh_k, fresh_v = lm.project_kv(layer_idx, x)  # [Hkv, A, D]
+        raw_k, fresh_v = lm.project_kv(layer_idx, x)  # [Hkv, A, D]
+        fresh_k = rope_rotate(raw_k, cos_a, sin_a)
 
-        if layer_idx in checks:
-            is_reused = reused[active]  # [A]
-            candidates = is_reused.nonzero().squeeze(1)  # [C] indices into active
-            if candidates.numel() > 0:
-                cand_tokens = active[candidates]
-                if plan.deviation == "key":
-                    dev = token_deviation(fresh_k[:, candidates], raw_k[:, cand_tokens])  # [C]
-                else:
-                    dev = token_deviation(fresh_v[:, candidates], v[:, cand_tokens])  # [C]
-                keep = ~is_reused
-                keep[candidates[select_recompute_tokens(dev, checks[layer_idx])]] = True
-                active, hidden, x = active[keep], hidden[keep], x[keep]
-                fresh_k, fresh_v = fresh_k[:, keep], fresh_v[:, keep]
+        if layer_idx in checks and n_cand > 0:
+            assert cand is not None and fixed is not None
+            # a rotation keeps distances, so rotated keys rank tokens as raw ones would
+            if plan.deviation == "key":
+                dev = token_deviation(fresh_k[:, cand], keys[:, active[cand]])  # [C]
+            else:
+                dev = token_deviation(fresh_v[:, cand], values[:, active[cand]])
+            kept = cand[select_recompute_tokens(dev, checks[layer_idx])]  # ascending, into `active`
+            keep = torch.sort(torch.cat((fixed, kept))).values  # into `active`, ascending
+            cand, fixed = torch.searchsorted(keep, kept), torch.searchsorted(keep, fixed)
+            count, n_cand = count - n_cand + min(checks[layer_idx], n_cand), min(checks[layer_idx], n_cand)
+            active, hidden, x = active[keep], hidden[keep], x[keep]
+            raw_k, fresh_k, fresh_v = raw_k[:, keep], fresh_k[:, keep], fresh_v[:, keep]
+            cos_a, sin_a = cos_a[keep], sin_a[keep]
+            layer_mask = None
+            tail = tail and n_cand == plan.candidates.size
 
-        raw_k[:, active] = fresh_k
-        v[:, active] = fresh_v
-        keys = rotate_keys(raw_k, cos, sin)  # [Hkv, N, D]
-        keys_out.append(keys)
-        values_out.append(v)
-        if raw_out is not None:
-            raw_out.append(raw_k)
-        counts.append(int(active.numel()))
+        keys.index_copy_(1, active, fresh_k)
+        values.index_copy_(1, active, fresh_v)
+        if kv.raw_keys is not None:
+            kv.raw_keys[layer_idx].index_copy_(1, active, raw_k)
+        counts.append(count)
         selected = active
 
         if layer_idx == num_layers - 1 and not want_logits:
             continue  # nothing reads the last layer's output
+        q_active = count
         if layer_idx == num_layers - 1:
             # Only the last token's output is needed from the last layer; its K/V are already stored above.
-            active, hidden, x = active[-1:], hidden[-1:], x[-1:]
-        query = lm.project_q(layer_idx, x, cos[active], sin[active])  # [H, A, D]
+            active, hidden, x, cos_a, sin_a = active[-1:], hidden[-1:], x[-1:], cos_a[-1:], sin_a[-1:]
+            q_active, layer_mask = 1, None
+        query = rope_rotate(lm.queries(layer_idx, x), cos_a, sin_a)  # [H, A, D]
         attn_out = None
-        if attn_rows is not None and layer_idx < num_layers - 1:
-            if probe_for is not active:  # the rows change with `active` only (a host sync on a GPU: once each)
-                probe_for = active
-                rows = attn_rows[active].nonzero().squeeze(1)  # [Q] indices into active
-                mask = causal_mask(positions[active[rows]], positions)  # [Q, N]
-            if rows.numel() > 0:
-                probs = lm.attention_weights(layer_idx, query[:, rows], keys, mask)  # [H, Q, N]
-                attn_sum += probs.mean(dim=(0, 1))
-                attn_layers += 1
-                if rows.numel() == active.numel():  # every query is recorded: their output from the same weights
-                    attn_out = lm.attend_from_weights(layer_idx, probs, v)
+        if probe_mask is not None and layer_idx < num_layers - 1 and n_rows > 0:
+            q_rows = query if rows is None else query[:, rows]
+            probs = lm.attention_weights(layer_idx, q_rows, keys, probe_mask)  # [H, Q, N]
+            attn_sum += probs.mean(dim=(0, 1))
+            attn_layers += 1
+            if rows is None:  # every query is recorded: their output from the same weights
+                attn_out = lm.attend_from_weights(layer_idx, probs, values)
         if attn_out is None:
             # the prompt's tail, and at least half of it: the causal square's padded rows cost less than a mask's waste
-            as_tail = tail and active.numel() == n_computed and 2 * active.numel() > last
-            if block_size <= 0 and not as_tail and mask_for is not active:
-                mask_for, layer_mask = active, attention_mask(positions[active], positions, query.dtype)
-            attn_out = attend_blocks(lm, layer_idx, query, keys, v, positions[active], positions, block_size,
-                                     as_tail=as_tail, mask=layer_mask if mask_for is active else None)  # fmt: skip
+            as_tail = tail and q_active == n_computed and 2 * q_active > n - 1
+            if block_size <= 0 and not as_tail and layer_mask is None:
+                layer_mask = attention_mask(positions[active], positions, query.dtype)[None, None]  # [1, 1, A, N]
+            attn_out = attend_blocks(lm, layer_idx, query, keys, values, positions[active], positions, block_size,
+                                     as_tail=as_tail, mask=layer_mask)  # fmt: skip
         hidden = lm.finish_layer(layer_idx, hidden, attn_out)
         if after_layer is not None and layer_idx < num_layers - 1:
             after_layer(layer_idx)
 
-    logits = None
-    if want_logits:
-        if int(active[-1]) != last:
-            raise CacheBlendError("internal: the last prompt token was not recomputed")
-        logits = lm.logits(hidden[-1:])[0]
+    logits = lm.logits(hidden[-1:])[0] if want_logits else None
     return FusionResult(
-        keys=keys_out,
-        values=values_out,
-        raw_keys=raw_out,
+        kv=kv,
         logits=logits,
         recomputed_per_layer=counts,
         selected_positions=positions[selected],
-        attention=None if attn_rows is None else attn_sum / max(attn_layers, 1),
+        attention=None if attention_from is None else attn_sum / max(attn_layers, 1),
     )

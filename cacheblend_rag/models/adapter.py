@@ -44,10 +44,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rotate_keys(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply RoPE to raw keys (or queries).
 
-    x: [H, T, D]; cos, sin: [T, D] for the tokens' target positions. Same formula as transformers'
+    x: [..., T, D]; cos, sin: [T, D] for the tokens' target positions. Same formula as transformers'
     `apply_rotary_pos_emb`, so a raw key rotated here equals the key an in-context prefill computes.
     """
-    return x * cos.unsqueeze(0) + rotate_half(x) * sin.unsqueeze(0)
+    return x * cos + rotate_half(x) * sin
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """The sine table with its first half negated ([..., D]): `rope_rotate`'s form of `rotate_half(x) * sin`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`rotate_keys` with the sine table made once (`signed_sin`): one `roll` instead of two slices, a negation
+    and a `cat` (the products are the same numbers). x: [..., T, D]; cos, sin_signed: [T, D]."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def unrotate_keys(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -149,13 +161,17 @@ class LayerwiseModel:
         v = attn.v_proj(x).view(t, -1, d)
         return k.transpose(0, 1), v.transpose(0, 1)
 
-    def project_q(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [A, hidden]; cos, sin: [A, D] -> rotated queries [H, A, D]"""
+    def queries(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        """x: normed input [A, hidden] -> raw queries (before RoPE) [H, A, D]"""
         attn = self.layers[layer_idx].self_attn
         q = attn.q_proj(x).view(x.shape[0], -1, self.shape.head_dim)  # [A, H, D]
         if self.has_qk_norm:
             q = attn.q_norm(q)
-        return rotate_keys(q.transpose(0, 1), cos, sin)
+        return q.transpose(0, 1)
+
+    def project_q(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [A, hidden]; cos, sin: [A, D] -> rotated queries [H, A, D]"""
+        return rotate_keys(self.queries(layer_idx, x), cos, sin)
 
     def project_qkv(
         self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -184,7 +200,8 @@ class LayerwiseModel:
         """Attention of some queries over all keys, then the output projection.
 
         query: [H, A, D] rotated; keys: [Hkv, N, D] rotated; values: [Hkv, N, D];
-        mask: [A, N], bool (True = may attend) or additive (0 / -inf, in the query's dtype); or None when the
+        mask: [A, N] (or [1, 1, A, N], made once for many calls), bool (True = may attend) or additive (0 / -inf,
+        in the query's dtype); or None when the
         queries are the last A of the N tokens, in order: causal, aligned at the end. Then the queries are padded
         to the causal square (A == N is that square), which the fused kernels run without any mask, skipping the
         scores above the diagonal; the padded rows' outputs are dropped. Returns [A, hidden].
@@ -198,7 +215,7 @@ class LayerwiseModel:
                 query.unsqueeze(0),
                 keys.unsqueeze(0),
                 values.unsqueeze(0),
-                attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
+                attn_mask=mask if mask is None or mask.dim() == 4 else mask[None, None],
                 is_causal=mask is None,
                 scale=attn.scaling,
                 enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,

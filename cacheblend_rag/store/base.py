@@ -64,6 +64,10 @@ class ChunkReader(Protocol):
         """Every layer, read now, as an immutable `ChunkKV`. Raises `CorruptEntryError` like `layer`."""
         ...
 
+    def in_memory(self) -> ChunkKV | None:
+        """The whole chunk when every layer is in memory already (nothing left to read or decode), else None."""
+        ...
+
     def when_whole(self, callback: Callable[[ChunkKV], None]) -> None:
         """Call `callback(chunk)` once every layer has been read: at once for a chunk already in memory."""
         ...

@@ -91,6 +91,10 @@ class ChunkKV:
         """Already whole: itself (the `ChunkReader` protocol that `LazyChunkKV` shares)."""
         return self
 
+    def in_memory(self) -> ChunkKV:
+        """Every layer is here: itself."""
+        return self
+
     def when_whole(self, callback: Callable[[ChunkKV], None]) -> None:
         """Call `callback(self)` now: every layer is here already."""
         callback(self)

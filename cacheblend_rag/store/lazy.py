@@ -130,6 +130,12 @@ class LazyChunkKV:
                     callback(whole)
         return out  # type: ignore[return-value]
 
+    def in_memory(self) -> ChunkKV | None:
+        """The whole chunk once every layer has been read, else None (reading it is left to `layer`)."""
+        with self._lock:
+            done = self._missing == 0
+        return self._whole() if done else None
+
     def when_whole(self, callback: Callable[[ChunkKV], None]) -> None:
         """Call `callback(chunk)` once every layer has been read (at once if that has happened already)."""
         with self._lock:

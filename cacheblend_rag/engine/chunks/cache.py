@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ...errors import ConfigError
-from ...fusion import FusionPlan, LayerLoader, fuse
+from ...fusion import FusionPlan, LayerLoader, PromptKV, fuse
 from ...models.adapter import LayerwiseModel
 from ...store import ChunkKV, ChunkReader, ChunkStore, CorruptEntryError, Hit, TieredStore
 from ..request.after_layer import AfterLayer
@@ -96,22 +96,36 @@ class ChunkCache:
         keys = [self.key((), prefix_ids)] if prefix_ids and with_prefix else []
         return keys + [p.found or p.fill_key for p in self.place(prefix_ids, chunk_ids)]
 
-    def layer_loader(self, parts: Sequence[ChunkReader], total: int) -> LayerLoader:
-        """Loads layer l of the given KV parts laid end to end, padded with zeros up to `total` tokens."""
-        pad = total - sum(p.num_tokens for p in parts)
-        hkv, d, device = self.lm.shape.num_kv_heads, self.lm.shape.head_dim, self.lm.device
+    def prompt_kv(
+        self, parts: Sequence[ChunkReader], total: int, *, keep_raw: bool = False, load: LayerLoader | None = None
+    ) -> PromptKV:
+        """The KV buffers of a prompt of `total` tokens whose head is the given KV parts laid end to end.
+
+        Parts all in memory are laid in and rotated at once (`PromptKV.whole`); otherwise, or when `load` is given (e.g.
+        a prefetcher over `layer_loader(parts)`), each layer is read with it (default `layer_loader(parts)`) when the
+        fusor first needs it.
+        `keep_raw`: keep the keys before RoPE too (what a chunk's entry stores)."""
+        s = self.lm.shape
+        cos, sin = self.lm.rope(torch.arange(total, device=self.lm.device))
+        shape = (s.num_layers, s.num_kv_heads, s.head_dim)
+        whole = [p.in_memory() for p in parts]
+        if load is None and all(w is not None for w in whole):
+            kept = [(w.keys, w.values) for w in whole if w is not None]
+            return PromptKV.whole(kept, total, cos, sin, shape=shape, keep_raw=keep_raw)
+        return PromptKV.layerwise(load or self.layer_loader(parts), total, cos, sin, shape=shape, keep_raw=keep_raw)
+
+    def layer_loader(self, parts: Sequence[ChunkReader]) -> LayerLoader:
+        """Loads layer l of the given KV parts laid end to end (a stored chunk may read and check it only now)."""
+        device = self.lm.device
 
         def load(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-            ks, vs = [], []
-            for p in parts:
-                k, v = p.layer(layer_idx)  # [Hkv, T_p, D] each; a stored chunk may read (and check) it only now
-                ks.append(k.to(device, non_blocking=True))
-                vs.append(v.to(device, non_blocking=True))
-            if pad:
-                z = torch.zeros(hkv, pad, d, dtype=self.dtype, device=device)
-                ks.append(z)
-                vs.append(z)
-            return torch.cat(ks, dim=1), torch.cat(vs, dim=1)  # [Hkv, total, D], fresh tensors
+            layers = [p.layer(layer_idx) for p in parts]  # [Hkv, T_p, D] each
+            if not layers:
+                empty = torch.empty(self.lm.shape.num_kv_heads, 0, self.lm.shape.head_dim, dtype=self.dtype)
+                return empty, empty
+            ks = [k.to(device, non_blocking=True) for k, _ in layers]
+            vs = [v.to(device, non_blocking=True) for _, v in layers]
+            return torch.cat(ks, dim=1), torch.cat(vs, dim=1)  # [Hkv, T, D]
 
         return load
 
@@ -138,11 +152,11 @@ class ChunkCache:
         exact[:p] = True
         plan = FusionPlan(input_ids=all_ids, positions=torch.arange(n), exact=exact, reused=torch.zeros_like(exact))
         parts = [prefix] if prefix is not None else []
-        result = fuse(self.lm, plan, self.layer_loader(parts, n), want_logits=False, keep_raw_keys=True,
+        result = fuse(self.lm, plan, self.prompt_kv(parts, n, keep_raw=True), want_logits=False,
                       after_layer=after_layer)  # fmt: skip
-        assert result.raw_keys is not None
-        keys = torch.stack([k[:, keep:] for k in result.raw_keys])  # [L, Hkv, T, D]
-        values = torch.stack([v[:, keep:] for v in result.values])
+        assert result.kv.raw_keys is not None
+        keys = result.kv.raw_keys[:, :, keep:].clone()  # [L, Hkv, T, D]: the chunk's own KV, nothing else kept
+        values = result.kv.values[:, :, keep:].clone()
         return ChunkKV(self.key(prefix_ids, ids, isolated=isolated), keys, values)
 
     def store_or_fill(

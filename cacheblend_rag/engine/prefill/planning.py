@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from ...config import BlendConfig
@@ -116,11 +117,12 @@ def blend_plan(prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor
     if blend.uses_attention_pass:
         if scores is None or scores.shape != (prompt.num_tokens,):
             raise ConfigError(f"the 'attention' rule needs one score per prompt token ({prompt.num_tokens})")
-        chosen = torch.zeros_like(chunks)
-        chosen[top_scored(scores.float().cpu(), chunks.nonzero().squeeze(1), total)] = True
-    else:
-        chosen = anchor_mask(prompt, blend)
-    return chosen_plan(prompt, chosen)
+        # chosen where the scores are (a GPU): a top-k of a size known here, nothing read back to the host
+        spans = [np.arange(s, e) for s, e in prompt.chunk_spans]
+        candidates = torch.from_numpy(np.concatenate(spans)).to(scores.device)
+        chosen = top_scored(scores, candidates, total)
+        return _plan(prompt, prefix | chunks, torch.zeros_like(chunks), chosen=chosen)
+    return chosen_plan(prompt, anchor_mask(prompt, blend))
 
 
 def chosen_plan(prompt: TokenizedPrompt, chosen: torch.Tensor) -> FusionPlan:

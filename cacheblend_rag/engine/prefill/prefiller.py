@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from ...config import BlendConfig, Guard, PrefillMode
-from ...fusion import FusionPlan, FusionResult, LayerLoader, fuse
+from ...fusion import FusionPlan, FusionResult, LayerLoader, PromptKV, fuse
 from ...guard import escalate, first_token_signals
 from ...models.adapter import LayerwiseModel
-from ...store import ChunkKV, CorruptEntryError
+from ...store import ChunkKV, ChunkReader, CorruptEntryError
 from ..chunks.cache import ChunkCache
 from ..chunks.capture import capture
 from ..chunks.placement import Placement, missing_chunks, to_capture
@@ -170,12 +172,11 @@ class Prefiller:
                 m.controller = decision.to_dict()
             blend_cfg = blend
             m.recompute_ratio = blend.recompute_ratio
-        load = self.chunks.layer_loader(got.parts, n)
-        result, load_s, wait_s = self._fuse(run, load, n_chunks, blend_cfg)
+        with self._loaded(got.parts, n) as (kv, loading):
+            result = self._fuse(run, kv, n_chunks, blend_cfg)
+        load_s, wait_s = loading.times()
         assert result.logits is not None
-        cache = DynamicCache(config=self.model.config)
-        for layer_idx, (k, v) in enumerate(zip(result.keys, result.values, strict=True)):
-            cache.update(k.unsqueeze(0), v.unsqueeze(0), layer_idx)  # rotated keys, values: [1, Hkv, N, D]
+        cache = decode_cache(self.model.config, result.kv)
         m.recomputed_per_layer = result.recomputed_per_layer
         m.recomputed_tokens = int(result.selected_positions.numel())
         m.load_s += load_s
@@ -185,7 +186,7 @@ class Prefiller:
         m.compute_share = sum(m.recomputed_per_layer) / (n * num_layers)
         captured: dict[tuple[int, ...], ChunkKV] = {}
         if m.escalations and m.escalations[-1] >= 1.0:  # the guard recomputed every token: a full prefill's KV
-            layers = list(zip(result.keys, result.values, strict=True))
+            layers = result.kv.layers()
             todo = [p for p in to_capture(plan) if p.keys[0] not in run.fresh]  # not what this request just stored
             captured = capture(self.chunks, prompt, layers, todo)
             m.chunks_captured = len(captured)
@@ -239,81 +240,104 @@ class Prefiller:
         m.chunks_deferred = len(pre.deferred)
         return pre
 
-    def _fuse(
-        self, run: PrefillRun, load: LayerLoader, n_loaded: int, blend: BlendConfig | None
-    ) -> tuple[FusionResult, float, float]:
-        """Run the fusor with the loaded KV (`load`: the prefix, then the first `n_loaded` chunks in order) at the
-        head of the prompt.
+    @contextmanager
+    def _loaded(self, parts: Sequence[ChunkReader], n: int) -> Iterator[tuple[PromptKV, LoadTiming]]:
+        """The prompt's KV buffers over the stored `parts`, and what reading them cost. Parts on disk or in Redis are
+        read layer by layer as the fusor first needs each layer: on a thread ahead of it when pipelined."""
+        timing = LoadTiming()
+        t = time.perf_counter()
+        in_memory = all(p.in_memory() is not None for p in parts)
+        if in_memory or not self.pipelined:
+            load = None if in_memory else timing.timed(self.chunks.layer_loader(parts))
+            kv = self.chunks.prompt_kv(parts, n, load=load)
+            timing.assembly_s = time.perf_counter() - t
+            yield kv, timing
+            return
+        with LayerPrefetcher(self.chunks.layer_loader(parts), self.lm.shape.num_layers, self.lm.device) as prefetcher:
+            timing.prefetcher = prefetcher
+            kv = self.chunks.prompt_kv(parts, n, load=prefetcher.get)
+            timing.assembly_s = time.perf_counter() - t
+            yield kv, timing
+
+    def _fuse(self, run: PrefillRun, kv: PromptKV, n_loaded: int, blend: BlendConfig | None) -> FusionResult:
+        """Run the fusor over the prompt's KV `kv` (stored KV of the prefix, then of the first `n_loaded` chunks in
+        order, at the head of the prompt).
 
         With a blend config, chunk tokens are recomputed as its rule chooses (`planning.blend_plan`); without
         one, every loaded token is used as is (prefix caching when `n_loaded` is 1 in a longer prompt, full KV
         reuse when it covers all). The "attention" rule first runs a full-reuse pass that records how much the
-        question attends to each chunk token, then recomputes the top ones over that pass's KV, records the
-        risk signals of the result (`guard.first_token_signals`) and, with a guard, escalates a risky one
-        (`guard.escalate`).
-        Returns the result, the time spent loading KV (reading, checking, assembling) and the part of it the
-        fusor waited for (all of it without pipelining; with it, only what compute did not hide).
+        question attends to each chunk token, then recomputes the top ones over that pass's KV (the same buffers;
+        the choice is made on the device), records the risk signals of the result (`guard.first_token_signals`)
+        and, with a guard, escalates a risky one (`guard.escalate`) from a copy of the first pass's KV.
         """
         prompt, m, after_layer = run.prompt, run.metrics, run.after_layer
         if blend is None:
-            return self._run_fusor(reuse_plan(prompt, n_loaded), load, after_layer=after_layer)
+            return fuse(self.lm, reuse_plan(prompt, n_loaded), kv, after_layer=after_layer)
         if not blend.uses_attention_pass:
-            return self._run_fusor(blend_plan(prompt, blend), load, after_layer=after_layer)
-        probe, load_s, wait_s = self._run_fusor(
-            reuse_plan(prompt),
-            load,
-            want_logits=True,
-            keep_raw_keys=True,
-            attention_from=question_mask(prompt),
-            after_layer=after_layer,
-        )
-        assert probe.raw_keys is not None and probe.attention is not None and probe.logits is not None
-        raw_keys, values, scores = probe.raw_keys, probe.values, probe.attention
+            return fuse(self.lm, blend_plan(prompt, blend), kv, after_layer=after_layer)
+        probe = fuse(self.lm, reuse_plan(prompt), kv, attention_from=question_mask(prompt), after_layer=after_layer)
+        assert probe.attention is not None and probe.logits is not None
+        scores = probe.attention
         guard = self.guard
         spent = list(probe.recomputed_per_layer)  # the probe's question-only pass is part of this rule's compute
-
         _, chunks = prefix_and_chunk_masks(prompt)
-        # The fusor writes into what it loads: a guard that may blend again needs the probe's KV intact.
-        keep = guard is not None
+        # The fusor writes into the KV it reads: a guard that may blend again keeps a copy of the probe's.
+        first_pass = kv.copy() if guard is not None else None
 
-        def blend_at(cfg: BlendConfig) -> tuple[FusionResult, FusionPlan]:
+        def blend_at(cfg: BlendConfig, over: PromptKV) -> tuple[FusionResult, FusionPlan]:
             plan = blend_plan(prompt, cfg, scores)
-            out, _, _ = self._run_fusor(
-                plan,
-                lambda i: (raw_keys[i].clone(), values[i].clone()) if keep else (raw_keys[i], values[i]),
-                after_layer=after_layer,
-            )
+            out = fuse(self.lm, plan, over, after_layer=after_layer)
             spent[:] = [a + b for a, b in zip(spent, out.recomputed_per_layer, strict=True)]
             return out, plan
 
-        result, plan = blend_at(blend)
-        assert result.logits is not None
-        recomputed = chunks & ~plan.exact  # the chunk tokens this blend recomputed
-        m.risk = first_token_signals(result.logits, probe.logits, scores.cpu(), chunks, recomputed)
+        result, plan = blend_at(blend, kv)
+        assert result.logits is not None and plan.chosen is not None
+        m.risk = first_token_signals(result.logits, probe.logits, scores, chunks, plan.chosen)
         m.guard_reason = guard.reason(m.risk) if guard is not None else None
         if guard is not None and m.guard_reason is not None:
-            result, steps = escalate(guard, result, blend.recompute_ratio, lambda r: blend_at(blend.with_ratio(r))[0])
+            assert first_pass is not None
+            result, steps = escalate(guard, result, blend.recompute_ratio,
+                                     lambda r: blend_at(blend.with_ratio(r), first_pass.copy())[0])  # fmt: skip
             m.escalations.extend(steps)
             if steps:
                 m.recompute_ratio = steps[-1]
         result.recomputed_per_layer = spent
-        return result, load_s, wait_s
+        return result
 
-    def _run_fusor(self, plan: FusionPlan, load: LayerLoader, **kwargs: Any) -> tuple[FusionResult, float, float]:
-        """-> (fusion result, load time, time the fusor waited for loads)"""
-        if self.pipelined:
-            with LayerPrefetcher(load, self.lm.shape.num_layers, self.lm.device) as prefetcher:
-                result = fuse(self.lm, plan, prefetcher.get, **kwargs)
-            return result, prefetcher.load_s, prefetcher.wait_s
 
-        load_time = 0.0
+class LoadTiming:
+    """What reading a prompt's stored KV cost: `times()` -> (time spent loading, the part of it the fusor waited
+    for: all of it without pipelining; with it, only what compute did not hide)."""
 
+    def __init__(self) -> None:
+        self.assembly_s = 0.0  # laying the parts into the buffers (all of them, when they are in memory)
+        self.read_s = 0.0  # reading layers on the fusor's thread
+        self.prefetcher: LayerPrefetcher | None = None
+
+    def timed(self, load: LayerLoader) -> LayerLoader:
         def timed_load(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-            nonlocal load_time
             t = time.perf_counter()
-            out = load(layer_idx)
-            load_time += time.perf_counter() - t
-            return out
+            try:
+                return load(layer_idx)
+            finally:
+                self.read_s += time.perf_counter() - t
 
-        result = fuse(self.lm, plan, timed_load, **kwargs)
-        return result, load_time, load_time
+        return timed_load
+
+    def times(self) -> tuple[float, float]:
+        if self.prefetcher is not None:
+            return self.assembly_s + self.prefetcher.load_s, self.assembly_s + self.prefetcher.wait_s
+        return self.assembly_s + self.read_s, self.assembly_s + self.read_s
+
+
+def decode_cache(config: Any, kv: PromptKV) -> DynamicCache:
+    """A transformers decode cache over the prompt's KV buffers as they are: each full-attention layer takes its
+    slice [1, Hkv, N, D] without a copy (other layer kinds, e.g. a sliding window's, are filled through `update`)."""
+    cache = DynamicCache(config=config)
+    for layer_idx, (layer, (k, v)) in enumerate(zip(cache.layers, kv.layers(), strict=True)):
+        if type(layer) is DynamicLayer:
+            layer.lazy_initialization(k[None], v[None])
+            layer.keys, layer.values = k[None], v[None]
+        else:
+            cache.update(k[None], v[None], layer_idx)
+    return cache
