@@ -51,6 +51,7 @@ class PromptKV:
         self.sin_signed = sin_signed
         self._load = load
         self._filled = 0 if load is not None else keys.shape[0]  # layers 0.._filled-1 hold their stored KV
+        self._views = list(zip(keys.unbind(0), values.unbind(0), strict=True))  # per layer, made once
 
     @property
     def num_layers(self) -> int:
@@ -118,7 +119,7 @@ class PromptKV:
         """-> rotated keys, values of one layer [Hkv, N, D]: views the fusor writes recomputed tokens into."""
         if layer_idx >= self._filled:
             self._read(layer_idx)
-        return self.keys[layer_idx], self.values[layer_idx]
+        return self._views[layer_idx]
 
     def _read(self, layer_idx: int) -> None:
         if layer_idx != self._filled or self._load is None:
@@ -143,6 +144,11 @@ class PromptKV:
         raw = None if self.raw_keys is None else self.raw_keys.clone()
         return PromptKV(self.keys.clone(), self.values.clone(), self.cos, self.sin_signed, raw_keys=raw)
 
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's (rotated keys, values) [Hkv, N, D], as views: what the decode cache takes."""
-        return [self.layer(i) for i in range(self.num_layers)]
+    def layers(self, *, batched: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's (rotated keys, values) [Hkv, N, D] as views, read to the end first; with `batched`
+        [1, Hkv, N, D] (what a transformers cache holds)."""
+        while self._filled < self.num_layers:
+            self._read(self._filled)
+        if not batched:
+            return list(self._views)
+        return list(zip(self.keys.unsqueeze(1).unbind(0), self.values.unsqueeze(1).unbind(0), strict=True))

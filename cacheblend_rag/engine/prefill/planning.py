@@ -55,12 +55,12 @@ def cold_cost_share(
 def prefix_and_chunk_masks(prompt: TokenizedPrompt) -> tuple[torch.Tensor, torch.Tensor]:
     """-> ([N] bool of the shared prefix's tokens, [N] bool of the chunks' tokens)"""
     n = prompt.num_tokens
-    prefix = torch.zeros(n, dtype=torch.bool)
+    prefix = np.zeros(n, dtype=bool)  # made on the host with numpy: a plan's masks never touch a device
     prefix[: len(prompt.prefix_ids)] = True
-    chunks = torch.zeros(n, dtype=torch.bool)
+    chunks = np.zeros(n, dtype=bool)
     for start, end in prompt.chunk_spans:
         chunks[start:end] = True
-    return prefix, chunks
+    return torch.from_numpy(prefix), torch.from_numpy(chunks)
 
 
 def _plan(prompt: TokenizedPrompt, exact: torch.Tensor, reused: torch.Tensor, **checks: object) -> FusionPlan:
@@ -109,9 +109,10 @@ def blend_plan(prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor
     - "epic": the leading tokens of every chunk are recomputed on every layer.
     """
     prefix, chunks = prefix_and_chunk_masks(prompt)
-    total = budget(int(chunks.sum()), blend.recompute_ratio)
+    n_chunk_tokens = sum(e - s for s, e in prompt.chunk_spans)  # from the spans: no read of a tensor
+    total = budget(n_chunk_tokens, blend.recompute_ratio)
     if blend.uses_check_layers:
-        counts = keep_counts(int(chunks.sum()), blend.schedule())
+        counts = keep_counts(n_chunk_tokens, blend.schedule())
         return _plan(prompt, prefix, chunks, check_layers=blend.check_layers, keep_counts=counts,
                      deviation=blend.deviation)  # fmt: skip
     if blend.uses_attention_pass:

@@ -334,10 +334,9 @@ def decode_cache(config: Any, kv: PromptKV) -> DynamicCache:
     """A transformers decode cache over the prompt's KV buffers as they are: each full-attention layer takes its
     slice [1, Hkv, N, D] without a copy (other layer kinds, e.g. a sliding window's, are filled through `update`)."""
     cache = DynamicCache(config=config)
-    for layer_idx, (layer, (k, v)) in enumerate(zip(cache.layers, kv.layers(), strict=True)):
-        if type(layer) is DynamicLayer:
-            layer.lazy_initialization(k[None], v[None])
-            layer.keys, layer.values = k[None], v[None]
+    for layer_idx, (layer, (k, v)) in enumerate(zip(cache.layers, kv.layers(batched=True), strict=True)):
+        if type(layer) is DynamicLayer:  # what its first `update` sets, with the slice itself instead of a copy
+            layer.keys, layer.values, layer.device, layer.is_initialized = k, v, k.device, True
         else:
-            cache.update(k[None], v[None], layer_idx)
+            cache.update(k, v, layer_idx)
     return cache
