@@ -1,6 +1,6 @@
 """Command line: `cacheblend-rag ask --docs DIR "question"` and friends.
 
-One module per command (`ask`, `calibrate`, `profile`, `index`, `models`); the parser and the checks shared by
+One module per command (`ask`, `calibrate`, `profile`, `index`, `plan`, `models`); the parser and the checks shared by
 the commands are in `args`, where `ask`, `calibrate` and `index` get their chunks in `sources`. Importing this
 package loads no model machinery: every command imports torch, transformers or FAISS when it runs.
 """
@@ -17,6 +17,7 @@ from .ask import cmd_ask
 from .calibrate import cmd_calibrate
 from .index import cmd_index
 from .models import cmd_models
+from .plan import cmd_plan
 from .profile import cmd_profile
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -28,6 +29,7 @@ COMMANDS = {
     "profile": cmd_profile,
     "index": cmd_index,
     "models": cmd_models,
+    "plan": cmd_plan,
 }
 
 

@@ -187,8 +187,31 @@ def build_parser() -> argparse.ArgumentParser:
     idx.add_argument("--out", required=True, help="folder to save the index to: new, empty or an index")
     idx.add_argument("--model", help="whose tokenizer measures chunk sizes (default: the default preset)")
 
+    add_plan_parser(sub, _HelpFormatter)
     sub.add_parser("models", help="list the packaged model presets")
     return p
+
+
+def add_plan_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
+    plan = sub.add_parser("plan", help="size a chunk store from your documents and sample questions: hit rate "
+                          "and expected TTFT speed-up per budget, with no model run",
+                          formatter_class=formatter)  # fmt: skip
+    plan.add_argument("--questions", required=True, help="text file of questions, one per line, in arrival order")
+    _add_document_arguments(plan, required=False)
+    plan.add_argument("--index", help="folder for the chunk index of --docs, as for `ask`")
+    plan.add_argument("--model", help="whose tokenizer and KV shape (default: the default preset)")
+    plan.add_argument("--dtype", default="float32", help="the engine's compute dtype (sizes native entries)")
+    plan.add_argument("--codec", default="native", help="the tier's codec: native, fp16, bf16, int8, int4")
+    plan.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question")
+    plan.add_argument("--budgets", type=float, nargs="+", default=[0.05, 0.1, 0.25, 0.5, 1.0],
+                      help="store budgets as shares of the corpus's KV (an unbounded one is always added)")  # fmt: skip
+    plan.add_argument("--eviction", choices=("lru", "lfu"), default="lfu", help="the memory tier's eviction")
+    plan.add_argument("--order", choices=("as-given", "shuffled"), default="as-given",
+                      help="send the questions in the file's order, or shuffled (no topic locality)")  # fmt: skip
+    plan.add_argument("--costs", help="a cost model (JSON) measured on the serving machine (default: the reference "
+                      "one of the default preset on this project's CPU)")  # fmt: skip
+    plan.add_argument("--measure-costs", metavar="OUT", help="load the model, time a few of the questions' prompts "
+                      "(about a minute) and save the cost model to OUT before planning")  # fmt: skip
 
 
 def guard_from_args(args: argparse.Namespace) -> Guard | None:

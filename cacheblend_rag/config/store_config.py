@@ -12,14 +12,16 @@ from .checks import check_count, mask_url
 # The codecs `kv_codec` and `memory_codec` may name: those of `store.codec.CODECS` (a test keeps the two equal),
 # listed here so that the settings import nothing of the store.
 CODEC_NAMES = ("native", "fp16", "bf16", "int8", "int4")
+# The memory tier's eviction policies (`store.eviction.EVICTION_POLICIES`, kept equal by a test).
+EVICTION_NAMES = ("lru", "lfu")
 
 
 @dataclass(frozen=True)
 class StoreConfig:
     """Where chunk KV is kept: an in-process memory tier, optionally a local disk tier and a shared Redis tier, each
-    bounded by bytes and evicting the least recently used entries."""
+    bounded by bytes (the memory tier evicts by `memory_eviction`, the others least recently used first)."""
 
-    memory_budget_bytes: int = 2 * 1024**3  # in-process chunk KV, LRU beyond this
+    memory_budget_bytes: int = 2 * 1024**3  # in-process chunk KV, evicted by memory_eviction beyond this
     disk_dir: str | None = None  # local disk tier (diskcache) under this folder; None: no disk tier
     disk_budget_bytes: int = 20 * 1024**3
     redis_url: str | None = None  # shared Redis tier, e.g. "redis://127.0.0.1:6379/0"; None: no Redis tier
@@ -29,6 +31,9 @@ class StoreConfig:
     # of 32). An entry written with another codec is a miss and is recomputed.
     kv_codec: str = "int8"  # the disk and Redis tiers (int8 is within noise of exact)
     memory_codec: str = "native"  # the memory tier (encoded entries are decoded layer by layer when read)
+    # Which entry the memory tier evicts first when over budget: "lru" (least recently used) or "lfu" (least
+    # frequently used, with aging); docs/configuration.md, "Eviction". The disk and Redis tiers evict LRU.
+    memory_eviction: str = "lfu"
     # Signs disk/Redis entries and refuses unsigned or forged ones (give every worker the same key); None: off
     hmac_key: bytes | str | None = field(default=None, repr=False)
 
@@ -52,6 +57,9 @@ class StoreConfig:
         for name in ("kv_codec", "memory_codec"):
             if getattr(self, name) not in CODEC_NAMES:
                 raise ConfigError(f"{name} must be one of {sorted(CODEC_NAMES)}, got {getattr(self, name)!r}")
+        if self.memory_eviction not in EVICTION_NAMES:
+            raise ConfigError(f"memory_eviction must be one of {', '.join(EVICTION_NAMES)}, got "
+                              f"{self.memory_eviction!r}")  # fmt: skip
 
     def __repr__(self) -> str:  # the dataclass's, with a password in redis_url masked and the HMAC key left out
         shown = (
@@ -66,7 +74,7 @@ class StoreConfig:
         return dict(
             memory_bytes=self.memory_budget_bytes, disk_dir=self.disk_dir, disk_bytes=self.disk_budget_bytes,
             redis_url=self.redis_url, redis_bytes=self.redis_budget_bytes, hmac_key=self.hmac_key,
-            kv_codec=self.kv_codec, memory_codec=self.memory_codec,
+            kv_codec=self.kv_codec, memory_codec=self.memory_codec, memory_eviction=self.memory_eviction,
         )  # fmt: skip
 
 

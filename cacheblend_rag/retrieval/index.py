@@ -185,17 +185,23 @@ class ChunkIndex:
 
     def search(self, query: str, k: int = 6) -> list[RetrievedChunk]:
         """The `k` chunks most similar to `query`, best first (all of them when k exceeds the size)."""
-        if not isinstance(query, str) or not query.strip():
-            raise PromptError(f"the search query must be non-empty text, got {query!r}; ask a question")
+        return self.search_many([query], k)[0]
+
+    def search_many(self, queries: Sequence[str], k: int = 6, *, batch_size: int = 64) -> list[list[RetrievedChunk]]:
+        """`search` for many queries at once, embedded in batches of `batch_size`: one list of hits per query."""
+        for query in queries:
+            if not isinstance(query, str) or not query.strip():
+                raise PromptError(f"the search query must be non-empty text, got {query!r}; ask a question")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"k must be a positive integer, got {k!r}; use e.g. 6")
+        if not queries:
+            return []
         k = min(k, len(self._chunks))
-        query_vector = embed_texts(self.embedder, [query], batch_size=1, show_progress=False)  # (1, dim)
-        scores, ids = self._index.search(query_vector, k)  # (1, k) each
+        vectors = embed_texts(self.embedder, list(queries), batch_size=batch_size, show_progress=False)  # (Q, dim)
+        scores, ids = self._index.search(vectors, k)  # (Q, k) each
         return [
-            RetrievedChunk(self._chunks[i], float(score))
-            for score, i in zip(scores[0], ids[0], strict=True)
-            if i >= 0  # FAISS pads with -1 when it has fewer hits than asked
+            [RetrievedChunk(self._chunks[i], float(s)) for s, i in zip(row_s, row_i, strict=True) if i >= 0]
+            for row_s, row_i in zip(scores, ids, strict=True)  # FAISS pads with -1 when it has fewer hits than asked
         ]
 
     def save(self, folder: str | Path) -> Path:

@@ -1,15 +1,16 @@
-"""In-process chunk store: an LRU dictionary bounded by bytes, keeping each entry as is or encoded by a codec."""
+"""In-process chunk store: a dictionary bounded by bytes, keeping each entry as is or encoded by a codec, evicting in
+the order of an eviction policy (`eviction`: least recently or least frequently used)."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 
 from ..errors import ConfigError, NonFiniteKVError
 from .base import ChunkReader, Hit, StoreStats
 from .chunk_kv import ChunkKV
 from .codec import NATIVE, KVCodec, get_codec
+from .eviction import EvictionOrder, eviction_order
 from .lazy import LazyChunkKV
 from .serialize import EntryLayout, parse_layout, serialize_chunk
 
@@ -31,7 +32,8 @@ class _Encoded:
 
 
 class MemoryStore:
-    """Keeps chunk KV in process memory, evicting the least recently used entries beyond `budget_bytes`.
+    """Keeps chunk KV in process memory, evicting entries beyond `budget_bytes` in the order of `eviction` ("lru",
+    "lfu" or an `EvictionOrder`; see `eviction.py`).
 
     With the `native` codec (the default) entries are the `ChunkKV` tensors themselves. With another codec
     (`codec.py`) they are kept encoded, so the budget holds more chunks, and a hit is decoded layer by layer as the
@@ -39,14 +41,22 @@ class MemoryStore:
     (storing it would evict everything and then itself). Safe to share between threads.
     """
 
-    def __init__(self, budget_bytes: int = 2 * 1024**3, *, codec: str | KVCodec = NATIVE, name: str = "memory") -> None:
+    def __init__(
+        self,
+        budget_bytes: int = 2 * 1024**3,
+        *,
+        codec: str | KVCodec = NATIVE,
+        name: str = "memory",
+        eviction: str | EvictionOrder = "lfu",
+    ) -> None:
         if budget_bytes < 0:
             raise ConfigError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.name = name
         self.budget_bytes = budget_bytes
         self.codec = get_codec(codec, "memory codec")
         self.stats = StoreStats()
-        self._entries: OrderedDict[str, ChunkKV | _Encoded] = OrderedDict()
+        self.eviction = eviction_order(eviction)
+        self._entries: dict[str, ChunkKV | _Encoded] = {}
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -65,7 +75,7 @@ class MemoryStore:
             if entry is None:
                 self.stats.misses += 1
                 return None
-            self._entries.move_to_end(key)
+            self.eviction.touch(key)
             self.stats.hits += 1
             self.stats.bytes_read += entry.nbytes
         kv: ChunkReader = entry if isinstance(entry, ChunkKV) else entry.reader()
@@ -82,12 +92,14 @@ class MemoryStore:
             if old is not None:
                 self._bytes -= old.nbytes
             if entry.nbytes > self.budget_bytes:
+                self.eviction.remove(kv.key)
                 return
             self._entries[kv.key] = entry
             self._bytes += entry.nbytes
+            self.eviction.add(kv.key, entry.nbytes)
             self.stats.puts += 1
             while self._bytes > self.budget_bytes:
-                _, evicted = self._entries.popitem(last=False)
+                evicted = self._entries.pop(self.eviction.victim(keep=kv.key))
                 self._bytes -= evicted.nbytes
                 self.stats.evictions += 1
 
@@ -96,10 +108,12 @@ class MemoryStore:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= old.nbytes
+                self.eviction.remove(key)
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self.eviction.clear()
             self._bytes = 0
 
     def flush(self) -> None:

@@ -1,7 +1,7 @@
 """A chunk store made of tiers, fastest first: looked up in order, promoted on a hit, written through on a put.
 
 The usual stack is process memory, then local disk, then a Redis shared by every worker; `build_store` makes it.
-Each tier keeps its own budget and LRU order; this class only routes calls and counts hits per tier.
+Each tier keeps its own budget and eviction order; this class only routes calls and counts hits per tier.
 """
 
 from __future__ import annotations
@@ -228,15 +228,17 @@ def build_store(
     hmac_key: bytes | str | None = None,
     kv_codec: str | KVCodec = TIER_CODEC,
     memory_codec: str | KVCodec = NATIVE,
+    memory_eviction: str = "lfu",
 ) -> TieredStore:
     """Memory, then disk if `disk_dir` is given, then Redis if `redis_url` is given (`?cluster=1` for a cluster).
 
     Always a `TieredStore`, even of memory alone, so that callers read `hits_by_tier` the same way everywhere.
     `hmac_key` signs what the disk and Redis tiers write and refuses what they read unsigned or forged.
-    `kv_codec` is how the disk and Redis tiers encode chunk KV, `memory_codec` how the memory tier keeps it.
+    `kv_codec` is how the disk and Redis tiers encode chunk KV, `memory_codec` how the memory tier keeps it, and
+    `memory_eviction` which entry it evicts first ("lru" or "lfu", `eviction.py`).
     """
     key = hmac_key.encode() if isinstance(hmac_key, str) else hmac_key
-    tiers: list[ChunkStore] = [MemoryStore(memory_bytes, codec=memory_codec)]
+    tiers: list[ChunkStore] = [MemoryStore(memory_bytes, codec=memory_codec, eviction=memory_eviction)]
     names = ["memory"]
     if disk_dir is not None:
         from .disk.tier import DiskStore
