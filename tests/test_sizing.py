@@ -58,7 +58,7 @@ def test_the_simulator_hits_and_misses_as_the_engine_does(policy, miss_policy):
     same bytes, in a real engine (tiny random model) and in the simulator."""
     tokenizer = make_tiny_tokenizer()
     texts = corpus()
-    requests = stream(len(texts), 40, 3, seed=1)
+    requests = stream(len(texts), 30, 3, seed=1)
     questions = [random_words(900 + i, 5) for i in range(len(requests))]
     lengths = prompt_lengths(tokenizer, texts, questions)
     model = make_tiny_model("qwen2")
