@@ -10,8 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from benchlib.traffic_real import latest_attempts
-from benchlib.traffic_sim import budget_bytes, corpus_bytes, stream_requests
-from cacheblend_rag.sizing import CostModel, Curve, KVShape, StoreSimulator, machine_name, run_stream, summarize
+from benchlib.traffic_sim import budget_bytes, corpus_bytes
+from cacheblend_rag.sizing import (
+    CostModel,
+    Curve,
+    KVShape,
+    PromptLengths,
+    StoreSimulator,
+    machine_name,
+    run_stream,
+    summarize,
+)
 
 WARMUP = (25, 50, 100, 200, 500, 1000, 2000, 5000, None)
 
@@ -30,8 +39,8 @@ def real_vs_simulated(records, squad, found, lengths, shape: KVShape, costs: Cos
     for run, reqs in sorted(latest_attempts(records).items()):
         stream, seed, share, policy = _parse_run(run)
         n = len(reqs)
-        _, requests, ordered = stream_requests(stream, seed, squad.question_article, found, lengths, n)
-        assert [r["chunks"] for r in reqs] == requests, f"{run}: the records are not this stream's requests"
+        requests = [r["chunks"] for r in reqs]  # the run's own requests, as recorded
+        ordered = PromptLengths(lengths.prefix, lengths.chunks, tuple(lengths.suffixes[r["q"]] for r in reqs))
         sim = StoreSimulator(ordered.chunks, prefix_tokens=ordered.prefix, bytes_per_token=shape.bytes_per_token,
                              budget_bytes=budget_bytes(share, corpus), num_layers=shape.num_layers, costs=costs,
                              eviction=policy)  # fmt: skip

@@ -9,6 +9,7 @@ Three streams over questions labelled with their topic (an article, a product, a
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,8 +43,9 @@ def stream_order(topics: Sequence[int | str], stream: str, *, seed: int = 0, len
     groups = list(by_topic.values())
     rng.shuffle(groups)  # which topic is the most popular is the seed's choice
     weights = [1.0 / (rank + 1) ** zipf_s for rank in range(len(groups))]
-    picks = rng.choices(range(len(groups)), weights=weights, k=length)
-    return [rng.choice(groups[g]) for g in picks]
+    cumulative = list(itertools.accumulate(weights))
+    # one topic, then one of its questions, per request: a shorter stream is the start of a longer one
+    return [rng.choice(groups[rng.choices(range(len(groups)), cum_weights=cumulative)[0]]) for _ in range(length)]
 
 
 @dataclass(frozen=True)
