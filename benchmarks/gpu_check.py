@@ -18,16 +18,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from benchlib.cli import add_out_argument
+from benchlib.floor import DeviceRates, Shape, measure_rates, prefill_bytes, prefill_flops
 from benchlib.timing import RANDOM_SHAPES, build_engine, make_prompt, warm_up
 
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.config import StoreConfig, blend_rule
+from cacheblend_rag.fusion import budget
 from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache
 from cacheblend_rag.models.adapter import attention_kernels
 
@@ -100,6 +104,33 @@ def ttft_rows(engine, prompt, args) -> dict[str, dict[str, float]]:
     return rows
 
 
+def floor_rows(engine, prompt, rows: dict[str, dict[str, float]], rates: DeviceRates) -> None:
+    """Beside each mode's measured prefill: its FLOPs, the fewest bytes it must move, the floor time at the device's
+    measured rates (`benchlib.floor`) and measured / floor."""
+    shape = Shape.of(engine.model.config, engine.lm.dtype)
+    n, q = prompt.num_tokens, len(prompt.suffix_ids)
+    chunk_tokens = sum(e - s for s, e in prompt.chunk_spans)
+    stored = n - q
+    for name, row in rows.items():
+        if name == "full":
+            flops, nbytes = prefill_flops(shape, n, n), prefill_bytes(shape, n, 0)
+        elif name == "reuse":
+            flops, nbytes = prefill_flops(shape, n, q), prefill_bytes(shape, n, stored)
+        else:
+            rule, ratio = name.split(" r=")[0], float(name.split(" r=")[1])
+            picks = budget(chunk_tokens, ratio)
+            if rule == "blend":  # the default rule: a question-only pass, then the blend
+                flops = prefill_flops(shape, n, q, picks, probe=q)
+                nbytes = prefill_bytes(shape, n, stored, passes=2)
+            else:  # a check-layer rule: every chunk token up to its first check layer
+                first = blend_rule(rule, ratio).check_layers[0] + 1
+                extra = chunk_tokens * first // shape.layers
+                flops, nbytes = prefill_flops(shape, n, q, picks + extra), prefill_bytes(shape, n, stored)
+        floor = rates.floor_ms(flops, nbytes)
+        row.update(tflop=round(flops / 1e12, 3), min_gb=round(nbytes / 1e9, 3), floor_ms=round(floor, 2),
+                   over_floor=round(row["prefill_ms"] / floor, 2))  # fmt: skip
+
+
 def pipeline_rows(engine, prompt, args) -> dict[str, dict[str, float]]:
     """The same prefills on a second engine over the same model without pipelined loading (chunk KV loaded on the
     calling thread, no prefetch thread: `prefiller.pipelined = False`), a full prefill kept off cuDNN attention like
@@ -157,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-gb", type=float, default=40.0, help="in-process chunk KV budget (all chunks must fit)")
     p.add_argument("--profile", action="store_true", help="print the top ops of one full and one blend prefill")
     add_out_argument(p, "gpu_check", "folder for gpu_check.json")
+    p.add_argument("--latest", type=Path, default=None, help="also write the headline figures here (latest.json)")
+    p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"), help="the commit measured (env COMMIT)")
     args = p.parse_args(argv)
     args.random_weights = True
     engine = build_engine(args, args.dtype, store=StoreConfig(memory_budget_bytes=int(args.memory_gb * 1024**3)))
@@ -164,17 +197,23 @@ def main(argv: list[str] | None = None) -> int:
               "dtype": args.dtype, "lengths": {}}  # fmt: skip
     print(f"== {args.model_shape} random weights, {args.dtype} on {report['device']}; prefill alone: best of "
           f"{args.repeats}, synchronized; generate TTFT: median of {args.repeats}")  # fmt: skip
+    rates = measure_rates(args.device, engine.lm.dtype)
+    report["rates"] = {"tflop_per_s": round(rates.flops_per_s / 1e12, 2), "copy_gb_per_s": round(rates.bytes_per_s / 1e9)}
+    print(f"  measured: matmul {report['rates']['tflop_per_s']} TFLOP/s, copy {report['rates']['copy_gb_per_s']} GB/s")
     prompt = None
     for length in (int(x) for x in args.lengths.split(",")):
         prompt = make_prompt(engine, args, args.chunks, length, None)
         warm_up(engine, prompt)
         rows = ttft_rows(engine, prompt, args)
+        floor_rows(engine, prompt, rows, rates)
         report["lengths"][prompt.num_tokens] = rows
         full = rows["full"]["prefill_ms"]
         for name, row in rows.items():
             speedup = full / row["prefill_ms"]
             print(f"  {prompt.num_tokens:>6} tokens  {name:<12} prefill {row['prefill_ms']:8.1f} ms  "
-                  f"(full/this {speedup:5.2f}x)  generate TTFT {row['generate_ttft_ms']:8.1f} ms")  # fmt: skip
+                  f"(full/this {speedup:5.2f}x)  generate TTFT {row['generate_ttft_ms']:8.1f} ms  "
+                  f"floor {row['floor_ms']:7.2f} ms ({row['tflop']} TFLOP, {row['min_gb']} GB)  "
+                  f"measured/floor {row['over_floor']:5.1f}")  # fmt: skip
     assert prompt is not None
     report["pipeline"] = pipeline_rows(engine, prompt, args)
     for name, row in report["pipeline"].items():
@@ -190,7 +229,30 @@ def main(argv: list[str] | None = None) -> int:
     report["generate_decode_tok_per_s"] = round(per_s, 2)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    if args.latest is not None:
+        write_latest(args.latest, report, args.commit)
     return 0
+
+
+def write_latest(path, report: dict, commit: str) -> None:
+    """The headline figures (`benchmarks/results/gpu-h200/latest.json`): prefill ms per mode and prompt length,
+    the floor of each, and decode tokens/s by concurrent clients (1 here; the load run adds 8 and 32)."""
+    lengths = report["lengths"]
+
+    def by_length(mode: str, key: str = "prefill_ms") -> dict[str, float]:
+        return {str(n): rows[mode][key] for n, rows in lengths.items() if mode in rows}
+
+    latest = {
+        "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": report["device"],
+        "shape": report["shape"], "dtype": report["dtype"], "rates": report["rates"],
+        "full_ms": by_length("full"), "reuse_ms": by_length("reuse"), "blend_ms": by_length("blend r=0.15"),
+        "paper_ms": by_length("paper r=0.15"),
+        "blend_generate_ttft_ms": by_length("blend r=0.15", "generate_ttft_ms"),
+        "floor_ms": {mode: by_length(mode, "floor_ms") for mode in ("full", "reuse", "blend r=0.15")},
+        "decode_step_ms": report["decode_step"], "decode_tps": {"1": report["generate_decode_tok_per_s"]},
+    }  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(latest, indent=2) + "\n")
 
 
 if __name__ == "__main__":

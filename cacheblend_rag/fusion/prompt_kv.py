@@ -28,30 +28,36 @@ class PromptKV:
     """The KV of a prompt's N tokens on every layer: `keys` (rotated at their positions) and `values`, each
     [L, Hkv, N, D], and with `raw_keys` the keys before RoPE too (what a chunk's entry stores).
 
-    Build it with `whole` (stored KV of every layer at hand) or `layerwise` (read a layer when it is first asked
-    for); `layer(i)` returns writable views of layer i. Tokens past the stored ones hold zeros until written.
+    `keys` and `values` are the first N positions of buffers with `room` more (`key_buffer`, `value_buffer`,
+    [L, Hkv, N + room, D]): the answer's decode steps write their tokens there, so decoding starts from the
+    prefill's buffers as they are. Build it with `whole` (stored KV of every layer at hand) or `layerwise` (read a
+    layer when it is first asked for); `layer(i)` returns writable views of layer i. Tokens past the stored ones
+    hold zeros until written.
     """
 
     def __init__(
         self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
+        key_buffer: torch.Tensor,
+        value_buffer: torch.Tensor,
+        num_tokens: int,
         cos: torch.Tensor,
         sin_signed: torch.Tensor,
         raw_keys: torch.Tensor | None = None,
         load: LayerLoader | None = None,
     ) -> None:
-        if keys.shape != values.shape or keys.dim() != 4:
-            raise CacheBlendError(f"keys and values must be two [L, Hkv, N, D] tensors of one shape, got "
-                                  f"{tuple(keys.shape)} and {tuple(values.shape)}")  # fmt: skip
-        self.keys = keys
-        self.values = values
+        if key_buffer.shape != value_buffer.shape or key_buffer.dim() != 4 or key_buffer.shape[2] < num_tokens:
+            raise CacheBlendError(f"keys and values must be two [L, Hkv, >= {num_tokens}, D] tensors of one shape, "
+                                  f"got {tuple(key_buffer.shape)} and {tuple(value_buffer.shape)}")  # fmt: skip
+        self.key_buffer = key_buffer
+        self.value_buffer = value_buffer
+        self.keys = key_buffer[:, :, :num_tokens]
+        self.values = value_buffer[:, :, :num_tokens]
         self.raw_keys = raw_keys
         self.cos = cos  # [N, D]: the prompt positions' RoPE tables, in the keys' dtype
         self.sin_signed = sin_signed
         self._load = load
-        self._filled = 0 if load is not None else keys.shape[0]  # layers 0.._filled-1 hold their stored KV
-        self._views = list(zip(keys.unbind(0), values.unbind(0), strict=True))  # per layer, made once
+        self._filled = 0 if load is not None else key_buffer.shape[0]  # layers 0.._filled-1 hold their stored KV
+        self._views = list(zip(self.keys.unbind(0), self.values.unbind(0), strict=True))  # per layer, made once
 
     @property
     def num_layers(self) -> int:
@@ -60,6 +66,11 @@ class PromptKV:
     @property
     def num_tokens(self) -> int:
         return self.keys.shape[2]
+
+    @property
+    def capacity(self) -> int:
+        """Positions the buffers hold: the prompt's and the room left for an answer."""
+        return self.key_buffer.shape[2]
 
     @classmethod
     def whole(
@@ -71,29 +82,36 @@ class PromptKV:
         *,
         shape: tuple[int, int, int],
         keep_raw: bool = False,
+        room: int = 0,
     ) -> PromptKV:
         """Stored KV of every layer (`parts`: raw keys and values [L, Hkv, T_p, D] each, laid end to end from the
-        prompt's start) in one buffer of `total` tokens, rotated once. cos, sin: [total, D] of the prompt's
-        positions; shape: (L, Hkv, D)."""
-        num_layers, hkv, d = shape
+        prompt's start) in buffers of `total` tokens and `room` more, rotated once. cos, sin: [total, D] of the
+        prompt's positions; shape: (L, Hkv, D)."""
         stored = sum(k.shape[2] for k, _ in parts)
         if stored > total:
             raise CacheBlendError(f"{stored} stored tokens do not fit a prompt of {total}")
-        device, dtype = cos.device, cos.dtype
-        keys = [k.to(device) for k, _ in parts]
-        values = [v.to(device) for _, v in parts]
-        if stored < total:
-            pad = torch.zeros(num_layers, hkv, total - stored, d, dtype=dtype, device=device)
-            keys.append(pad)
-            values.append(pad)
-        # The fusor writes into these buffers: one part filling the whole prompt is copied, never written into.
-        raw = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)
-        v = values[0].clone() if len(values) == 1 else torch.cat(values, dim=2)
-        if keep_raw and len(keys) == 1:
-            raw = raw.clone()
+        keys, values = cls._buffers(shape, total + room, cos)
         sin_signed = signed_sin(sin)
-        rotated = rope_rotate(raw, cos, sin_signed)  # every layer at once
-        return cls(rotated, v, cos, sin_signed, raw_keys=raw if keep_raw else None)
+        raw = None
+        if parts:
+            device = cos.device
+            raw_parts = [k.to(device) for k, _ in parts]
+            raw = raw_parts[0] if len(raw_parts) == 1 else torch.cat(raw_parts, dim=2)
+            value_parts = [v.to(device) for _, v in parts]
+            if len(value_parts) == 1:
+                values[:, :, :stored] = value_parts[0]
+            else:
+                torch.cat(value_parts, dim=2, out=values[:, :, :stored])
+            torch.add(raw * cos[:stored], raw.roll(raw.shape[-1] // 2, dims=-1) * sin_signed[:stored],
+                      out=keys[:, :, :stored])  # `rope_rotate` of every layer at once, into the buffer  # fmt: skip
+        keys[:, :, stored:total].zero_()
+        values[:, :, stored:total].zero_()
+        if keep_raw:
+            full_raw = torch.zeros(shape[0], shape[1], total, shape[2], dtype=cos.dtype, device=cos.device)
+            if raw is not None:
+                full_raw[:, :, :stored] = raw
+            raw = full_raw
+        return cls(keys, values, total, cos, sin_signed, raw_keys=raw if keep_raw else None)
 
     @classmethod
     def layerwise(
@@ -105,15 +123,22 @@ class PromptKV:
         *,
         shape: tuple[int, int, int],
         keep_raw: bool = False,
+        room: int = 0,
     ) -> PromptKV:
-        """Empty buffers of `total` tokens; layer i is read with `load(i)` (in order 0, 1, ...) and rotated when it
-        is first asked for."""
+        """Buffers of `total` tokens and `room` more; layer i is read with `load(i)` (in order 0, 1, ...) and
+        rotated when it is first asked for."""
+        keys, values = cls._buffers(shape, total + room, cos)
+        keys[:, :, :total].zero_()
+        values[:, :, :total].zero_()
+        raw = torch.zeros(shape[0], shape[1], total, shape[2], dtype=cos.dtype, device=cos.device) if keep_raw else None
+        return cls(keys, values, total, cos, signed_sin(sin), raw_keys=raw, load=load)
+
+    @staticmethod
+    def _buffers(shape: tuple[int, int, int], capacity: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_layers, hkv, d = shape
-        size = (num_layers, hkv, total, d)
-        keys = torch.zeros(size, dtype=cos.dtype, device=cos.device)
-        values = torch.zeros(size, dtype=cos.dtype, device=cos.device)
-        raw = torch.zeros(size, dtype=cos.dtype, device=cos.device) if keep_raw else None
-        return cls(keys, values, cos, signed_sin(sin), raw_keys=raw, load=load)
+        size = (num_layers, hkv, capacity, d)
+        return torch.empty(size, dtype=like.dtype, device=like.device), torch.empty(size, dtype=like.dtype,
+                                                                                    device=like.device)  # fmt: skip
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> rotated keys, values of one layer [Hkv, N, D]: views the fusor writes recomputed tokens into."""
@@ -142,7 +167,8 @@ class PromptKV:
         while self._filled < self.num_layers:
             self._read(self._filled)
         raw = None if self.raw_keys is None else self.raw_keys.clone()
-        return PromptKV(self.keys.clone(), self.values.clone(), self.cos, self.sin_signed, raw_keys=raw)
+        return PromptKV(self.key_buffer.clone(), self.value_buffer.clone(), self.num_tokens, self.cos,
+                        self.sin_signed, raw_keys=raw)  # fmt: skip
 
     def layers(self, *, batched: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's (rotated keys, values) [Hkv, N, D] as views, read to the end first; with `batched`

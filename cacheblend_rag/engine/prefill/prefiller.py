@@ -61,6 +61,8 @@ class Prefill:
     deferred: tuple[tuple[int, ...], ...] = ()
     # entries cut from this request's full prefill (`chunks.capture`), to store at once
     captured: dict[tuple[int, ...], ChunkKV] = field(default_factory=dict)
+    # a cached prefill's KV buffers (`cache` is over their first `num_tokens` positions), with the room asked for
+    kv: PromptKV | None = None
 
 
 class Prefiller:
@@ -109,18 +111,21 @@ class Prefiller:
         policy: RatioPolicy | None,
         tiers: int,
         after_layer: AfterLayer | None = None,
+        *,
+        room: int = 0,
     ) -> Prefill:
         """`run`, again when a stored chunk turns out damaged mid-request, then as a full prefill.
 
         A chunk read layer by layer can turn out damaged after the fusor has started; its tier has dropped it by
         then, so trying again finds it in another tier or recomputes it. Each retry follows the removal of one
         entry from one tier, so a prompt's entries (prefix and chunks, in each of the store's `tiers`) bound the
-        retries; past that bound the request runs as a full prefill, which reads no stored KV.
+        retries; past that bound the request runs as a full prefill, which reads no stored KV. A cached prefill's
+        buffers keep `room` positions free past the prompt (`Prefill.kv`), for the answer's decode steps.
         """
         fresh: set[str] = set()  # chunks prefilled during this request: misses, even when found on a retry
         for attempt in range((len(prompt.chunk_ids) + 1) * tiers + 1):
             try:
-                return self.run(prompt, mode, blend, policy, after_layer, fresh)
+                return self.run(prompt, mode, blend, policy, after_layer, fresh, room=room)
             except CorruptEntryError as exc:
                 logger.warning("prefill attempt %d read a damaged chunk (%s); trying again", attempt + 1, exc)
         logger.warning("the store kept returning damaged chunks; answering with a full prefill")
@@ -134,15 +139,16 @@ class Prefiller:
         policy: RatioPolicy | None = None,
         after_layer: AfterLayer | None = None,
         fresh: set[str] | None = None,
+        *,
+        room: int = 0,
     ) -> Prefill:
         """One attempt: `policy` chooses the blend ratio when given; `after_layer(layer_idx)` runs between the layers
         of each pass over the prompt (the scheduler's decode steps for the requests already answering); `fresh`
         collects the chunks prefilled during this request, across its attempts (`PrefillRun`)."""
         n = prompt.num_tokens
         num_layers = self.lm.shape.num_layers
-        run = PrefillRun(
-            prompt, RequestMetrics(mode=mode.value, prompt_tokens=n), after_layer, set() if fresh is None else fresh
-        )
+        run = PrefillRun(prompt, RequestMetrics(mode=mode.value, prompt_tokens=n), after_layer,
+                         set() if fresh is None else fresh, room=room)  # fmt: skip
         m = run.metrics
 
         if mode is PrefillMode.FULL or not prompt.chunk_ids:
@@ -172,7 +178,7 @@ class Prefiller:
                 m.controller = decision.to_dict()
             blend_cfg = blend
             m.recompute_ratio = blend.recompute_ratio
-        with self._loaded(got.parts, n) as (kv, loading):
+        with self._loaded(got.parts, n, run.room) as (kv, loading):
             result = self._fuse(run, kv, n_chunks, blend_cfg)
         load_s, wait_s = loading.times()
         assert result.logits is not None
@@ -190,7 +196,7 @@ class Prefiller:
             todo = [p for p in to_capture(plan) if p.keys[0] not in run.fresh]  # not what this request just stored
             captured = capture(self.chunks, prompt, layers, todo)
             m.chunks_captured = len(captured)
-        return Prefill(cache, result.logits, n, m, captured=captured)
+        return Prefill(cache, result.logits, n, m, captured=captured, kv=result.kv)
 
     def capture_full(self, prompt: TokenizedPrompt, placements: Sequence[Placement]) -> dict[tuple[int, ...], ChunkKV]:
         """A full prefill of `prompt` run for the entries it computes: those of the chunks `placements` (of the
@@ -241,21 +247,22 @@ class Prefiller:
         return pre
 
     @contextmanager
-    def _loaded(self, parts: Sequence[ChunkReader], n: int) -> Iterator[tuple[PromptKV, LoadTiming]]:
-        """The prompt's KV buffers over the stored `parts`, and what reading them cost. Parts on disk or in Redis are
-        read layer by layer as the fusor first needs each layer: on a thread ahead of it when pipelined."""
+    def _loaded(self, parts: Sequence[ChunkReader], n: int, room: int) -> Iterator[tuple[PromptKV, LoadTiming]]:
+        """The prompt's KV buffers over the stored `parts` (and `room` positions more), and what reading them cost.
+        Parts on disk or in Redis are read layer by layer as the fusor first needs each layer: on a thread ahead of
+        it when pipelined."""
         timing = LoadTiming()
         t = time.perf_counter()
         in_memory = all(p.in_memory() is not None for p in parts)
         if in_memory or not self.pipelined:
             load = None if in_memory else timing.timed(self.chunks.layer_loader(parts))
-            kv = self.chunks.prompt_kv(parts, n, load=load)
+            kv = self.chunks.prompt_kv(parts, n, load=load, room=room)
             timing.assembly_s = time.perf_counter() - t
             yield kv, timing
             return
         with LayerPrefetcher(self.chunks.layer_loader(parts), self.lm.shape.num_layers, self.lm.device) as prefetcher:
             timing.prefetcher = prefetcher
-            kv = self.chunks.prompt_kv(parts, n, load=prefetcher.get)
+            kv = self.chunks.prompt_kv(parts, n, load=prefetcher.get, room=room)
             timing.assembly_s = time.perf_counter() - t
             yield kv, timing
 

@@ -273,7 +273,10 @@ class Scheduler:
                 self._finish(job)
                 return
             budget = pre.num_tokens + job.request.sampling.max_new_tokens
-            job.cache = DecodeCache(pre.cache, pre.num_tokens, budget)
+            if pre.kv is not None and pre.kv.capacity >= budget:  # the prefill's buffers, with room for the answer
+                job.cache = DecodeCache.over(pre.kv)
+            else:
+                job.cache = DecodeCache(pre.cache, pre.num_tokens, budget)
         except Exception as exc:
             job.channel.put(exc)
             return
