@@ -127,8 +127,8 @@ def floor_rows(engine, prompt, rows: dict[str, dict[str, float]], rates: DeviceR
                 extra = chunk_tokens * first // shape.layers
                 flops, nbytes = prefill_flops(shape, n, q, picks + extra), prefill_bytes(shape, n, stored)
         floor = rates.floor_ms(flops, nbytes)
-        row.update(tflop=round(flops / 1e12, 3), min_gb=round(nbytes / 1e9, 3), floor_ms=round(floor, 2),
-                   over_floor=round(row["prefill_ms"] / floor, 2))  # fmt: skip
+        row.update(tflop=float(f"{flops / 1e12:.4g}"), min_gb=float(f"{nbytes / 1e9:.4g}"),
+                   floor_ms=float(f"{floor:.4g}"), over_floor=round(row["prefill_ms"] / floor, 2))  # fmt: skip
 
 
 def pipeline_rows(engine, prompt, args) -> dict[str, dict[str, float]]:

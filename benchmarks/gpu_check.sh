@@ -9,8 +9,10 @@
 #      (LOAD=0 skips it).
 # The package need not be installed: the repository goes on PYTHONPATH. Wheels in ./.whl (for a machine with no
 # package index: transformers>=5.24 at least, see pyproject.toml) are installed to a scratch folder first.
-# Output goes to ${OUT:-/tmp/gpu-check}: one log per step and the batched load run's results (8 files, what a lent
-# machine sends back); paste the summaries into docs/benchmarks.md ("On a GPU").
+# Output goes to ${OUT:-/tmp/gpu-check}: one log per step, the batched load run's results and latest.json, the
+# headline figures (prefill ms per mode and length with each one's floor, decode tokens/s by clients): copy it to
+# benchmarks/results/gpu-h200/latest.json and paste the summaries into docs/benchmarks.md ("On a GPU").
+# Run it as `COMMIT=<the commit> bash benchmarks/gpu_check.sh`: the lent machine gets the tree without its history.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -32,7 +34,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 timeout "${CUDA_TESTS_S:-60}" "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
   | tee "$out/cuda-tests.txt" | tail -15
 cd benchmarks
-timeout "${TTFT_S:-120}" "$py" gpu_check.py --model-shape 7b --dtype bfloat16 --profile --out /tmp/gpu-check-ttft 2>&1 \
+timeout "${TTFT_S:-150}" "$py" gpu_check.py --model-shape 7b --dtype bfloat16 --profile --out /tmp/gpu-check-ttft \
+  --latest "$out/latest.json" --commit "${COMMIT:-unknown}" 2>&1 \
   | tee "$out/ttft.txt" | grep -v "^-*$" | awk 'NR <= 90'  # awk reads to the end: head would stop the run
 [ "${LOAD:-1}" = 1 ] || exit 0  # LOAD=0: the tests and gpu_check.py only
 load=(--random-weights --model-shape 7b --device cuda --dtype bfloat16 --memory-gb 40 --per-client 1 --chunk-tokens 512
@@ -42,3 +45,5 @@ timeout "${SERIAL_S:-110}" "$py" load.py "${load[@]}" --concurrency 1,8 --settin
   --out /tmp/gpu-check-load-serial 2>&1 | tee "$out/load-serial.txt" | tail -4
 timeout "${LOAD_S:-200}" "$py" load.py "${load[@]}" --concurrency 1,8,32 --settings blend-batched,full-batched \
   --out "$out/load" 2>&1 | tee "$out/load.txt" | tail -8
+[ -f "$out/latest.json" ] && [ -f "$out/load/results.json" ] \
+  && "$py" -m benchlib.gpu_latest "$out/latest.json" "$out/load/results.json"

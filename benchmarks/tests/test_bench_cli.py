@@ -283,7 +283,7 @@ def test_gpu_check_end_to_end_on_a_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(timing.RANDOM_SHAPES, "tiny", TINY_SHAPE)
     argv = ["--device", "cpu", "--dtype", "float32", "--model-shape", "tiny", "--chunks", "2", "--lengths", "8,16",
             "--ratios", "0.15", "--new-tokens", "3", "--batch", "3", "--repeats", "1", "--memory-gb", "0.1",
-            "--profile", "--out", str(tmp_path)]  # fmt: skip
+            "--profile", "--out", str(tmp_path), "--latest", str(tmp_path / "latest.json"), "--commit", "abc123"]  # fmt: skip
     assert gpu_check.main(argv) == 0
     printed = capsys.readouterr().out
     assert "-- profile blend" in printed and "-- cProfile full" in printed
@@ -299,3 +299,35 @@ def test_gpu_check_end_to_end_on_a_cpu(tmp_path, monkeypatch, capsys):
     assert pipeline["reuse, inline"]["generate_compute_ms"] > 0
     assert set(report["decode_step"]) == {"one_request_ms", "3_requests_ms"}
     assert report["generate_decode_tok_per_s"] > 0
+    for rows in report["lengths"].values():  # each mode beside its floor
+        for r in rows.values():
+            assert r["floor_ms"] > 0 and r["over_floor"] == pytest.approx(r["prefill_ms"] / r["floor_ms"], rel=0.02)
+        assert rows["reuse"]["tflop"] < min(rows["blend r=0.15"]["tflop"], rows["full"]["tflop"])
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    assert latest["commit"] == "abc123" and set(latest["full_ms"]) == set(report["lengths"])
+    assert latest["decode_tps"] == {"1": report["generate_decode_tok_per_s"]}
+    from benchlib.gpu_latest import main as add_load
+
+    load = {"rows": [{"setting": "blend-batched", "clients": 8, "runs": [{"tokens_per_s": 100.0}, {"tokens_per_s": 120.0}]},
+                     {"setting": "full-batched", "clients": 8, "runs": [{"tokens_per_s": 90.0}]}]}  # fmt: skip
+    (tmp_path / "results.json").write_text(json.dumps(load))
+    assert add_load([str(tmp_path / "latest.json"), str(tmp_path / "results.json")]) == 0
+    merged = json.loads((tmp_path / "latest.json").read_text())
+    assert merged["decode_tps"]["8"] == 110.0 and merged["full_batched_tps"] == {"8": 90.0}
+
+
+def test_the_floor_of_a_full_prefill_of_a_7b_shape_is_its_known_flop_count():
+    # ~115 TFLOP for 7.7k tokens of a Llama-2-7B shape (6.5B weights at 2 FLOPs each per token, plus causal
+    # attention); full KV reuse of the same prompt computes a 20-token question and reads its stored KV.
+    from benchlib.floor import DeviceRates, Shape, prefill_bytes, prefill_flops
+
+    shape = Shape(layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, intermediate=11008, vocab=32000)
+    full = prefill_flops(shape, 7708, 7708)
+    assert 110e12 < full < 120e12
+    reuse = prefill_flops(shape, 7708, 20)
+    assert reuse < full / 100
+    assert shape.kv_bytes(7708) == 2 * 32 * 32 * 128 * 7708 * 2  # ~4.0 GB
+    rates = DeviceRates(flops_per_s=990e12, bytes_per_s=4.8e12)
+    assert rates.floor_ms(full, prefill_bytes(shape, 7708, 0)) == pytest.approx(1000 * full / 990e12)  # compute-bound
+    reuse_floor = rates.floor_ms(reuse, prefill_bytes(shape, 7708, 7688))
+    assert 2.0 < reuse_floor < 6.0  # bandwidth-bound: the weights and the KV, about the 5 ms of the estimate
