@@ -10,6 +10,10 @@ remaining candidates are compared with the loaded ones and only the most deviati
 (gradual filtering). Later layers recompute only the kept tokens. On every layer, the fresh K/V of recomputed
 tokens overwrite the loaded ones, and recomputed queries attend to all keys under a causal mask built from true
 positions. With every reused token kept this is a full prefill; with none kept it is full KV reuse.
+
+The prompt's KV lives in one `PromptKV` per request (stored keys rotated there once); the fusor writes the recomputed
+tokens' KV into it in place. Nothing in the layer loop reads a tensor back to the host: a plan's indices and counts
+are worked out before it (`FusionPlan`), and a check layer keeps a top-k of a size known in advance.
 """
 
 from __future__ import annotations

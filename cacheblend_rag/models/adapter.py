@@ -177,9 +177,14 @@ class LayerwiseModel:
         self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: normed input [A, hidden]; cos, sin: [A, D] -> rotated queries [H, A, D], raw keys, values [Hkv, A, D]"""
+        q, k, v = self.project_raw_qkv(layer_idx, x)
+        return rotate_keys(q, cos, sin), k, v
+
+    def project_raw_qkv(self, layer_idx: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: normed input [A, hidden] -> raw (before RoPE) queries [H, A, D], raw keys, values [Hkv, A, D]"""
         if self.fused_qkv is None:
             raw_k, v = self.project_kv(layer_idx, x)
-            return self.project_q(layer_idx, x, cos, sin), raw_k, v
+            return self.queries(layer_idx, x), raw_k, v
         attn = self.layers[layer_idx].self_attn
         s = self.shape
         t, d = x.shape[0], s.head_dim
@@ -187,7 +192,7 @@ class LayerwiseModel:
         q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
         if self.has_qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        return rotate_keys(q.transpose(0, 1), cos, sin), k.transpose(0, 1), v.transpose(0, 1)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
     def attend(
         self,

@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from ...fusion import PromptKV
-from ...models.adapter import LayerwiseModel, rotate_keys
+from ...models.adapter import LayerwiseModel, rope_rotate, signed_sin
 
 
 class DecodeCache:
@@ -85,10 +85,11 @@ class BatchDecoder:
         positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
         hidden = lm.embed(ids)  # [B, hidden]
         cos, sin = lm.rope(positions)  # [B, D]
+        sin = signed_sin(sin)  # made once per step, for every layer's `rope_rotate`
         for layer_idx in range(lm.shape.num_layers):
             x = lm.normed_input(layer_idx, hidden)
-            q, raw_k, v = lm.project_qkv(layer_idx, x, cos, sin)  # [H, B, D], [Hkv, B, D] x 2
-            k = rotate_keys(raw_k, cos, sin)
+            q, raw_k, v = lm.project_raw_qkv(layer_idx, x)  # [H, B, D], [Hkv, B, D] x 2
+            q, k = rope_rotate(q, cos, sin), rope_rotate(raw_k, cos, sin)
             per_request = [c.put(layer_idx, k[:, b], v[:, b]) for b, c in enumerate(caches)]
             hidden = lm.finish_layer(layer_idx, hidden, lm.attend_each(layer_idx, q, per_request))
         for c in caches:
