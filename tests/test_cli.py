@@ -116,7 +116,9 @@ def test_ask_answers_from_latin1_files_with_encoding(tmp_path, capsys, tiny_mode
     argv = ["ask", "--docs", str(docs), "--encoding", "latin-1", "--model", str(tiny_model_dir)]
     argv += ["--chunk-tokens", "16", "--top-k", "1", "--max-new-tokens", "2", random_words(1, 4)]
     assert main(argv) == 0
-    assert "mode=blend" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "mode=blend" in out.out and "(float32 on cpu)" in out.out  # the metrics name what ran, and where
+    assert "ready in" in out.err and "s (float32 on cpu)" in out.err
 
 
 @pytest.mark.real_model

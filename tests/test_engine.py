@@ -183,6 +183,7 @@ def test_metrics_account_for_the_request(engine):
     assert 0 < m.compute_share < 1
     assert m.recomputed_tokens == 5 + 6  # the suffix + ceil(0.15 * 40)
     assert "ttft=" in m.summary()
+    assert (m.dtype, m.device) == ("float32", "cpu") and m.summary().endswith("(float32 on cpu)")
     assert m.to_dict()["recompute_share"] == pytest.approx(m.recomputed_tokens / m.prompt_tokens)
 
 

@@ -87,7 +87,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():  # engine_config has said it, before the load: once is enough
         warnings.filterwarnings("ignore", message=re.escape(SLOW_BF16_WARNING))
         engine = CacheBlendEngine.from_pretrained(args.model, config=config, controller=controller)
-    print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    running = f"{str(engine.lm.dtype).removeprefix('torch.')} on {engine.lm.device}"  # dtype="auto" resolved
+    print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s ({running})",
+          file=sys.stderr)  # fmt: skip
     if fidelity is not None:
         fidelity.profile.check_model(engine.fingerprint, engine.config.dtype)
     index = sources.index

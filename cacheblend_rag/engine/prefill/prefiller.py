@@ -147,8 +147,7 @@ class Prefiller:
         collects the chunks prefilled during this request, across its attempts (`PrefillRun`)."""
         n = prompt.num_tokens
         num_layers = self.lm.shape.num_layers
-        run = PrefillRun(prompt, RequestMetrics(mode=mode.value, prompt_tokens=n), after_layer,
-                         set() if fresh is None else fresh, room=room)  # fmt: skip
+        run = PrefillRun(prompt, self._metrics(mode, n), after_layer, set() if fresh is None else fresh, room=room)
         m = run.metrics
 
         if mode is PrefillMode.FULL or not prompt.chunk_ids:
@@ -203,7 +202,12 @@ class Prefiller:
         prompt's plan), cut from it; nothing runs when there are none."""
         if not placements:
             return {}
-        return self._full(PrefillRun(prompt, RequestMetrics(mode=PrefillMode.FULL.value)), placements).captured
+        return self._full(PrefillRun(prompt, self._metrics(PrefillMode.FULL, 0)), placements).captured
+
+    def _metrics(self, mode: PrefillMode, n: int) -> RequestMetrics:
+        device = self.lm.device
+        return RequestMetrics(mode=mode.value, prompt_tokens=n, dtype=str(self.lm.dtype).removeprefix("torch."),
+                              device=str(device))  # fmt: skip
 
     def _full(self, run: PrefillRun, placements: Sequence[Placement] = ()) -> Prefill:
         """The model's own prefill of the whole prompt: exact, and reads nothing from the store. The entries of

@@ -43,6 +43,8 @@ class RequestMetrics:
     generated_tokens: int = 0
     recomputed_per_layer: list[int] = field(default_factory=list)
     controller: dict[str, Any] | None = None  # the loading controller's decision, when it chose the ratio
+    dtype: str = ""  # what the request was computed in, e.g. "bfloat16" (dtype="auto" resolved)
+    device: str = ""  # and where, e.g. "cpu", "cuda:0"
 
     def __getattr__(self, name: str) -> Any:  # only for names the dataclass does not have
         if name == "deferred_fill_s":
@@ -94,4 +96,5 @@ class RequestMetrics:
             f"load={self.load_s * 1000:.0f}ms{' (pipelined)' if self.pipelined else ''} "
             f"wait={self.wait_s * 1000:.0f}ms compute={self.compute_s * 1000:.0f}ms "
             f"decode={self.generated_tokens} tok in {self.decode_s:.2f}s"
+            f"{f' ({self.dtype} on {self.device})' if self.dtype else ''}"
         )

@@ -144,6 +144,17 @@ def test_query_engine_in_one_line(llm: CacheBlendLLM) -> None:
     assert get_blend_query_engine(index, "blend", llm=llm, similarity_top_k=3).query(QUESTION).response == str(response)
 
 
+def test_a_query_engine_built_with_precompute_answers_its_first_query_from_stored_kv(llm: CacheBlendLLM) -> None:
+    texts = ("Precompute check one: the ferry leaves at nine.", "Precompute check two: the pier is blue.",
+             "Precompute check three: tickets cost four euros.")  # fmt: skip
+    index = VectorStoreIndex.from_documents([Document(text=t) for t in texts], embed_model=MockEmbedding(embed_dim=8))
+    query_engine = get_blend_query_engine(index, llm=llm, similarity_top_k=3, precompute=True)
+    metrics = query_engine.query("When does the ferry leave?").metadata[METRICS_KEY]
+    assert (metrics["chunks_hit"], metrics["chunks_missed"]) == (3, 0)
+    with pytest.raises(ValueError, match="precompute=True stores chunk KV for the blend modes"):
+        get_blend_query_engine(index, "compact", llm=llm, precompute=True)
+
+
 def test_empty_retrieval_gives_the_frameworks_empty_response(llm: CacheBlendLLM) -> None:
     usual = get_response_synthesizer(llm=MockLLM(), response_mode="compact").synthesize(QUESTION, [])
     response = BlendSynthesizer(llm=llm).synthesize(QUESTION, [])

@@ -74,13 +74,17 @@ def get_blend_query_engine(
     text_qa_template: BasePromptTemplate | None = None,
     recompute_ratio: float | None = None,
     synthesizer_kwargs: Mapping[str, Any] | None = None,
+    precompute: bool = False,
     **kwargs: Any,
 ) -> BaseQueryEngine:
     """`index.as_query_engine(...)` answering in `response_mode`; other keyword arguments (e.g.
     `similarity_top_k`) go to `as_query_engine` and the retriever.
 
+    With `precompute` (a blend mode only), the KV of every node in the index's docstore is computed and stored
+    first (`BlendSynthesizer.precompute`), so the first queries read their nodes' KV instead of prefilling them.
+
     Example:
-        query_engine = get_blend_query_engine(index, "blend", llm=llm, similarity_top_k=6)
+        query_engine = get_blend_query_engine(index, "blend", llm=llm, similarity_top_k=6, precompute=True)
         print(query_engine.query("Who wrote it?"))
     """
     llm = llm if llm is not None else Settings.llm
@@ -92,4 +96,11 @@ def get_blend_query_engine(
         recompute_ratio=recompute_ratio,
         synthesizer_kwargs=synthesizer_kwargs,
     )
+    if precompute:
+        if not isinstance(synthesizer, BlendSynthesizer):
+            raise ValueError(
+                f"precompute=True stores chunk KV for the blend modes {sorted(ENGINE_MODES)}, not for "
+                f"{response_mode!r}, which reads none; drop precompute or use response_mode='blend'"
+            )
+        synthesizer.precompute(index.docstore.docs.values())
     return index.as_query_engine(llm=llm, response_synthesizer=synthesizer, **kwargs)
