@@ -228,6 +228,24 @@ def test_undecodable_files_are_skipped_with_a_warning(tmp_path: Path, caplog: py
         load_documents(tmp_path)
 
 
+def test_binary_files_are_skipped_as_binaries_whatever_the_encoding(tmp_path: Path, caplog) -> None:
+    # An executable (NUL bytes) is no text in any encoding: latin-1 would decode it to garbage, and advice to
+    # pass an encoding would send the user the wrong way.
+    (tmp_path / "tool.txt").write_bytes(b"\x7fELF\x02\x01\x01\x00\x00\x00" + bytes(range(256)))
+    (tmp_path / "good.txt").write_text("Fine text.", encoding="utf-8")
+    for encoding in ("utf-8", "latin-1"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.retrieval.documents"):
+            documents = load_documents(tmp_path, encoding=encoding)
+        assert [d.source for d in documents] == ["good.txt"]
+        assert "tool.txt: a binary file" in caplog.text and "encoding" not in caplog.text
+    (tmp_path / "good.txt").unlink()
+    with pytest.raises(ConfigError, match="1 binary, 0 not valid latin-1; add non-empty text files$"):
+        load_documents(tmp_path, encoding="latin-1")
+    (tmp_path / "utf16.txt").write_text("Text in UTF-16.", encoding="utf-16")  # NUL bytes, and text all the same
+    assert [d.text for d in load_documents(tmp_path / "utf16.txt", encoding="utf-16")] == ["Text in UTF-16."]
+
+
 def test_bad_suffixes_are_rejected(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="must start with a dot"):
         load_documents(tmp_path, suffixes=("txt",))

@@ -33,7 +33,16 @@ class Document:
     metadata: Mapping[str, object] = field(default_factory=dict, hash=False)
 
 
+class BinaryFileError(ValueError):
+    """A file that holds NUL bytes: a binary (an executable, an image, an archive...), not text in any 8-bit or UTF-8
+    encoding, so no `encoding` makes it a document."""
+
+
 def _read_text(path: Path, encoding: str) -> str:
+    if "16" not in encoding and "32" not in encoding:  # UTF-16/32 text has NUL bytes; no other text does
+        with path.open("rb") as f:
+            if b"\0" in f.read(8192):
+                raise BinaryFileError(f"{path} holds NUL bytes")
     # read_text uses universal newlines, so "\r\n" files chunk exactly like "\n" ones.
     text = path.read_text(encoding=encoding)
     # A UTF-8 byte-order mark is not content; keeping it would change the first chunk's cache key.
@@ -75,11 +84,14 @@ def read_documents(files: DocumentFiles, *, encoding: str = "utf-8") -> list[Doc
     Raises ConfigError when every file was empty or undecodable.
     """
     documents: list[Document] = []
-    undecodable = 0
-    empty = 0
+    undecodable = empty = binary = 0
     for file, source in files.files:
         try:
             text = _read_text(file, encoding)
+        except BinaryFileError:
+            binary += 1
+            logger.warning("skipping %s: a binary file (it holds NUL bytes), not text", file)
+            continue
         except UnicodeDecodeError as exc:
             undecodable += 1
             logger.warning(
@@ -101,9 +113,11 @@ def read_documents(files: DocumentFiles, *, encoding: str = "utf-8") -> list[Doc
     if undecodable:
         logger.warning("skipped %d file(s) under %s that are not valid %s text", undecodable, files.root, encoding)
     if not documents:
+        advice = "add non-empty text files"
+        if undecodable:
+            advice += " or pass their encoding=..., e.g. 'latin-1' (--encoding on the command line)"
         raise ConfigError(
-            f"no readable text in {str(files.root)!r}: {len(files.files)} file(s) "
-            f"found, {empty} empty, {undecodable} not valid {encoding}; add non-empty text files or pass "
-            "their encoding=..., e.g. 'latin-1' (--encoding on the command line)"
+            f"no readable text in {str(files.root)!r}: {len(files.files)} file(s) found, {empty} empty, "
+            f"{binary} binary, {undecodable} not valid {encoding}; {advice}"
         )
     return documents
