@@ -208,11 +208,28 @@ def test_a_cold_question_reports_its_misses_and_a_warm_one_its_hits(tmp_path, ca
     assert "chunk KV:" not in out.err  # nothing computed ahead of the request behind the user's back
 
 
-def test_precompute_all_says_how_long_it_took(tmp_path, capsys, tiny_model_dir):
+def test_precompute_all_answers_first_then_fills_the_store_for_later_runs(tmp_path, capsys, tiny_model_dir):
+    # The first answer does not wait for the whole folder: the questions are answered (their chunks computed in
+    # their own requests), then every other chunk's KV goes to --kv-dir, which the next run reads.
+    docs = docs_folder(tmp_path / "docs", **{"a.txt": random_words(1, 12), "b.txt": random_words(2, 12)})
+    kv = tmp_path / "kv"
+    argv = ask(tiny_model_dir, "--docs", str(docs), "--top-k", "1", "--kv-dir", str(kv), "--precompute-all")
+    assert main([*argv, random_words(3, 3)]) == 0
+    out = capsys.readouterr()
+    assert "chunks hit/miss=0/1" in out.out  # answered before any precompute
+    assert "precomputed the KV of 2 chunks" in out.err and "after the answers" in out.err
+    assert "computed) for later runs" in out.err  # grouped entries: each chunk's KV after its group's text
+    assert main([*ask(tiny_model_dir, "--docs", str(docs), "--top-k", "2", "--kv-dir", str(kv)),
+                 random_words(4, 3)]) == 0  # fmt: skip
+    assert "chunks hit/miss=2/0" in capsys.readouterr().out  # the next run finds both chunks stored
+
+
+def test_precompute_all_without_a_lasting_store_is_skipped_with_advice(tmp_path, capsys, tiny_model_dir):
     docs = docs_folder(tmp_path / "docs", **{"a.txt": random_words(1, 12)})
     assert main(ask(tiny_model_dir, "--docs", str(docs), "--precompute-all", random_words(3, 3))) == 0
     out = capsys.readouterr()
-    assert "precomputed the KV of 1 chunks" in out.err and "chunks hit/miss=1/0" in out.out
+    assert "chunks hit/miss=0/1" in out.out and "--precompute-all: skipped" in out.err and "--kv-dir" in out.err
+    assert "precomputed the KV" not in out.err
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="FIFOs and /dev/zero as on Linux")

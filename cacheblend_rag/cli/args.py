@@ -164,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     answering.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question")
     answering.add_argument("--max-new-tokens", type=int, default=128, help="longest answer, in tokens")
     answering.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
-    answering.add_argument("--precompute-all", action="store_true", help="compute every chunk's KV up front (timed) "
-                     "instead of in the request that first retrieves it")  # fmt: skip
+    answering.add_argument("--precompute-all", action="store_true", help="after the answers, compute every chunk's "
+                           "KV (timed) into --kv-dir / --redis-url for later runs; the questions are answered first, "
+                           "their chunks computed in their own requests")  # fmt: skip
     answering.add_argument("--show-sources", action="store_true", help="print the retrieved chunks' sources")
     tuning.add_argument("--profile", help="a loading profile (`cacheblend-rag profile`): r is chosen per request")
     tuning.add_argument("--min-ratio", type=float, default=0.15, help="with --profile: the quality floor r_min")
