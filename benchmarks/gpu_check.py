@@ -31,8 +31,8 @@ from benchlib.timing import RANDOM_SHAPES, build_engine, make_prompt, warm_up
 
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.config import StoreConfig, blend_rule
-from cacheblend_rag.fusion import budget
 from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache
+from cacheblend_rag.fusion import budget
 from cacheblend_rag.models.adapter import attention_kernels
 
 
@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== {args.model_shape} random weights, {args.dtype} on {report['device']}; prefill alone: best of "
           f"{args.repeats}, synchronized; generate TTFT: median of {args.repeats}")  # fmt: skip
     rates = measure_rates(args.device, engine.lm.dtype)
-    report["rates"] = {"tflop_per_s": round(rates.flops_per_s / 1e12, 2), "copy_gb_per_s": round(rates.bytes_per_s / 1e9)}
+    report["rates"] = {"tflop_per_s": round(rates.flops_per_s / 1e12, 2),
+                       "copy_gb_per_s": round(rates.bytes_per_s / 1e9)}  # fmt: skip
     print(f"  measured: matmul {report['rates']['tflop_per_s']} TFLOP/s, copy {report['rates']['copy_gb_per_s']} GB/s")
     prompt = None
     for length in (int(x) for x in args.lengths.split(",")):

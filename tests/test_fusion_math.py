@@ -186,9 +186,7 @@ def test_one_masked_attention_call_equals_position_blocks(family, keep):
     parts = [engine.store.get(k) for k in engine.prompt_keys(prompt)]
     kept = 12 if keep == 12 else sum(len(c) for c in prompt.chunk_ids)
     plan = chunks_reused_plan(prompt, keep=kept)
-    results = [
-        fuse(engine.lm, plan, engine.chunks.prompt_kv(parts, n), block_size=size) for size in (0, 8, 512, None)
-    ]
+    results = [fuse(engine.lm, plan, engine.chunks.prompt_kv(parts, n), block_size=size) for size in (0, 8, 512, None)]
     one_call = results[0]
     assert one_call.selected_positions.numel() == kept + len(prompt.suffix_ids)
     for other in results[1:]:

@@ -283,7 +283,8 @@ def test_gpu_check_end_to_end_on_a_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(timing.RANDOM_SHAPES, "tiny", TINY_SHAPE)
     argv = ["--device", "cpu", "--dtype", "float32", "--model-shape", "tiny", "--chunks", "2", "--lengths", "8,16",
             "--ratios", "0.15", "--new-tokens", "3", "--batch", "3", "--repeats", "1", "--memory-gb", "0.1",
-            "--profile", "--out", str(tmp_path), "--latest", str(tmp_path / "latest.json"), "--commit", "abc123"]  # fmt: skip
+            "--profile", "--out", str(tmp_path), "--latest", str(tmp_path / "latest.json"),
+            "--commit", "abc123"]  # fmt: skip
     assert gpu_check.main(argv) == 0
     printed = capsys.readouterr().out
     assert "-- profile blend" in printed and "-- cProfile full" in printed
@@ -308,7 +309,8 @@ def test_gpu_check_end_to_end_on_a_cpu(tmp_path, monkeypatch, capsys):
     assert latest["decode_tps"] == {"1": report["generate_decode_tok_per_s"]}
     from benchlib.gpu_latest import main as add_load
 
-    load = {"rows": [{"setting": "blend-batched", "clients": 8, "runs": [{"tokens_per_s": 100.0}, {"tokens_per_s": 120.0}]},
+    runs = [{"tokens_per_s": 100.0}, {"tokens_per_s": 120.0}]
+    load = {"rows": [{"setting": "blend-batched", "clients": 8, "runs": runs},
                      {"setting": "full-batched", "clients": 8, "runs": [{"tokens_per_s": 90.0}]}]}  # fmt: skip
     (tmp_path / "results.json").write_text(json.dumps(load))
     assert add_load([str(tmp_path / "latest.json"), str(tmp_path / "results.json")]) == 0

@@ -26,8 +26,9 @@ import torch
 
 from ..errors import CacheBlendError
 from ..models.adapter import LayerwiseModel, causal_mask, rope_rotate
-from .prompt_kv import LayerLoader, PromptKV
+from .prompt_kv import PromptKV
 from .selection import select_recompute_tokens, token_deviation
+
 
 @dataclass(frozen=True)
 class FusionPlan:
