@@ -16,6 +16,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from ..config.dtype import normalize_dtype_name
 from ..cpu import SLOW_BF16_WARNING, cpu_has_bf16
 from .args import check_kv_dir, check_model_name, check_numbers, guard_from_args
 from .sources import build_index, index_context, read_sources
@@ -92,7 +93,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():  # engine_config has said it, before the load: once is enough
         warnings.filterwarnings("ignore", message=re.escape(SLOW_BF16_WARNING))
         engine = CacheBlendEngine.from_pretrained(args.model, config=config, controller=controller)
-    running = f"{str(engine.lm.dtype).removeprefix('torch.')} on {engine.lm.device}"  # dtype="auto" resolved
+    running = f"{normalize_dtype_name(engine.lm.dtype)} on {engine.lm.device}"  # dtype="auto" resolved
     print(f"model {args.model or 'default preset'} ready in {time.perf_counter() - t:.1f}s ({running})",
           file=sys.stderr)  # fmt: skip
     if fidelity is not None:

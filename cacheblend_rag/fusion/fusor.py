@@ -245,9 +245,12 @@ def fuse(
             kept = cand[select_recompute_tokens(dev, checks[layer_idx])]  # ascending, into `active`
             keep = torch.sort(torch.cat((fixed, kept))).values  # into `active`, ascending
             cand, fixed = torch.searchsorted(keep, kept), torch.searchsorted(keep, fixed)
-            count, n_cand = count - n_cand + min(checks[layer_idx], n_cand), min(checks[layer_idx], n_cand)
+            kept_n = min(checks[layer_idx], n_cand)
+            count, n_cand = count - n_cand + kept_n, kept_n
             active, hidden, x = active[keep], hidden[keep], x[keep]
-            raw_k, fresh_k, fresh_v = raw_k[:, keep], fresh_k[:, keep], fresh_v[:, keep]
+            fresh_k, fresh_v = fresh_k[:, keep], fresh_v[:, keep]
+            if kv.raw_keys is not None:  # the raw keys are written only where the prompt's KV keeps them
+                raw_k = raw_k[:, keep]
             cos_a, sin_a = cos_a[keep], sin_a[keep]
             layer_mask = None
             tail = tail and n_cand == plan.candidates.size

@@ -102,16 +102,13 @@ class PromptKV:
                 values[:, :, :stored] = value_parts[0]
             else:
                 torch.cat(value_parts, dim=2, out=values[:, :, :stored])
-            torch.add(raw * cos[:stored], raw.roll(raw.shape[-1] // 2, dims=-1) * sin_signed[:stored],
-                      out=keys[:, :, :stored])  # `rope_rotate` of every layer at once, into the buffer  # fmt: skip
+            rope_rotate(raw, cos[:stored], sin_signed[:stored], out=keys[:, :, :stored])  # every layer at once
         keys[:, :, stored:total].zero_()
         values[:, :, stored:total].zero_()
-        if keep_raw:
-            full_raw = torch.zeros(shape[0], shape[1], total, shape[2], dtype=cos.dtype, device=cos.device)
-            if raw is not None:
-                full_raw[:, :, :stored] = raw
-            raw = full_raw
-        return cls(keys, values, total, cos, sin_signed, raw_keys=raw if keep_raw else None)
+        raw_keys = cls._raw_buffer(shape, total, cos) if keep_raw else None
+        if raw_keys is not None and raw is not None:
+            raw_keys[:, :, :stored] = raw
+        return cls(keys, values, total, cos, sin_signed, raw_keys=raw_keys)
 
     @classmethod
     def layerwise(
@@ -130,15 +127,21 @@ class PromptKV:
         keys, values = cls._buffers(shape, total + room, cos)
         keys[:, :, :total].zero_()
         values[:, :, :total].zero_()
-        raw = torch.zeros(shape[0], shape[1], total, shape[2], dtype=cos.dtype, device=cos.device) if keep_raw else None
+        raw = cls._raw_buffer(shape, total, cos) if keep_raw else None
         return cls(keys, values, total, cos, signed_sin(sin), raw_keys=raw, load=load)
 
     @staticmethod
     def _buffers(shape: tuple[int, int, int], capacity: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value buffers [L, Hkv, capacity, D] in `like`'s dtype and device, not initialized."""
         num_layers, hkv, d = shape
         size = (num_layers, hkv, capacity, d)
-        return torch.empty(size, dtype=like.dtype, device=like.device), torch.empty(size, dtype=like.dtype,
-                                                                                    device=like.device)  # fmt: skip
+        keys = torch.empty(size, dtype=like.dtype, device=like.device)
+        return keys, torch.empty_like(keys)
+
+    @staticmethod
+    def _raw_buffer(shape: tuple[int, int, int], total: int, like: torch.Tensor) -> torch.Tensor:
+        """Zeros [L, Hkv, total, D] for the keys before RoPE."""
+        return torch.zeros(shape[0], shape[1], total, shape[2], dtype=like.dtype, device=like.device)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> rotated keys, values of one layer [Hkv, N, D]: views the fusor writes recomputed tokens into."""
@@ -154,7 +157,7 @@ class PromptKV:
         if t > self.num_tokens:
             raise CacheBlendError(f"layer {layer_idx} has {t} stored tokens for a prompt of {self.num_tokens}")
         raw_k, v = raw_k.to(self.keys.device), v.to(self.keys.device)
-        self.keys[layer_idx, :, :t] = rope_rotate(raw_k, self.cos[:t], self.sin_signed[:t])
+        rope_rotate(raw_k, self.cos[:t], self.sin_signed[:t], out=self.keys[layer_idx, :, :t])
         self.values[layer_idx, :, :t] = v
         if self.raw_keys is not None:
             self.raw_keys[layer_idx, :, :t] = raw_k
@@ -164,8 +167,7 @@ class PromptKV:
 
     def copy(self) -> PromptKV:
         """A copy of every layer, read to the end first (what a second blend over the same stored KV starts from)."""
-        while self._filled < self.num_layers:
-            self._read(self._filled)
+        self._read_all()
         raw = None if self.raw_keys is None else self.raw_keys.clone()
         return PromptKV(self.key_buffer.clone(), self.value_buffer.clone(), self.num_tokens, self.cos,
                         self.sin_signed, raw_keys=raw)  # fmt: skip
@@ -173,8 +175,12 @@ class PromptKV:
     def layers(self, *, batched: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's (rotated keys, values) [Hkv, N, D] as views, read to the end first; with `batched`
         [1, Hkv, N, D] (what a transformers cache holds)."""
-        while self._filled < self.num_layers:
-            self._read(self._filled)
+        self._read_all()
         if not batched:
             return list(self._views)
         return list(zip(self.keys.unsqueeze(1).unbind(0), self.values.unsqueeze(1).unbind(0), strict=True))
+
+    def _read_all(self) -> None:
+        """Read every layer not read yet (in order)."""
+        while self._filled < self.num_layers:
+            self._read(self._filled)

@@ -56,10 +56,13 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+def rope_rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """`rotate_keys` with the sine table made once (`signed_sin`): one `roll` instead of two slices, a negation
-    and a `cat` (the products are the same numbers). x: [..., T, D]; cos, sin_signed: [T, D]."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+    and a `cat` (the products are the same numbers). x: [..., T, D]; cos, sin_signed: [T, D]; `out`: where to write
+    the result (e.g. a slice of a buffer), instead of a new tensor."""
+    return torch.add(x * cos, x.roll(x.shape[-1] // 2, dims=-1) * sin_signed, out=out)
 
 
 def unrotate_keys(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

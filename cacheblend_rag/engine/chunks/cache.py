@@ -115,12 +115,18 @@ class ChunkCache:
         s = self.lm.shape
         cos, sin = self.lm.rope(torch.arange(total, device=self.lm.device))
         shape = (s.num_layers, s.num_kv_heads, s.head_dim)
-        whole = [p.in_memory() for p in parts]
-        if load is None and all(w is not None for w in whole):
-            kept = [(w.keys, w.values) for w in whole if w is not None]
+        whole = self.in_memory(parts) if load is None else None
+        if whole is not None:
+            kept = [(w.keys, w.values) for w in whole]
             return PromptKV.whole(kept, total, cos, sin, shape=shape, keep_raw=keep_raw, room=room)
         return PromptKV.layerwise(load or self.layer_loader(parts), total, cos, sin, shape=shape, keep_raw=keep_raw,
                                   room=room)  # fmt: skip
+
+    @staticmethod
+    def in_memory(parts: Sequence[ChunkReader]) -> list[ChunkKV] | None:
+        """Every part as a whole `ChunkKV` when all of them are in memory already (nothing left to read), else None."""
+        whole = [p.in_memory() for p in parts]
+        return None if any(w is None for w in whole) else whole  # type: ignore[return-value]
 
     def layer_loader(self, parts: Sequence[ChunkReader]) -> LayerLoader:
         """Loads layer l of the given KV parts laid end to end (a stored chunk may read and check it only now)."""

@@ -119,8 +119,7 @@ def blend_plan(prompt: TokenizedPrompt, blend: BlendConfig, scores: torch.Tensor
         if scores is None or scores.shape != (prompt.num_tokens,):
             raise ConfigError(f"the 'attention' rule needs one score per prompt token ({prompt.num_tokens})")
         # chosen where the scores are (a GPU): a top-k of a size known here, nothing read back to the host
-        spans = [np.arange(s, e) for s, e in prompt.chunk_spans]
-        candidates = torch.from_numpy(np.concatenate(spans)).to(scores.device)
+        candidates = torch.from_numpy(np.flatnonzero(chunks.numpy())).to(scores.device)
         chosen = top_scored(scores, candidates, total)
         return _plan(prompt, prefix | chunks, torch.zeros_like(chunks), chosen=chosen)
     return chosen_plan(prompt, anchor_mask(prompt, blend))

@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ...config import BlendConfig, Guard, PrefillMode
+from ...config import BlendConfig, Guard, PrefillMode, normalize_dtype_name
 from ...fusion import FusionPlan, FusionResult, LayerLoader, PromptKV, fuse
 from ...guard import escalate, first_token_signals
 from ...models.adapter import LayerwiseModel
@@ -205,9 +205,8 @@ class Prefiller:
         return self._full(PrefillRun(prompt, self._metrics(PrefillMode.FULL, 0)), placements).captured
 
     def _metrics(self, mode: PrefillMode, n: int) -> RequestMetrics:
-        device = self.lm.device
-        return RequestMetrics(mode=mode.value, prompt_tokens=n, dtype=str(self.lm.dtype).removeprefix("torch."),
-                              device=str(device))  # fmt: skip
+        return RequestMetrics(mode=mode.value, prompt_tokens=n, dtype=normalize_dtype_name(self.lm.dtype),
+                              device=str(self.lm.device))  # fmt: skip
 
     def _full(self, run: PrefillRun, placements: Sequence[Placement] = ()) -> Prefill:
         """The model's own prefill of the whole prompt: exact, and reads nothing from the store. The entries of
@@ -257,10 +256,10 @@ class Prefiller:
         it when pipelined."""
         timing = LoadTiming()
         t = time.perf_counter()
-        in_memory = all(p.in_memory() is not None for p in parts)
-        if in_memory or not self.pipelined:
-            load = None if in_memory else timing.timed(self.chunks.layer_loader(parts))
-            kv = self.chunks.prompt_kv(parts, n, load=load, room=room)
+        whole = self.chunks.in_memory(parts)  # asked once: a chunk read whole is stacked into one tensor each time
+        if whole is not None or not self.pipelined:
+            load = None if whole is not None else timing.timed(self.chunks.layer_loader(parts))
+            kv = self.chunks.prompt_kv(parts if whole is None else whole, n, load=load, room=room)
             timing.assembly_s = time.perf_counter() - t
             yield kv, timing
             return
