@@ -113,3 +113,18 @@ def test_the_default_chunk_context_makes_precompute_grouped(tiny_tokenizer):
     assert sum(captured) >= 2  # groups of two 15-token chunks: the second of each has its captured entry
     with pytest.raises(ConfigError, match="group_tokens must be a whole number"):
         engine.precompute(chunks, prefix=PREFIX, group_tokens=-1)
+
+
+def test_one_progress_bar_counts_the_tokens_prefilled(tiny_tokenizer, capsys):
+    engine = engine_with("llama", tiny_tokenizer, miss_policy="blend")
+    groups = [[random_words(90 + i, 10), random_words(95 + i, 12)] for i in range(2)]
+    engine.precompute_groups(groups, prefix=PREFIX, show_progress=True)
+    bars = capsys.readouterr().err.replace("\r", "\n")
+    prompts = [engine.build_prompt(g, prefix=PREFIX, suffix="x") for g in groups]
+    alone = sum(len(p.chunk_ids[1]) for p in prompts)  # the later chunks' isolated entries
+    full = sum(len(p.prefix_ids) + sum(map(len, p.chunk_ids)) + 1 for p in prompts)  # a group's prompt, one token after
+    assert "prefilling chunk groups" not in bars and "precomputing chunk KV" in bars
+    assert f"100%|██████████| {alone + full:.1f}/{alone + full:.1f}" in bars and "group 2 of 2" in bars
+    engine.precompute_groups(groups, prefix=PREFIX, show_progress=True)  # all stored: nothing to count
+    again = capsys.readouterr().err
+    assert "0 chunks alone, then 0 groups" in again and "group 1" not in again

@@ -109,7 +109,6 @@ def cmd_ask(args: argparse.Namespace) -> int:
         if args.show_sources:
             for h in hits:
                 print(f"   [{h.score:.3f}] {h.chunk.source} #{h.chunk.index}")
-        print("A: ", end="", flush=True)
         # No warm-up before the request: the KV of chunks missing from the store is computed inside it, so the
         # printed TTFT of a cold question is what a user waits. The stream is `generate` printed as it comes.
         stream = engine.stream(
@@ -120,11 +119,13 @@ def cmd_ask(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
         )
+        started = False  # "A: " comes with the first piece, after what the prefill logs (e.g. entries of another dtype)
         try:
             for piece in stream:
-                print(piece, end="", flush=True)
+                print(("" if started else "A: ") + piece, end="", flush=True)
+                started = True
         finally:
-            print(flush=True)  # the answer's line ends, even when Ctrl-C cuts it short
+            print("" if started else "A: ", flush=True)  # the answer's line ends, even when Ctrl-C cuts it short
         assert stream.result is not None, "a finished stream holds its result"
         print(f"   {stream.result.metrics.summary()}")
     engine.wait_for_fills()  # chunks cold questions were answered without: stored after each answer, in the background

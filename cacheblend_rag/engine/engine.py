@@ -27,7 +27,7 @@ from ..config import BlendConfig, EngineConfig, PrefillMode, torch_dtype
 from ..cpu import warn_if_slow_bf16
 from ..errors import ConfigError
 from ..models.adapter import LayerwiseModel
-from ..models.fingerprint import model_fingerprint
+from ..models.fingerprint import fingerprints_by_dtype, model_fingerprint
 from ..models.int8 import int8_decode_lm
 from ..models.support import max_blend_length
 from ..store import ChunkStore, TieredStore, build_store
@@ -74,6 +74,7 @@ class CacheBlendEngine(CorpusMethods):
             raise ConfigError(f"device {self.config.device!r} asked for, but no CUDA device is present; use 'cpu'")
         if getattr(model, "dtype", None) != dtype:  # converted here (`load_model` warns for the models it loads)
             warn_if_slow_bf16(device, dtype)
+        in_other_dtypes = fingerprints_by_dtype(model, dtype)  # before the cast, which may lose the model's values
         self.model = model.to(device=device, dtype=dtype).eval()
         self.tokenizer = tokenizer
         self.lm = LayerwiseModel(self.model)
@@ -88,7 +89,8 @@ class CacheBlendEngine(CorpusMethods):
         self.eos_ids = eos_token_ids(self.model, tokenizer)
         limits = [self.lm.shape.max_positions, self.config.max_prompt_tokens, max_blend_length(self.model.config)]
         self.max_tokens = min(x for x in limits if x is not None)
-        self.chunks = ChunkCache(self.lm, store, self.fingerprint, self.dtype, self.config.capture_policy)
+        self.chunks = ChunkCache(self.lm, store, self.fingerprint, self.dtype, self.config.capture_policy,
+                                 fingerprint_in=in_other_dtypes)  # fmt: skip
         self.prefiller = Prefiller(
             self.model,
             self.lm,

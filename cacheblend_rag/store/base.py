@@ -120,4 +120,9 @@ class ChunkStore(Protocol):
 
     def __contains__(self, key: object) -> bool: ...
 
+    def codecs_holding(self, key: str) -> frozenset[str]:
+        """The codecs (`codec.CODECS` names) this store holds `key`'s entry in, whichever this store reads: a
+        peer's entry written in another codec is a miss here, and this tells that it is there."""
+        ...
+
     def __len__(self) -> int: ...

@@ -127,6 +127,10 @@ class MemoryStore:
         with self._lock:
             return key in self._entries
 
+    def codecs_holding(self, key: str) -> frozenset[str]:
+        """This tier's own codec where it holds `key` (a process's memory holds no peer's entries)."""
+        return frozenset((self.codec.name,)) if key in self else frozenset()
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)

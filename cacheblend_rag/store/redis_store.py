@@ -304,10 +304,9 @@ class RedisStore(CountedTier):
     def close(self) -> None:
         self._client.close()
 
-    def __contains__(self, key: object) -> bool:
-        if not isinstance(key, str):
-            return False
-        return bool(self._call("contains", lambda: self._client.exists(self.value_key(key)), 0))
+    def _has_entry(self, key: str, name: str) -> bool:
+        path = f"{self._tag(self._shard(key))}:{name}"
+        return bool(self._call("contains", lambda: self._client.exists(path), 0))
 
     def __len__(self) -> int:
         def count() -> int:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import EntryGoneError
 from .base import Hit, StoreStats
+from .codec import CODECS
 from .serialize import stored_name
 
 if TYPE_CHECKING:
@@ -89,6 +90,17 @@ class CountedTier(ABC):
         """The name this tier keeps `key`'s entry under (`serialize.stored_name`: the key, the codec, the signing
         key's digest), so that peers with another codec or signing key keep entries of their own."""
         return stored_name(key, self.codec, self.hmac_key)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self._has_entry(key, self.entry_name(key))
+
+    def codecs_holding(self, key: str) -> frozenset[str]:
+        """The codecs `key`'s entry is stored in here under this tier's signing key, its own codec included."""
+        return frozenset(n for n, c in CODECS.items() if self._has_entry(key, stored_name(key, c, self.hmac_key)))
+
+    @abstractmethod
+    def _has_entry(self, key: str, name: str) -> bool:
+        """Whether chunk `key` has an entry stored under `name` (a failure is False, never raised)."""
 
     @abstractmethod
     def _delete(self, key: str) -> None:

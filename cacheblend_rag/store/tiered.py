@@ -211,6 +211,9 @@ class TieredStore:
     def __contains__(self, key: object) -> bool:
         return any(key in tier for tier in self.tiers)
 
+    def codecs_holding(self, key: str) -> frozenset[str]:
+        return frozenset().union(*(tier.codecs_holding(key) for tier in self.tiers))
+
     def __len__(self) -> int:
         """Entries in the fullest tier: a lower bound on the distinct chunks stored (write-through makes the
         largest tier hold nearly all of them)."""

@@ -12,18 +12,20 @@ layer is read; anything else is dropped and recomputed, never used.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
 
+from ...config import normalize_dtype_name
 from ...errors import ConfigError
 from ...fusion import FusionPlan, LayerLoader, PromptKV, fuse
 from ...models.adapter import LayerwiseModel
 from ...store import ChunkKV, ChunkReader, ChunkStore, CorruptEntryError, Hit, TieredStore
 from ..request.after_layer import AfterLayer
 from .context import ChunkContexts
+from .elsewhere import note, other_dtype_keys, stored_otherwise
 from .placement import EntryKeys, Placement, place_chunks
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class ChunkCache:
         fingerprint: str,
         dtype: torch.dtype,
         capture: str = "exact",
+        fingerprint_in: Callable[[torch.dtype], str | None] = lambda dtype: None,
     ) -> None:
         self.lm = lm
         self.capture_policy = capture  # "exact" or "all": see `placement`
@@ -55,6 +58,9 @@ class ChunkCache:
         self.dtype = dtype
         self.contexts = ChunkContexts()  # per chunk, the text its entry is prefilled after (none: isolated)
         self.keys = EntryKeys(fingerprint, dtype, self.contexts, lm.shape.max_positions)
+        self._told: set[str] = set()  # the labels of `stored_otherwise` logged already
+        self._fingerprint_in = fingerprint_in  # the model's fingerprint in another dtype (None: not known)
+        self._other_keys: list[EntryKeys] | None = None  # the keys of those dtypes, worked out when first asked
 
     @property
     def store(self) -> ChunkStore:
@@ -87,6 +93,18 @@ class ChunkCache:
         """A request's plan: which entry each chunk of a prompt reads, as the store stands now
         (`placement.place_chunks`; `policy` replaces the engine's capture policy)."""
         return place_chunks(self.keys, prefix_ids, chunk_ids, self.store.__contains__, policy or self.capture_policy)
+
+    def stored_otherwise(self, prefix_ids: Sequence[int], plan: Sequence[Placement]) -> dict[str, int]:
+        """How many of the plan's missing chunks are stored for another dtype or codec, by label
+        (`elsewhere.stored_otherwise`); the first time a label is found, its line (`elsewhere.note`) is logged."""
+        if self._other_keys is None:
+            self._other_keys = other_dtype_keys(self.keys, self._fingerprint_in)
+        found = stored_otherwise(self._other_keys, self.store, prefix_ids, plan)
+        new = {label: n for label, n in found.items() if label not in self._told}
+        if new:
+            self._told.update(new)
+            logger.warning("%s", note(new, normalize_dtype_name(self.dtype)))
+        return found
 
     def prompt_keys(
         self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], *, with_prefix: bool = True
@@ -267,10 +285,12 @@ class ChunkCache:
         show_progress: bool = False,
         after_layer: AfterLayer | None = None,
         heads: bool = False,
+        progress: Callable[[int], object] | None = None,
     ) -> tuple[int, int]:
         """Make sure each chunk's own entry (after `prefix_ids`) is stored, running `after_layer` between the layers
         of each prefill; with `heads`, a chunk with a context gets its isolated entry too (what it is read from at
-        the head of a prompt). -> (chunks already stored, chunks with an entry computed now)"""
+        the head of a prompt). `progress(tokens)` is told each chunk's tokens once it is done (for a caller's own
+        progress bar). -> (chunks already stored, chunks with an entry computed now)"""
         hits = misses = 0
         loaded = self.load_prefix(prefix_ids)
         prefix = None if loaded is None else loaded.kv
@@ -283,6 +303,8 @@ class ChunkCache:
                                            isolated=True, lazy=True, after_layer=after_layer)  # fmt: skip
                 stored = stored and head.tier is not None
             hits, misses = hits + stored, misses + (not stored)
+            if progress is not None:
+                progress(len(ids))
         return hits, misses
 
     def clear(self, tiers: Sequence[str] | None = None) -> None:

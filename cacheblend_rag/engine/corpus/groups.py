@@ -67,13 +67,17 @@ def fill_groups(
     pending = [to_capture(plan) for plan in plans]
     # a later chunk's isolated entry needs a prefill of its own; a first chunk's comes with its group's
     later = list(dict.fromkeys(ids for group in groups for ids in group[1:]))
-    missing = {ids for ids in later if chunks.key(prefix_ids, ids, isolated=True) not in chunks.store}
-    missing |= {placed.ids for todo in pending for placed in todo}
-    chunks.fill(prefix_ids, later, show_progress=show_progress)
-    bar = tqdm(total=len(prompts), desc="prefilling chunk groups", unit="group", disable=not show_progress)
-    for prompt, todo in zip(prompts, pending, strict=True):
-        for kv in prefiller.capture_full(prompt, todo).values():
-            chunks.store.put(kv)
-        bar.update()
-    bar.close()
+    alone = [ids for ids in later if chunks.key(prefix_ids, ids, isolated=True) not in chunks.store]
+    full = [(prompt, todo) for prompt, todo in zip(prompts, pending, strict=True) if todo]
+    missing = set(alone) | {placed.ids for _, todo in full for placed in todo}
+    # one bar over the tokens to prefill: the chunks alone, then the groups (a group's prompt whole)
+    work = sum(map(len, alone)) + sum(prompt.num_tokens for prompt, _ in full)
+    with tqdm(total=work, desc="precomputing chunk KV", unit="tok", unit_scale=True, disable=not show_progress) as bar:
+        bar.set_postfix_str(f"{len(alone)} chunks alone, then {len(full)} groups")
+        chunks.fill(prefix_ids, alone, progress=bar.update)
+        for i, (prompt, todo) in enumerate(full):
+            bar.set_postfix_str(f"group {i + 1} of {len(full)}")
+            for kv in prefiller.capture_full(prompt, todo).values():
+                chunks.store.put(kv)
+            bar.update(prompt.num_tokens)
     return len(unique) - len(missing), len(missing)

@@ -158,6 +158,8 @@ class Prefiller:
             plan = self.chunks.place(prompt.prefix_ids, prompt.chunk_ids, "exact")
             return self._full(run, to_capture(plan))
         plan = self.chunks.place(prompt.prefix_ids, prompt.chunk_ids)  # which entry each chunk reads
+        if any(p.found is None for p in plan):
+            m.stored_otherwise = self.chunks.stored_otherwise(prompt.prefix_ids, plan)
         if mode is not PrefillMode.PREFIX and self.miss_policy != "blend":
             cold = self._answer_cold_in_full(run, plan, mode, blend)
             if cold is not None:

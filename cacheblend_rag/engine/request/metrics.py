@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..chunks.elsewhere import note
+
 
 @dataclass
 class RequestMetrics:
@@ -28,6 +30,8 @@ class RequestMetrics:
     precompute_s: float = 0.0  # prefilling chunks that missed, within this request (part of ttft_s)
     # missed chunks left to be prefilled and stored after the answer (`engine.fill_stats` counts them once stored)
     chunks_deferred: int = 0
+    # missed chunks stored for another dtype or codec, by label ("float32", "codec int8"): `stored_note` says it
+    stored_otherwise: dict[str, int] = field(default_factory=dict)
     fallback: str | None = None  # why the request ran otherwise than asked (e.g. a full prefill for a cold one)
     # the "attention" rule's risk signals of the first blend (guard.first_token_signals), and the ratios a
     # guard escalated through (1.0: every chunk token recomputed, a full prefill's result)
@@ -53,6 +57,11 @@ class RequestMetrics:
                 "engine.fill_stats.prefill_s (after engine.wait_for_fills()) for the chunks stored after the answer"
             )
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def stored_note(self) -> str | None:
+        """One line on the missed chunks stored for another dtype or codec (`stored_otherwise`); None if none."""
+        return note(self.stored_otherwise, self.dtype or "this dtype")
 
     @property
     def recompute_share(self) -> float:

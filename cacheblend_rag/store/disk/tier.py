@@ -249,9 +249,9 @@ class DiskStore(CountedTier):
     def close(self) -> None:
         self._index.close()
 
-    def __contains__(self, key: object) -> bool:
+    def _has_entry(self, key: str, name: str) -> bool:
         try:
-            return isinstance(key, str) and self._index.inline_length(self.entry_name(key)) is not None
+            return self._index.inline_length(name) is not None
         except self._backend_errors:
             return False
 
