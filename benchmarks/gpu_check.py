@@ -32,6 +32,7 @@ from benchlib.timing import RANDOM_SHAPES, build_engine, make_prompt, warm_up
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.config import StoreConfig, blend_rule
 from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache
+from cacheblend_rag.engine.serving.slots import SlotPool
 from cacheblend_rag.fusion import budget
 from cacheblend_rag.models.adapter import attention_kernels
 
@@ -157,20 +158,32 @@ def pipeline_rows(engine, prompt, args) -> dict[str, dict[str, float]]:
 
 
 def decode_steps(engine, prompt, args) -> dict[str, float]:
-    """Best-of-16 decode step times after `prompt`: one request, and `--batch` requests of distinct cache lengths."""
+    """Best-of-16 decode step times after `prompt`: one request, and `--batch` requests of distinct cache lengths,
+    each over its own cache (attention per request) and over one slot pool (attention batched: what the engine's
+    scheduler runs)."""
     pre = engine.prefill(prompt, "blend")
     decoder = BatchDecoder(engine.lm)
     room = pre.num_tokens + args.batch + 40
     one = DecodeCache(pre.cache, pre.num_tokens, room)
     caches = [DecodeCache(pre.cache, pre.num_tokens, room) for _ in range(args.batch)]
+    layers = [layer.keys[0] for layer in pre.cache.layers], [layer.values[0] for layer in pre.cache.layers]
+    pool = SlotPool(engine.lm.shape, engine.lm.dtype, engine.lm.device, args.batch + 1, room)
+    alone = pool.admit(*layers, pre.num_tokens, room - pre.num_tokens)
+    slots = [pool.admit(*layers, pre.num_tokens, room - pre.num_tokens) for _ in range(args.batch)]
     for b, cache in enumerate(caches):  # cache b is b tokens longer: every request of the batch has its own length
         for _ in range(b):
             decoder.step([5], [cache])
+            decoder.step_slots([5], pool, [slots[b]])
     for _ in range(3):
         decoder.step([5], [one])
+        decoder.step_slots([5], pool, [alone])
     one_s = best_of(lambda: decoder.step([5], [one]), args.device, 16)
     batch_s = best_of(lambda: decoder.step([5] * len(caches), caches), args.device, 16)
-    return {"one_request_ms": round(1000 * one_s, 2), f"{args.batch}_requests_ms": round(1000 * batch_s, 2)}
+    slot_one_s = best_of(lambda: decoder.step_slots([5], pool, [alone]), args.device, 16)
+    slot_batch_s = best_of(lambda: decoder.step_slots([5] * len(slots), pool, slots), args.device, 16)
+    return {"one_request_ms": round(1000 * one_s, 2), f"{args.batch}_requests_ms": round(1000 * batch_s, 2),
+            "slots_one_request_ms": round(1000 * slot_one_s, 2),
+            f"slots_{args.batch}_requests_ms": round(1000 * slot_batch_s, 2)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,6 +137,24 @@ def test_concurrent_threads_decode_together_and_answer_as_alone():
     assert together == serial
     assert engine.scheduler.largest_batch > 1  # they really were decoded together
     assert serial_engine.scheduler.largest_batch == 1
+    for _ in range(200):  # their KV pool is let go once the last one ends
+        if engine.scheduler.decode_pool == (0, 0):
+            break
+        threading.Event().wait(0.01)
+    assert engine.scheduler.decode_pool == (0, 0)
+
+
+def test_a_decoding_request_holds_a_slot_of_the_pool_and_gives_it_back():
+    engine = engine_for(4)
+    chunks, args = request_args(0)
+    stream = engine.stream(chunks, **{**args, "max_new_tokens": 8})
+    next(iter(stream))
+    slots, positions = engine.scheduler.decode_pool
+    assert slots >= 1 and positions >= engine.build_prompt(chunks, prefix=args["prefix"],
+                                                           suffix=args["suffix"]).num_tokens + 8  # fmt: skip
+    stream.close()  # abandoned mid-answer: its slot goes back at the next turn, and the pool with it
+    assert engine.generate(chunks, **args).token_ids
+    assert engine.scheduler.decode_pool == (0, 0)
 
 
 def test_asyncio_tasks_overlap_and_answer_as_alone():
@@ -182,16 +200,16 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
     engine = engine_for(2)
     chunks, args = request_args(1)
     want = engine.generate(chunks, **args).token_ids
-    real = engine.scheduler.decoder.step
+    real = engine.scheduler.decoder.step_slots
     calls = {"n": 0}
 
-    def flaky(tokens, caches):
+    def flaky(tokens, pool, slots):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("out of memory (simulated)")
-        return real(tokens, caches)
+        return real(tokens, pool, slots)
 
-    monkeypatch.setattr(engine.scheduler.decoder, "step", flaky)
+    monkeypatch.setattr(engine.scheduler.decoder, "step_slots", flaky)
     with pytest.raises(RuntimeError, match="simulated"):
         engine.generate(chunks, **args)
     assert engine.generate(chunks, **args).token_ids == want

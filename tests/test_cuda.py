@@ -97,6 +97,39 @@ def test_cuda_batched_decode_of_mixed_lengths_equals_the_models_own_forward(fami
         tokens = [int(row.argmax()) for row in got]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_cuda_slot_pool_steps_equal_each_requests_own_step(family):
+    # one attention call per layer over the slot pool (masked to each request's length) on the GPU's kernels: the
+    # logits of each request as its own cache gives them, and the same greedy tokens, with a gap in the slots
+    from transformers import DynamicCache
+
+    from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache
+    from cacheblend_rag.engine.serving.slots import SlotPool
+    from cacheblend_rag.models.adapter import LayerwiseModel
+
+    model = make_tiny_model(family).to("cuda")
+    lm = LayerwiseModel(model)
+    decoder, pool = BatchDecoder(lm), SlotPool(lm.shape, torch.float32, "cuda", slots=2, capacity=64)
+    g = torch.Generator().manual_seed(7)
+    own, slots, tokens = [], [], []
+    for b in range(5):
+        ids = torch.randint(0, model.config.vocab_size, (4 + 9 * b,), generator=g).cuda()
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            out = model(input_ids=ids.unsqueeze(0), cache=cache, use_cache=True)
+        layers = [layer.keys[0] for layer in cache.layers], [layer.values[0] for layer in cache.layers]
+        slots.append(pool.admit(*layers, ids.numel(), room=6))
+        own.append(DecodeCache(cache, ids.numel(), ids.numel() + 6))
+        tokens.append(int(out.logits[0, -1].argmax()))
+    pool.release(slots.pop(1))  # a gap at slot 1
+    del own[1], tokens[1]
+    for _ in range(5):
+        want, got = decoder.step(tokens, own), decoder.step_slots(tokens, pool, slots)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        tokens = want.argmax(-1).tolist()
+
+
 def test_a_cuda_engine_in_a_forked_child_refuses_with_advice():
     from test_faults_peers import in_a_child
 

@@ -65,13 +65,13 @@ def test_a_child_forked_while_the_engine_serves_two_streams_answers_its_own_requ
     engine = engine_on()
     want = ask(engine, CHUNKS[:2], mode="full").token_ids
     gate = threading.Event()
-    step = engine.scheduler.decoder.step
+    step = engine.scheduler.decoder.step_slots
 
     def slow_step(*args, **kwargs):  # the worker keeps both streams decoding until the test lets them end
         gate.wait(0.05)
         return step(*args, **kwargs)
 
-    engine.scheduler.decoder.step = slow_step
+    engine.scheduler.decoder.step_slots = slow_step
     first = engine.stream(CHUNKS[:3], prefix=PREFIX, suffix=SUFFIX, max_new_tokens=300)
     next(first)
     second = engine.stream(CHUNKS[2:4], prefix=PREFIX, suffix=SUFFIX, max_new_tokens=300)

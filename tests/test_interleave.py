@@ -141,7 +141,7 @@ def test_chunks_stored_after_a_cold_request_host_the_decode_steps_of_the_request
     fills: list[tuple[str, bool]] = []
     in_fill = threading.Event()
     steps_in_fills = 0
-    fill, step = engine.chunks.fill, engine.scheduler.decoder.step
+    fill, step = engine.chunks.fill, engine.scheduler.decoder.step_slots
 
     def spy_fill(*args, **kwargs):
         fills.append((threading.current_thread().name, kwargs.get("after_layer") is not None))
@@ -156,7 +156,7 @@ def test_chunks_stored_after_a_cold_request_host_the_decode_steps_of_the_request
         steps_in_fills += in_fill.is_set()
         return step(*args, **kwargs)
 
-    engine.chunks.fill, engine.scheduler.decoder.step = spy_fill, spy_step
+    engine.chunks.fill, engine.scheduler.decoder.step_slots = spy_fill, spy_step
     stream = engine.stream(long_chunks, **long_args)
     next(stream)
     cold = engine.generate(cold_chunks, prefix=long_args["prefix"], suffix=random_words(8, 4), max_new_tokens=3)

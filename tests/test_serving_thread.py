@@ -39,13 +39,13 @@ def args(i: int, new_tokens: int = 6) -> dict:
 def spy_steps(engine: CacheBlendEngine) -> list[str]:
     """The name of the thread that runs each decode step, from now on."""
     names: list[str] = []
-    step = engine.scheduler.decoder.step
+    step = engine.scheduler.decoder.step_slots
 
     def spy(*a, **k):
         names.append(threading.current_thread().name)
         return step(*a, **k)
 
-    engine.scheduler.decoder.step = spy
+    engine.scheduler.decoder.step_slots = spy
     return names
 
 
@@ -159,7 +159,7 @@ def test_an_unread_lone_stream_holds_up_no_later_request():
 def test_an_interrupted_lone_request_ends_and_the_engine_goes_on():
     engine = engine_for()
     want = engine.generate(CHUNKS, **args(4)).token_ids
-    step = engine.scheduler.decoder.step
+    step = engine.scheduler.decoder.step_slots
     calls = {"n": 0}
 
     def interrupted(*a, **k):
@@ -168,7 +168,7 @@ def test_an_interrupted_lone_request_ends_and_the_engine_goes_on():
             raise KeyboardInterrupt
         return step(*a, **k)
 
-    engine.scheduler.decoder.step = interrupted
+    engine.scheduler.decoder.step_slots = interrupted
     with pytest.raises(KeyboardInterrupt):
         engine.generate(CHUNKS, **args(5, 20))
     assert engine.generate(CHUNKS, **args(4)).token_ids == want

@@ -298,7 +298,8 @@ def test_gpu_check_end_to_end_on_a_cpu(tmp_path, monkeypatch, capsys):
                               "full, no cuDNN attention"]  # fmt: skip
     assert all(row["prefill_ms"] > 0 for row in pipeline.values())
     assert pipeline["reuse, inline"]["generate_compute_ms"] > 0
-    assert set(report["decode_step"]) == {"one_request_ms", "3_requests_ms"}
+    assert set(report["decode_step"]) == {"one_request_ms", "3_requests_ms", "slots_one_request_ms",
+                                          "slots_3_requests_ms"}  # fmt: skip
     assert report["generate_decode_tok_per_s"] > 0
     for rows in report["lengths"].values():  # each mode beside its floor
         for r in rows.values():

@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 from ...fusion import PromptKV
 from ...models.adapter import LayerwiseModel, rope_rotate, signed_sin
+from .slots import SlotPool
 
 
 class DecodeCache:
@@ -94,4 +95,25 @@ class BatchDecoder:
             hidden = lm.finish_layer(layer_idx, hidden, lm.attend_each(layer_idx, q, per_request))
         for c in caches:
             c.advance()
+        return lm.logits(hidden)
+
+    @torch.inference_mode()
+    def step_slots(self, tokens: Sequence[int], pool: SlotPool, slots: Sequence[int]) -> torch.Tensor:
+        """`step` for requests whose KV is in `pool` (request b at slot `slots[b]`): each layer's attention is one
+        call for the whole batch (`SlotPool.attend`). -> next-token logits [B, vocab] float32."""
+        if len(tokens) != len(slots) or not tokens:
+            raise ValueError(f"one token per slot, got {len(tokens)} tokens for {len(slots)} slots")
+        lm = self.lm
+        plan = pool.step_plan(list(slots))
+        hidden = lm.embed(torch.tensor(list(tokens), dtype=torch.long, device=lm.device))  # [B, hidden]
+        cos, sin = lm.rope(plan.positions)  # [B, D]
+        sin = signed_sin(sin)
+        for layer_idx in range(lm.shape.num_layers):
+            x = lm.normed_input(layer_idx, hidden)
+            q, raw_k, v = lm.project_raw_qkv(layer_idx, x)  # [H, B, D], [Hkv, B, D] x 2
+            q, k = rope_rotate(q, cos, sin), rope_rotate(raw_k, cos, sin)
+            attn = lm.layers[layer_idx].self_attn
+            out = pool.attend(layer_idx, plan, q, k, v, attn.scaling)
+            hidden = lm.finish_layer(layer_idx, hidden, attn.o_proj(out))
+        pool.advance(list(slots))
         return lm.logits(hidden)

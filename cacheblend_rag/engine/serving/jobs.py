@@ -15,7 +15,6 @@ from ..prefill.prefiller import Prefill
 from ..request.after_layer import AfterLayer
 from ..request.prompt import TokenizedPrompt
 from ..request.request import Request
-from .batch_decode import DecodeCache
 from .decoding import Event, GenerationResult, TokenLoop
 from .deferred_fills import DeferredFills
 
@@ -69,7 +68,7 @@ class Job:
     cancelled: bool = False  # its reader left
     finished: bool = False  # its last event is sent
     loop: TokenLoop | None = None
-    cache: DecodeCache | None = None
+    slot: int | None = None  # its place in the scheduler's `SlotPool` while it decodes
     deferred: tuple[tuple[int, ...], ...] = ()
     last_token_at: float = 0.0  # perf_counter when its last token (the first one, then each step's) was picked
 

@@ -1,0 +1,158 @@
+"""The decode KV of every answering request in one preallocated tensor per layer, attended in one call per layer.
+
+`SlotPool` holds keys and values [S, Hkv, C, D] per layer: S slots of C positions. A request is given a slot when
+it starts decoding (its prefill's KV copied in once, every layer in one copy where the prefill left one buffer),
+and gives it back when it ends; the pool keeps its requests in the lowest slots, so a step's requests span
+slots 0..hi-1 with few gaps. `attend` runs one layer's attention for the whole batch as one call over
+[hi, Hkv, n, D], n the longest length in the batch, each request masked to its own length: a step's attention is
+then a handful of operations whatever the batch size, where one call per request was a handful each. The pool
+grows when a request does not fit (twice the slots, or its positions rounded up to 256 per slot), copying what it
+holds; its owner lets it go when no request holds a slot.
+
+Each row is what the request's own attention computes: masked positions get exactly zero weight, so a request's
+logits agree with it served alone to float rounding (`tests/test_slot_decode.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ...models.adapter import ModelShape, attention_kernels
+
+Layers = torch.Tensor | Sequence[torch.Tensor]  # a request's keys or values: [L, Hkv, N, D], or L of [Hkv, N, D]
+
+
+class SlotPool:
+    """Decode KV for up to `slots` requests of up to `capacity` positions each, on one device in one dtype."""
+
+    def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device | str, slots: int = 4,
+                 capacity: int = 1024, *, fused: bool | None = None) -> None:  # fmt: skip
+        self.shape, self.dtype, self.device = shape, dtype, torch.device(device)
+        # attention in torch's fused kernel (`scaled_dot_product_attention`), or as a few products: by default fused
+        # on a GPU, products on a CPU (where the kernel's set-up costs more than one query's work)
+        self.fused = self.device.type != "cpu" if fused is None else fused
+        self.keys = self._empty(slots, capacity)  # [L, S, Hkv, C, D]
+        self.values = self._empty(slots, capacity)
+        self.lengths = [0] * slots  # filled positions per slot
+        self.free = list(range(slots))  # kept sorted: the lowest free slot is taken first
+
+    @property
+    def slots(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+    def _empty(self, slots: int, capacity: int) -> torch.Tensor:
+        s = self.shape
+        # zeros, not empty: a masked position has weight 0, and 0 * NaN from fresh memory would still be NaN
+        return torch.zeros(s.num_layers, slots, s.num_kv_heads, capacity, s.head_dim, dtype=self.dtype,
+                           device=self.device)  # fmt: skip
+
+    def admit(self, keys: Layers, values: Layers, length: int, room: int) -> int:
+        """A slot holding `length` positions of rotated KV ([L, Hkv, >= length, D] each, one tensor or one per
+        layer), with `room` more to decode into; -> the slot."""
+        if self.capacity < length + room:
+            self._grow(self.slots, rounded(length + room))
+        if not self.free:
+            self._grow(2 * self.slots, self.capacity)
+        slot = self.free.pop(0)
+        if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor):  # one copy for every layer
+            self.keys[:, slot, :, :length] = keys[:, :, :length]
+            self.values[:, slot, :, :length] = values[:, :, :length]
+        else:
+            for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+                self.keys[i, slot, :, :length] = k[:, :length]
+                self.values[i, slot, :, :length] = v[:, :length]
+        self.lengths[slot] = length
+        return slot
+
+    @property
+    def empty(self) -> bool:
+        """No slot holds a request."""
+        return len(self.free) == self.slots
+
+    def release(self, slot: int) -> None:
+        """The slot's request has ended: its slot is free for the next."""
+        if slot in self.free:
+            raise ValueError(f"slot {slot} is free already")
+        self.lengths[slot] = 0
+        self.free.append(slot)
+        self.free.sort()
+
+    def _grow(self, slots: int, capacity: int) -> None:
+        keys, values = self._empty(slots, capacity), self._empty(slots, capacity)
+        keys[:, : self.slots, :, : self.capacity] = self.keys
+        values[:, : self.slots, :, : self.capacity] = self.values
+        self.free += list(range(self.slots, slots))
+        self.lengths += [0] * (slots - self.slots)
+        self.keys, self.values = keys, values
+
+    def step_plan(self, slots: list[int]) -> StepPlan:
+        """The index tensors and the mask of one decode step of the requests in `slots` (one token each)."""
+        for slot in slots:
+            if slot in self.free:
+                raise ValueError(f"slot {slot} holds no request")
+            if self.lengths[slot] >= self.capacity:
+                raise RuntimeError(f"decode slot {slot} is full ({self.capacity} positions)")
+        positions = [self.lengths[s] for s in slots]
+        hi, n = max(slots) + 1, max(positions) + 1
+        lengths = torch.zeros(hi, dtype=torch.long)
+        lengths[slots] = torch.tensor(positions) + 1
+        mask = torch.arange(n)[None, :] < lengths[:, None]  # [hi, n]: each slot's keys, its new one included
+        device = self.device
+        rows = torch.tensor(slots, dtype=torch.long, device=device)
+        dense = slots == list(range(hi))  # the requests fill slots 0..hi-1 in order: no gathering around attention
+        return StepPlan(rows, torch.tensor(positions, dtype=torch.long, device=device), hi, n,
+                        mask.to(device)[:, None, None, :], dense)  # fmt: skip
+
+    def attend(self, layer_idx: int, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float) -> torch.Tensor:  # fmt: skip
+        """Write the step's keys and values ([Hkv, B, D], request b at slot plan.rows[b]) in place, then attend each
+        request's query ([H, B, D]) over its slot; -> [B, H * D] in the order of the requests."""
+        s = self.shape
+        self.keys[layer_idx][plan.rows, :, plan.positions] = key.transpose(0, 1)  # [B, Hkv, D], one write each
+        self.values[layer_idx][plan.rows, :, plan.positions] = value.transpose(0, 1)
+        keys = self.keys[layer_idx, : plan.hi, :, : plan.n]  # [hi, Hkv, n, D]
+        values = self.values[layer_idx, : plan.hi, :, : plan.n]
+        if plan.dense:
+            q = query.transpose(0, 1)[:, :, None]  # [B, H, 1, D]
+        else:
+            q = query.new_zeros(plan.hi, s.num_heads, 1, s.head_dim)
+            q[plan.rows] = query.transpose(0, 1)[:, :, None]  # into the batch's slots
+        if not self.fused:
+            groups = s.num_heads // s.num_kv_heads
+            scores = torch.matmul(q.view(plan.hi, s.num_kv_heads, groups, s.head_dim), keys.transpose(2, 3))
+            scores = scores.mul_(scale).masked_fill_(~plan.mask, float("-inf"))  # [hi, Hkv, groups, n]
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+            out = torch.matmul(probs, values).view(plan.hi, s.num_heads, s.head_dim)
+        else:
+            with attention_kernels(q.device):
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.mask, scale=scale,
+                                                     enable_gqa=s.num_heads != s.num_kv_heads)[:, :, 0]  # fmt: skip
+        return (out if plan.dense else out[plan.rows]).reshape(len(plan.positions), -1)
+
+    def advance(self, slots: list[int]) -> None:
+        """The step is written in every layer: each slot's next token goes one position further."""
+        for slot in slots:
+            self.lengths[slot] += 1
+
+
+class StepPlan:
+    """What every layer of one batched step reuses: the requests' slots and write positions, the slots spanned, the
+    keys attended, the mask over them ([hi, 1, 1, n] bool), and whether the requests are slots 0..hi-1 in order."""
+
+    __slots__ = ("rows", "positions", "hi", "n", "mask", "dense")
+
+    def __init__(self, rows: torch.Tensor, positions: torch.Tensor, hi: int, n: int, mask: torch.Tensor,
+                 dense: bool) -> None:  # fmt: skip
+        self.rows, self.positions, self.hi, self.n, self.mask, self.dense = rows, positions, hi, n, mask, dense
+
+
+def rounded(positions: int, step: int = 256) -> int:
+    """Positions per slot for a request of `positions`: rounded up to a multiple of `step`."""
+    return -(-positions // step) * step

@@ -1,0 +1,96 @@
+"""Decode steps over one slot pool, attention batched across requests, give each request's own logits.
+
+Against `BatchDecoder.step` over each request's own `DecodeCache` (itself tested against the model's forward):
+batch sizes 1 to 8, mixed prompt lengths, requests joining and leaving between steps (so the batch's slots have
+gaps), and the pool growing in slots and positions while it holds requests. Logits to 1e-4 on tiny fp32 models.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache
+from cacheblend_rag.engine.serving.slots import SlotPool
+from cacheblend_rag.models.adapter import LayerwiseModel
+from cacheblend_rag.testing import make_tiny_model
+
+
+def prefilled(model, length: int, seed: int, room: int):
+    """A prompt of random tokens prefilled by the model itself: its cache as a DecodeCache, its stacked KV, and
+    the greedy first token."""
+    ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        out = model(ids, cache=cache, use_cache=True)
+    keys = torch.stack([layer.keys[0] for layer in cache.layers])  # [L, Hkv, N, D]
+    values = torch.stack([layer.values[0] for layer in cache.layers])
+    return DecodeCache(cache, length, length + room), keys, values, int(out.logits[0, -1].argmax())
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def lm(request):
+    return LayerwiseModel(make_tiny_model(request.param).eval())
+
+
+@pytest.mark.parametrize("fused", [False, True])  # the CPU's products, and the GPU's fused kernel run on the CPU
+@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+def test_a_batched_step_over_slots_gives_each_requests_own_logits(lm, batch, fused):
+    decoder = BatchDecoder(lm)
+    pool = SlotPool(lm.shape, torch.float32, "cpu", slots=2, capacity=16, fused=fused)  # grows as they come
+    lengths = [5 + 7 * i for i in range(batch)]
+    own, slots, tokens = [], [], []
+    for i, n in enumerate(lengths):
+        cache, keys, values, token = prefilled(lm.model, n, seed=i, room=6)
+        own.append(cache)
+        slots.append(pool.admit(keys, values, n, room=6))
+        tokens.append(token)
+    for _ in range(5):
+        want = decoder.step(tokens, own)
+        got = decoder.step_slots(tokens, pool, slots)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        tokens = [int(t) for t in want.argmax(-1)]
+    assert pool.lengths[slots[0]] == lengths[0] + 5
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_requests_join_and_leave_between_steps(lm, fused):
+    decoder = BatchDecoder(lm)
+    pool = SlotPool(lm.shape, torch.float32, "cpu", slots=1, capacity=8, fused=fused)
+    rng = random.Random(0)
+    live: dict[int, tuple[DecodeCache, int, int]] = {}  # request -> (own cache, slot, next token)
+    for step in range(14):
+        if step % 3 == 0 or not live:  # one joins, with a prompt of its own length
+            n = rng.randint(3, 30)
+            cache, keys, values, token = prefilled(lm.model, n, seed=100 + step, room=12)
+            live[step] = (cache, pool.admit(keys, values, n, room=12), token)
+        if step % 4 == 3 and len(live) > 1:  # the oldest leaves: its slot is a gap until the next joins
+            _, slot, _ = live.pop(min(live))
+            pool.release(slot)
+        order = sorted(live)
+        tokens = [live[r][2] for r in order]
+        want = decoder.step(tokens, [live[r][0] for r in order])
+        got = decoder.step_slots(tokens, pool, [live[r][1] for r in order])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        for row, r in enumerate(order):
+            live[r] = (live[r][0], live[r][1], int(want[row].argmax()))
+    assert pool.slots >= 2 and pool.capacity >= 30
+
+
+def test_a_slot_must_hold_a_request_and_room_to_write():
+    lm = LayerwiseModel(make_tiny_model("llama").eval())
+    pool = SlotPool(lm.shape, torch.float32, torch.device("cpu"), slots=2, capacity=8)
+    _, keys, values, _ = prefilled(lm.model, 4, seed=0, room=0)
+    slot = pool.admit(keys, values, 4, room=0)
+    with pytest.raises(ValueError, match="holds no request"):
+        pool.step_plan([1])
+    pool.release(slot)
+    with pytest.raises(ValueError, match="free already"):
+        pool.release(slot)
+    slot = pool.admit(keys, values, 4, room=4)
+    pool.lengths[slot] = pool.capacity
+    with pytest.raises(RuntimeError, match="full"):
+        pool.step_plan([slot])
