@@ -32,6 +32,7 @@ from benchlib.timing import RANDOM_SHAPES, build_engine, make_prompt, warm_up
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.config import StoreConfig, blend_rule
 from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache
+from cacheblend_rag.engine.serving.graphs import GraphedSteps
 from cacheblend_rag.engine.serving.slots import SlotPool
 from cacheblend_rag.fusion import budget
 from cacheblend_rag.models.adapter import attention_kernels
@@ -163,11 +164,11 @@ def decode_steps(engine, prompt, args) -> dict[str, float]:
     scheduler runs)."""
     pre = engine.prefill(prompt, "blend")
     decoder = BatchDecoder(engine.lm)
-    room = pre.num_tokens + args.batch + 40
+    room = pre.num_tokens + args.batch + 100  # the steps timed below write into it
     one = DecodeCache(pre.cache, pre.num_tokens, room)
     caches = [DecodeCache(pre.cache, pre.num_tokens, room) for _ in range(args.batch)]
     layers = [layer.keys[0] for layer in pre.cache.layers], [layer.values[0] for layer in pre.cache.layers]
-    pool = SlotPool(engine.lm.shape, engine.lm.dtype, engine.lm.device, args.batch + 1, room)
+    pool = SlotPool(engine.lm.shape, engine.lm.dtype, engine.lm.device, args.batch + 2, room)  # + scratch
     alone = pool.admit(*layers, pre.num_tokens, room - pre.num_tokens)
     slots = [pool.admit(*layers, pre.num_tokens, room - pre.num_tokens) for _ in range(args.batch)]
     for b, cache in enumerate(caches):  # cache b is b tokens longer: every request of the batch has its own length
@@ -181,9 +182,19 @@ def decode_steps(engine, prompt, args) -> dict[str, float]:
     batch_s = best_of(lambda: decoder.step([5] * len(caches), caches), args.device, 16)
     slot_one_s = best_of(lambda: decoder.step_slots([5], pool, [alone]), args.device, 16)
     slot_batch_s = best_of(lambda: decoder.step_slots([5] * len(slots), pool, slots), args.device, 16)
-    return {"one_request_ms": round(1000 * one_s, 2), f"{args.batch}_requests_ms": round(1000 * batch_s, 2),
-            "slots_one_request_ms": round(1000 * slot_one_s, 2),
-            f"slots_{args.batch}_requests_ms": round(1000 * slot_batch_s, 2)}  # fmt: skip
+    steps = {"one_request_ms": round(1000 * one_s, 2), f"{args.batch}_requests_ms": round(1000 * batch_s, 2),
+             "slots_one_request_ms": round(1000 * slot_one_s, 2),
+             f"slots_{args.batch}_requests_ms": round(1000 * slot_batch_s, 2)}  # fmt: skip
+    if torch.device(args.device).type == "cuda":  # the same steps replayed as CUDA graphs (captured on first use)
+        graphed = GraphedSteps(engine.lm)
+        for _ in range(2):
+            graphed.step([5], pool, [alone]), graphed.step([5] * len(slots), pool, slots)
+        steps["graphed_one_request_ms"] = round(1000 * best_of(lambda: graphed.step([5], pool, [alone]),
+                                                               args.device, 16), 2)  # fmt: skip
+        steps[f"graphed_{args.batch}_requests_ms"] = round(
+            1000 * best_of(lambda: graphed.step([5] * len(slots), pool, slots), args.device, 16), 2
+        )
+    return steps
 
 
 def main(argv: list[str] | None = None) -> int:

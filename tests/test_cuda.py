@@ -130,6 +130,43 @@ def test_cuda_slot_pool_steps_equal_each_requests_own_step(family):
         tokens = want.argmax(-1).tolist()
 
 
+def test_cuda_graph_replayed_steps_equal_the_eager_slot_steps():
+    # the fixed-shape step captured once per bucket and replayed: the eager step's logits and greedy tokens, for
+    # batches that change bucket (3 -> 2 -> 1 requests) and a request joining between replays
+    from transformers import DynamicCache
+
+    from cacheblend_rag.engine.serving.batch_decode import BatchDecoder
+    from cacheblend_rag.engine.serving.graphs import GraphedSteps
+    from cacheblend_rag.engine.serving.slots import SlotPool
+    from cacheblend_rag.models.adapter import LayerwiseModel
+
+    model = make_tiny_model("llama").to("cuda")
+    lm = LayerwiseModel(model)
+    decoder, graphed = BatchDecoder(lm), GraphedSteps(lm)
+    pools = [SlotPool(lm.shape, torch.float32, "cuda", slots=8, capacity=128) for _ in range(2)]
+    g = torch.Generator().manual_seed(9)
+
+    def join(n):
+        ids = torch.randint(0, model.config.vocab_size, (n,), generator=g).cuda()
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            out = model(input_ids=ids.unsqueeze(0), cache=cache, use_cache=True)
+        layers = [layer.keys[0] for layer in cache.layers], [layer.values[0] for layer in cache.layers]
+        return [p.admit(*layers, n, room=40) for p in pools][0], int(out.logits[0, -1].argmax())
+
+    live = [join(n) for n in (5, 17, 30)]
+    for step in range(9):
+        if step in (3, 6):  # the oldest leaves; at 6 another joins, into its slot
+            for p in pools:
+                p.release(live[0][0])
+            live = live[1:] + ([join(12)] if step == 6 else [])
+        slots, tokens = [s for s, _ in live], [t for _, t in live]
+        want, got = decoder.step_slots(tokens, pools[0], slots), graphed.step(tokens, pools[1], slots)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        live = [(s, int(t)) for s, t in zip(slots, want.argmax(-1).tolist(), strict=True)]
+
+
 def test_a_cuda_engine_in_a_forked_child_refuses_with_advice():
     from test_faults_peers import in_a_child
 

@@ -94,3 +94,47 @@ def test_a_slot_must_hold_a_request_and_room_to_write():
     pool.lengths[slot] = pool.capacity
     with pytest.raises(RuntimeError, match="full"):
         pool.step_plan([slot])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_fixed_shape_step_gives_the_slot_steps_logits(lm, fused):
+    # what a CUDA graph replays, run eagerly: padded to its bucket into the scratch slot, attending over every slot
+    # and position of the pool; each request's logits as `step_slots` gives them, and the pool left the same
+    from cacheblend_rag.engine.serving.graphs import StaticStep, bucket_for
+
+    decoder = BatchDecoder(lm)
+    pools = [SlotPool(lm.shape, torch.float32, "cpu", slots=6, capacity=64, fused=fused) for _ in range(2)]
+    slots, tokens = [], []
+    for i, n in enumerate([7, 19, 4, 30, 11]):
+        _, keys, values, token = prefilled(lm.model, n, seed=i, room=8)
+        slots.append([pool.admit(keys, values, n, room=8) for pool in pools][0])
+        tokens.append(token)
+    for pool in pools:
+        pool.release(slots[1])  # a gap
+    live = [s for s in slots if s != slots[1]]
+    tokens = [t for s, t in zip(slots, tokens, strict=True) if s != slots[1]]
+    statics = {}
+    for _ in range(4):
+        size = bucket_for(len(live))
+        static = statics.setdefault(size, StaticStep(lm, pools[1], size))
+        static.load(tokens, live)
+        got = static.run()[: len(live)]
+        pools[1].advance(live)
+        want = decoder.step_slots(tokens, pools[0], live)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        tokens = want.argmax(-1).tolist()
+    for s in live:
+        n = pools[0].lengths[s]
+        assert pools[1].lengths[s] == n
+        torch.testing.assert_close(pools[1].keys[:, s, :, :n], pools[0].keys[:, s, :, :n], atol=1e-5, rtol=0)
+    assert pools[1].scratch not in live and pools[1].scratch is not None
+    with pytest.raises(ValueError, match="holds no request"):
+        static.load([1], [pools[1].scratch])
+
+
+def test_buckets():
+    from cacheblend_rag.engine.serving.graphs import bucket_for
+
+    assert [bucket_for(b) for b in (1, 2, 3, 5, 8, 9, 32)] == [1, 2, 4, 8, 8, 16, 32]
+    with pytest.raises(ValueError, match="largest bucket"):
+        bucket_for(33)

@@ -38,6 +38,7 @@ class SlotPool:
         self.values = self._empty(slots, capacity)
         self.lengths = [0] * slots  # filled positions per slot
         self.free = list(range(slots))  # kept sorted: the lowest free slot is taken first
+        self.scratch: int | None = None  # a slot no request gets, that fixed-shape steps pad into (`reserve`)
 
     @property
     def slots(self) -> int:
@@ -74,7 +75,23 @@ class SlotPool:
     @property
     def empty(self) -> bool:
         """No slot holds a request."""
-        return len(self.free) == self.slots
+        return len(self.free) + (self.scratch is not None) == self.slots
+
+    def reserve(self) -> int:
+        """The pool's scratch slot, taken out of use the first time it is asked for (the highest free one)."""
+        if self.scratch is None:
+            if not self.free:
+                self._grow(2 * self.slots, self.capacity)
+            self.scratch = self.free.pop()
+        return self.scratch
+
+    def check(self, slots: Sequence[int]) -> None:
+        """ValueError for a slot that holds no request, RuntimeError for one with no room left to write."""
+        for slot in slots:
+            if slot in self.free or slot == self.scratch or not 0 <= slot < self.slots:
+                raise ValueError(f"slot {slot} holds no request")
+            if self.lengths[slot] >= self.capacity:
+                raise RuntimeError(f"decode slot {slot} is full ({self.capacity} positions)")
 
     def release(self, slot: int) -> None:
         """The slot's request has ended: its slot is free for the next."""
@@ -94,11 +111,7 @@ class SlotPool:
 
     def step_plan(self, slots: list[int]) -> StepPlan:
         """The index tensors and the mask of one decode step of the requests in `slots` (one token each)."""
-        for slot in slots:
-            if slot in self.free:
-                raise ValueError(f"slot {slot} holds no request")
-            if self.lengths[slot] >= self.capacity:
-                raise RuntimeError(f"decode slot {slot} is full ({self.capacity} positions)")
+        self.check(slots)
         positions = [self.lengths[s] for s in slots]
         hi, n = max(slots) + 1, max(positions) + 1
         lengths = torch.zeros(hi, dtype=torch.long)
@@ -117,24 +130,30 @@ class SlotPool:
         s = self.shape
         self.keys[layer_idx][plan.rows, :, plan.positions] = key.transpose(0, 1)  # [B, Hkv, D], one write each
         self.values[layer_idx][plan.rows, :, plan.positions] = value.transpose(0, 1)
-        keys = self.keys[layer_idx, : plan.hi, :, : plan.n]  # [hi, Hkv, n, D]
-        values = self.values[layer_idx, : plan.hi, :, : plan.n]
         if plan.dense:
             q = query.transpose(0, 1)[:, :, None]  # [B, H, 1, D]
         else:
             q = query.new_zeros(plan.hi, s.num_heads, 1, s.head_dim)
             q[plan.rows] = query.transpose(0, 1)[:, :, None]  # into the batch's slots
+        out = self.attention(layer_idx, q, plan.mask, scale)
+        return (out if plan.dense else out[plan.rows]).reshape(len(plan.positions), -1)
+
+    def attention(self, layer_idx: int, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query per slot ([hi, H, 1, D], slots 0..hi-1) over the first n positions of its slot, `mask`
+        ([hi, 1, 1, n] bool) saying which it sees; -> [hi, H, D]."""
+        s = self.shape
+        hi, n = q.shape[0], mask.shape[-1]
+        keys = self.keys[layer_idx, :hi, :, :n]  # [hi, Hkv, n, D]
+        values = self.values[layer_idx, :hi, :, :n]
         if not self.fused:
             groups = s.num_heads // s.num_kv_heads
-            scores = torch.matmul(q.view(plan.hi, s.num_kv_heads, groups, s.head_dim), keys.transpose(2, 3))
-            scores = scores.mul_(scale).masked_fill_(~plan.mask, float("-inf"))  # [hi, Hkv, groups, n]
+            scores = torch.matmul(q.view(hi, s.num_kv_heads, groups, s.head_dim), keys.transpose(2, 3))
+            scores = scores.mul_(scale).masked_fill_(~mask, float("-inf"))  # [hi, Hkv, groups, n]
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-            out = torch.matmul(probs, values).view(plan.hi, s.num_heads, s.head_dim)
-        else:
-            with attention_kernels(q.device):
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.mask, scale=scale,
-                                                     enable_gqa=s.num_heads != s.num_kv_heads)[:, :, 0]  # fmt: skip
-        return (out if plan.dense else out[plan.rows]).reshape(len(plan.positions), -1)
+            return torch.matmul(probs, values).view(hi, s.num_heads, s.head_dim)
+        with attention_kernels(q.device):
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                                  enable_gqa=s.num_heads != s.num_kv_heads)[:, :, 0]  # fmt: skip
 
     def advance(self, slots: list[int]) -> None:
         """The step is written in every layer: each slot's next token goes one position further."""
