@@ -5,8 +5,8 @@
 #   2. on random weights of a Llama-2-7B shape (benchmarks/gpu_check.py): each mode's prefill alone and its TTFT
 #      through generate at 3.1k and 7.7k tokens, the top ops of a full and a blend prefill, decode steps of one
 #      request and of 8 requests with caches of 8 lengths, and one answer's decode rate;
-#   3. the load benchmark: serial decoding at 1 / 8 concurrent clients, batched (blend and full prefill) at 1 / 8 / 32
-#      (LOAD=0 skips it).
+#   3. the load benchmark: batched decoding at 1 / 8 / 32 concurrent clients, of the blend with eager steps and with
+#      steps replayed as CUDA graphs, and of full prefills (LOAD=0 skips it; SERIAL=1 adds serial decoding).
 # The package need not be installed: the repository goes on PYTHONPATH. Wheels in ./.whl (for a machine with no
 # package index: transformers>=5.24 at least, see pyproject.toml) are installed to a scratch folder first.
 # Output goes to ${OUT:-/tmp/gpu-check}: one log per step, the batched load run's results and latest.json, the
@@ -40,10 +40,10 @@ timeout "${TTFT_S:-150}" "$py" gpu_check.py --model-shape 7b --dtype bfloat16 --
 [ "${LOAD:-1}" = 1 ] || exit 0  # LOAD=0: the tests and gpu_check.py only
 load=(--random-weights --model-shape 7b --device cuda --dtype bfloat16 --memory-gb 40 --per-client 1 --chunk-tokens 512
   --new-tokens 128 --batch 32)
-# serial decoding at 32 clients alone would take ~200 s (one request at a time): it stops at 8
-timeout "${SERIAL_S:-110}" "$py" load.py "${load[@]}" --concurrency 1,8 --settings blend-serial \
-  --out /tmp/gpu-check-load-serial 2>&1 | tee "$out/load-serial.txt" | tail -4
-timeout "${LOAD_S:-200}" "$py" load.py "${load[@]}" --concurrency 1,8,32 --settings blend-batched,full-batched \
+# serial decoding (SERIAL=1; one request at a time, the old baseline) at 32 clients would take ~200 s: it stops at 8
+[ "${SERIAL:-0}" = 1 ] && timeout "${SERIAL_S:-110}" "$py" load.py "${load[@]}" --concurrency 1,8 \
+  --settings blend-serial --out /tmp/gpu-check-load-serial 2>&1 | tee "$out/load-serial.txt" | tail -4
+timeout "${LOAD_S:-240}" "$py" load.py "${load[@]}" --concurrency 1,8,32 --settings blend-batched,blend-graphed,full-batched \
   --out "$out/load" 2>&1 | tee "$out/load.txt" | tail -8
 [ -f "$out/latest.json" ] && [ -f "$out/load/results.json" ] \
   && "$py" -m benchlib.gpu_latest "$out/latest.json" "$out/load/results.json"

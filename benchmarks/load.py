@@ -11,7 +11,8 @@ Each setting is a way to serve them:
 - `blend` / `full`: the prefill mode;
 - `serial` (max_batch_size=1: one request at a time, in arrival order) or `batched` (max_batch_size=--batch:
   decode steps of all requests in flight run as one forward);
-- `int8`: decode steps read int8 copies of the weights (`decode_weights="int8"`).
+- `int8`: decode steps read int8 copies of the weights (`decode_weights="int8"`);
+- `graphed` (CUDA only): batched, with decode steps replayed as CUDA graphs (`decode_graphs=True`).
 With --cold-share F, that share of the requests (the same ones in every repeat) is cold: its chunks are texts the
 engine has never stored (a pool chunk with a unique two-word tag in front), so it takes the miss policy's path
 (--miss-policy; under the default "auto" a fully cold request is answered with a full prefill, whose chunk KV is
@@ -68,6 +69,9 @@ SETTINGS = {
     "blend-serial-int8": dict(mode="blend", max_batch_size=1, decode_weights="int8"),
     "blend-batched-int8": dict(mode="blend", max_batch_size=None, decode_weights="int8"),
     "full-batched-int8": dict(mode="full", max_batch_size=None, decode_weights="int8"),
+    # CUDA only: decode steps replayed as CUDA graphs
+    "blend-graphed": dict(mode="blend", max_batch_size=None, decode_weights="native", decode_graphs=True),
+    "full-graphed": dict(mode="full", max_batch_size=None, decode_weights="native", decode_graphs=True),
 }
 
 
@@ -287,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     def engine_for(spec: dict, max_batch: int, gap: float | None = None) -> CacheBlendEngine:
         config = EngineConfig(device=args.device, dtype=args.dtype, max_batch_size=max_batch,
                               decode_weights=spec["decode_weights"], miss_policy=args.miss_policy,
-                              chunk_context=args.chunk_context,
+                              chunk_context=args.chunk_context, decode_graphs=spec.get("decode_graphs", False),
                               max_token_gap_s=gap)  # fmt: skip
         return CacheBlendEngine(base.model, base.tokenizer, config=config, store=base.store)  # same warm store
 

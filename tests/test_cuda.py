@@ -167,6 +167,23 @@ def test_cuda_graph_replayed_steps_equal_the_eager_slot_steps():
         live = [(s, int(t)) for s, t in zip(slots, want.argmax(-1).tolist(), strict=True)]
 
 
+def test_a_cuda_engine_with_decode_graphs_answers_concurrent_requests_as_alone():
+    from concurrent.futures import ThreadPoolExecutor
+
+    def engine(graphs):
+        config = EngineConfig(device="cuda", miss_policy="blend", chunk_separator="", decode_graphs=graphs)
+        return CacheBlendEngine(make_tiny_model("qwen2", mute_eos=True), make_tiny_tokenizer(), config=config)
+
+    chunks = [random_words(400 + i, 12) for i in range(4)]
+    asks = [dict(suffix=random_words(410 + i, 4), max_new_tokens=5 + i) for i in range(6)]
+    eager = engine(False)
+    want = [eager.generate(chunks[i % 4 :][:2], **a).token_ids for i, a in enumerate(asks)]
+    graphed = engine(True)
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        got = list(pool.map(lambda i: graphed.generate(chunks[i % 4 :][:2], **asks[i]).token_ids, range(6)))
+    assert got == want
+
+
 def test_a_cuda_engine_in_a_forked_child_refuses_with_advice():
     from test_faults_peers import in_a_child
 

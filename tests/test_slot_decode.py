@@ -138,3 +138,14 @@ def test_buckets():
     assert [bucket_for(b) for b in (1, 2, 3, 5, 8, 9, 32)] == [1, 2, 4, 8, 8, 16, 32]
     with pytest.raises(ValueError, match="largest bucket"):
         bucket_for(33)
+
+
+def test_decode_graphs_need_cuda_and_native_weights():
+    from cacheblend_rag import EngineConfig
+    from cacheblend_rag.errors import ConfigError
+
+    assert EngineConfig().decode_graphs is False
+    with pytest.raises(ConfigError, match="needs device='cuda'"):
+        EngineConfig(decode_graphs=True)
+    with pytest.raises(ConfigError, match="True or False"):
+        EngineConfig(decode_graphs="yes")

@@ -4,6 +4,7 @@
 
 `decode_tps` maps concurrent clients to generated tokens per second of the batched blend (the mean over the load
 run's repeats); the one-request figure of `gpu_check.py` stays under "1" when the load run has no such row.
+`graphed_tps` is the same with decode steps replayed as CUDA graphs, `full_batched_tps` with full prefills.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ def main(argv: list[str]) -> int:
     results = json.loads(results_path.read_text())
     latest["decode_tps"] = {**latest.get("decode_tps", {}), **decode_rates(results)}
     latest["full_batched_tps"] = decode_rates(results, "full-batched")
+    latest["graphed_tps"] = decode_rates(results, "blend-graphed")  # the batched blend, decode steps as CUDA graphs
     latest_path.write_text(json.dumps(latest, indent=2) + "\n")
-    print(f"decode_tps {latest['decode_tps']}")
+    print(f"decode_tps {latest['decode_tps']}, graphed {latest['graphed_tps']}")
     return 0
 
 

@@ -71,6 +71,9 @@ class EngineConfig:
     # The weights decode steps read: "native" (the model's, exact) or "int8" (CPU only: per-channel int8 copies of
     # the linear layers, a quarter of the bytes; the first token stays exact, later tokens may differ).
     decode_weights: str = "native"
+    # CUDA only: decode steps of up to 32 requests replayed as CUDA graphs (one captured per batch-size bucket, 1-32),
+    # one launch per step instead of hundreds; the same tokens as the eager step. Off until a GPU run shows its gain.
+    decode_graphs: bool = False
     # While a prompt is prefilled, the requests already decoding get a step between two of its layers once their
     # last step is this many seconds old, so their answers keep streaming through a long prefill. None: off.
     max_token_gap_s: float | None = None
@@ -97,6 +100,12 @@ class EngineConfig:
             raise ConfigError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}, got {self.decode_weights!r}")
         if self.decode_weights == "int8" and dev != "cpu":
             raise ConfigError("decode_weights='int8' runs on the CPU's int8 kernels; use 'native' on a GPU")
+        if not isinstance(self.decode_graphs, bool):
+            raise ConfigError(f"decode_graphs must be True or False, got {self.decode_graphs!r}")
+        if self.decode_graphs and (dev == "cpu" or self.decode_weights != "native"):
+            raise ConfigError(
+                "decode_graphs=True replays CUDA graphs: it needs device='cuda' and decode_weights='native'"
+            )
         if self.max_token_gap_s is not None:
             check_real("max_token_gap_s", self.max_token_gap_s, lambda s: s >= 0,
                        "a number of seconds >= 0 (0: a step after every layer) or None (off)")  # fmt: skip

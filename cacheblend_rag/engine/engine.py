@@ -43,6 +43,7 @@ from .serving.batch_decode import BatchDecoder
 from .serving.decoding import AsyncTextStream, GenerationResult, TextStream, TokenLoop
 from .serving.deferred_fills import DeferredFills, FillStats
 from .serving.forking import ForkSteps, prepare_for_forks
+from .serving.graphs import GraphedSteps
 from .serving.scheduler import Scheduler
 from .serving.thread_pools import releasing_thread_pool
 from .serving.tokens import eos_token_ids
@@ -110,6 +111,7 @@ class CacheBlendEngine(CorpusMethods):
             max_batch=self.config.max_batch_size,
             max_tokens=self.config.max_batch_tokens,
             max_token_gap_s=self.config.max_token_gap_s,
+            graphs=GraphedSteps(self.lm) if self.config.decode_graphs else None,
         )
         # a process that forks with this engine: the child serves too, with workers of its own (`forking`)
         workers = (self.scheduler, self.fills)

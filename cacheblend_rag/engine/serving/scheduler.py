@@ -42,6 +42,7 @@ from ..request.prompt import TokenizedPrompt
 from ..request.request import Request
 from .batch_decode import BatchDecoder
 from .decoding import AsyncTextStream, Event, GenerationResult, TextStream
+from .graphs import GraphedSteps
 from .jobs import Channel, Job, Served
 from .shutdown import joined, stop_at_exit
 from .slots import SlotPool, rounded
@@ -66,8 +67,10 @@ class Scheduler:
         max_batch: int,
         max_tokens: int | None = None,
         max_token_gap_s: float | None = None,
+        graphs: GraphedSteps | None = None,
     ) -> None:
         self.decoder = decoder
+        self.graphs = graphs  # decode steps replayed as CUDA graphs, for batches up to its largest bucket
         self.max_batch = max_batch
         self.max_tokens = max_tokens
         self.max_token_gap_s = max_token_gap_s
@@ -316,7 +319,7 @@ class Scheduler:
             if job.slot is not None and self._pool is not None:
                 self._pool.release(job.slot)
             job.slot = None
-        if self._pool is not None and self._pool.empty:
+        if self._pool is not None and self._pool.empty and self.graphs is None:  # graphs keep theirs: no recapture
             self._pool = None
 
     def _ready(self, job: Job) -> bool:
@@ -355,7 +358,11 @@ class Scheduler:
             with self._lock:
                 self._free_slots()
                 assert self._pool is not None, "a decoding job holds a slot"
-                logits = self.decoder.step_slots([j.loop.token for j in batch], self._pool, [j.slot for j in batch])  # type: ignore[misc, union-attr]
+                tokens, slots = [j.loop.token for j in batch], [j.slot for j in batch]  # type: ignore[union-attr]
+                if self.graphs is not None and len(batch) <= max(self.graphs.buckets):
+                    logits = self.graphs.step(tokens, self._pool, slots)  # type: ignore[arg-type]
+                else:
+                    logits = self.decoder.step_slots(tokens, self._pool, slots)  # type: ignore[arg-type]
         except Exception as exc:  # a failed step fails the requests in it, never the worker
             logger.exception("a decode step failed for %d requests", len(batch))
             for job in batch:
