@@ -9,6 +9,10 @@ longest. For each B of --batches, the two are timed in alternation, --steps step
 gives the median step time and the ratio, and each step's logits are checked to agree (1e-3 in fp32).
 
     python benchmarks/decode_batch.py --batches 1,4,8,16 --tokens 3000 --out benchmarks/results/decode-batch
+    python benchmarks/decode_batch.py --count-ops      # aten ops per layer of each step (tiny llama; deterministic)
+
+`--count-ops` counts, on the tiny random 6-layer llama of `cacheblend_rag.testing`, the aten ops one step of each
+kind issues per layer (a `TorchDispatchMode`; about one kernel launch each on a GPU) at batch sizes 1, 2, 8, 32.
 """
 
 from __future__ import annotations
@@ -87,6 +91,46 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def count_ops(batches: list[int]) -> list[dict]:
+    """Aten ops per layer of one step of each kind, on the tiny llama (prompts of 20 + b tokens)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import DynamicCache
+
+    from cacheblend_rag.models.adapter import LayerwiseModel
+    from cacheblend_rag.testing import make_tiny_model
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    lm = LayerwiseModel(make_tiny_model("llama").eval())
+    decoder, rows = BatchDecoder(lm), []
+    for batch in batches:
+        pool, own, slots = SlotPool(lm.shape, torch.float32, "cpu"), [], []
+        for b in range(batch):
+            cache = DynamicCache(config=lm.model.config)
+            with torch.inference_mode():
+                lm.model(input_ids=torch.arange(3, 23 + b)[None], cache=cache, use_cache=True)
+            own.append(DecodeCache(cache, 20 + b, 30 + b))
+            layers = [layer.keys[0] for layer in cache.layers], [layer.values[0] for layer in cache.layers]
+            slots.append(pool.admit(*layers, 20 + b, 10))
+        tokens = [1] * batch
+        counted = {}
+        for name, step in (("per-request", lambda: decoder.step(tokens, own)),  # noqa: B023
+                           ("slot pool", lambda: decoder.step_slots(tokens, pool, slots))):  # noqa: B023  # fmt: skip
+            step()  # warm
+            with Count() as mode:
+                step()
+            counted[name] = mode.n / lm.shape.num_layers
+        rows.append(dict(batch=batch, **counted))
+        print(f"B={batch:3d}: per-request {counted['per-request']:.1f} ops/layer, slot pool "
+              f"{counted['slot pool']:.1f}")  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
@@ -96,8 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spread", type=int, default=64, help="tokens more per request of a batch")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--count-ops", action="store_true", help="only count each step's ops on the tiny llama")
     add_out_argument(p, "decode-batch", "results.json and summary.md")
     args = p.parse_args(argv)
+    if args.count_ops:
+        count_ops([1, 2, 8, 32])
+        return 0
     report = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(report, indent=1))

@@ -120,8 +120,9 @@ class SlotPool:
         device = self.device
         rows = torch.tensor(slots, dtype=torch.long, device=device)
         dense = slots == list(range(hi))  # the requests fill slots 0..hi-1 in order: no gathering around attention
-        return StepPlan(rows, torch.tensor(positions, dtype=torch.long, device=device), hi, n,
-                        mask.to(device)[:, None, None, :], dense)  # fmt: skip
+        mask = mask.to(device)[:, None, None, :]
+        return StepPlan(rows, torch.tensor(positions, dtype=torch.long, device=device), hi, n, mask,
+                        None if self.fused else ~mask, dense)  # fmt: skip
 
     def attend(self, layer_idx: int, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scale: float) -> torch.Tensor:  # fmt: skip
@@ -135,12 +136,13 @@ class SlotPool:
         else:
             q = query.new_zeros(plan.hi, s.num_heads, 1, s.head_dim)
             q[plan.rows] = query.transpose(0, 1)[:, :, None]  # into the batch's slots
-        out = self.attention(layer_idx, q, plan.mask, scale)
+        out = self.attention(layer_idx, q, plan.mask, scale, plan.blocked)
         return (out if plan.dense else out[plan.rows]).reshape(len(plan.positions), -1)
 
-    def attention(self, layer_idx: int, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    def attention(self, layer_idx: int, q: torch.Tensor, mask: torch.Tensor, scale: float,
+                  blocked: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """One query per slot ([hi, H, 1, D], slots 0..hi-1) over the first n positions of its slot, `mask`
-        ([hi, 1, 1, n] bool) saying which it sees; -> [hi, H, D]."""
+        ([hi, 1, 1, n] bool) saying which it sees (`blocked`: its negation, made once per step); -> [hi, H, D]."""
         s = self.shape
         hi, n = q.shape[0], mask.shape[-1]
         keys = self.keys[layer_idx, :hi, :, :n]  # [hi, Hkv, n, D]
@@ -148,7 +150,8 @@ class SlotPool:
         if not self.fused:
             groups = s.num_heads // s.num_kv_heads
             scores = torch.matmul(q.view(hi, s.num_kv_heads, groups, s.head_dim), keys.transpose(2, 3))
-            scores = scores.mul_(scale).masked_fill_(~mask, float("-inf"))  # [hi, Hkv, groups, n]
+            blocked = ~mask if blocked is None else blocked
+            scores = scores.mul_(scale).masked_fill_(blocked, float("-inf"))  # [hi, Hkv, groups, n]
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
             return torch.matmul(probs, values).view(hi, s.num_heads, s.head_dim)
         with attention_kernels(q.device):
@@ -163,13 +166,15 @@ class SlotPool:
 
 class StepPlan:
     """What every layer of one batched step reuses: the requests' slots and write positions, the slots spanned, the
-    keys attended, the mask over them ([hi, 1, 1, n] bool), and whether the requests are slots 0..hi-1 in order."""
+    keys attended, the mask over them ([hi, 1, 1, n] bool) and its negation (for the unfused path), and whether the
+    requests are slots 0..hi-1 in order."""
 
-    __slots__ = ("rows", "positions", "hi", "n", "mask", "dense")
+    __slots__ = ("rows", "positions", "hi", "n", "mask", "blocked", "dense")
 
     def __init__(self, rows: torch.Tensor, positions: torch.Tensor, hi: int, n: int, mask: torch.Tensor,
-                 dense: bool) -> None:  # fmt: skip
-        self.rows, self.positions, self.hi, self.n, self.mask, self.dense = rows, positions, hi, n, mask, dense
+                 blocked: torch.Tensor | None, dense: bool) -> None:  # fmt: skip
+        self.rows, self.positions, self.hi, self.n = rows, positions, hi, n
+        self.mask, self.blocked, self.dense = mask, blocked, dense
 
 
 def rounded(positions: int, step: int = 256) -> int:
