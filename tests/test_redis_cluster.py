@@ -131,3 +131,15 @@ def test_clear_empties_one_namespace_on_every_master(cluster, store):
 def test_a_cluster_url_with_a_database_number_is_refused(cluster):
     with pytest.raises(ConfigError, match="database 0 only"):
         RedisStore(cluster.url.replace("/0?", "/3?"))
+
+
+def test_a_peer_on_the_cluster_names_the_codec_of_entries_it_cannot_read(store, cluster):
+    kvs = [make_kv(f"peer-{i}", tokens=8, seed=i) for i in range(6)]  # keys over several shards, so several slots
+    for kv in kvs:
+        store.put(kv)
+    peer = RedisStore(cluster.url, namespace=store.namespace, codec="int8")
+    try:
+        assert all(kv.key not in peer and peer.codecs_holding(kv.key) == {EXACT_CODEC} for kv in kvs)
+        assert peer.codecs_holding("never-stored") == set()
+    finally:
+        peer.close()

@@ -24,9 +24,9 @@ from ..errors import ConfigError, CorruptEntryError, EntryGoneError, NonFiniteKV
 from . import redis_scripts
 from .base import Hit
 from .chunk_kv import ChunkKV
-from .codec import TIER_CODEC, KVCodec, get_codec
+from .codec import CODECS, TIER_CODEC, KVCodec, get_codec
 from .lazy import LazyChunkKV
-from .serialize import deserialize_chunk, header_length, parse_layout, serialize_chunk
+from .serialize import deserialize_chunk, header_length, parse_layout, serialize_chunk, stored_name
 from .stats import CountedTier
 
 logger = logging.getLogger(__name__)
@@ -303,6 +303,20 @@ class RedisStore(CountedTier):
 
     def close(self) -> None:
         self._client.close()
+
+    def codecs_holding(self, key: str) -> frozenset[str]:
+        """`CountedTier.codecs_holding` in one round trip: the names of every codec share the key's shard."""
+        tag = self._tag(self._shard(key))
+        names = {codec: stored_name(key, c, self.hmac_key) for codec, c in CODECS.items()}
+
+        def exists() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for name in names.values():
+                pipe.exists(f"{tag}:{name}")
+            return pipe.execute()
+
+        found = self._call("contains", exists, [0] * len(names))
+        return frozenset(codec for codec, n in zip(names, found, strict=True) if n)
 
     def _has_entry(self, key: str, name: str) -> bool:
         path = f"{self._tag(self._shard(key))}:{name}"
