@@ -75,11 +75,11 @@ def latin1_folder(root):
         (["--docs", "DOCS", "--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
         (["--docs", "DOCS", "--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
         (["--docs", "DOCS", "--ratio", "nan"], "--ratio must be a finite number"),
-        (["--docs", "DOCS", "--suffix", "copyright"], "--glob on the command line"),
+        (["--docs", "DOCS", "--suffix", "copyright"], "pass a glob instead, e.g. --glob '**/copyright'"),
         (["--docs", "DOCS", "--ratio", "1.5"], "recompute_ratio"),
         (["--docs", "DOCS", "--profile", "/no/such/profile.json"], "/no/such/profile.json"),
-        (["--docs", "EMPTY"], "(--suffix / --glob on the command line)"),
-        (["--docs", "LATIN1"], "--encoding on the command line"),
+        (["--docs", "EMPTY"], "pass e.g. --suffix .log or --glob '**/*.log' to match"),
+        (["--docs", "LATIN1"], "pass their encoding, e.g. --encoding latin-1"),
     ],
 )
 def test_ask_checks_arguments_and_paths_before_loading_a_model(args, message, tmp_path, capsys, no_model_loads):
@@ -100,7 +100,8 @@ def test_index_reads_latin1_files_with_encoding_and_other_suffixes_with_suffix(t
     out = tmp_path / "index"
     base = ["index", "--docs", str(docs), "--out", str(out), "--model", str(tiny_model_dir), "--chunk-tokens", "16"]
     assert main(base) == 2
-    assert "--encoding on the command line" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--encoding latin-1" in err and "encoding='latin-1'" not in err  # the command line's words only
 
     assert main([*base, "--encoding", "latin-1"]) == 0
     chunks = json.loads((out / "chunks.json").read_text())["chunks"]

@@ -484,3 +484,17 @@ def test_chunking_shows_progress_over_characters(capsys) -> None:
     err = capsys.readouterr().err
     total = sum(len(d.text) for d in documents)
     assert "Chunking" in err and "100%" in err and f"{total / 1000:.2f}k/{total / 1000:.2f}k" in err
+
+
+def test_advice_names_python_arguments_in_python_and_flags_on_the_command_line(tmp_path):
+    from cacheblend_rag.advice import cli_option_names
+    from cacheblend_rag.errors import ConfigError
+    from cacheblend_rag.retrieval import load_documents
+
+    (tmp_path / "page.html").write_text("<p>not a text suffix</p>")
+    with pytest.raises(ConfigError) as python:
+        load_documents(tmp_path)
+    assert "suffixes=['.log'] or globs=['**/*.log']" in str(python.value) and "--" not in str(python.value)
+    with cli_option_names(), pytest.raises(ConfigError) as cli:
+        load_documents(tmp_path)
+    assert "--suffix .log or --glob '**/*.log'" in str(cli.value) and "suffixes=" not in str(cli.value)

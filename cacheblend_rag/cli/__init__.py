@@ -11,6 +11,7 @@ import io
 import sys
 from collections.abc import Sequence
 
+from ..advice import cli_option_names
 from ..errors import CacheBlendError
 from .args import build_parser
 from .ask import cmd_ask
@@ -40,7 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
-        return COMMANDS[args.command](args)
+        with cli_option_names():  # advice names --flags, not Python arguments
+            return COMMANDS[args.command](args)
     except CacheBlendError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

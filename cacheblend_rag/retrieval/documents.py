@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cacheblend_rag.advice import option
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.retrieval.sources import (
     DEFAULT_MAX_DOCUMENT_BYTES,
@@ -95,11 +96,11 @@ def read_documents(files: DocumentFiles, *, encoding: str = "utf-8") -> list[Doc
         except UnicodeDecodeError as exc:
             undecodable += 1
             logger.warning(
-                "skipping %s: not valid %s text (%s); pass its encoding, e.g. encoding='latin-1' "
-                "(--encoding latin-1 on the command line)",
+                "skipping %s: not valid %s text (%s); pass its encoding, e.g. %s",
                 file,
                 encoding,
                 exc.reason,
+                option("encoding", "latin-1"),
             )
             continue
         except LookupError as exc:
@@ -115,7 +116,7 @@ def read_documents(files: DocumentFiles, *, encoding: str = "utf-8") -> list[Doc
     if not documents:
         advice = "add non-empty text files"
         if undecodable:
-            advice += " or pass their encoding=..., e.g. 'latin-1' (--encoding on the command line)"
+            advice += f" or pass their encoding, e.g. {option('encoding', 'latin-1')}"
         raise ConfigError(
             f"no readable text in {str(files.root)!r}: {len(files.files)} file(s) found, {empty} empty, "
             f"{binary} binary, {undecodable} not valid {encoding}; {advice}"

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 
+from cacheblend_rag.advice import option
 from cacheblend_rag.errors import ConfigError
 
 DEFAULT_SUFFIXES: tuple[str, ...] = (".txt", ".md", ".rst")
@@ -86,7 +87,7 @@ def normalize_suffixes(suffixes: Iterable[str]) -> tuple[str, ...]:
         if not suffix.startswith(".") or len(suffix) < 2:
             raise ConfigError(
                 f"each suffix must start with a dot, e.g. '.txt', got {suffix!r}; for files without a suffix "
-                f"(such as 'copyright') pass a glob instead, e.g. globs=['**/{suffix}'] (--glob on the command line)"
+                f"(such as 'copyright') pass a glob instead, e.g. {option('globs', '**/' + suffix)}"
             )
     return normalized
 
@@ -181,8 +182,8 @@ def find_document_files(
     if not files:
         what = ", ".join([*wanted, *globs])
         raise ConfigError(
-            f"no files matching {what} found under {str(root)!r}; add some, or pass suffixes=... / globs=... "
-            "(--suffix / --glob on the command line) to match the files you have"
+            f"no files matching {what} found under {str(root)!r}; add some, or pass e.g. "
+            f"{option('suffixes', '.log')} or {option('globs', '**/*.log')} to match the files you have"
         )
     return DocumentFiles(root, tuple(files), skipped, wanted, globs, follow_links)
 
@@ -195,5 +196,5 @@ def check_document_sizes(files: DocumentFiles, max_bytes: int) -> None:
             raise ConfigError(
                 f"{str(path)!r} is {size} bytes ({size / 2**20:.1f} MB), above the limit of {max_bytes} bytes "
                 f"({max_bytes / 2**20:g} MB) for one document (splitting and embedding it would take long); "
-                "raise it with max_document_bytes=... (--max-doc-mb on the command line) or split the file"
+                f"raise it with {option('max_document_bytes', 'N')} or split the file"
             )
