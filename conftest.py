@@ -14,7 +14,20 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag.config import dtype as _dtype
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
+
+# dtype="auto" (the default) is float32 in the tests on every machine, so that their tolerances hold wherever they
+# run: set here, before any test module is collected (some build configs at import). The tests of "auto" itself
+# (marked `auto_dtype`) see what it really picks (`real_auto_dtype`).
+_real_auto_dtype = _dtype.auto_dtype
+_dtype.auto_dtype = lambda device="cpu": "float32"
+
+
+@pytest.fixture(autouse=True)
+def real_auto_dtype(request, monkeypatch):
+    if request.node.get_closest_marker("auto_dtype") is not None:
+        monkeypatch.setattr(_dtype, "auto_dtype", _real_auto_dtype)
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ from benchlib.traffic_real import read_records, run_stream, time_full_sample
 from benchlib.traffic_report import write_report
 from benchlib.traffic_sim import budget_bytes, corpus_bytes, simulate_grid, stream_requests
 
+from cacheblend_rag.config import normalize_dtype_name
 from cacheblend_rag.sizing import STREAMS, CostModel, KVShape, machine_name, measure_costs, prompt_lengths
 
 SHARES = (0.05, 0.10, 0.25, 0.50, 1.00, None)
@@ -113,7 +114,7 @@ def main() -> None:
                    help="the index and retrievals, kept between runs (default: %(default)s)")  # fmt: skip
     p.add_argument("--export-to", type=Path, default=Path("/tmp/squad-plan"), help="(export; default: %(default)s)")
     p.add_argument("--model", default=None, help="(default: the default preset)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="the engine's dtype (default: what auto picks on this machine)")
     p.add_argument("--top-k", type=int, default=5)
     p.add_argument("--questions", type=int, default=None, help="requests per stream (default: real 500, simulate all)")
     p.add_argument("--streams", nargs="+", default=None, choices=STREAMS)
@@ -126,6 +127,7 @@ def main() -> None:
     p.add_argument("--cost-prompts", type=int, default=6, help="of those, prompts the cost model is measured on")
     p.add_argument("--costs", type=Path, default=None, help="a saved cost model (default: --out/costs.json)")
     args = p.parse_args()
+    args.dtype = normalize_dtype_name(args.dtype)
     if args.command == "real":
         args.questions = args.questions or 500
         args.streams = args.streams or ["zipf", "clustered"]

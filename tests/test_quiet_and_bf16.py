@@ -81,6 +81,7 @@ def test_a_model_converted_to_bf16_by_the_engine_warns_once(monkeypatch) -> None
     assert [str(w.message) for w in caught if "bf16 instructions" in str(w.message)] == [cpu.SLOW_BF16_WARNING]
 
 
+@pytest.mark.auto_dtype
 @pytest.mark.parametrize(
     ("has_bf16", "device", "chosen"),
     [(True, "cpu", "bfloat16"), (False, "cpu", "float32"), (None, "cpu", "float32"), (False, "cuda", "bfloat16")],
@@ -91,6 +92,7 @@ def test_dtype_auto_picks_bf16_where_it_is_fast_and_float32_elsewhere(monkeypatc
     assert EngineConfig(dtype="AUTO", device=device).dtype == chosen
 
 
+@pytest.mark.auto_dtype
 def test_an_engine_and_a_model_loaded_with_dtype_auto_run_in_what_auto_chose(tiny_folder, monkeypatch) -> None:
     from cacheblend_rag.models import load_model
 

@@ -37,8 +37,9 @@ def check_numbers(*checks: tuple[str, float | None, float]) -> None:
 
 def _add_document_arguments(parser: argparse._ActionsContainer, *, required: bool) -> None:
     """--docs and how its files are chosen and read (`ask` and `index`)."""
-    parser.add_argument("--docs", required=required, help="folder (or one file) of text documents to answer from"
-                        + ("" if required else " (not needed with --index of a saved index)"))  # fmt: skip
+    unless = "" if required else " (not needed with --index of a saved index)"
+    parser.add_argument("--docs", required=required, metavar="DIR",
+                        help=f"folder (or one file) of text documents to answer from{unless}")  # fmt: skip
     parser.add_argument("--encoding", default="utf-8", help="text encoding of the files, e.g. latin-1")
     parser.add_argument("--suffix", action="append", metavar=".EXT", help="read the files ending in .EXT instead "
                         "of .txt/.md/.rst; repeat for several")  # fmt: skip
@@ -56,8 +57,8 @@ def _add_document_arguments(parser: argparse._ActionsContainer, *, required: boo
 def _add_runtime_arguments(parser: argparse._ActionsContainer) -> None:
     parser.add_argument("--model", help="preset, local checkpoint or hub id (default: the default preset)")
     parser.add_argument("--device", default="cpu", help="torch device to run the model on, e.g. cuda")
-    parser.add_argument("--dtype", default="float32", help="model precision: float32, bfloat16, float16, or auto "
-                        "(bfloat16 on a GPU or a CPU with AMX / AVX-512-BF16, else float32)")  # fmt: skip
+    parser.add_argument("--dtype", default="auto", help="model precision: auto (the default: bfloat16 on a GPU or a "
+                        "CPU with AMX / AVX-512-BF16, else float32), float32, bfloat16 or float16")  # fmt: skip
     parser.add_argument("--chunk-context", choices=tuple(CHUNK_CONTEXTS), default="grouped",
                         help="how chunk KV is cached: grouped (each chunk within a group of similar chunks of the "
                         "index, and as full prefills of questions held it), captured (alone, and as full prefills "
@@ -201,7 +202,8 @@ def add_plan_parser(sub: argparse._SubParsersAction, formatter: type[argparse.He
     _add_document_arguments(plan, required=False)
     plan.add_argument("--index", help="folder for the chunk index of --docs, as for `ask`")
     plan.add_argument("--model", help="whose tokenizer and KV shape (default: the default preset)")
-    plan.add_argument("--dtype", default="float32", help="the engine's compute dtype (sizes native entries)")
+    plan.add_argument("--dtype", default="auto", help="the engine's compute dtype (sizes native entries; "
+                      "default: what auto picks here)")  # fmt: skip
     plan.add_argument("--codec", default="native", help="the tier's codec: native, fp16, bf16, int8, int4")
     plan.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question")
     plan.add_argument("--budgets", type=float, nargs="+", default=[0.05, 0.1, 0.25, 0.5, 1.0],

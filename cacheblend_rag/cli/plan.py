@@ -82,6 +82,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_numbers(("--top-k", args.top_k, 1), ("--chunk-tokens", args.chunk_tokens, MIN_CHUNK_TOKENS),
                   ("--max-doc-mb", args.max_doc_mb, 0), *(("--budgets", b, 0) for b in args.budgets))  # fmt: skip
     check_model_name(args.model)
+    from ..config import normalize_dtype_name
+
+    args.dtype = normalize_dtype_name(args.dtype)  # "auto": what an engine here would run
     if args.costs and args.measure_costs:
         raise CacheBlendError("give --costs (a saved cost model) or --measure-costs (measure one now), not both")
     questions = read_questions(args.questions)

@@ -24,14 +24,19 @@ def normalize_dtype_name(dtype: object, device: object = "cpu") -> str:
     is the fast precision; float32 on other CPUs, where bf16 runs several times slower (`cpu.py`)."""
     name = str(dtype).removeprefix("torch.").lower()
     if name == "auto":
-        from ..cpu import cpu_has_bf16  # torch-free
-
-        return "bfloat16" if str(device).startswith("cuda") or cpu_has_bf16() else "float32"
+        return auto_dtype(device)
     if name not in _DTYPES:
         raise ConfigError(
             f"dtype must be one of float32, bfloat16, float16 (or fp32/bf16/fp16), or auto, got {dtype!r}"
         )
     return _DTYPES[name]
+
+
+def auto_dtype(device: object = "cpu") -> str:
+    """What "auto" picks on `device`: bfloat16 on a GPU and on a CPU with bf16 instructions, else float32."""
+    from ..cpu import cpu_has_bf16  # torch-free
+
+    return "bfloat16" if str(device).startswith("cuda") or cpu_has_bf16() else "float32"
 
 
 def torch_dtype(dtype: object, device: object = "cpu") -> Any:

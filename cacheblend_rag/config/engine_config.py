@@ -47,7 +47,9 @@ class EngineConfig:
     """How the engine runs: device and precision, the chunk KV store, the blend, how chunk KV is cached, serving."""
 
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
-    dtype: str = "float32"  # "float32" for exactness, "bfloat16"/"float16" for speed; "auto": bf16 where it is fast
+    # "auto" (default): bfloat16 on a GPU and on a CPU with bf16 instructions, float32 elsewhere; "float32" for
+    # exactness; "bfloat16" / "float16". Decided when the config is made: `config.dtype` names the choice.
+    dtype: str = "auto"
     store: StoreConfig = field(default_factory=StoreConfig)  # the tiers that keep chunk KV, their budgets and codecs
     blend: BlendConfig = field(default_factory=BlendConfig)  # the blend's rule and ratio r
     # How chunk KV is cached beside each chunk's isolated entry: "grouped" (default), "captured" or "isolated"
