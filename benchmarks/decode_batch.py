@@ -18,7 +18,6 @@ kind issues per layer (a `TorchDispatchMode`; about one kernel launch each on a 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from benchlib.cli import add_out_argument, cpu_name, model_name  # noqa: E402
+from benchlib.cli import add_out_argument, cpu_name, model_name, write_results  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
 from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache  # noqa: E402
@@ -147,10 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         count_ops([1, 2, 8, 32])
         return 0
     report = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(report, indent=1))
-    (args.out / "summary.md").write_text(markdown(report) + "\n")
-    print(markdown(report))
+    write_results(args.out, report, markdown(report))
     return 0
 
 

@@ -11,7 +11,6 @@ the tokens it prefilled and the ratio. Run in alternation, --repeats times, each
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchlib.cli import add_out_argument, cpu_name, model_name  # noqa: E402
+from benchlib.cli import add_out_argument, cpu_name, model_name, write_results  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
 from cacheblend_rag.retrieval import load_documents, split_documents  # noqa: E402
@@ -68,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"grouped / isolated: {grp / iso:.2f}x",
     ])  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(report, indent=1))
-    (args.out / "summary.md").write_text(text + "\n")
-    print(text)
+    write_results(args.out, report, text)
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import platform
 import sys
 import time
@@ -130,6 +131,14 @@ def run_settings_of(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     --device): kept with the results, so that a resumed run cannot mix setups (`records.check_run_settings`),
     and named in the figures."""
     return {"model": model_name(args.model), "dtype": args.dtype, "device": args.device, **extra}
+
+
+def write_results(out: Path, report: dict[str, Any], summary: str) -> None:
+    """OUT/results.json (the report) and OUT/summary.md (its table), then the table on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    (out / "summary.md").write_text(summary + "\n")
+    print(summary)
 
 
 def report_written(files: dict[str, Path]) -> None:

@@ -15,6 +15,8 @@ import sweep
 from benchlib import cli, load_report, quality, timing
 from benchlib.report import comparable_cases
 
+from cacheblend_rag.testing import random_words
+
 DATA_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 
 
@@ -94,7 +96,9 @@ def test_quality_figure_compares_only_methods_measured_on_the_same_cases(tmp_pat
 @pytest.mark.parametrize(
     "name, folder",
     [("quality", "quality"), ("report", "quality"), ("fidelity", "fidelity"), ("throughput", "throughput"),
-     ("sweep", "sweep"), ("ttft", "ttft"), ("tiers", "tiers"), ("controller", "controller"), ("load", "load")],
+     ("sweep", "sweep"), ("ttft", "ttft"), ("tiers", "tiers"), ("controller", "controller"), ("load", "load"),
+     ("decode_batch", "decode-batch"), ("precompute_cost", "precompute-cost"), ("folder_warm", "folder-warm"),
+     ("dtype_fidelity", "dtype-fidelity")],
 )  # fmt: skip
 def test_every_benchmark_writes_under_benchmarks_results_by_default(name, folder, capsys, monkeypatch):
     import importlib
@@ -334,3 +338,53 @@ def test_the_floor_of_a_full_prefill_of_a_7b_shape_is_its_known_flop_count():
     assert rates.floor_ms(full, prefill_bytes(shape, 7708, 0)) == pytest.approx(1000 * full / 990e12)  # compute-bound
     reuse_floor = rates.floor_ms(reuse, prefill_bytes(shape, 7708, 7688))
     assert 2.0 < reuse_floor < 6.0  # bandwidth-bound: the weights and the KV, about the 5 ms of the estimate
+
+
+def test_a_batched_steps_ops_stay_flat_over_the_slot_pool_and_grow_per_request():
+    from decode_batch import count_ops
+
+    rows = {r["batch"]: r for r in count_ops([1, 8, 32])}
+    assert rows[8]["slot pool"] == rows[32]["slot pool"] < rows[8]["per-request"] < rows[32]["per-request"]
+
+
+@pytest.mark.real_model
+def test_precompute_cost_and_folder_warm_end_to_end_on_the_small_model(tmp_path, capsys):
+    import folder_warm
+    import precompute_cost
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"d{i}.txt").write_text(random_words(900 + i, 120))
+    small = ["--docs", str(docs), "--model", "smollm2-135m-instruct", "--dtype", "float32"]
+    assert precompute_cost.main([*small, "--chunk-tokens", "64", "--out", str(tmp_path / "pc")]) == 0
+    report = json.loads((tmp_path / "pc" / "results.json").read_text())
+    assert report["chunks"] > 3 and report["counts"]["grouped"]["computed"] == report["chunks"] and report["ratio"] > 0
+    assert folder_warm.main([*small, "--question", "what?", "--top-k", "2", "--repeats", "1",
+                             "--out", str(tmp_path / "fw")]) == 0  # fmt: skip
+    assert "disk / memory" in capsys.readouterr().out
+
+
+def test_dtype_fidelity_pairs_each_dtypes_blend_against_its_own_reference():
+    import torch
+    from benchlib.dtype_fidelity import COMPARISONS, case_record, dtype_markdown
+
+    from cacheblend_rag import CacheBlendEngine, EngineConfig
+    from cacheblend_rag.engine import PromptTemplate
+    from cacheblend_rag.evaluation.datasets import Case, TaskSpec
+    from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
+
+    def engine(dtype):
+        config = EngineConfig(dtype=dtype, miss_policy="blend", chunk_separator="", chunk_context="isolated")
+        return CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(), config=config)
+
+    fp32, bf16 = engine("float32"), engine("bfloat16")
+    assert bf16.dtype == torch.bfloat16
+    spec = TaskSpec("tiny", "qa", PromptTemplate(instruction=random_words(1, 3)), max_new_tokens=4)
+    cases = [Case(f"c{i}", (random_words(10 + i, 20), random_words(20 + i, 20)), random_words(30 + i, 4), ("a",), "qa")
+             for i in range(3)]  # fmt: skip
+    records = [case_record(fp32, bf16, spec, case) for case in cases]
+    for r in records:
+        assert set(COMPARISONS) <= set(r) and r["bf16_full"]["kl_mean"] < 0.05  # bf16 full stays near fp32 full
+    text = dtype_markdown(records, machine="tiny")
+    assert "3 cases (tiny 3)" in text and "| kl_mean |" in text and "noise floor" in text
