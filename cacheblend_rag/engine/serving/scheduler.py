@@ -36,16 +36,15 @@ import time
 from collections.abc import Iterator, Sequence
 
 from ...errors import EngineClosedError, PromptError
-from ..prefill.prefiller import Prefill
 from ..request.after_layer import AfterLayer
 from ..request.prompt import TokenizedPrompt
 from ..request.request import Request
 from .batch_decode import BatchDecoder
+from .decode_slots import DecodeSlots
 from .decoding import AsyncTextStream, Event, GenerationResult, TextStream
 from .graphs import GraphedSteps
 from .jobs import Channel, Job, Served
 from .shutdown import joined, stop_at_exit
-from .slots import SlotPool, rounded
 from .thread_pools import release_thread_pool
 
 logger = logging.getLogger(__name__)
@@ -70,7 +69,7 @@ class Scheduler:
         graphs: GraphedSteps | None = None,
     ) -> None:
         self.decoder = decoder
-        self.graphs = graphs  # decode steps replayed as CUDA graphs, for batches up to its largest bucket
+        self.slots = DecodeSlots(decoder, graphs, max_batch)  # the decoding jobs' KV, and their steps
         self.max_batch = max_batch
         self.max_tokens = max_tokens
         self.max_token_gap_s = max_token_gap_s
@@ -84,8 +83,6 @@ class Scheduler:
         self._turn = threading.Lock()  # held by whoever runs a turn: the worker or the lone job's reader
         self._stopped = False
         self._hosted = 0  # decode steps run between the layers of the prefill in progress
-        self._pool: SlotPool | None = None  # the decoding jobs' KV; let go of when none is left
-        self._gone: list[Job] = []  # jobs dropped from `_active` that still hold a slot (freed in the next turn)
         self.largest_batch = 0  # the most jobs one step has decoded together (for tests and benchmarks)
         self.largest_batch_tokens = 0  # the most KV positions (`Job.positions`) of the jobs of one step
         stop_at_exit(self)
@@ -179,7 +176,7 @@ class Scheduler:
                 if self._lone is job and (job.finished or job.cancelled):
                     self._lone = None  # nothing else is queued: let go of it (and of its cache) now
                     self._prune()
-            self._free_slots()
+            self.slots.free()
             self._turn.release()
         return True
 
@@ -211,14 +208,13 @@ class Scheduler:
         self._waiting, self._active = [], []
         self._thread = self._lone = None
         self._hosted = 0
-        self._pool, self._gone = None, []
+        self.slots.reset()
 
     @property
     def decode_pool(self) -> tuple[int, int]:
         """(slots, positions per slot) of the decoding requests' KV pool now; (0, 0) when none is held (the pool is
         let go once no request decodes)."""
-        pool = self._pool
-        return (0, 0) if pool is None else (pool.slots, pool.capacity)
+        return self.slots.shape
 
     @property
     def busy(self) -> int:
@@ -252,7 +248,7 @@ class Scheduler:
                     j.cancel()
                     j.channel.put(EngineClosedError("the engine stopped before this request was answered"))
                 self._waiting, self._active, self._lone = [], [], None
-                self._pool, self._gone = None, []
+                self.slots.reset()
             if not self._waiting and not self._active:
                 return False
             job = None
@@ -289,38 +285,12 @@ class Scheduler:
             if job.loop.done:
                 self._finish(job)
                 return
-            self._free_slots()  # those of jobs dropped since, for this one to take
-            job.slot = self._admit(pre, job.request.sampling.max_new_tokens)
+            self.slots.admit(job, pre)
         except Exception as exc:
             job.channel.put(exc)
             return
         with self._cond:
             self._active.append(job)
-
-    def _admit(self, pre: Prefill, room: int) -> int:
-        """A slot of the pool for a prefill's KV, with `room` positions for its answer (in a turn)."""
-        if pre.kv is not None:  # the blend's buffers: every layer in one tensor
-            keys, values = pre.kv.key_buffer, pre.kv.value_buffer
-        else:
-            keys = [layer.keys[0] for layer in pre.cache.layers]
-            values = [layer.values[0] for layer in pre.cache.layers]
-        if self._pool is None:
-            slots = min(4, self.max_batch)
-            self._pool = SlotPool(self.decoder.lm.shape, keys[0].dtype, keys[0].device, slots,
-                                  rounded(pre.num_tokens + room))  # fmt: skip
-        return self._pool.admit(keys, values, pre.num_tokens, room)
-
-    def _free_slots(self, *jobs: Job) -> None:
-        """Give back the slots of `jobs` and of the jobs dropped since the last turn (in a turn: no step is using
-        them); the pool goes once it is empty."""
-        with self._cond:
-            jobs, self._gone = (*jobs, *self._gone), []
-        for job in jobs:
-            if job.slot is not None and self._pool is not None:
-                self._pool.release(job.slot)
-            job.slot = None
-        if self._pool is not None and self._pool.empty and self.graphs is None:  # graphs keep theirs: no recapture
-            self._pool = None
 
     def _ready(self, job: Job) -> bool:
         """False while one of the job's chunks is still being stored by a fill."""
@@ -329,7 +299,7 @@ class Scheduler:
     def _prune(self) -> None:
         """Drop the jobs no one serves any more: cancelled ones, and finished ones (under the condition's lock)."""
         self._waiting = [j for j in self._waiting if not j.cancelled]
-        self._gone += [j for j in self._active if j.cancelled and not j.finished and j.slot is not None]
+        self.slots.leave([j for j in self._active if j.cancelled and not j.finished])
         self._active = [j for j in self._active if not (j.cancelled or j.finished)]
 
     def _fits(self, job: Job) -> bool:
@@ -356,13 +326,7 @@ class Scheduler:
         self.largest_batch_tokens = max(self.largest_batch_tokens, sum(j.positions for j in batch))
         try:
             with self._lock:
-                self._free_slots()
-                assert self._pool is not None, "a decoding job holds a slot"
-                tokens, slots = [j.loop.token for j in batch], [j.slot for j in batch]  # type: ignore[union-attr]
-                if self.graphs is not None and len(batch) <= max(self.graphs.buckets):
-                    logits = self.graphs.step(tokens, self._pool, slots)  # type: ignore[arg-type]
-                else:
-                    logits = self.decoder.step_slots(tokens, self._pool, slots)  # type: ignore[arg-type]
+                logits = self.slots.step([j.loop.token for j in batch], batch)  # type: ignore[union-attr]
         except Exception as exc:  # a failed step fails the requests in it, never the worker
             logger.exception("a decode step failed for %d requests", len(batch))
             for job in batch:
@@ -389,7 +353,7 @@ class Scheduler:
     def _finish(self, job: Job) -> None:
         assert job.loop is not None
         job.finished = True  # leaves the batch
-        self._free_slots(job)
+        self.slots.free(job)
         rest, result = job.loop.result()
         if rest:
             job.channel.put(rest)
