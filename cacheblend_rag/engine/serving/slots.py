@@ -154,9 +154,12 @@ class SlotPool:
             scores = scores.mul_(scale).masked_fill_(blocked, float("-inf"))  # [hi, Hkv, groups, n]
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
             return torch.matmul(probs, values).view(hi, s.num_heads, s.head_dim)
+        # the query heads of one KV head as that head's queries ([hi, Hkv, groups, D]): no GQA support needed of the
+        # kernel, and a mask over keys is all a backend must take
+        grouped = q.view(hi, s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim)
         with attention_kernels(q.device):
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                                  enable_gqa=s.num_heads != s.num_kv_heads)[:, :, 0]  # fmt: skip
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+        return out.reshape(hi, s.num_heads, s.head_dim)
 
     def advance(self, slots: list[int]) -> None:
         """The step is written in every layer: each slot's next token goes one position further."""
