@@ -45,7 +45,7 @@ def real_vs_simulated(records, squad, found, lengths, shape: KVShape, costs: Cos
                              budget_bytes=budget_bytes(share, corpus), num_layers=shape.num_layers, costs=costs,
                              eviction=policy)  # fmt: skip
         simulated = run_stream(sim, requests, ordered.suffixes)
-        for window in (50, n):
+        for window in sorted({w for w in (50, 200) if w < n} | {n}):  # the warm-up curve, then the whole run
             part = reqs[:window]
             chunks = sum(r["hits"] + r["misses"] for r in part)
             ttft = statistics.mean(r["ttft_s"] for r in part)
