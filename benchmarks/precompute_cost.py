@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchlib.cli import add_out_argument, cpu_name, model_name, write_results  # noqa: E402
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
+from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig  # noqa: E402
 from cacheblend_rag.retrieval import load_documents, split_documents  # noqa: E402
 
 
@@ -34,11 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--memory-gb", type=float, default=2.0, help="the memory tier's budget (entries past it are "
+                   "evicted: the time is still every chunk's)")  # fmt: skip
     add_out_argument(p, "precompute-cost", "results.json and summary.md")
     args = p.parse_args(argv)
     options = {k: v for k, v in (("suffixes", args.suffix), ("globs", args.glob)) if v}
     documents = load_documents(args.docs, **options)
-    config = EngineConfig(dtype=args.dtype)
+    config = EngineConfig(dtype=args.dtype, store=StoreConfig(memory_budget_bytes=int(args.memory_gb * 2**30)))
     base = CacheBlendEngine.from_pretrained(args.model, config=config, show_progress=False)
     chunks = [c.text for c in split_documents(documents, base.tokenizer, chunk_tokens=args.chunk_tokens)]
     tokens = sum(len(base.tokenizer(c + config.chunk_separator)["input_ids"]) for c in chunks)
