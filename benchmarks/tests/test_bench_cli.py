@@ -238,9 +238,10 @@ def test_load_cold_requests_get_chunks_no_other_request_has():
 def test_load_end_to_end_with_repeats_cold_requests_and_the_serial_check(arrivals, tmp_path, monkeypatch, capsys):
     """benchmarks/load.py on a tiny random-weight model: both arrival processes, a mixed warm/cold stream, 95%
     intervals over 2 repeats, and batched greedy answers equal to the same requests served alone. No timing is
-    compared."""
+    compared. The Poisson rates are high enough (1-2 arrivals a millisecond) that the 4 requests arrive inside the
+    first one's prefill, so that some decode step surely runs between a prefill's layers at gap 0."""
     monkeypatch.setitem(timing.RANDOM_SHAPES, "tiny", TINY_SHAPE)
-    load_args = ["--concurrency", "1,4"] if arrivals == "closed" else ["--rates", "600,1200", "--requests", "4"]
+    load_args = ["--concurrency", "1,4"] if arrivals == "closed" else ["--rates", "60000,120000", "--requests", "4"]
     argv = ["--random-weights", "--model-shape", "tiny", "--chunks", "2", "--chunk-tokens", "8", "--pool", "4",
             "--new-tokens", "3", "--arrivals", arrivals, *load_args, "--repeats", "2", "--cold-share", "0,0.5",
             "--settings", "blend-serial,blend-batched", "--token-gaps", "none,0", "--check-serial",
@@ -248,7 +249,7 @@ def test_load_end_to_end_with_repeats_cold_requests_and_the_serial_check(arrival
     assert load.main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     key = "clients" if arrivals == "closed" else "rate_per_min"
-    loads = [1, 4] if arrivals == "closed" else [600.0, 1200.0]
+    loads = [1, 4] if arrivals == "closed" else [60000.0, 120000.0]
     settings = [("blend-serial", None), ("blend-batched", None), ("blend-batched", 0.0)]  # serial: no gap rows
     assert [(r["setting"], r["token_gap"], r["cold_share"], r[key]) for r in results["rows"]] == [
         (s, gap, share, x) for s, gap in settings for share in (0.0, 0.5) for x in loads
@@ -270,7 +271,7 @@ def test_load_end_to_end_with_repeats_cold_requests_and_the_serial_check(arrival
     assert hosted[None] == 0 and hosted[0.0] > 0, hosted  # gap 0: decode steps ran inside other requests' prefills
     summary = (tmp_path / "summary.md").read_text()
     assert "95% t interval over the repeats" in summary and "| blend-batched, 50% cold |" in summary
-    busiest = "4 clients" if arrivals == "closed" else "1200 requests/min"
+    busiest = "4 clients" if arrivals == "closed" else "120000 requests/min"
     assert f"- blend-batched, 50% cold, {busiest}: differing answers: 0 of 4" in summary
     assert f"- blend-batched, gap 0 s, 50% cold, {busiest}: differing answers: 0 of 4" in summary
     assert "| gap p99 (s) | longest gap (s) |" in summary
