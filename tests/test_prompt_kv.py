@@ -132,26 +132,3 @@ def test_the_one_buffer_path_equals_the_cpu_path_of_position_blocks():
     torch.testing.assert_close(one_call.logits, blocks.logits, atol=1e-5, rtol=0)
     torch.testing.assert_close(one_call.kv.keys, blocks.kv.keys, atol=1e-5, rtol=0)
     torch.testing.assert_close(one_call.kv.values, blocks.kv.values, atol=1e-5, rtol=0)
-
-
-def test_decoding_over_the_prefills_own_buffers_equals_decoding_a_copy():
-    # The scheduler decodes a blended request in the room its prefill's buffers keep past the prompt
-    # (`DecodeCache.over`): the same steps as over a copy of the cache, and no copy of the prompt's KV.
-    from cacheblend_rag.engine.prefill.prefiller import decode_cache
-    from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache
-
-    engine, prompt, parts = engine_with_prompt()
-    n = prompt.num_tokens
-    kv = engine.chunks.prompt_kv(parts, n, room=4)
-    result = fuse(engine.lm, blend_plan(prompt, BlendConfig(rule="paper", recompute_ratio=0.3)), kv)
-    copied = DecodeCache(decode_cache(engine.model.config, result.kv), n, n + 4)
-    over = DecodeCache.over(result.kv)
-    assert over.capacity == n + 4 and over.keys[0].data_ptr() == kv.key_buffer.data_ptr()
-    decoder = BatchDecoder(engine.lm)
-    token = int(result.logits.argmax())
-    for _ in range(4):
-        a, b = decoder.step([token], [over]), decoder.step([token], [copied])
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-        token = int(a[0].argmax())
-    with pytest.raises(RuntimeError, match="full"):
-        decoder.step([token], [over])

@@ -272,8 +272,7 @@ class CacheBlendEngine(CorpusMethods):
         policy = self.controller if mode is PrefillMode.BLEND and not pinned else None
         self.fills.wait_for(prompt.chunk_ids)  # a chunk an earlier cold request is storing: wait, not recompute
         with self._lock:
-            pre = self.prefiller.run_retrying(prompt, mode, blend, policy, self.store_tiers, after_layer,
-                                              room=request.sampling.max_new_tokens)  # fmt: skip
+            pre = self.prefiller.run_retrying(prompt, mode, blend, policy, self.store_tiers, after_layer)
         # entries a full prefill computed: stored at once on the fills' thread (no compute, only the store's writes)
         self.fills.submit(prompt.prefix_ids, pre.captured, pre.captured)
         pre.captured = {}  # the fills' thread holds them until stored

@@ -28,11 +28,10 @@ class PromptKV:
     """The KV of a prompt's N tokens on every layer: `keys` (rotated at their positions) and `values`, each
     [L, Hkv, N, D], and with `raw_keys` the keys before RoPE too (what a chunk's entry stores).
 
-    `keys` and `values` are the first N positions of buffers with `room` more (`key_buffer`, `value_buffer`,
-    [L, Hkv, N + room, D]): the answer's decode steps write their tokens there, so decoding starts from the
-    prefill's buffers as they are. Build it with `whole` (stored KV of every layer at hand) or `layerwise` (read a
-    layer when it is first asked for); `layer(i)` returns writable views of layer i. Tokens past the stored ones
-    hold zeros until written.
+    `keys` and `values` are the first N positions of the buffers `key_buffer`, `value_buffer` ([L, Hkv, N, D]), from
+    which a request starts decoding (copied into its slot of the decode pool). Build it with `whole` (stored KV of
+    every layer at hand) or `layerwise` (read a layer when it is first asked for); `layer(i)` returns writable views
+    of layer i. Tokens past the stored ones hold zeros until written.
     """
 
     def __init__(
@@ -67,11 +66,6 @@ class PromptKV:
     def num_tokens(self) -> int:
         return self.keys.shape[2]
 
-    @property
-    def capacity(self) -> int:
-        """Positions the buffers hold: the prompt's and the room left for an answer."""
-        return self.key_buffer.shape[2]
-
     @classmethod
     def whole(
         cls,
@@ -82,15 +76,14 @@ class PromptKV:
         *,
         shape: tuple[int, int, int],
         keep_raw: bool = False,
-        room: int = 0,
     ) -> PromptKV:
         """Stored KV of every layer (`parts`: raw keys and values [L, Hkv, T_p, D] each, laid end to end from the
-        prompt's start) in buffers of `total` tokens and `room` more, rotated once. cos, sin: [total, D] of the
+        prompt's start) in buffers of `total` tokens, rotated once. cos, sin: [total, D] of the
         prompt's positions; shape: (L, Hkv, D)."""
         stored = sum(k.shape[2] for k, _ in parts)
         if stored > total:
             raise CacheBlendError(f"{stored} stored tokens do not fit a prompt of {total}")
-        keys, values = cls._buffers(shape, total + room, cos)
+        keys, values = cls._buffers(shape, total, cos)
         sin_signed = signed_sin(sin)
         raw = None
         if parts:
@@ -120,13 +113,12 @@ class PromptKV:
         *,
         shape: tuple[int, int, int],
         keep_raw: bool = False,
-        room: int = 0,
     ) -> PromptKV:
-        """Buffers of `total` tokens and `room` more; layer i is read with `load(i)` (in order 0, 1, ...) and
+        """Buffers of `total` tokens; layer i is read with `load(i)` (in order 0, 1, ...) and
         rotated when it is first asked for."""
-        keys, values = cls._buffers(shape, total + room, cos)
-        keys[:, :, :total].zero_()
-        values[:, :, :total].zero_()
+        keys, values = cls._buffers(shape, total, cos)
+        keys.zero_()
+        values.zero_()
         raw = cls._raw_buffer(shape, total, cos) if keep_raw else None
         return cls(keys, values, total, cos, signed_sin(sin), raw_keys=raw, load=load)
 

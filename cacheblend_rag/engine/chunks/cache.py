@@ -121,24 +121,21 @@ class ChunkCache:
         *,
         keep_raw: bool = False,
         load: LayerLoader | None = None,
-        room: int = 0,
     ) -> PromptKV:
         """The KV buffers of a prompt of `total` tokens whose head is the given KV parts laid end to end.
 
         Parts all in memory are laid in and rotated at once (`PromptKV.whole`); otherwise, or when `load` is given (e.g.
         a prefetcher over `layer_loader(parts)`), each layer is read with it (default `layer_loader(parts)`) when the
         fusor first needs it.
-        `keep_raw`: keep the keys before RoPE too (what a chunk's entry stores); `room`: positions the buffers keep
-        free past the prompt (the answer's decode steps write there)."""
+        `keep_raw`: keep the keys before RoPE too (what a chunk's entry stores)."""
         s = self.lm.shape
         cos, sin = self.lm.rope(torch.arange(total, device=self.lm.device))
         shape = (s.num_layers, s.num_kv_heads, s.head_dim)
         whole = self.in_memory(parts) if load is None else None
         if whole is not None:
             kept = [(w.keys, w.values) for w in whole]
-            return PromptKV.whole(kept, total, cos, sin, shape=shape, keep_raw=keep_raw, room=room)
-        return PromptKV.layerwise(load or self.layer_loader(parts), total, cos, sin, shape=shape, keep_raw=keep_raw,
-                                  room=room)  # fmt: skip
+            return PromptKV.whole(kept, total, cos, sin, shape=shape, keep_raw=keep_raw)
+        return PromptKV.layerwise(load or self.layer_loader(parts), total, cos, sin, shape=shape, keep_raw=keep_raw)
 
     @staticmethod
     def in_memory(parts: Sequence[ChunkReader]) -> list[ChunkKV] | None:

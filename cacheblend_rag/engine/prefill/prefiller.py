@@ -61,7 +61,7 @@ class Prefill:
     deferred: tuple[tuple[int, ...], ...] = ()
     # entries cut from this request's full prefill (`chunks.capture`), to store at once
     captured: dict[tuple[int, ...], ChunkKV] = field(default_factory=dict)
-    # a cached prefill's KV buffers (`cache` is over their first `num_tokens` positions), with the room asked for
+    # a cached prefill's KV buffers (`cache` is over their `num_tokens` positions)
     kv: PromptKV | None = None
 
 
@@ -111,21 +111,18 @@ class Prefiller:
         policy: RatioPolicy | None,
         tiers: int,
         after_layer: AfterLayer | None = None,
-        *,
-        room: int = 0,
     ) -> Prefill:
         """`run`, again when a stored chunk turns out damaged mid-request, then as a full prefill.
 
         A chunk read layer by layer can turn out damaged after the fusor has started; its tier has dropped it by
         then, so trying again finds it in another tier or recomputes it. Each retry follows the removal of one
         entry from one tier, so a prompt's entries (prefix and chunks, in each of the store's `tiers`) bound the
-        retries; past that bound the request runs as a full prefill, which reads no stored KV. A cached prefill's
-        buffers keep `room` positions free past the prompt (`Prefill.kv`), for the answer's decode steps.
+        retries; past that bound the request runs as a full prefill, which reads no stored KV.
         """
         fresh: set[str] = set()  # chunks prefilled during this request: misses, even when found on a retry
         for attempt in range((len(prompt.chunk_ids) + 1) * tiers + 1):
             try:
-                return self.run(prompt, mode, blend, policy, after_layer, fresh, room=room)
+                return self.run(prompt, mode, blend, policy, after_layer, fresh)
             except CorruptEntryError as exc:
                 logger.warning("prefill attempt %d read a damaged chunk (%s); trying again", attempt + 1, exc)
         logger.warning("the store kept returning damaged chunks; answering with a full prefill")
@@ -139,15 +136,13 @@ class Prefiller:
         policy: RatioPolicy | None = None,
         after_layer: AfterLayer | None = None,
         fresh: set[str] | None = None,
-        *,
-        room: int = 0,
     ) -> Prefill:
         """One attempt: `policy` chooses the blend ratio when given; `after_layer(layer_idx)` runs between the layers
         of each pass over the prompt (the scheduler's decode steps for the requests already answering); `fresh`
         collects the chunks prefilled during this request, across its attempts (`PrefillRun`)."""
         n = prompt.num_tokens
         num_layers = self.lm.shape.num_layers
-        run = PrefillRun(prompt, self._metrics(mode, n), after_layer, set() if fresh is None else fresh, room=room)
+        run = PrefillRun(prompt, self._metrics(mode, n), after_layer, set() if fresh is None else fresh)
         m = run.metrics
 
         if mode is PrefillMode.FULL or not prompt.chunk_ids:
@@ -179,7 +174,7 @@ class Prefiller:
                 m.controller = decision.to_dict()
             blend_cfg = blend
             m.recompute_ratio = blend.recompute_ratio
-        with self._loaded(got.parts, n, run.room) as (kv, loading):
+        with self._loaded(got.parts, n) as (kv, loading):
             result = self._fuse(run, kv, n_chunks, blend_cfg)
         load_s, wait_s = loading.times()
         assert result.logits is not None
@@ -252,8 +247,8 @@ class Prefiller:
         return pre
 
     @contextmanager
-    def _loaded(self, parts: Sequence[ChunkReader], n: int, room: int) -> Iterator[tuple[PromptKV, LoadTiming]]:
-        """The prompt's KV buffers over the stored `parts` (and `room` positions more), and what reading them cost.
+    def _loaded(self, parts: Sequence[ChunkReader], n: int) -> Iterator[tuple[PromptKV, LoadTiming]]:
+        """The prompt's KV buffers over the stored `parts`, and what reading them cost.
         Parts on disk or in Redis are read layer by layer as the fusor first needs each layer: on a thread ahead of
         it when pipelined."""
         timing = LoadTiming()
@@ -261,13 +256,13 @@ class Prefiller:
         whole = self.chunks.in_memory(parts)  # asked once: a chunk read whole is stacked into one tensor each time
         if whole is not None or not self.pipelined:
             load = None if whole is not None else timing.timed(self.chunks.layer_loader(parts))
-            kv = self.chunks.prompt_kv(parts if whole is None else whole, n, load=load, room=room)
+            kv = self.chunks.prompt_kv(parts if whole is None else whole, n, load=load)
             timing.assembly_s = time.perf_counter() - t
             yield kv, timing
             return
         with LayerPrefetcher(self.chunks.layer_loader(parts), self.lm.shape.num_layers, self.lm.device) as prefetcher:
             timing.prefetcher = prefetcher
-            kv = self.chunks.prompt_kv(parts, n, load=prefetcher.get, room=room)
+            kv = self.chunks.prompt_kv(parts, n, load=prefetcher.get)
             timing.assembly_s = time.perf_counter() - t
             yield kv, timing
 

@@ -20,4 +20,3 @@ class PrefillRun:
     # entries this request prefilled and stored: misses, even when a retry finds them (shared by the retries)
     fresh: set[str] = field(default_factory=set)
     t0: float = field(default_factory=time.perf_counter)  # when this attempt started
-    room: int = 0  # positions the prompt's KV buffers keep free past it for the answer's decode steps

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from ...fusion import PromptKV
 from ...models.adapter import LayerwiseModel, rope_rotate, signed_sin
 from .slots import SlotPool
 
@@ -42,15 +41,6 @@ class DecodeCache:
             self.values.append(vb)
         self.length = length
         self.capacity = capacity
-
-    @classmethod
-    def over(cls, kv: PromptKV) -> DecodeCache:
-        """Over a blended prefill's own buffers, whose room past the prompt holds the answer: no copy."""
-        cache = cls.__new__(cls)
-        cache.keys = list(kv.key_buffer.unbind(0))
-        cache.values = list(kv.value_buffer.unbind(0))
-        cache.length, cache.capacity = kv.num_tokens, kv.capacity
-        return cache
 
     def put(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the next position's key and value ([Hkv, D]) in a layer; -> that layer's keys and values so far."""
