@@ -221,5 +221,6 @@ def fingerprints_by_dtype(model: torch.nn.Module, dtype: torch.dtype) -> Callabl
     parameter digest each, about 1 s per GB); a checkpoint's are worked out from its files when first asked."""
     if checkpoint_files(model) or next(model.parameters()).dtype == dtype:
         return lambda other: fingerprint_in(model, other)  # `model.to(...)` casts this same module in place
-    known = {d: fingerprint_in(model, d) for d in (torch.float32, torch.bfloat16, torch.float16)}
+    # only the other dtypes: the engine's own is `model_fingerprint` of the cast model, asked of no lookup
+    known = {d: fingerprint_in(model, d) for d in (torch.float32, torch.bfloat16, torch.float16) if d != dtype}
     return known.get
