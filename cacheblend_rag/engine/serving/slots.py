@@ -121,7 +121,7 @@ class SlotPool:
         rows = torch.tensor(slots, dtype=torch.long, device=device)
         dense = slots == list(range(hi))  # the requests fill slots 0..hi-1 in order: no gathering around attention
         mask = mask.to(device)[:, None, None, :]
-        return StepPlan(rows, torch.tensor(positions, dtype=torch.long, device=device), hi, n, mask,
+        return StepPlan(rows, torch.tensor(positions, dtype=torch.long, device=device), hi, mask,
                         None if self.fused else ~mask, dense)  # fmt: skip
 
     def attend(self, layer_idx: int, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -169,14 +169,14 @@ class SlotPool:
 
 class StepPlan:
     """What every layer of one batched step reuses: the requests' slots and write positions, the slots spanned, the
-    keys attended, the mask over them ([hi, 1, 1, n] bool) and its negation (for the unfused path), and whether the
-    requests are slots 0..hi-1 in order."""
+    mask over the keys attended ([hi, 1, 1, n] bool: n, the keys, is its last size) and its negation (for the
+    unfused path), and whether the requests are slots 0..hi-1 in order."""
 
-    __slots__ = ("rows", "positions", "hi", "n", "mask", "blocked", "dense")
+    __slots__ = ("rows", "positions", "hi", "mask", "blocked", "dense")
 
-    def __init__(self, rows: torch.Tensor, positions: torch.Tensor, hi: int, n: int, mask: torch.Tensor,
+    def __init__(self, rows: torch.Tensor, positions: torch.Tensor, hi: int, mask: torch.Tensor,
                  blocked: torch.Tensor | None, dense: bool) -> None:  # fmt: skip
-        self.rows, self.positions, self.hi, self.n = rows, positions, hi, n
+        self.rows, self.positions, self.hi = rows, positions, hi
         self.mask, self.blocked, self.dense = mask, blocked, dense
 
 
