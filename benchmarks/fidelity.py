@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--datasets", default="musique,wikimqa,multi_news,samsum", help="comma-separated")
-    p.add_argument("--rules", default=",".join(RULE_NAMES), help=f"comma-separated: {', '.join(RULE_NAMES)}")
+    p.add_argument("--rules", default=",".join(RULE_NAMES), help=f"comma-separated: {', '.join(RULE_NAMES)}; "
+                   "attention:D reads the question's attention on the first share D of the layers only")  # fmt: skip
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS), help="recompute ratios, "
                    "comma-separated")  # fmt: skip
     p.add_argument("--no-reuse", action="store_true", help="leave full KV reuse out")

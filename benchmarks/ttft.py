@@ -39,7 +39,8 @@ from benchlib.timing import (  # noqa: E402
     warm_up,
 )
 
-from cacheblend_rag.config import RULE_NAMES  # noqa: E402
+from cacheblend_rag.config import RULE_NAMES, blend_rule  # noqa: E402
+from cacheblend_rag.errors import ConfigError  # noqa: E402
 
 
 def run(args) -> dict:
@@ -82,6 +83,15 @@ def run(args) -> dict:
     return report
 
 
+def rule_name(text: str) -> str:
+    """A --rules item, checked as `blend_rule` reads it."""
+    try:
+        blend_rule(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="preset name or local checkpoint (default: the default preset)")
@@ -90,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, default=6)
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.30])
-    p.add_argument("--rules", nargs="*", default=["paper"], choices=RULE_NAMES,
-                   help="named selection rules to time at each ratio too, beside the engine's default rule "
-                   "(default: paper)")  # fmt: skip
+    p.add_argument("--rules", nargs="*", default=["paper"], type=rule_name,
+                   help=f"named selection rules to time at each ratio too, beside the engine's default rule "
+                   f"(default: paper): {', '.join(RULE_NAMES)}, or attention:D (a first pass over the share D of "
+                   "the layers)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3)
     add_data_dir_argument(p)
     p.add_argument("--random-weights", action="store_true", help="random weights of --model-shape (GPU timing)")

@@ -90,8 +90,10 @@ class PrefillMethod:
             )
         if self.recompute_ratio is not None and not 0.0 <= self.recompute_ratio <= 1.0:
             raise ConfigError(f"recompute ratio must be in [0, 1], got {self.recompute_ratio}")
-        if self.rule is not None and (self.mode != "blend" or self.rule not in RULE_NAMES):
+        if self.rule is not None and (self.mode != "blend" or self.rule.partition(":")[0] not in RULE_NAMES):
             raise ConfigError(f"rule goes with mode 'blend' and is one of {', '.join(RULE_NAMES)}; got {self.rule!r}")
+        if self.rule is not None:
+            blend_rule(self.rule, self.recompute_ratio or 0.0)  # "attention:D": D must be a share of the layers
 
     @property
     def name(self) -> str:
@@ -296,14 +298,15 @@ class MapRerank:
 
 def parse_method(name: str) -> Method:
     """ "full" | "prefix" | "reuse" | "blend" (r = 0.15) | "blend@R" (the engine's rule) | "RULE@R" (a named rule,
-    e.g. "gradual@0.15": see `RULE_NAMES`) | "mapreduce" | "maprerank"."""
+    e.g. "gradual@0.15": see `RULE_NAMES`; "attention:0.25@0.15" has a first pass over a quarter of the layers) |
+    "mapreduce" | "maprerank"."""
     key = name.strip().lower()
     if key in ("full", "prefix", "reuse"):
         return PrefillMethod(key)
     if key == "blend":
         return PrefillMethod("blend", 0.15)
     head, at, tail = key.partition("@")
-    if at and (head == "blend" or head in RULE_NAMES):
+    if at and (head == "blend" or head.partition(":")[0] in RULE_NAMES):
         try:
             ratio = float(tail)
         except ValueError:

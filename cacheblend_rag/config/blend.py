@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -64,12 +65,21 @@ class BlendConfig:
     # full recompute than the deviation rules on MuSiQue, 2WikiMQA and SAMSum, and faster (no check layers).
     recompute_ratio: float = 0.15  # r: share of the chunk tokens recomputed
     rule: str = "attention"  # which chunk tokens: one of RULE_NAMES
+    # "attention" only: the share of the layers its first pass runs (rounded up, at least one); below 1 it reads the
+    # question's attention on the first layers only, and without the first pass's logits it cannot have a guard
+    probe_depth: float = 1.0
 
     def __post_init__(self) -> None:
         check_ratio("recompute_ratio", self.recompute_ratio)
         object.__setattr__(self, "recompute_ratio", float(self.recompute_ratio))
         if self.rule not in RULES:
             raise ConfigError(f"rule must be one of {', '.join(RULE_NAMES)}, got {self.rule!r}")
+        check_ratio("probe_depth", self.probe_depth)
+        object.__setattr__(self, "probe_depth", float(self.probe_depth))
+        if self.probe_depth == 0.0:
+            raise ConfigError("probe_depth must be above 0 (a share of the layers, 1.0 for all of them)")
+        if self.probe_depth < 1.0 and self.rule != "attention":
+            raise ConfigError(f"probe_depth is the 'attention' rule's; rule {self.rule!r} runs no first pass")
 
     @property
     def check_layers(self) -> tuple[int, ...]:
@@ -92,6 +102,15 @@ class BlendConfig:
         """Whether this rule first runs a full-reuse pass to read the question's attention."""
         return self.rule == "attention"
 
+    def probe_layers(self, num_layers: int) -> int:
+        """How many layers the first pass runs in a model of `num_layers` layers."""
+        return max(1, min(num_layers, math.ceil(self.probe_depth * num_layers - 1e-9)))
+
+    @property
+    def full_probe(self) -> bool:
+        """Whether the first pass runs every layer (and so gives full reuse's logits, which the guard reads)."""
+        return self.probe_depth >= 1.0
+
     def schedule(self) -> tuple[float, ...]:
         """Kept share of the chunk tokens after each check layer, ending at the recompute ratio."""
         factors = _CHECKS[self.rule][2] if self.rule in _CHECKS else ()
@@ -103,12 +122,22 @@ class BlendConfig:
 
     @property
     def name(self) -> str:
-        """`rule@ratio`, the spelling the benchmarks and metrics use, e.g. "attention@0.15"."""
-        return f"{self.rule}@{self.recompute_ratio:g}"
+        """`rule@ratio`, the spelling the benchmarks and metrics use, e.g. "attention@0.15"; a shallow first pass
+        adds its depth: "attention:0.25@0.15" (what `blend_rule` reads back)."""
+        depth = "" if self.full_probe else f":{self.probe_depth:g}"
+        return f"{self.rule}{depth}@{self.recompute_ratio:g}"
 
 
 def blend_rule(name: str, recompute_ratio: float = 0.15) -> BlendConfig:
-    """The named selection rule at ratio r, e.g. `blend_rule("paper", 0.15)`. Names: see `RULE_NAMES`."""
-    if name not in RULES:
+    """The named selection rule at ratio r, e.g. `blend_rule("paper", 0.15)`. Names: see `RULE_NAMES`;
+    "attention:D" is "attention" with a first pass over the share D of the layers."""
+    rule, colon, depth = name.partition(":")
+    if rule not in RULES:
         raise ConfigError(f"unknown blend rule {name!r}; choose one of {', '.join(RULE_NAMES)}")
-    return BlendConfig(recompute_ratio=recompute_ratio, rule=name)
+    if not colon:
+        return BlendConfig(recompute_ratio=recompute_ratio, rule=rule)
+    try:
+        share = float(depth)
+    except ValueError:
+        raise ConfigError(f"{rule}:D needs a share D of the layers in (0, 1], got {name!r}") from None
+    return BlendConfig(recompute_ratio=recompute_ratio, rule=rule, probe_depth=share)

@@ -124,6 +124,11 @@ class EngineConfig:
                 f"the guard reads the 'attention' rule's first pass, but blend.rule is {self.blend.rule!r}; use "
                 "blend_rule('attention', r) or guard=None"
             )
+        if self.guard is not None and not self.blend.full_probe:
+            raise ConfigError(
+                f"the guard reads full reuse's logits from a first pass over every layer, but blend.probe_depth is "
+                f"{self.blend.probe_depth:g}; use probe_depth=1.0 or guard=None"
+            )
         if self.miss_policy not in MISS_POLICIES:
             raise ConfigError(f"miss_policy must be one of {', '.join(MISS_POLICIES)}, got {self.miss_policy!r}")
 

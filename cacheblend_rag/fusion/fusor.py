@@ -169,6 +169,7 @@ def fuse(
     want_logits: bool = True,
     block_size: int | None = None,
     attention_from: torch.Tensor | None = None,
+    layers: int | None = None,
     after_layer: Callable[[int], None] | None = None,
 ) -> FusionResult:
     """Run the blended prefill of one prompt over its KV `kv` (`PromptKV`, built for the plan's positions), writing
@@ -182,6 +183,8 @@ def fuse(
     token is averaged over heads, these queries and all layers but the last into `FusionResult.attention`. When
     they are all the tokens being recomputed (full KV reuse's question), their attention output is taken from
     those same probabilities, so the keys are read once per layer, not twice.
+    `layers`: run only the first this many layers (a shallow attention probe), leaving the later layers' KV as
+    loaded; there are no logits then. None: every layer.
     `after_layer(layer_idx)` runs when a layer is done (the scheduler decodes other requests there); it must not
     touch this prompt's tensors.
 
@@ -197,6 +200,11 @@ def fuse(
     if kv.num_tokens != n or kv.num_layers != num_layers:
         raise CacheBlendError(f"the prompt KV holds {kv.num_layers} layers of {kv.num_tokens} tokens; the plan needs "
                               f"{num_layers} of {n}")  # fmt: skip
+    depth = num_layers if layers is None else layers
+    if not 1 <= depth <= num_layers:
+        raise CacheBlendError(f"layers must be in [1, {num_layers}] (the model's layers), got {layers}")
+    if depth < num_layers:
+        want_logits = False  # nothing past the last layer run
     device = lm.device
     if block_size is None:
         block_size = 512 if device.type == "cpu" else 0
@@ -229,7 +237,7 @@ def fuse(
     layer_mask: torch.Tensor | None = None  # the one-call attention mask of `active`, built once per set
     counts: list[int] = []
 
-    for layer_idx in range(num_layers):
+    for layer_idx in range(depth):
         keys, values = kv.layer(layer_idx)  # [Hkv, N, D] each, keys rotated; written in place below
         x = lm.normed_input(layer_idx, hidden)  # [A, hidden]
         raw_k, fresh_v = lm.project_kv(layer_idx, x)  # [Hkv, A, D]
@@ -285,6 +293,8 @@ def fuse(
                 layer_mask = attention_mask(positions[active], positions, query.dtype)[None, None]  # [1, 1, A, N]
             attn_out = attend_blocks(lm, layer_idx, query, keys, values, positions[active], positions, block_size,
                                      as_tail=as_tail, mask=layer_mask)  # fmt: skip
+        if layer_idx == depth - 1 < num_layers - 1:
+            continue  # a shallow probe: the next layer, which would read this one's output, is not run
         hidden = lm.finish_layer(layer_idx, hidden, attn_out)
         if after_layer is not None and layer_idx < num_layers - 1:
             after_layer(layer_idx)

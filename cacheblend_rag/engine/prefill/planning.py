@@ -46,7 +46,7 @@ def cold_cost_share(
     else:
         cost += (budget(chunk_tokens, blend.recompute_ratio) + question) * num_layers
         if blend.uses_attention_pass:
-            cost += question * num_layers  # the full-reuse pass that reads the question's attention
+            cost += question * blend.probe_layers(num_layers)  # the full-reuse pass reading the question's attention
         if blend.uses_check_layers:
             cost += chunk_tokens * (blend.check_layers[0] + 1)  # every chunk token, up to the first check layer
     return cost / (n * num_layers)

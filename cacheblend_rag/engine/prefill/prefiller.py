@@ -282,11 +282,13 @@ class Prefiller:
             return fuse(self.lm, reuse_plan(prompt, n_loaded), kv, after_layer=after_layer)
         if not blend.uses_attention_pass:
             return fuse(self.lm, blend_plan(prompt, blend), kv, after_layer=after_layer)
-        probe = fuse(self.lm, reuse_plan(prompt), kv, attention_from=question_mask(prompt), after_layer=after_layer)
-        assert probe.attention is not None and probe.logits is not None
+        probe = fuse(self.lm, reuse_plan(prompt), kv, attention_from=question_mask(prompt),
+                     layers=blend.probe_layers(self.lm.shape.num_layers), after_layer=after_layer)  # fmt: skip
+        assert probe.attention is not None
         scores = probe.attention
-        guard = self.guard
+        guard = self.guard if probe.logits is not None else None  # as for the rules without a first pass
         spent = list(probe.recomputed_per_layer)  # the probe's question-only pass is part of this rule's compute
+        spent += [0] * (self.lm.shape.num_layers - len(spent))  # the layers a shallow probe does not run
         _, chunks = prefix_and_chunk_masks(prompt)
         # The fusor writes into the KV it reads: a guard that may blend again keeps a copy of the probe's.
         first_pass = kv.copy() if guard is not None else None
@@ -299,7 +301,8 @@ class Prefiller:
 
         result, plan = blend_at(blend, kv)
         assert result.logits is not None and plan.chosen is not None
-        m.risk = first_token_signals(result.logits, probe.logits, scores, chunks, plan.chosen)
+        if probe.logits is not None:  # a shallow first pass has no full-reuse logits to read the risk from
+            m.risk = first_token_signals(result.logits, probe.logits, scores, chunks, plan.chosen)
         m.guard_reason = guard.reason(m.risk) if guard is not None else None
         if guard is not None and m.guard_reason is not None:
             assert first_pass is not None
