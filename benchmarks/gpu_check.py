@@ -121,9 +121,11 @@ def floor_rows(engine, prompt, rows: dict[str, dict[str, float]], rates: DeviceR
         else:
             rule, ratio = name.split(" r=")[0], float(name.split(" r=")[1])
             picks = budget(chunk_tokens, ratio)
-            if rule == "blend":  # the default rule: a question-only pass, then the blend
-                flops = prefill_flops(shape, n, q, picks, probe=q)
-                nbytes = prefill_bytes(shape, n, stored, passes=2)
+            cfg = engine.config.blend if rule == "blend" else blend_rule(rule, ratio)
+            if cfg.uses_attention_pass:  # a question-only pass (over the first layers when shallow), then the blend
+                depth = cfg.probe_layers(shape.layers) / shape.layers
+                flops = prefill_flops(shape, n, q, picks, probe=q, probe_share=depth)
+                nbytes = prefill_bytes(shape, n, stored, passes=1 + depth)
             else:  # a check-layer rule: every chunk token up to its first check layer
                 first = blend_rule(rule, ratio).check_layers[0] + 1
                 extra = chunk_tokens * first // shape.layers
@@ -205,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, default=6)
     p.add_argument("--lengths", default="512,1280", help="chunk lengths in tokens, comma-separated")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15])
-    p.add_argument("--rules", nargs="*", default=["paper"], help="rules timed beside the default (attention)")
+    p.add_argument("--rules", nargs="*", default=["paper", "attention:0.25"],
+                   help="rules timed beside the default (attention): by default `paper` (one pass) and the default "
+                   "rule with its first pass over a quarter of the layers")  # fmt: skip
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="requests of the batched decode step")
     p.add_argument("--repeats", type=int, default=3)
@@ -271,7 +275,7 @@ def write_latest(path, report: dict, commit: str) -> None:
         "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": report["device"],
         "shape": report["shape"], "dtype": report["dtype"], "rates": report["rates"],
         "full_ms": by_length("full"), "reuse_ms": by_length("reuse"), "blend_ms": by_length("blend r=0.15"),
-        "paper_ms": by_length("paper r=0.15"),
+        "paper_ms": by_length("paper r=0.15"), "shallow_probe_ms": by_length("attention:0.25 r=0.15"),
         "blend_generate_ttft_ms": by_length("blend r=0.15", "generate_ttft_ms"),
         "floor_ms": {mode: by_length(mode, "floor_ms") for mode in ("full", "reuse", "blend r=0.15")},
         "decode_step_ms": report["decode_step"], "decode_tps": {"1": report["generate_decode_tok_per_s"]},

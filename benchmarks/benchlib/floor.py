@@ -45,11 +45,13 @@ class Shape:
         return 2 * self.layers * self.kv_heads * self.head_dim * tokens * self.bytes_per_value
 
 
-def prefill_flops(shape: Shape, n: int, tail: int, scattered: int = 0, probe: int = 0) -> float:
+def prefill_flops(
+    shape: Shape, n: int, tail: int, scattered: int = 0, probe: int = 0, probe_share: float = 1.0
+) -> float:
     """FLOPs of a prefill of `n` tokens that computes its last `tail` tokens on every layer (all `n` for a full
     prefill, the question for full KV reuse) and `scattered` tokens spread over the prompt (a blend's picks, each
-    attending over about half the prompt), plus `probe` last tokens through one more pass (the attention rule's
-    question-only pass)."""
+    attending over about half the prompt), plus `probe` last tokens through one more pass over the share
+    `probe_share` of the layers (the attention rule's question-only pass)."""
 
     def layers(tail_tokens: int, spread: int) -> float:
         dense = 2.0 * shape.layer_weights * (tail_tokens + spread)
@@ -58,12 +60,13 @@ def prefill_flops(shape: Shape, n: int, tail: int, scattered: int = 0, probe: in
         return shape.layers * (dense + 4.0 * shape.heads * shape.head_dim * seen)
 
     flops = layers(tail, scattered) + 2.0 * shape.hidden * shape.vocab
-    return flops + (layers(probe, 0) if probe else 0.0)
+    return flops + (probe_share * layers(probe, 0) if probe else 0.0)
 
 
-def prefill_bytes(shape: Shape, n: int, stored: int, *, passes: int = 1) -> int:
-    """Bytes a prefill must move at least: the weights once per pass, the LM head once, the stored KV read once and
-    the whole prompt's KV written once (a full prefill stores nothing: `stored` 0)."""
+def prefill_bytes(shape: Shape, n: int, stored: int, *, passes: float = 1) -> float:
+    """Bytes a prefill must move at least: the weights once per pass (a pass over part of the layers counts as that
+    share of one), the LM head once, the stored KV read once and the whole prompt's KV written once (a full prefill
+    stores nothing: `stored` 0)."""
     weights = shape.layers * shape.layer_weights * shape.bytes_per_value * passes
     head = shape.hidden * shape.vocab * shape.bytes_per_value
     return weights + head + shape.kv_bytes(stored) + shape.kv_bytes(n)

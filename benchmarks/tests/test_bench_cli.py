@@ -281,7 +281,7 @@ def test_load_end_to_end_with_repeats_cold_requests_and_the_serial_check(arrival
 
 def test_gpu_check_end_to_end_on_a_cpu(tmp_path, monkeypatch, capsys):
     """benchmarks/gpu_check.py (the script a lent GPU runs) on a tiny random-weight model on the CPU: every mode and
-    the `paper` rule at every length, prefill alone and through `generate`, loading with and without the prefetch
+    the `paper` rule and a shallow first pass at every length, prefill alone and through `generate`, loading with and without the prefetch
     thread, the decode steps and the profile. No timing is compared."""
     import gpu_check
 
@@ -296,7 +296,7 @@ def test_gpu_check_end_to_end_on_a_cpu(tmp_path, monkeypatch, capsys):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["device"] == "cpu" and report["shape"] == "tiny" and len(report["lengths"]) == 2
     for rows in report["lengths"].values():
-        assert list(rows) == ["full", "reuse", "blend r=0.15", "paper r=0.15"]
+        assert list(rows) == ["full", "reuse", "blend r=0.15", "paper r=0.15", "attention:0.25 r=0.15"]
         assert all(r["prefill_ms"] > 0 and r["generate_ttft_ms"] > 0 for r in rows.values())
     pipeline = report["pipeline"]  # a second engine on the same model, chunk KV loaded without the prefetch thread
     assert list(pipeline) == ["reuse, pipelined", "reuse, inline", "blend r=0.15, pipelined", "blend r=0.15, inline",
@@ -310,8 +310,11 @@ def test_gpu_check_end_to_end_on_a_cpu(tmp_path, monkeypatch, capsys):
         for r in rows.values():
             assert r["floor_ms"] > 0 and r["over_floor"] == pytest.approx(r["prefill_ms"] / r["floor_ms"], rel=0.02)
         assert rows["reuse"]["tflop"] < min(rows["blend r=0.15"]["tflop"], rows["full"]["tflop"])
+        assert rows["attention:0.25 r=0.15"]["tflop"] < rows["blend r=0.15"]["tflop"]  # a shallower first pass
+        assert rows["attention:0.25 r=0.15"]["min_gb"] < rows["blend r=0.15"]["min_gb"]
     latest = json.loads((tmp_path / "latest.json").read_text())
     assert latest["commit"] == "abc123" and set(latest["full_ms"]) == set(report["lengths"])
+    assert set(latest["shallow_probe_ms"]) == set(report["lengths"])
     assert latest["decode_tps"] == {"1": report["generate_decode_tok_per_s"]}
     from benchlib.gpu_latest import main as add_load
 
