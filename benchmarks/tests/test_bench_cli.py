@@ -280,9 +280,9 @@ def test_load_end_to_end_with_repeats_cold_requests_and_the_serial_check(arrival
 
 
 def test_gpu_check_end_to_end_on_a_cpu(tmp_path, monkeypatch, capsys):
-    """benchmarks/gpu_check.py (the script a lent GPU runs) on a tiny random-weight model on the CPU: every mode and
-    the `paper` rule and a shallow first pass at every length, prefill alone and through `generate`, loading with and without the prefetch
-    thread, the decode steps and the profile. No timing is compared."""
+    """benchmarks/gpu_check.py (the script a lent GPU runs) on a tiny random-weight model on the CPU: every mode,
+    the `paper` rule and a shallow first pass at every length, prefill alone and through `generate`, loading with
+    and without the prefetch thread, the decode steps and the profile. No timing is compared."""
     import gpu_check
 
     monkeypatch.setitem(timing.RANDOM_SHAPES, "tiny", TINY_SHAPE)
