@@ -45,7 +45,7 @@ def paired_rows(cases: dict[str, dict[str, dict]], baseline: str, methods: list[
         groups: dict[str, list[str]] = defaultdict(list)
         for case, recs in cases.items():
             pair = recs.get(method), recs.get(baseline)
-            if pair[0] and pair[1] and pair[0]["reference_digest"] == pair[1]["reference_digest"]:
+            if pair[0] and pair[1] and pair[0].get("reference_digest") == pair[1].get("reference_digest"):
                 groups[recs[baseline]["dataset"]].append(case)
                 groups[POOLED].append(case)
         for name in [*sorted(g for g in groups if g != POOLED), POOLED]:
