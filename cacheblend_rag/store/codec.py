@@ -79,8 +79,10 @@ def quantize(x: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> tuple[torc
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes [..., G], scale and low [..., 1] -> codes * scale + low, in `dtype`."""
-    return (codes.float() * scale.float() + low.float()).to(dtype)
+    """codes [..., G], scale and low [..., 1] -> codes * scale + low, in `dtype`. Worked in place on one float32
+    copy of the codes (a loaded layer is decoded on the loading thread, beside the fusor: each pass saved counts)."""
+    out = codes.to(torch.float32)
+    return out.mul_(scale).add_(low).to(dtype)
 
 
 def _round_toward(x: torch.Tensor, dtype: torch.dtype, direction: float) -> torch.Tensor:
