@@ -104,3 +104,14 @@ def test_probe_depth_is_checked_and_named():
 def test_the_guard_needs_the_full_first_pass():
     with pytest.raises(ConfigError, match="probe_depth is 0.25; use probe_depth=1.0 or guard=None"):
         EngineConfig(blend=BlendConfig(probe_depth=0.25), guard=Guard())
+
+
+def test_calibration_needs_the_full_first_pass(tiny_tokenizer):
+    from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.controller import measure_fidelity
+    from cacheblend_rag.testing import make_tiny_model
+
+    config = EngineConfig(blend=BlendConfig(probe_depth=0.5))
+    engine = CacheBlendEngine(make_tiny_model("llama"), tiny_tokenizer, config=config)
+    with pytest.raises(ConfigError, match="probe_depth=0.5; calibrate an engine with probe_depth=1.0"):
+        measure_fidelity(engine, [])

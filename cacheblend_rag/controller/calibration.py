@@ -120,6 +120,11 @@ def measure_fidelity(
             f"the guard reads the 'attention' rule's first pass, but the engine's rule is "
             f"{engine.config.blend.rule!r}; calibrate an engine with blend_rule('attention', r)"
         )
+    if not engine.config.blend.full_probe:
+        raise ConfigError(
+            f"the guard reads full reuse's logits from a first pass over every layer, but the engine's blend has "
+            f"probe_depth={engine.config.blend.probe_depth:g}; calibrate an engine with probe_depth=1.0"
+        )
     grid = tuple(sorted({*map(float, ratios), base, *map(float, ladder)}))
     questions = []
     for item in sample:
