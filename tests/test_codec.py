@@ -142,3 +142,22 @@ def test_codecs_are_found_by_name_and_unknown_names_are_config_errors():
         get_codec("int3", "kv_codec")
     with pytest.raises(ConfigError, match="4 or 8 bits"):
         GroupQuantCodec("int5", bits=5, group=32, scale_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_keys_decode_to_codes_times_scale_plus_low_of_their_own_channel(name, dtype):
+    # The reference, written out: each channel's codes along the tokens (in groups: int4's of 32), times its
+    # group's scale plus its low, in float32, then rounded to the model's dtype once; the decoder's fast path
+    # (int8 widens the codes in token order) must give exactly that.
+    codec = get_codec(name)
+    assert isinstance(codec, GroupQuantCodec)
+    k, v = random_layer(3, dtype=dtype)
+    h, t, d = k.shape
+    group = t if codec.group is None else codec.group
+    n = -(-t // group)
+    padded = torch.cat([k, k[:, -1:].expand(h, n * group - t, d)], dim=1)  # the last token repeated
+    codes, scale, low = quantize(padded.reshape(h, n, group, d).transpose(2, 3), codec.bits, codec.scale_dtype)
+    want = (codes.float() * scale.float() + low.float()).to(dtype).transpose(2, 3).reshape(h, n * group, d)[:, :t]
+    got, _ = round_trip(codec, k, v)
+    assert torch.equal(got, want)
