@@ -45,6 +45,16 @@ def test_real_blend_at_ratio_zero_equals_full_reuse(engine, prompt):
     assert (reuse - engine.prefill(prompt, "full").logits).abs().max() > 1e-2
 
 
+def test_real_blend_with_a_shallow_first_pass_keeps_both_ends_of_the_ratio_range(engine, prompt):
+    from cacheblend_rag import BlendConfig
+
+    full, reuse = engine.prefill(prompt, "full").logits, engine.prefill(prompt, "reuse").logits
+    at_one = engine.prefill(prompt, "blend", blend=BlendConfig(1.0, probe_depth=0.25)).logits
+    at_zero = engine.prefill(prompt, "blend", blend=BlendConfig(0.0, probe_depth=0.25)).logits
+    torch.testing.assert_close(at_one, full, atol=1e-4, rtol=0)
+    torch.testing.assert_close(at_zero, reuse, atol=1e-4, rtol=0)
+
+
 def test_real_single_front_chunk_blend_equals_prefix_caching(engine):
     p = engine.build_prompt(CHUNKS[:1], QUESTION)
     torch.testing.assert_close(
