@@ -127,7 +127,7 @@ def floor_rows(engine, prompt, rows: dict[str, dict[str, float]], rates: DeviceR
                 flops = prefill_flops(shape, n, q, picks, probe=q, probe_share=depth)
                 nbytes = prefill_bytes(shape, n, stored, passes=1 + depth)
             else:  # a check-layer rule: every chunk token up to its first check layer
-                first = blend_rule(rule, ratio).check_layers[0] + 1
+                first = cfg.check_layers[0] + 1
                 extra = chunk_tokens * first // shape.layers
                 flops, nbytes = prefill_flops(shape, n, q, picks + extra), prefill_bytes(shape, n, stored)
         floor = rates.floor_ms(flops, nbytes)

@@ -17,8 +17,6 @@ import torch  # noqa: E402
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig  # noqa: E402
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer  # noqa: E402
 
-random_words = opcount.random_words
-
 torch.set_num_threads(1)
 opcount.gpu_path()
 engine = CacheBlendEngine(
@@ -26,7 +24,7 @@ engine = CacheBlendEngine(
     make_tiny_tokenizer(),
     config=EngineConfig(miss_policy="blend"),
 )
-chunks = [random_words(i, 70) for i in range(6)]
+chunks = [opcount.random_words(i, 70) for i in range(6)]
 question = "w1 w2 w3 w4 w5"
 engine.precompute(chunks, question)
 engine.generate(chunks, question, max_new_tokens=1)

@@ -36,7 +36,7 @@ def test_a_probe_over_all_layers_but_the_last_reads_the_same_attention_as_a_full
     full, shallow = probe(tiny_engine, prompt, None), probe(tiny_engine, prompt, layers - 1)
     torch.testing.assert_close(shallow.attention, full.attention, atol=1e-6, rtol=0)
     assert full.logits is not None and shallow.logits is None
-    assert shallow.recomputed_per_layer == full.recomputed_per_layer[: layers - 1]
+    assert shallow.recomputed_per_layer == full.recomputed_per_layer[: layers - 1] + [0]  # the layer it does not run
 
 
 def test_a_shallow_probe_writes_only_the_layers_it_runs(tiny_engine):

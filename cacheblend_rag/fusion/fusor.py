@@ -278,14 +278,18 @@ def fuse(
             active, hidden, x, cos_a, sin_a = active[-1:], hidden[-1:], x[-1:], cos_a[-1:], sin_a[-1:]
             q_active, layer_mask = 1, None
         query = rope_rotate(lm.queries(layer_idx, x), cos_a, sin_a)  # [H, A, D]
+        # a shallow probe's last layer: only its attention weights are read, as no later layer is run
+        shallow_end = layer_idx == depth - 1 < num_layers - 1
         attn_out = None
         if probe_mask is not None and layer_idx < num_layers - 1 and n_rows > 0:
             q_rows = query if rows is None else query[:, rows]
             probs = lm.attention_weights(layer_idx, q_rows, keys, probe_mask)  # [H, Q, N]
             attn_sum += probs.mean(dim=(0, 1))
             attn_layers += 1
-            if rows is None:  # every query is recorded: their output from the same weights
+            if rows is None and not shallow_end:  # every query is recorded: their output from the same weights
                 attn_out = lm.attend_from_weights(layer_idx, probs, values)
+        if shallow_end:
+            continue
         if attn_out is None:
             # the prompt's tail, and at least half of it: the causal square's padded rows cost less than a mask's waste
             as_tail = tail and q_active == n_computed and 2 * q_active > n - 1
@@ -293,8 +297,6 @@ def fuse(
                 layer_mask = attention_mask(positions[active], positions, query.dtype)[None, None]  # [1, 1, A, N]
             attn_out = attend_blocks(lm, layer_idx, query, keys, values, positions[active], positions, block_size,
                                      as_tail=as_tail, mask=layer_mask)  # fmt: skip
-        if layer_idx == depth - 1 < num_layers - 1:
-            continue  # a shallow probe: the next layer, which would read this one's output, is not run
         hidden = lm.finish_layer(layer_idx, hidden, attn_out)
         if after_layer is not None and layer_idx < num_layers - 1:
             after_layer(layer_idx)
@@ -303,7 +305,7 @@ def fuse(
     return FusionResult(
         kv=kv,
         logits=logits,
-        recomputed_per_layer=counts,
+        recomputed_per_layer=counts + [0] * (num_layers - depth),  # a shallow probe recomputes nothing past its layers
         selected_positions=positions[selected],
         attention=None if attention_from is None else attn_sum / max(attn_layers, 1),
     )

@@ -288,7 +288,6 @@ class Prefiller:
         scores = probe.attention
         guard = self.guard if probe.logits is not None else None  # as for the rules without a first pass
         spent = list(probe.recomputed_per_layer)  # the probe's question-only pass is part of this rule's compute
-        spent += [0] * (self.lm.shape.num_layers - len(spent))  # the layers a shallow probe does not run
         _, chunks = prefix_and_chunk_masks(prompt)
         # The fusor writes into the KV it reads: a guard that may blend again keeps a copy of the probe's.
         first_pass = kv.copy() if guard is not None else None
