@@ -69,7 +69,6 @@ class StaticStep:
         """The step on the loaded inputs; -> logits [size, vocab] float32 (rows past the batch are padding)."""
         lm, pool, s = self.lm, self.pool, self.lm.shape
         mask = (self.span[None, :] < self.lengths[:, None])[:, None, None, :]  # [S, 1, 1, C]
-        blocked = None if pool.fused else ~mask
         hidden = lm.embed(self.ids)
         cos, sin = lm.rope(self.positions)
         sin = signed_sin(sin)
@@ -82,7 +81,7 @@ class StaticStep:
             attn = lm.layers[layer_idx].self_attn
             full = q.new_zeros(pool.slots, s.num_heads, 1, s.head_dim)
             full[self.rows] = q.transpose(0, 1)[:, :, None]
-            out = pool.attention(layer_idx, full, mask, attn.scaling, blocked)  # [S, H, D]
+            out = pool.attention(layer_idx, full, mask, attn.scaling)  # [S, H, D]
             hidden = lm.finish_layer(layer_idx, hidden, attn.o_proj(out[self.rows].reshape(self.size, -1)))
         return lm.logits(hidden)
 
