@@ -239,7 +239,7 @@ class LayerwiseModel:
         the query's own position last (a query sees every key it is given). Returns [B, hidden].
         """
         attn = self.layers[layer_idx].self_attn
-        if query.device.type == "cpu":  # one query: two small products beat the fused kernel's set-up on a CPU
+        if query.device.type == "cpu":  # the per-request reference the slot pool is tested against: plain products
             rows = [self._attend_one(query[:, b], k, v, attn.scaling) for b, (k, v) in enumerate(keys_values)]
         else:
             gqa = self.shape.num_heads != self.shape.num_kv_heads
