@@ -10,7 +10,8 @@ Two measures:
   decode tokens/s and time to the last token, per round (the request's pool is made and let go each time);
 - fidelity (`--kl N`): on N prompts of about 790 tokens, the model's own greedy decode (its forward with a
   `DynamicCache`, native weights) along 96 tokens is the reference; each pool's int8 decode steps, teacher-forced
-  on the same tokens, are scored by the mean KL(model || pool) and top-1 agreement.
+  on the same tokens, are scored by the mean KL(model || pool) and top-1 agreement (`--native-weights`: the
+  steps run the model's own weights, which shows the two attentions' rounding alone).
 
     python research/decode_pool_ab.py --dtype bfloat16 --rounds 6
     python research/decode_pool_ab.py --dtype float32 --rounds 4 --kl 3
@@ -94,10 +95,11 @@ def speed(engine: CacheBlendEngine, rounds: int, new_tokens: int) -> None:
         print(f"{key:13s} before {statistics.median(b):7.3f}  now {statistics.median(a):7.3f}  now/before {ratios}")
 
 
-def kl(engine: CacheBlendEngine, dtype: torch.dtype, prompts: int = 3, steps: int = 96) -> None:
+def kl(engine: CacheBlendEngine, dtype: torch.dtype, prompts: int = 3, native: bool = False, steps: int = 96) -> None:
     tok, model = engine.tokenizer, engine.model
     pool_of_chunks = chunk_texts(tok, 3 * prompts, 256, Path("../shared/data"))
-    decoder = BatchDecoder(int8_decode_lm(model))
+    decoder = BatchDecoder(engine.lm if native else int8_decode_lm(model))
+    weights = "native" if native else "int8"
     scores: dict[str, list[tuple[float, int]]] = {name: [] for name in POOLS}
     for case in range(prompts):
         text = " ".join(pool_of_chunks[3 * case : 3 * case + 3]) + " Question: " + QUESTIONS[case % len(QUESTIONS)]
@@ -126,7 +128,7 @@ def kl(engine: CacheBlendEngine, dtype: torch.dtype, prompts: int = 3, steps: in
     for name, rows in scores.items():
         kls = [k for k, _ in rows]
         top1 = sum(a for _, a in rows)
-        print(f"{name}: int8 steps against the model's own decode ({prompts} prompts of ~790 tokens, {len(rows)} "
+        print(f"{name}: {weights} steps against the model's own decode ({prompts} prompts of ~790 tokens, {len(rows)} "
               f"steps): mean KL {statistics.mean(kls):.2e} (max {max(kls):.2e}), top-1 {top1}/{len(rows)}")  # fmt: skip
 
 
@@ -136,6 +138,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--kl", type=int, default=0, metavar="PROMPTS", help="teacher-forced fidelity on PROMPTS")
+    p.add_argument("--native-weights", action="store_true", help="score steps with the model's weights, not int8")
     args = p.parse_args()
     torch.set_num_threads(2)
     engine = CacheBlendEngine.from_pretrained(
@@ -145,7 +148,7 @@ def main() -> None:
     if args.rounds:
         speed(engine, args.rounds, args.new_tokens)
     if args.kl:
-        kl(engine, getattr(torch, args.dtype), args.kl)
+        kl(engine, getattr(torch, args.dtype), args.kl, args.native_weights)
 
 
 if __name__ == "__main__":
