@@ -116,7 +116,7 @@ class SlotPool:
         self.free += list(range(self.slots, slots))
         self.lengths += [0] * (slots - self.slots)
         self.keys, self.values = keys, values
-        self._clear_tail(slice(0, old_slots), old_capacity)  # the slots held now, at their new positions  # the slots held now, at their new positions
+        self._clear_tail(slice(0, old_slots), old_capacity)  # the slots held now, at their new positions
 
     def step_plan(self, slots: list[int]) -> StepPlan:
         """The index tensors and the mask of one decode step of the requests in `slots` (one token each)."""
