@@ -159,19 +159,16 @@ def test_memory_the_pool_never_wrote_cannot_reach_a_request(lm, monkeypatch):
         return out.fill_(float("nan")) if out.is_floating_point() else out
 
     decoder = BatchDecoder(lm)
-    own, slots, tokens = [], [], []
-    for i, n in enumerate([5, 20]):  # the second reads past the first pool's positions: so must the first's mask
-        cache, keys, values, token = prefilled(lm.model, n, seed=i, room=30)
-        own.append(cache)
-        slots.append(None)
-        tokens.append(token)
-        if i == 0:
-            monkeypatch.setattr(torch, "empty", nan_empty)
-            pool = SlotPool(lm.shape, torch.float32, "cpu", slots=1, capacity=12)
-            assert torch.isnan(pool.values).all()
-            slots[0] = pool.admit(keys, values, n, room=4)
-        else:  # the pool grows in slots and positions: its new memory is NaN too
-            slots[1] = pool.admit(keys, values, n, room=30)
+    prompts = [prefilled(lm.model, n, seed=i, room=30) for i, n in enumerate([5, 20])]
+    own = [cache for cache, _, _, _ in prompts]
+    tokens = [token for _, _, _, token in prompts]
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    pool = SlotPool(lm.shape, torch.float32, "cpu", slots=1, capacity=12)
+    assert torch.isnan(pool.values).all()
+    # the second reads past the first pool's positions (so must the first's mask), and the pool grows in slots and
+    # positions for it: its new memory is NaN too
+    (_, keys0, values0, _), (_, keys1, values1, _) = prompts
+    slots = [pool.admit(keys0, values0, 5, room=4), pool.admit(keys1, values1, 20, room=30)]
     assert pool.slots == 2 and pool.capacity > 12
     for _ in range(3):
         want = decoder.step(tokens, own)

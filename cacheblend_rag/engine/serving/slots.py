@@ -47,8 +47,8 @@ class SlotPool:
 
     def _empty(self, slots: int, capacity: int) -> torch.Tensor:
         """Uninitialised: nothing is written (or, on a CPU, even mapped) until a slot is given to a request, which
-        then zeroes what it does not fill (`_clear_tail`). Zeroing the whole pool up front touched every page of
-        every slot for a lone request: about 0.3 s for the default model at 3k positions."""
+        then zeroes what it does not fill (`_clear_tail`). Zeroing the whole pool here would touch every page of
+        every slot, about 0.3 s for a lone request of the default model at 3k positions."""
         s = self.shape
         return torch.empty(s.num_layers, slots, s.num_kv_heads, capacity, s.head_dim, dtype=self.dtype,
                            device=self.device)  # fmt: skip
