@@ -257,6 +257,35 @@ def test_tiered_put_never_waits_on_a_slow_lower_tier():
     assert "chunk-a" in slow
     store.close()
 
+def test_a_chunk_still_being_written_down_is_served_from_its_copy_not_recomputed():
+    """The first tier keeps no room for the chunk (a zero memory budget); the disk write is held back. Until it
+    lands, a lookup is a hit from the copy being written, counted for the tier it is going to; after it lands, the
+    tier itself serves it. A chunk the writer has not been given is still a miss."""
+    release = threading.Event()
+
+    class SlowTier(MemoryStore):
+        def put(self, kv):
+            release.wait(timeout=10)
+            super().put(kv)
+
+    slow = SlowTier(10 * 1024**2, name="slow")
+    store = TieredStore([MemoryStore(0), slow])
+    kv = make_kv("chunk-a", seed=3)
+    store.put(kv)
+    assert "chunk-a" not in slow and "chunk-a" in store
+    held = store.open("chunk-a")
+    assert held is not None and held.tier == "slow" and same(held.kv.materialize(), kv)
+    assert same(store.get("chunk-a"), kv) and store.get("chunk-b") is None
+    assert store.hits_by_tier == {"memory": 0, "slow": 2} and (store.stats.hits, store.stats.misses) == (2, 1)
+    assert slow.stats.hits == 0  # the slow tier itself was never asked for the chunk still on its way
+    release.set()
+    store.flush(timeout=10)
+    assert same(store.get("chunk-a"), kv) and slow.stats.hits == 1
+    store.discard("chunk-a")
+    assert store.get("chunk-a") is None and "chunk-a" not in store
+    store.close()
+
+
 
 def test_tiered_clear_empties_the_named_tiers_only(tmp_path):
     from cacheblend_rag.errors import ConfigError

@@ -30,8 +30,12 @@ class TieredStore:
 
     `names` label the tiers in `hits_by_tier` and in `Hit.tier` (default: each tier's `name`). With
     `write_back` (the default), `put` stores into the first tier at once and into the others on a background
-    thread, so a request never waits on disk or Redis; `flush()` waits for pending writes. A stack is itself a
-    `ChunkStore`: it can be a tier of another stack, or be passed to the engine like any single tier.
+    thread, so a request never waits on disk or Redis; `flush()` waits for pending writes. Until a chunk's
+    background write lands, a lookup the first tier misses (it kept no room for the chunk, or evicted it) is
+    served from the copy being written, as computed (before the lower tiers' codec), and counted as a hit of
+    the second tier: the next request never recomputes a chunk only because its write is still under way. A
+    stack is itself a `ChunkStore`: it can be a tier of another stack, or be passed to the engine like any
+    single tier.
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class TieredStore:
             else None
         )
         self._pending: set[Future] = set()
+        self._writing: dict[str, ChunkKV] = {}  # chunks on their way to the lower tiers, by key
         # Hits of lower tiers handed out by `open` and not read whole yet: (tier name, weak reader) by key.
         self._unread: dict[str, tuple[str, weakref.ref]] = {}
 
@@ -82,6 +87,14 @@ class TieredStore:
 
     def _find(self, key: str, *, lazy: bool) -> Hit | None:
         for i, tier in enumerate(self.tiers):
+            if i == 1:
+                with self._lock:
+                    writing = self._writing.get(key)
+                    if writing is not None:  # on its way down, held in memory: no disk or network read needed
+                        self.stats.hits += 1
+                        self.stats.bytes_read += writing.nbytes
+                        self.hits_by_tier[self.names[1]] += 1
+                        return Hit(writing, self.names[1])
             if lazy:
                 found = tier.open(key)
                 kv: ChunkReader | None = None if found is None else found.kv
@@ -135,10 +148,11 @@ class TieredStore:
             for tier in self.tiers[1:]:
                 tier.put(kv)
             return
-        future = self._writer.submit(self._write_lower, kv)
         with self._lock:
+            self._writing[kv.key] = kv
+            future = self._writer.submit(self._write_lower, kv)
             self._pending.add(future)
-        future.add_done_callback(self._written)
+        future.add_done_callback(functools.partial(self._written, kv))
 
     def _write_lower(self, kv: ChunkKV) -> None:
         for name, tier in zip(self.names[1:], self.tiers[1:], strict=True):
@@ -147,9 +161,11 @@ class TieredStore:
             except Exception:  # a tier that raises must not lose the writes to the others
                 logger.exception("writing chunk %s to the %s tier failed", kv.key[:12], name)
 
-    def _written(self, future: Future) -> None:
+    def _written(self, kv: ChunkKV, future: Future) -> None:
         with self._lock:
             self._pending.discard(future)
+            if self._writing.get(kv.key) is kv:  # a newer put of the key keeps its own copy
+                del self._writing[kv.key]
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every background write has reached every tier."""
@@ -170,6 +186,7 @@ class TieredStore:
         parent writes); start a new one, with a fresh lock."""
         self._lock = threading.Lock()
         self._pending = set()
+        self._writing = {}
         self._unread = {}
         if self._writer is not None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-write-back")
@@ -187,6 +204,7 @@ class TieredStore:
         read whole (the engine refusing its shape or dtype) is counted as a miss, here and in that tier."""
         with self._lock:
             refused = self._unread.pop(key, None)
+            self._writing.pop(key, None)
         if refused is not None:
             self._unhit(key, refused[0])
         for tier in self.tiers:
@@ -209,6 +227,9 @@ class TieredStore:
         return {name: tier.stats for name, tier in zip(self.names, self.tiers, strict=True)}
 
     def __contains__(self, key: object) -> bool:
+        with self._lock:
+            if key in self._writing:
+                return True
         return any(key in tier for tier in self.tiers)
 
     def codecs_holding(self, key: str) -> frozenset[str]:
