@@ -253,6 +253,30 @@ def test_fused_int8_products_give_the_outputs_of_the_products_they_replace(famil
         tokens = [int(t) for t in want.argmax(-1)]
 
 
+def test_int8_products_on_many_threads_each_get_their_own_rows():
+    """An int8 product writes its scaled input into a buffer it reuses; two threads running products of the same
+    shape at once must not see each other's rows. Large inputs (a prompt's rows) are not kept, and agree too."""
+    from torch import nn
+
+    from cacheblend_rag.models.int8 import Int8Linear
+
+    torch.manual_seed(0)
+    product = Int8Linear(nn.Linear(64, 48))
+    inputs = [torch.randn(3, 64) * (i + 1) for i in range(4)]
+    want = [product(x) for x in inputs]
+    barrier = threading.Barrier(4)
+
+    def run(i: int) -> bool:
+        barrier.wait()
+        return all(torch.equal(product(inputs[i]), want[i]) for _ in range(200))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(run, range(4)))
+    prompt = torch.randn(100, 64)
+    rows = torch.cat([product(prompt[i : i + 1]) for i in range(100)])
+    assert torch.equal(product(prompt), rows)  # each of 100 rows as it is alone
+
+
 def test_an_engine_with_int8_decode_weights_keeps_the_exact_first_token():
     chunks, args = request_args(0)
     exact = engine_for(2).generate(chunks, **args)

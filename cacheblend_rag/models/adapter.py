@@ -36,6 +36,30 @@ def attention_kernels(device: torch.device) -> AbstractContextManager[object]:
     return sdpa_kernel(_GPU_ATTENTION) if device.type == "cuda" else nullcontext()
 
 
+def _rms_norm_classes() -> tuple[type[nn.Module], ...]:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    return LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm
+
+
+_RMS_NORMS = _rms_norm_classes()
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)` for the supported families' RMSNorm as torch's fused `rms_norm`: one operation in float32 (three in
+    another dtype) where the module's forward runs eight, the same formula (float32 statistics, the weight applied
+    in the input's dtype). Any other norm module runs its own forward."""
+    if not isinstance(norm, _RMS_NORMS):
+        return norm(x)
+    weight, eps = norm.weight, norm.variance_epsilon
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -152,7 +176,7 @@ class LayerwiseModel:
 
     def normed_input(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
         """The attention input of a layer. hidden: [T, hidden] -> [T, hidden]"""
-        return self.layers[layer_idx].input_layernorm(hidden)
+        return rms_norm(self.layers[layer_idx].input_layernorm, hidden)
 
     def project_kv(self, layer_idx: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: normed input [T, hidden] -> raw keys (before RoPE) [Hkv, T, D], values [Hkv, T, D]"""
@@ -160,7 +184,7 @@ class LayerwiseModel:
         t, d = x.shape[0], self.shape.head_dim
         k = attn.k_proj(x).view(t, -1, d)  # [T, Hkv, D]
         if self.has_qk_norm:
-            k = attn.k_norm(k)
+            k = rms_norm(attn.k_norm, k)
         v = attn.v_proj(x).view(t, -1, d)
         return k.transpose(0, 1), v.transpose(0, 1)
 
@@ -169,7 +193,7 @@ class LayerwiseModel:
         attn = self.layers[layer_idx].self_attn
         q = attn.q_proj(x).view(x.shape[0], -1, self.shape.head_dim)  # [A, H, D]
         if self.has_qk_norm:
-            q = attn.q_norm(q)
+            q = rms_norm(attn.q_norm, q)
         return q.transpose(0, 1)
 
     def project_q(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -194,8 +218,26 @@ class LayerwiseModel:
         q, k, v = self.fused_qkv[layer_idx](x).split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], -1)
         q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
         if self.has_qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def step_qkv(
+        self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step's projections, one token per request, batch first: x [B, hidden]; cos, sin_signed
+        [B, 1, D] (`signed_sin`) -> rotated queries [B, H, D], rotated keys and values [B, Hkv, D].
+
+        With `fused_qkv` (and no per-head q/k norm), the queries and keys are turned in one pass, in place in the
+        product's output, and the three come back as views of it."""
+        s = self.shape
+        b, d = x.shape[0], s.head_dim
+        if self.fused_qkv is None or self.has_qk_norm:
+            q, k, v = (t.transpose(0, 1) for t in self.project_raw_qkv(layer_idx, x))
+            return rope_rotate(q, cos, sin_signed), rope_rotate(k, cos, sin_signed), v
+        qkv = self.fused_qkv[layer_idx](x).view(b, -1, d)  # [B, H + 2 Hkv, D]
+        turned = qkv[:, : s.num_heads + s.num_kv_heads]
+        rope_rotate(turned, cos, sin_signed, out=turned)
+        return qkv[:, : s.num_heads], qkv[:, s.num_heads : s.num_heads + s.num_kv_heads], qkv[:, -s.num_kv_heads :]
 
     def attend(
         self,
@@ -291,8 +333,8 @@ class LayerwiseModel:
         """Residual, post-attention norm and MLP. hidden, attn_out: [A, hidden] -> [A, hidden]"""
         layer = self.layers[layer_idx]
         hidden = hidden + attn_out
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden + layer.mlp(rms_norm(layer.post_attention_layernorm, hidden))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head. hidden: [T, hidden] -> logits [T, vocab] (float32)"""
-        return self.model.lm_head(self.base.norm(hidden)).float()
+        return self.model.lm_head(rms_norm(self.base.norm, hidden)).float()

@@ -21,6 +21,7 @@ the products it replaces: fusing changes the step's time, not its numbers.
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 
 import torch
@@ -50,16 +51,45 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, shape[-1]).float()
-        size = rows.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
-        pinned = torch.cat([rows / size, _ENDS.expand(rows.shape[0], 2)], dim=1)
+        rows = x.reshape(-1, shape[-1])
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        if rows.requires_grad:  # the quantized kernel has no gradient, and an `out=` write takes none
+            rows = rows.detach()
+        size = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp_min_(1e-12)  # max |x|
+        pinned, body = _PINNED.get(rows.shape[0], self.in_features)
+        torch.div(rows, size, out=body)
         y = torch.ops.quantized.linear_dynamic(pinned, self.packed, True).mul_(size)
         if self.bias is not None:
             y.add_(self.bias)
-        return y.to(self.out_dtype).view(*shape[:-1], self.out_features)
+        if self.out_dtype != torch.float32:
+            y = y.to(self.out_dtype)
+        return y.view(*shape[:-1], self.out_features)
 
 
-_ENDS = torch.tensor([1.0, -1.0])  # the two pinning inputs, appended to every row
+class _PinnedRows(threading.local):
+    """Per thread: the pinned input buffers of decode-sized products, by (rows, in_features)."""
+
+    KEPT_UP_TO = 64  # rows; a larger input (a prompt run through int8 weights) gets a buffer of its own
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, rows: int, features: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [rows, features + 2] buffer whose last two columns hold +1 and -1, and the view of its first
+        `features` columns, where a product's scaled input is written: a decode step makes no new input."""
+        found = self.buffers.get((rows, features))
+        if found is None:
+            with torch.inference_mode(False):  # a plain tensor: written in and out of inference mode alike
+                pinned = torch.empty(rows, features + 2)
+                pinned[:, features:] = torch.tensor([1.0, -1.0])  # the two pinning inputs, appended to every row
+                found = (pinned, pinned[:, :features])
+            if rows <= self.KEPT_UP_TO:
+                self.buffers[(rows, features)] = found
+        return found
+
+
+_PINNED = _PinnedRows()
 
 
 def _stacked(linears: list[nn.Linear]) -> nn.Linear:

@@ -97,11 +97,9 @@ class BatchDecoder:
         plan = pool.step_plan(list(slots))
         hidden = lm.embed(torch.tensor(list(tokens), dtype=torch.long, device=lm.device))  # [B, hidden]
         cos, sin = lm.rope(plan.positions)  # [B, D]
-        sin = signed_sin(sin)
+        cos, sin = cos[:, None], signed_sin(sin)[:, None]  # [B, 1, D]: one row per request, for every head
         for layer_idx in range(lm.shape.num_layers):
-            x = lm.normed_input(layer_idx, hidden)
-            q, raw_k, v = lm.project_raw_qkv(layer_idx, x)  # [H, B, D], [Hkv, B, D] x 2
-            q, k = rope_rotate(q, cos, sin), rope_rotate(raw_k, cos, sin)
+            q, k, v = lm.step_qkv(layer_idx, lm.normed_input(layer_idx, hidden), cos, sin)  # [B, H | Hkv, D]
             attn = lm.layers[layer_idx].self_attn
             out = pool.attend(layer_idx, plan, q, k, v, attn.scaling)
             hidden = lm.finish_layer(layer_idx, hidden, attn.o_proj(out))

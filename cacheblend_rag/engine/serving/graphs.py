@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ...models.adapter import LayerwiseModel, rope_rotate, signed_sin
+from ...models.adapter import LayerwiseModel, signed_sin
 from .slots import SlotPool
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # batch sizes a step is padded to
@@ -71,17 +71,16 @@ class StaticStep:
         mask = (self.span[None, :] < self.lengths[:, None])[:, None, None, :]  # [S, 1, 1, C]
         hidden = lm.embed(self.ids)
         cos, sin = lm.rope(self.positions)
-        sin = signed_sin(sin)
+        cos, sin = cos[:, None], signed_sin(sin)[:, None]  # [size, 1, D]
         for layer_idx in range(s.num_layers):
-            x = lm.normed_input(layer_idx, hidden)
-            q, raw_k, v = lm.project_raw_qkv(layer_idx, x)  # [H, size, D], [Hkv, size, D] x 2
-            q, k = rope_rotate(q, cos, sin), rope_rotate(raw_k, cos, sin)
-            pool.keys[layer_idx][self.rows, :, self.positions] = k.transpose(0, 1)
-            pool.values[layer_idx][self.rows, :, self.positions] = v.transpose(0, 1)
+            q, k, v = lm.step_qkv(layer_idx, lm.normed_input(layer_idx, hidden), cos, sin)  # [size, H | Hkv, D]
+            keys, values = pool.keys[layer_idx], pool.values[layer_idx]  # [S, Hkv, C, D]
+            keys[self.rows, :, self.positions] = k
+            values[self.rows, :, self.positions] = v
             attn = lm.layers[layer_idx].self_attn
-            full = q.new_zeros(pool.slots, s.num_heads, 1, s.head_dim)
-            full[self.rows] = q.transpose(0, 1)[:, :, None]
-            out = pool.attention(layer_idx, full, mask, attn.scaling)  # [S, H, D]
+            full = q.new_zeros(pool.slots, s.num_heads, s.head_dim)
+            full[self.rows] = q
+            out = pool.attention(full, keys, values, mask, attn.scaling)  # [S, Hkv, H / Hkv, D]
             hidden = lm.finish_layer(layer_idx, hidden, attn.o_proj(out[self.rows].reshape(self.size, -1)))
         return lm.logits(hidden)
 

@@ -130,40 +130,39 @@ class SlotPool:
         rows = torch.tensor(slots, dtype=torch.long, device=device)
         dense = slots == list(range(hi))  # the requests fill slots 0..hi-1 in order: no gathering around attention
         mask = mask.to(device)[:, None, None, :]
-        return StepPlan(rows, torch.tensor(positions, dtype=torch.long, device=device), hi, mask, dense)
+        at = torch.tensor(positions, dtype=torch.long, device=device)
+        return StepPlan(rows, at, hi, mask, dense, self.keys[:, :hi, :, :n], self.values[:, :hi, :, :n])
 
     def attend(self, layer_idx: int, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scale: float) -> torch.Tensor:  # fmt: skip
-        """Write the step's keys and values ([Hkv, B, D], request b at slot plan.rows[b]) in place, then attend each
-        request's query ([H, B, D]) over its slot; -> [B, H * D] in the order of the requests."""
-        s = self.shape
-        self.keys[layer_idx][plan.rows, :, plan.positions] = key.transpose(0, 1)  # [B, Hkv, D], one write each
-        self.values[layer_idx][plan.rows, :, plan.positions] = value.transpose(0, 1)
+        """Write the step's keys and values ([B, Hkv, D], request b at slot plan.rows[b]) in place, then attend each
+        request's query ([B, H, D]) over its slot; -> [B, H * D] in the order of the requests."""
+        keys, values = plan.keys[layer_idx], plan.values[layer_idx]  # [hi, Hkv, n, D]
+        keys[plan.rows, :, plan.positions] = key  # one write per request and head
+        values[plan.rows, :, plan.positions] = value
         if plan.dense:
-            q = query.transpose(0, 1)[:, :, None]  # [B, H, 1, D]
+            q = query
         else:
-            q = query.new_zeros(plan.hi, s.num_heads, 1, s.head_dim)
-            q[plan.rows] = query.transpose(0, 1)[:, :, None]  # into the batch's slots
-        out = self.attention(layer_idx, q, plan.mask, scale)
+            q = query.new_zeros(plan.hi, *query.shape[1:])
+            q[plan.rows] = query  # into the batch's slots
+        out = self.attention(q, keys, values, plan.mask, scale)
         return (out if plan.dense else out[plan.rows]).reshape(len(plan.positions), -1)
 
-    def attention(self, layer_idx: int, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-        """One query per slot ([hi, H, 1, D], slots 0..hi-1) over the first n positions of its slot, `mask`
-        ([hi, 1, 1, n] bool) saying which it sees; -> [hi, H, D].
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                  scale: float) -> torch.Tensor:  # fmt: skip
+        """One query per slot ([hi, H, D]) over its slot's keys and values in one layer ([hi, Hkv, n, D], views of
+        the pool), `mask` ([hi, 1, 1, n] bool) saying which positions it sees; -> [hi, Hkv, H / Hkv, D] (the query
+        heads of each KV head).
 
         torch's fused kernel on every device: on a CPU too it beats the same attention written as two products,
         a scale, a mask and a softmax (by 10-25% in bf16, where a product over transposed keys copies them, and
         level in fp32; the default model's step at 300-3,100 positions, 1 and 8 requests)."""
         s = self.shape
-        hi, n = q.shape[0], mask.shape[-1]
-        keys = self.keys[layer_idx, :hi, :, :n]  # [hi, Hkv, n, D]
-        values = self.values[layer_idx, :hi, :, :n]
         # the query heads of one KV head as that head's queries ([hi, Hkv, groups, D]): no GQA support needed of the
         # kernel, and a mask over keys is all a backend must take
-        grouped = q.view(hi, s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim)
+        grouped = q.view(q.shape[0], s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim)
         with attention_kernels(q.device):
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
-        return out.reshape(hi, s.num_heads, s.head_dim)
+            return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
 
     def advance(self, slots: list[int]) -> None:
         """The step is written in every layer: each slot's next token goes one position further."""
@@ -173,13 +172,15 @@ class SlotPool:
 
 class StepPlan:
     """What every layer of one batched step reuses: the requests' slots and write positions, the slots spanned, the
-    mask over the keys attended ([hi, 1, 1, n] bool: n, the keys, is its last size), and whether the requests are
-    slots 0..hi-1 in order."""
+    mask over the keys attended ([hi, 1, 1, n] bool: n, the keys, is its last size), whether the requests are
+    slots 0..hi-1 in order, and the pool's keys and values the step reads and writes ([L, hi, Hkv, n, D] views)."""
 
-    __slots__ = ("rows", "positions", "hi", "mask", "dense")
+    __slots__ = ("rows", "positions", "hi", "mask", "dense", "keys", "values")
 
-    def __init__(self, rows: torch.Tensor, positions: torch.Tensor, hi: int, mask: torch.Tensor, dense: bool) -> None:
+    def __init__(self, rows: torch.Tensor, positions: torch.Tensor, hi: int, mask: torch.Tensor, dense: bool,
+                 keys: torch.Tensor, values: torch.Tensor) -> None:  # fmt: skip
         self.rows, self.positions, self.hi, self.mask, self.dense = rows, positions, hi, mask, dense
+        self.keys, self.values = keys, values
 
 
 def rounded(positions: int, step: int = 256) -> int:
