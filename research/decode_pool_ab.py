@@ -52,16 +52,14 @@ class OldPool(SlotPool):
     def _clear_tail(self, slots, start: int) -> None:
         pass  # everything was zero already
 
-    def attention(self, layer_idx: int, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                  scale: float) -> torch.Tensor:  # fmt: skip
         s = self.shape
-        hi, n = q.shape[0], mask.shape[-1]
-        keys = self.keys[layer_idx, :hi, :, :n]
-        values = self.values[layer_idx, :hi, :, :n]
-        groups = s.num_heads // s.num_kv_heads
+        hi, groups = q.shape[0], s.num_heads // s.num_kv_heads
         scores = torch.matmul(q.view(hi, s.num_kv_heads, groups, s.head_dim), keys.transpose(2, 3))
         scores = scores.mul_(scale).masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-        return torch.matmul(probs, values).view(hi, s.num_heads, s.head_dim)
+        return torch.matmul(probs, values)
 
 
 POOLS = {"before": OldPool, "now": SlotPool}
