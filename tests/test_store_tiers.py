@@ -240,15 +240,21 @@ def test_tiered_put_writes_through_and_serves_after_memory_eviction(tmp_path):
     assert set(store.tier_stats()) == {"memory", "disk"}
 
 
+class HeldTier(MemoryStore):
+    """A memory tier whose writes wait until `release` is set (at most 10 s): a slow disk or Redis, held."""
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__(10 * 1024**2, name="slow")
+        self.release = release
+
+    def put(self, kv):
+        self.release.wait(timeout=10)
+        super().put(kv)
+
+
 def test_tiered_put_never_waits_on_a_slow_lower_tier():
     release = threading.Event()
-
-    class SlowTier(MemoryStore):
-        def put(self, kv):
-            release.wait(timeout=10)
-            super().put(kv)
-
-    slow = SlowTier(10 * 1024**2, name="slow")
+    slow = HeldTier(release)
     store = TieredStore([MemoryStore(10 * 1024**2), slow])
     store.put(make_kv("chunk-a"))  # returns although the slow tier is still blocked
     assert store.get("chunk-a") is not None and "chunk-a" not in slow
@@ -257,18 +263,13 @@ def test_tiered_put_never_waits_on_a_slow_lower_tier():
     assert "chunk-a" in slow
     store.close()
 
+
 def test_a_chunk_still_being_written_down_is_served_from_its_copy_not_recomputed():
     """The first tier keeps no room for the chunk (a zero memory budget); the disk write is held back. Until it
     lands, a lookup is a hit from the copy being written, counted for the tier it is going to; after it lands, the
     tier itself serves it. A chunk the writer has not been given is still a miss."""
     release = threading.Event()
-
-    class SlowTier(MemoryStore):
-        def put(self, kv):
-            release.wait(timeout=10)
-            super().put(kv)
-
-    slow = SlowTier(10 * 1024**2, name="slow")
+    slow = HeldTier(release)
     store = TieredStore([MemoryStore(0), slow])
     kv = make_kv("chunk-a", seed=3)
     store.put(kv)
@@ -284,7 +285,6 @@ def test_a_chunk_still_being_written_down_is_served_from_its_copy_not_recomputed
     store.discard("chunk-a")
     assert store.get("chunk-a") is None and "chunk-a" not in store
     store.close()
-
 
 
 def test_tiered_clear_empties_the_named_tiers_only(tmp_path):
