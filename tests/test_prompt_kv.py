@@ -132,3 +132,20 @@ def test_the_one_buffer_path_equals_the_cpu_path_of_position_blocks():
     torch.testing.assert_close(one_call.logits, blocks.logits, atol=1e-5, rtol=0)
     torch.testing.assert_close(one_call.kv.keys, blocks.kv.keys, atol=1e-5, rtol=0)
     torch.testing.assert_close(one_call.kv.values, blocks.kv.values, atol=1e-5, rtol=0)
+
+
+def test_the_default_rule_costs_at_most_one_and_a_half_full_prefills_in_operations():
+    # On a GPU each aten op is about one kernel launch: the default rule's two passes (the question over full KV
+    # reuse, then the blend) must together issue at most 1.5x the ops of the model's own full prefill of the
+    # prompt, with no host read (the GPU's path, block_size=0; counted, so deterministic).
+    engine, prompt, parts = engine_with_prompt()
+    n = prompt.num_tokens
+    with CountOps() as full, torch.inference_mode():
+        engine.model(input_ids=prompt.input_ids()[None], logits_to_keep=1)
+    with CountOps() as blend:
+        kv = engine.chunks.prompt_kv(parts, n)
+        probe = fuse(engine.lm, reuse_plan(prompt), kv, block_size=0, attention_from=question_mask(prompt))
+        fuse(engine.lm, blend_plan(prompt, BlendConfig(), probe.attention), kv, block_size=0)
+    assert blend.host_reads == 0, blend.ops
+    ratio = sum(blend.ops.values()) / sum(full.ops.values())
+    assert ratio <= 1.5, (ratio, blend.ops, full.ops)

@@ -28,6 +28,7 @@ from ..cpu import warn_if_slow_bf16
 from ..errors import ConfigError
 from ..models.adapter import LayerwiseModel
 from ..models.fingerprint import fingerprints_by_dtype, model_fingerprint
+from ..models.fused import fuse_qkv
 from ..models.int8 import int8_decode_lm
 from ..models.support import max_blend_length
 from ..store import ChunkStore, TieredStore, build_store
@@ -78,7 +79,7 @@ class CacheBlendEngine(CorpusMethods):
         in_other_dtypes = fingerprints_by_dtype(model, dtype)  # before the cast, which may lose the model's values
         self.model = model.to(device=device, dtype=dtype).eval()
         self.tokenizer = tokenizer
-        self.lm = LayerwiseModel(self.model)
+        self.lm = LayerwiseModel(self.model, fused_qkv=fuse_qkv(self.model))  # q/k/v in one product
         self.device, self.dtype = device, dtype
         check_blend(self.config.blend, self.lm.shape.num_layers, "blend.check_layers")
         store = store if store is not None else build_store(**self.config.store.build_options())

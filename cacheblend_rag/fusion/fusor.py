@@ -137,8 +137,8 @@ def attend_blocks(
     prompt's last tokens, in order) as the tail of the causal square with no mask, the kernel skipping the scores
     above the diagonal; else under `mask` (`attention_mask`, which a caller builds once for a set of queries and
     passes on every layer), built here when none is given.
-    query: [H, A, D]; keys, values: [Hkv, N, D]; q_positions: [A] ascending; k_positions: [N] ascending.
-    Returns [A, hidden].
+    query: [H, A, D]; keys, values: [Hkv, N, D], or [1, Hkv, N, D] (`PromptKV.batched`, views made once);
+    q_positions: [A] ascending; k_positions: [N] ascending. Returns [A, hidden].
     """
     if q_positions.numel() == k_positions.numel():
         return lm.attend(layer_idx, query, keys, values, None)  # every token in order: the causal square
@@ -155,7 +155,8 @@ def attend_blocks(
         q_pos = q_positions[start : start + size]
         end = int(torch.searchsorted(k_positions, q_pos[-1], right=True))  # keys at positions <= the block's last
         mask = causal_mask(q_pos, k_positions[:end])  # [size, end]
-        outs.append(lm.attend(layer_idx, query[:, start : start + size], keys[:, :end], values[:, :end], mask))
+        q, k, v = query[:, start : start + size], keys[..., :end, :], values[..., :end, :]
+        outs.append(lm.attend(layer_idx, q, k, v, mask))
         start += size
     return torch.cat(outs, dim=0)
 
@@ -223,7 +224,7 @@ def fuse(
     fixed = torch.from_numpy(np.setdiff1d(np.arange(count), plan.candidates)).to(device) if checks else None
     n_cand = plan.candidates.size
     hidden = lm.embed(plan.input_ids.to(device)[active])  # [A, hidden]
-    cos_a, sin_a = kv.cos[active], kv.sin_signed[active]
+    cos_a, sin_a = kv.cos[active].unsqueeze(1), kv.sin_signed[active].unsqueeze(1)  # [A, 1, D]
     rows = probe_mask = None
     if attention_from is not None:  # indices of the recorded queries among `active`, from the host masks
         if plan.chosen is not None or checks:
@@ -237,36 +238,41 @@ def fuse(
     layer_mask: torch.Tensor | None = None  # the one-call attention mask of `active`, built once per set
     counts: list[int] = []
 
+    q_pos = positions[active]  # [A]: the recomputed tokens' positions, made again when `active` changes
     for layer_idx in range(depth):
-        keys, values = kv.layer(layer_idx)  # [Hkv, N, D] each, keys rotated; written in place below
+        keys, values = kv.layer(layer_idx)  # [Hkv, N, D] each, keys rotated
+        key_rows, value_rows = kv.rows(layer_idx)  # the same [N, Hkv, D]: written in place below
         x = lm.normed_input(layer_idx, hidden)  # [A, hidden]
-        raw_k, fresh_v = lm.project_kv(layer_idx, x)  # [Hkv, A, D]
-        fresh_k = rope_rotate(raw_k, cos_a, sin_a)
+        raw_k = None  # [A, Hkv, D], the keys before RoPE, where the prompt's KV keeps them
+        if kv.raw_keys is None:
+            q_rows, k_rows, v_rows = lm.rotated_qkv(layer_idx, x, cos_a, sin_a)  # [A, H | Hkv, D]
+        else:
+            q_rows, raw_k, v_rows = (t.transpose(0, 1) for t in lm.project_raw_qkv(layer_idx, x))
+            q_rows, k_rows = rope_rotate(q_rows, cos_a, sin_a), rope_rotate(raw_k, cos_a, sin_a)
 
         if layer_idx in checks and n_cand > 0:
             assert cand is not None and fixed is not None
             # a rotation keeps distances, so rotated keys rank tokens as raw ones would
-            if plan.deviation == "key":
-                dev = token_deviation(fresh_k[:, cand], keys[:, active[cand]])  # [C]
-            else:
-                dev = token_deviation(fresh_v[:, cand], values[:, active[cand]])
+            fresh, stored = (k_rows, key_rows) if plan.deviation == "key" else (v_rows, value_rows)
+            dev = token_deviation(fresh[cand].transpose(0, 1), stored[active[cand]].transpose(0, 1))  # [C]
             kept = cand[select_recompute_tokens(dev, checks[layer_idx])]  # ascending, into `active`
             keep = torch.sort(torch.cat((fixed, kept))).values  # into `active`, ascending
             cand, fixed = torch.searchsorted(keep, kept), torch.searchsorted(keep, fixed)
             kept_n = min(checks[layer_idx], n_cand)
             count, n_cand = count - n_cand + kept_n, kept_n
-            active, hidden, x = active[keep], hidden[keep], x[keep]
-            fresh_k, fresh_v = fresh_k[:, keep], fresh_v[:, keep]
-            if kv.raw_keys is not None:  # the raw keys are written only where the prompt's KV keeps them
-                raw_k = raw_k[:, keep]
+            active, hidden, q_rows = active[keep], hidden[keep], q_rows[keep]
+            k_rows, v_rows, q_pos = k_rows[keep], v_rows[keep], q_pos[keep]
+            if raw_k is not None:
+                raw_k = raw_k[keep]
             cos_a, sin_a = cos_a[keep], sin_a[keep]
             layer_mask = None
             tail = tail and n_cand == plan.candidates.size
 
-        keys.index_copy_(1, active, fresh_k)
-        values.index_copy_(1, active, fresh_v)
-        if kv.raw_keys is not None:
-            kv.raw_keys[layer_idx].index_copy_(1, active, raw_k)
+        key_rows.index_copy_(0, active, k_rows)
+        value_rows.index_copy_(0, active, v_rows)
+        if raw_k is not None:  # the raw keys are written only where the prompt's KV keeps them
+            assert kv.raw_keys is not None
+            kv.raw_keys[layer_idx].index_copy_(1, active, raw_k.transpose(0, 1))
         counts.append(count)
         selected = active
 
@@ -275,15 +281,15 @@ def fuse(
         q_active = count
         if layer_idx == num_layers - 1:
             # Only the last token's output is needed from the last layer; its K/V are already stored above.
-            active, hidden, x, cos_a, sin_a = active[-1:], hidden[-1:], x[-1:], cos_a[-1:], sin_a[-1:]
+            active, hidden, q_rows, q_pos = active[-1:], hidden[-1:], q_rows[-1:], q_pos[-1:]
             q_active, layer_mask = 1, None
-        query = rope_rotate(lm.queries(layer_idx, x), cos_a, sin_a)  # [H, A, D]
+        query = q_rows.transpose(0, 1)  # [H, A, D]
         # a shallow probe's last layer: only its attention weights are read, as no later layer is run
         shallow_end = layer_idx == depth - 1 < num_layers - 1
         attn_out = None
         if probe_mask is not None and layer_idx < num_layers - 1 and n_rows > 0:
-            q_rows = query if rows is None else query[:, rows]
-            probs = lm.attention_weights(layer_idx, q_rows, keys, probe_mask)  # [H, Q, N]
+            q_probe = query if rows is None else query[:, rows]
+            probs = lm.attention_weights(layer_idx, q_probe, keys, probe_mask)  # [H, Q, N]
             attn_sum += probs.mean(dim=(0, 1))
             attn_layers += 1
             if rows is None and not shallow_end:  # every query is recorded: their output from the same weights
@@ -294,8 +300,8 @@ def fuse(
             # the prompt's tail, and at least half of it: the causal square's padded rows cost less than a mask's waste
             as_tail = tail and q_active == n_computed and 2 * q_active > n - 1
             if block_size <= 0 and not as_tail and layer_mask is None:
-                layer_mask = attention_mask(positions[active], positions, query.dtype)[None, None]  # [1, 1, A, N]
-            attn_out = attend_blocks(lm, layer_idx, query, keys, values, positions[active], positions, block_size,
+                layer_mask = attention_mask(q_pos, positions, query.dtype)[None, None]  # [1, 1, A, N]
+            attn_out = attend_blocks(lm, layer_idx, query, *kv.batched(layer_idx), q_pos, positions, block_size,
                                      as_tail=as_tail, mask=layer_mask)  # fmt: skip
         hidden = lm.finish_layer(layer_idx, hidden, attn_out)
         if after_layer is not None and layer_idx < num_layers - 1:

@@ -57,6 +57,8 @@ class PromptKV:
         self._load = load
         self._filled = 0 if load is not None else key_buffer.shape[0]  # layers 0.._filled-1 hold their stored KV
         self._views = list(zip(self.keys.unbind(0), self.values.unbind(0), strict=True))  # per layer, made once
+        self._rows: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # the same, token-major (`rows`)
+        self._batched: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # the same, [1, Hkv, N, D] (`batched`)
 
     @property
     def num_layers(self) -> int:
@@ -141,6 +143,24 @@ class PromptKV:
             self._read(layer_idx)
         return self._views[layer_idx]
 
+    def rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer(layer_idx)` token-major: rotated keys, values [N, Hkv, D], views for writing rows of tokens (the
+        views of every layer are made once, at the first call)."""
+        self.layer(layer_idx)
+        if self._rows is None:
+            keys, values = self.keys.transpose(1, 2), self.values.transpose(1, 2)
+            self._rows = list(zip(keys.unbind(0), values.unbind(0), strict=True))
+        return self._rows[layer_idx]
+
+    def batched(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer(layer_idx)` as a batch of one request: rotated keys, values [1, Hkv, N, D] (what attention and a
+        transformers cache take; the views of every layer are made once, at the first call)."""
+        self.layer(layer_idx)
+        if self._batched is None:
+            keys, values = self.keys.unsqueeze(1), self.values.unsqueeze(1)
+            self._batched = list(zip(keys.unbind(0), values.unbind(0), strict=True))
+        return self._batched[layer_idx]
+
     def _read(self, layer_idx: int) -> None:
         if layer_idx != self._filled or self._load is None:
             raise CacheBlendError(f"layers are first read in order: expected layer {self._filled}, got {layer_idx}")
@@ -168,9 +188,7 @@ class PromptKV:
         """Every layer's (rotated keys, values) [Hkv, N, D] as views, read to the end first; with `batched`
         [1, Hkv, N, D] (what a transformers cache holds)."""
         self._read_all()
-        if not batched:
-            return list(self._views)
-        return list(zip(self.keys.unsqueeze(1).unbind(0), self.values.unsqueeze(1).unbind(0), strict=True))
+        return [self.batched(i) if batched else self._views[i] for i in range(self.num_layers)]
 
     def _read_all(self) -> None:
         """Read every layer not read yet (in order)."""

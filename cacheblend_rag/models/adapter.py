@@ -84,9 +84,9 @@ def rope_rotate(
     x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`rotate_keys` with the sine table made once (`signed_sin`): one `roll` instead of two slices, a negation
-    and a `cat` (the products are the same numbers). x: [..., T, D]; cos, sin_signed: [T, D]; `out`: where to write
-    the result (e.g. a slice of a buffer), instead of a new tensor."""
-    return torch.add(x * cos, x.roll(x.shape[-1] // 2, dims=-1) * sin_signed, out=out)
+    and a `cat`, and the second product added as it is made (`addcmul`). x: [..., T, D]; cos, sin_signed: [T, D];
+    `out`: where to write the result (e.g. a slice of a buffer), instead of a new tensor."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed, out=out)
 
 
 def unrotate_keys(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -121,8 +121,8 @@ class LayerwiseModel:
     """Step-by-step forward over the modules of a `*ForCausalLM` of a supported family.
 
     `fused_qkv`, one module per layer, maps a layer's normed input to its queries, keys and values side by side
-    (the three projections' outputs concatenated, in that order): `project_qkv` then runs one product instead of
-    three. Left out, the layer's own q/k/v projections run.
+    (the three projections' outputs concatenated, in that order, e.g. `models.fused.fuse_qkv`): `project_raw_qkv`
+    and `rotated_qkv` then run one product instead of three. Left out, the layer's own q/k/v projections run.
     """
 
     def __init__(self, model: nn.Module, fused_qkv: Sequence[nn.Module] | None = None) -> None:
@@ -196,17 +196,6 @@ class LayerwiseModel:
             q = rms_norm(attn.q_norm, q)
         return q.transpose(0, 1)
 
-    def project_q(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [A, hidden]; cos, sin: [A, D] -> rotated queries [H, A, D]"""
-        return rotate_keys(self.queries(layer_idx, x), cos, sin)
-
-    def project_qkv(
-        self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: normed input [A, hidden]; cos, sin: [A, D] -> rotated queries [H, A, D], raw keys, values [Hkv, A, D]"""
-        q, k, v = self.project_raw_qkv(layer_idx, x)
-        return rotate_keys(q, cos, sin), k, v
-
     def project_raw_qkv(self, layer_idx: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: normed input [A, hidden] -> raw (before RoPE) queries [H, A, D], raw keys, values [Hkv, A, D]"""
         if self.fused_qkv is None:
@@ -221,23 +210,25 @@ class LayerwiseModel:
             q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
-    def step_qkv(
+    def rotated_qkv(
         self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A decode step's projections, one token per request, batch first: x [B, hidden]; cos, sin_signed
-        [B, 1, D] (`signed_sin`) -> rotated queries [B, H, D], rotated keys and values [B, Hkv, D].
+        """Queries, keys and values of some rows, each row one token (a prefill's recomputed tokens, or one token per
+        request of a decode step): x [T, hidden]; cos, sin_signed [T, 1, D] (`signed_sin`) -> rotated queries
+        [T, H, D], rotated keys and values [T, Hkv, D].
 
-        With `fused_qkv` (and no per-head q/k norm), the queries and keys are turned in one pass, in place in the
-        product's output, and the three come back as views of it."""
+        With `fused_qkv` (and no per-head q/k norm), one product gives all three, the queries and keys are turned
+        in one pass in place in its output, and the three come back as views of it."""
         s = self.shape
-        b, d = x.shape[0], s.head_dim
+        t, d = x.shape[0], s.head_dim
         if self.fused_qkv is None or self.has_qk_norm:
-            q, k, v = (t.transpose(0, 1) for t in self.project_raw_qkv(layer_idx, x))
+            q, k, v = (r.transpose(0, 1) for r in self.project_raw_qkv(layer_idx, x))
             return rope_rotate(q, cos, sin_signed), rope_rotate(k, cos, sin_signed), v
-        qkv = self.fused_qkv[layer_idx](x).view(b, -1, d)  # [B, H + 2 Hkv, D]
-        turned = qkv[:, : s.num_heads + s.num_kv_heads]
+        qkv = self.fused_qkv[layer_idx](x).view(t, -1, d)  # [T, H + 2 Hkv, D]
+        turned, v = qkv.split([s.num_heads + s.num_kv_heads, s.num_kv_heads], dim=1)
         rope_rotate(turned, cos, sin_signed, out=turned)
-        return qkv[:, : s.num_heads], qkv[:, s.num_heads : s.num_heads + s.num_kv_heads], qkv[:, -s.num_kv_heads :]
+        q, k = turned.split([s.num_heads, s.num_kv_heads], dim=1)
+        return q, k, v
 
     def attend(
         self,
@@ -249,28 +240,33 @@ class LayerwiseModel:
     ) -> torch.Tensor:
         """Attention of some queries over all keys, then the output projection.
 
-        query: [H, A, D] rotated; keys: [Hkv, N, D] rotated; values: [Hkv, N, D];
-        mask: [A, N] (or [1, 1, A, N], made once for many calls), bool (True = may attend) or additive (0 / -inf,
-        in the query's dtype); or None when the
+        query: [H, A, D] rotated; keys: [Hkv, N, D] rotated; values: [Hkv, N, D] (or both [1, Hkv, N, D], views made
+        once for many calls); mask: [A, N] (or [1, 1, A, N], made once for many calls), bool (True = may attend) or
+        additive (0 / -inf, in the query's dtype); or None when the
         queries are the last A of the N tokens, in order: causal, aligned at the end. Then the queries are padded
         to the causal square (A == N is that square), which the fused kernels run without any mask, skipping the
         scores above the diagonal; the padded rows' outputs are dropped. Returns [A, hidden].
         """
         attn = self.layers[layer_idx].self_attn
-        a, n = query.shape[1], keys.shape[1]
-        if mask is None and a < n:
+        a, n = query.shape[1], keys.shape[-2]
+        padded = mask is None and a < n
+        if padded:
             query = torch.cat((query.new_zeros(query.shape[0], n - a, query.shape[2]), query), dim=1)
+        if keys.dim() == 3:
+            keys, values = keys.unsqueeze(0), values.unsqueeze(0)
         with attention_kernels(query.device):
             out = F.scaled_dot_product_attention(
                 query.unsqueeze(0),
-                keys.unsqueeze(0),
-                values.unsqueeze(0),
+                keys,
+                values,
                 attn_mask=mask if mask is None or mask.dim() == 4 else mask[None, None],
                 is_causal=mask is None,
                 scale=attn.scaling,
                 enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
-            )[0, :, -a:]  # [H, A, D]
-        return attn.o_proj(out.transpose(0, 1).reshape(a, -1))
+            )  # [1, H, A (or N, padded), D]
+        if padded:
+            out = out[:, :, -a:]
+        return attn.o_proj(out.transpose(1, 2).reshape(a, -1))
 
     def attend_each(
         self, layer_idx: int, query: torch.Tensor, keys_values: list[tuple[torch.Tensor, torch.Tensor]]

@@ -99,7 +99,7 @@ class BatchDecoder:
         cos, sin = lm.rope(plan.positions)  # [B, D]
         cos, sin = cos[:, None], signed_sin(sin)[:, None]  # [B, 1, D]: one row per request, for every head
         for layer_idx in range(lm.shape.num_layers):
-            q, k, v = lm.step_qkv(layer_idx, lm.normed_input(layer_idx, hidden), cos, sin)  # [B, H | Hkv, D]
+            q, k, v = lm.rotated_qkv(layer_idx, lm.normed_input(layer_idx, hidden), cos, sin)  # [B, H | Hkv, D]
             attn = lm.layers[layer_idx].self_attn
             out = pool.attend(layer_idx, plan, q, k, v, attn.scaling)
             hidden = lm.finish_layer(layer_idx, hidden, attn.o_proj(out))

@@ -73,7 +73,7 @@ class StaticStep:
         cos, sin = lm.rope(self.positions)
         cos, sin = cos[:, None], signed_sin(sin)[:, None]  # [size, 1, D]
         for layer_idx in range(s.num_layers):
-            q, k, v = lm.step_qkv(layer_idx, lm.normed_input(layer_idx, hidden), cos, sin)  # [size, H | Hkv, D]
+            q, k, v = lm.rotated_qkv(layer_idx, lm.normed_input(layer_idx, hidden), cos, sin)  # [size, H | Hkv, D]
             keys, values = pool.keys[layer_idx], pool.values[layer_idx]  # [S, Hkv, C, D]
             keys[self.rows, :, self.positions] = k
             values[self.rows, :, self.positions] = v
