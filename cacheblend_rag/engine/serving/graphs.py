@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from ...models.adapter import LayerwiseModel, signed_sin
-from .slots import SlotPool
+from .slots import SlotPool, StepPlan
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # batch sizes a step is padded to
 
@@ -72,16 +72,12 @@ class StaticStep:
         hidden = lm.embed(self.ids)
         cos, sin = lm.rope(self.positions)
         cos, sin = cos[:, None], signed_sin(sin)[:, None]  # [size, 1, D]
+        plan = StepPlan(self.rows, self.positions, mask, False, pool.keys, pool.values)  # every slot, every position
         for layer_idx in range(s.num_layers):
             q, k, v = lm.rotated_qkv(layer_idx, lm.normed_input(layer_idx, hidden), cos, sin)  # [size, H | Hkv, D]
-            keys, values = pool.keys[layer_idx], pool.values[layer_idx]  # [S, Hkv, C, D]
-            keys[self.rows, :, self.positions] = k
-            values[self.rows, :, self.positions] = v
             attn = lm.layers[layer_idx].self_attn
-            full = q.new_zeros(pool.slots, s.num_heads, s.head_dim)
-            full[self.rows] = q
-            out = pool.attention(full, keys, values, mask, attn.scaling)  # [S, Hkv, H / Hkv, D]
-            hidden = lm.finish_layer(layer_idx, hidden, attn.o_proj(out[self.rows].reshape(self.size, -1)))
+            out = pool.attend(layer_idx, plan, q, k, v, attn.scaling)  # [size, H * D]
+            hidden = lm.finish_layer(layer_idx, hidden, attn.o_proj(out))
         return lm.logits(hidden)
 
 

@@ -131,7 +131,7 @@ class SlotPool:
         dense = slots == list(range(hi))  # the requests fill slots 0..hi-1 in order: no gathering around attention
         mask = mask.to(device)[:, None, None, :]
         at = torch.tensor(positions, dtype=torch.long, device=device)
-        return StepPlan(rows, at, hi, mask, dense, self.keys[:, :hi, :, :n], self.values[:, :hi, :, :n])
+        return StepPlan(rows, at, mask, dense, self.keys[:, :hi, :, :n], self.values[:, :hi, :, :n])
 
     def attend(self, layer_idx: int, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scale: float) -> torch.Tensor:  # fmt: skip
@@ -143,7 +143,7 @@ class SlotPool:
         if plan.dense:
             q = query
         else:
-            q = query.new_zeros(plan.hi, *query.shape[1:])
+            q = query.new_zeros(keys.shape[0], *query.shape[1:])
             q[plan.rows] = query  # into the batch's slots
         out = self.attention(q, keys, values, plan.mask, scale)
         return (out if plan.dense else out[plan.rows]).reshape(len(plan.positions), -1)
@@ -171,15 +171,15 @@ class SlotPool:
 
 
 class StepPlan:
-    """What every layer of one batched step reuses: the requests' slots and write positions, the slots spanned, the
-    mask over the keys attended ([hi, 1, 1, n] bool: n, the keys, is its last size), whether the requests are
-    slots 0..hi-1 in order, and the pool's keys and values the step reads and writes ([L, hi, Hkv, n, D] views)."""
+    """What every layer of one batched step reuses: the requests' slots and write positions, the mask over the keys
+    attended ([hi, 1, 1, n] bool, hi the slots spanned and n the keys), whether the requests are slots 0..hi-1 in
+    order, and the pool's keys and values the step reads and writes ([L, hi, Hkv, n, D] views)."""
 
-    __slots__ = ("rows", "positions", "hi", "mask", "dense", "keys", "values")
+    __slots__ = ("rows", "positions", "mask", "dense", "keys", "values")
 
-    def __init__(self, rows: torch.Tensor, positions: torch.Tensor, hi: int, mask: torch.Tensor, dense: bool,
+    def __init__(self, rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, dense: bool,
                  keys: torch.Tensor, values: torch.Tensor) -> None:  # fmt: skip
-        self.rows, self.positions, self.hi, self.mask, self.dense = rows, positions, hi, mask, dense
+        self.rows, self.positions, self.mask, self.dense = rows, positions, mask, dense
         self.keys, self.values = keys, values
 
 
