@@ -3,7 +3,8 @@ pass (`BlendConfig(probe_depth=D)`): the shared tool `../shared/tools/opcount.py
 prompt (a tiny 6-layer llama, 6 chunks of 70 words), over more modes than it lists. Deterministic. Run from the
 project's root:
 
-    python research/opcount_probe.py
+    python research/opcount_probe.py            # the host's "auto" precision
+    python research/opcount_probe.py float32    # or name one (bfloat16: the GPU's)
 """
 
 import sys
@@ -22,7 +23,7 @@ opcount.gpu_path()
 engine = CacheBlendEngine(
     make_tiny_model("llama", 0, num_layers=opcount.LAYERS, mute_eos=True),
     make_tiny_tokenizer(),
-    config=EngineConfig(miss_policy="blend"),
+    config=EngineConfig(miss_policy="blend", dtype=sys.argv[1] if len(sys.argv) > 1 else "auto"),
 )
 chunks = [opcount.random_words(i, 70) for i in range(6)]
 question = "w1 w2 w3 w4 w5"

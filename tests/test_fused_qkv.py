@@ -1,15 +1,18 @@
 """One product for a layer's queries, keys and values (`models.fused.fuse_qkv`): the model's own projections become
 views of the fused weight (nothing held twice, the model's forward unchanged), a second engine over the same model
-fuses nothing again, models it cannot fuse are left alone, and the fused rows equal the three products."""
+fuses nothing again, models it cannot fuse are left alone, and the fused rows equal the three products. And the
+norms the layer-wise model runs as torch's fused `rms_norm` equal the modules' own, bit for bit."""
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
 from torch import nn
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.models.adapter import LayerwiseModel, signed_sin
+from cacheblend_rag.models.adapter import LayerwiseModel, rms_norm, signed_sin
 from cacheblend_rag.models.fused import fuse_qkv
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
 
@@ -84,3 +87,21 @@ def test_fused_rows_equal_the_three_products(family):
             expected = plain.rotated_qkv(layer_idx, x, cos, sin_signed)
             for got, want in zip(fused.rotated_qkv(layer_idx, x, cos, sin_signed), expected, strict=True):
                 torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.float16, torch.float16), (torch.bfloat16, torch.float32),
+                                                  (torch.float32, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize("inference", [True, False])  # torch runs rms_norm as one op, or as its parts, under each
+def test_the_fused_rms_norm_equals_the_modules_own_forward(family, x_dtype, w_dtype, inference):
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    norm = getattr(module, f"{family.title()}RMSNorm")(64, eps=1e-6).to(w_dtype)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(norm.weight.shape, generator=generator) + 0.5)
+    x = (torch.randn(3, 29, norm.weight.shape[0], generator=generator) * 4).to(x_dtype)
+    with torch.inference_mode(inference), torch.no_grad():
+        ours, theirs = rms_norm(norm, x), norm(x)
+    assert ours.dtype == theirs.dtype
+    assert torch.equal(ours, theirs)

@@ -49,15 +49,16 @@ _RMS_NORMS = _rms_norm_classes()
 
 
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`norm(x)` for the supported families' RMSNorm as torch's fused `rms_norm`: one operation in float32 (three in
-    another dtype) where the module's forward runs eight, the same formula (float32 statistics, the weight applied
-    in the input's dtype). Any other norm module runs its own forward."""
+    """`norm(x)` for the supported families' RMSNorm as torch's fused `rms_norm`: one operation in float32 (two in
+    another dtype) where the module's forward runs eight, the same formula: float32 statistics, the normalized input
+    rounded to its own dtype, then the weight applied. (`rms_norm` given the weight would apply it before rounding:
+    close, not the same.) Any other norm module runs its own forward."""
     if not isinstance(norm, _RMS_NORMS):
         return norm(x)
     weight, eps = norm.weight, norm.variance_epsilon
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+    return weight * F.rms_norm(x, weight.shape, None, eps)  # computed in float32, returned in x's dtype
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
