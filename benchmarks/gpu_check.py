@@ -35,7 +35,7 @@ from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache
 from cacheblend_rag.engine.serving.graphs import GraphedSteps
 from cacheblend_rag.engine.serving.slots import SlotPool
 from cacheblend_rag.fusion import budget
-from cacheblend_rag.models.adapter import attention_kernels
+from cacheblend_rag.models.attention import attention_kernels
 
 
 def device_name(device: str) -> str:

@@ -12,28 +12,15 @@ which makes them position-free: `rotate_keys` places them at any position, exact
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import UnsupportedModelError
+from .attention import attention_kernels, fused_attention
 from .support import check_supported
-
-# cuDNN's attention builds an execution graph for every new shape, and keeps the graphs per thread: a new prompt
-# length, a new count of recomputed tokens, each decode step's longer cache, and every request again on a fresh
-# scheduler thread. On an H200 that took 1.1 ms of host time per call when decoding (36 ms of a 50 ms step), and a
-# warm blend served through `generate` took about twice its prefill's time. The other kernels need no such set-up.
-_GPU_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def attention_kernels(device: torch.device) -> AbstractContextManager[object]:
-    """Where `F.scaled_dot_product_attention` runs inside: off the cuDNN kernel on a GPU (`_GPU_ATTENTION`).
-    Entering it costs ~10-20 us of host time, so a loop of calls enters it once."""
-    return sdpa_kernel(_GPU_ATTENTION) if device.type == "cuda" else nullcontext()
 
 
 def _rms_norm_classes() -> tuple[type[nn.Module], ...]:
@@ -256,13 +243,13 @@ class LayerwiseModel:
         if keys.dim() == 3:
             keys, values = keys.unsqueeze(0), values.unsqueeze(0)
         with attention_kernels(query.device):
-            out = F.scaled_dot_product_attention(
+            out = fused_attention(
                 query.unsqueeze(0),
                 keys,
                 values,
-                attn_mask=mask if mask is None or mask.dim() == 4 else mask[None, None],
+                mask if mask is None or mask.dim() == 4 else mask[None, None],
+                attn.scaling,
                 is_causal=mask is None,
-                scale=attn.scaling,
                 enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
             )  # [1, H, A (or N, padded), D]
         if padded:

@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from ...models.adapter import ModelShape, attention_kernels
+from ...models.adapter import ModelShape
+from ...models.attention import attention_kernels, fused_attention
 
 Layers = torch.Tensor | Sequence[torch.Tensor]  # a request's keys or values: [L, Hkv, N, D], or L of [Hkv, N, D]
 
@@ -162,7 +162,7 @@ class SlotPool:
         # kernel, and a mask over keys is all a backend must take
         grouped = q.view(q.shape[0], s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim)
         with attention_kernels(q.device):
-            return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+            return fused_attention(grouped, keys, values, mask, scale)
 
     def advance(self, slots: list[int]) -> None:
         """The step is written in every layer: each slot's next token goes one position further."""
