@@ -76,6 +76,10 @@ class EngineConfig:
     # CUDA only: decode steps of up to 32 requests replayed as CUDA graphs (one captured per batch-size bucket, 1-32),
     # one launch per step instead of hundreds; the same tokens as the eager step. Off until a GPU run shows its gain.
     decode_graphs: bool = False
+    # CUDA only: the row-wise half of each prefill layer (norms, q/k/v, RoPE, MLP) of up to 2,048 recomputed tokens,
+    # padded to a size bucket and replayed as CUDA graphs (`fusion.GraphedLayerSteps`); the same tokens as the eager
+    # layers at bf16 tolerance. Off until a GPU run shows its gain.
+    prefill_graphs: bool = False
     # While a prompt is prefilled, the requests already decoding get a step between two of its layers once their
     # last step is this many seconds old, so their answers keep streaming through a long prefill. None: off.
     max_token_gap_s: float | None = None
@@ -108,6 +112,10 @@ class EngineConfig:
             raise ConfigError(
                 "decode_graphs=True replays CUDA graphs: it needs device='cuda' and decode_weights='native'"
             )
+        if not isinstance(self.prefill_graphs, bool):
+            raise ConfigError(f"prefill_graphs must be True or False, got {self.prefill_graphs!r}")
+        if self.prefill_graphs and dev == "cpu":
+            raise ConfigError("prefill_graphs=True replays CUDA graphs: it needs device='cuda'")
         if self.max_token_gap_s is not None:
             check_real("max_token_gap_s", self.max_token_gap_s, lambda s: s >= 0,
                        "a number of seconds >= 0 (0: a step after every layer) or None (off)")  # fmt: skip

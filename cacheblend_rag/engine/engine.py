@@ -26,6 +26,7 @@ from typing_extensions import Unpack
 from ..config import BlendConfig, EngineConfig, PrefillMode, torch_dtype
 from ..cpu import warn_if_slow_bf16
 from ..errors import ConfigError
+from ..fusion import GraphedLayerSteps
 from ..models.adapter import LayerwiseModel
 from ..models.fingerprint import fingerprints_by_dtype, model_fingerprint
 from ..models.fused import fuse_qkv
@@ -100,6 +101,7 @@ class CacheBlendEngine(CorpusMethods):
             pipelined=True,
             miss_policy=self.config.miss_policy,
             guard=self.config.guard,
+            steps=GraphedLayerSteps(self.lm) if self.config.prefill_graphs else None,
         )
         self._lock = threading.RLock()
         # the chunks cold requests were answered without, stored after their answers (by the scheduler while it serves)

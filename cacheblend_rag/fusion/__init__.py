@@ -1,6 +1,7 @@
 """The fusion step of CacheBlend: token selection and the blended, layer-by-layer prefill."""
 
 from .fusor import FusionPlan, FusionResult, attention_mask, fuse
+from .layer_rows import EagerLayerSteps, GraphedLayerSteps, LayerRows, LayerSteps, bucket_rows
 from .prompt_kv import LayerLoader, PromptKV
 from .selection import (
     anchor_counts,
@@ -12,13 +13,18 @@ from .selection import (
 )
 
 __all__ = [
+    "EagerLayerSteps",
     "FusionPlan",
     "FusionResult",
+    "GraphedLayerSteps",
     "LayerLoader",
+    "LayerRows",
+    "LayerSteps",
     "PromptKV",
     "anchor_counts",
     "attention_mask",
     "budget",
+    "bucket_rows",
     "fuse",
     "keep_counts",
     "select_recompute_tokens",

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import CacheBlendError
 from ..models.adapter import LayerwiseModel, causal_mask, rope_rotate
+from .layer_rows import EagerLayerSteps, LayerSteps
 from .prompt_kv import PromptKV
 from .selection import select_recompute_tokens, token_deviation
 
@@ -172,6 +173,7 @@ def fuse(
     attention_from: torch.Tensor | None = None,
     layers: int | None = None,
     after_layer: Callable[[int], None] | None = None,
+    steps: LayerSteps | None = None,
 ) -> FusionResult:
     """Run the blended prefill of one prompt over its KV `kv` (`PromptKV`, built for the plan's positions), writing
     the recomputed tokens' KV into it. See the module docstring for the rule.
@@ -188,6 +190,8 @@ def fuse(
     loaded; there are no logits then. None: every layer.
     `after_layer(layer_idx)` runs when a layer is done (the scheduler decodes other requests there); it must not
     touch this prompt's tensors.
+    `steps`: how each layer's row-wise work (norm, q/k/v, RoPE; residual, norm, MLP) runs (`layer_rows`): eagerly
+    by default, or padded and replayed as CUDA graphs (`GraphedLayerSteps`).
 
     Nothing in the layer loop reads a tensor back to the host: the plan's indices and counts are worked out on the
     host before it, and a check layer keeps its most deviating tokens with a top-k of a known size.
@@ -223,8 +227,9 @@ def fuse(
     cand = torch.from_numpy(plan.candidates).to(device) if checks else None
     fixed = torch.from_numpy(np.setdiff1d(np.arange(count), plan.candidates)).to(device) if checks else None
     n_cand = plan.candidates.size
-    hidden = lm.embed(plan.input_ids.to(device)[active])  # [A, hidden]
     cos_a, sin_a = kv.cos[active].unsqueeze(1), kv.sin_signed[active].unsqueeze(1)  # [A, 1, D]
+    steps = EagerLayerSteps(lm) if steps is None else steps
+    work = steps.rows(lm.embed(plan.input_ids.to(device)[active]), cos_a, sin_a)  # the rows' hidden states [A, hidden]
     rows = probe_mask = None
     if attention_from is not None:  # indices of the recorded queries among `active`, from the host masks
         if plan.chosen is not None or checks:
@@ -242,11 +247,11 @@ def fuse(
     for layer_idx in range(depth):
         keys, values = kv.layer(layer_idx)  # [Hkv, N, D] each, keys rotated
         key_rows, value_rows = kv.rows(layer_idx)  # the same [N, Hkv, D]: written in place below
-        x = lm.normed_input(layer_idx, hidden)  # [A, hidden]
         raw_k = None  # [A, Hkv, D], the keys before RoPE, where the prompt's KV keeps them
         if kv.raw_keys is None:
-            q_rows, k_rows, v_rows = lm.rotated_qkv(layer_idx, x, cos_a, sin_a)  # [A, H | Hkv, D]
+            q_rows, k_rows, v_rows = work.qkv(layer_idx)  # [A, H | Hkv, D]
         else:
+            x = lm.normed_input(layer_idx, work.hidden)  # [A, hidden]
             q_rows, raw_k, v_rows = (t.transpose(0, 1) for t in lm.project_raw_qkv(layer_idx, x))
             q_rows, k_rows = rope_rotate(q_rows, cos_a, sin_a), rope_rotate(raw_k, cos_a, sin_a)
 
@@ -260,11 +265,12 @@ def fuse(
             cand, fixed = torch.searchsorted(keep, kept), torch.searchsorted(keep, fixed)
             kept_n = min(checks[layer_idx], n_cand)
             count, n_cand = count - n_cand + kept_n, kept_n
-            active, hidden, q_rows = active[keep], hidden[keep], q_rows[keep]
+            active, hidden, q_rows = active[keep], work.hidden[keep], q_rows[keep]
             k_rows, v_rows, q_pos = k_rows[keep], v_rows[keep], q_pos[keep]
             if raw_k is not None:
                 raw_k = raw_k[keep]
             cos_a, sin_a = cos_a[keep], sin_a[keep]
+            work = steps.rows(hidden, cos_a, sin_a)
             layer_mask = None
             tail = tail and n_cand == plan.candidates.size
 
@@ -281,7 +287,8 @@ def fuse(
         q_active = count
         if layer_idx == num_layers - 1:
             # Only the last token's output is needed from the last layer; its K/V are already stored above.
-            active, hidden, q_rows, q_pos = active[-1:], hidden[-1:], q_rows[-1:], q_pos[-1:]
+            active, q_rows, q_pos = active[-1:], q_rows[-1:], q_pos[-1:]
+            work = steps.rows(work.hidden[-1:], None, None)
             q_active, layer_mask = 1, None
         query = q_rows.transpose(0, 1)  # [H, A, D]
         # a shallow probe's last layer: only its attention weights are read, as no later layer is run
@@ -303,11 +310,11 @@ def fuse(
                 layer_mask = attention_mask(q_pos, positions, query.dtype)[None, None]  # [1, 1, A, N]
             attn_out = attend_blocks(lm, layer_idx, query, *kv.batched(layer_idx), q_pos, positions, block_size,
                                      as_tail=as_tail, mask=layer_mask)  # fmt: skip
-        hidden = lm.finish_layer(layer_idx, hidden, attn_out)
+        work.finish(layer_idx, attn_out)
         if after_layer is not None and layer_idx < num_layers - 1:
             after_layer(layer_idx)
 
-    logits = lm.logits(hidden[-1:])[0] if want_logits else None
+    logits = lm.logits(work.hidden[-1:])[0] if want_logits else None
     return FusionResult(
         kv=kv,
         logits=logits,

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ...config import BlendConfig, Guard, PrefillMode, normalize_dtype_name
-from ...fusion import FusionPlan, FusionResult, LayerLoader, PromptKV, fuse
+from ...fusion import FusionPlan, FusionResult, LayerLoader, LayerSteps, PromptKV, fuse
 from ...guard import escalate, first_token_signals
 from ...models.adapter import LayerwiseModel
 from ...store import ChunkKV, ChunkReader, CorruptEntryError
@@ -77,6 +77,7 @@ class Prefiller:
         pipelined: bool,
         miss_policy: str,
         guard: Guard | None = None,
+        steps: LayerSteps | None = None,
     ) -> None:
         self.model = model
         self.lm = lm
@@ -86,6 +87,7 @@ class Prefiller:
         self.pipelined = pipelined
         self.miss_policy = miss_policy  # see EngineConfig.miss_policy
         self.guard = guard  # see EngineConfig.guard
+        self.steps = steps  # how the fusor runs each layer's row-wise work (`fusion.layer_rows`); None: eagerly
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int, cache: DynamicCache, *, all_logits: bool = False) -> torch.Tensor:
@@ -277,12 +279,12 @@ class Prefiller:
         the choice is made on the device), records the risk signals of the result (`guard.first_token_signals`)
         and, with a guard, escalates a risky one (`guard.escalate`) from a copy of the first pass's KV.
         """
-        prompt, m, after_layer = run.prompt, run.metrics, run.after_layer
+        prompt, m, after_layer, steps = run.prompt, run.metrics, run.after_layer, self.steps
         if blend is None:
-            return fuse(self.lm, reuse_plan(prompt, n_loaded), kv, after_layer=after_layer)
+            return fuse(self.lm, reuse_plan(prompt, n_loaded), kv, after_layer=after_layer, steps=steps)
         if not blend.uses_attention_pass:
-            return fuse(self.lm, blend_plan(prompt, blend), kv, after_layer=after_layer)
-        probe = fuse(self.lm, reuse_plan(prompt), kv, attention_from=question_mask(prompt),
+            return fuse(self.lm, blend_plan(prompt, blend), kv, after_layer=after_layer, steps=steps)
+        probe = fuse(self.lm, reuse_plan(prompt), kv, attention_from=question_mask(prompt), steps=steps,
                      layers=blend.probe_layers(self.lm.shape.num_layers), after_layer=after_layer)  # fmt: skip
         assert probe.attention is not None
         scores = probe.attention
@@ -294,7 +296,7 @@ class Prefiller:
 
         def blend_at(cfg: BlendConfig, over: PromptKV) -> tuple[FusionResult, FusionPlan]:
             plan = blend_plan(prompt, cfg, scores)
-            out = fuse(self.lm, plan, over, after_layer=after_layer)
+            out = fuse(self.lm, plan, over, after_layer=after_layer, steps=steps)
             spent[:] = [a + b for a, b in zip(spent, out.recomputed_per_layer, strict=True)]
             return out, plan
 
