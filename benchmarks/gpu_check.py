@@ -6,7 +6,8 @@ weights of a real shape.
 For each chunk length in `--lengths` (`--chunks` chunks, stored): each mode's prefill alone (synchronized, on this
 thread, best of `--repeats`) and its TTFT through `generate` (the scheduler's thread, median of `--repeats`): full,
 reuse, blend at each ratio, and the blends of `--rules` (default `paper`, which needs no first pass) at the same
-ratios. Then decode steps after the longest prompt: one request, and a batch of `--batch` requests whose caches all
+ratios; and reuse, blend and `paper` at r = 0.15 again on an engine with `prefill_graphs=True` (each layer's
+row-wise work replayed as CUDA graphs; on a CPU the padded rows run eagerly, a smoke run). Then decode steps after the longest prompt: one request, and a batch of `--batch` requests whose caches all
 have different lengths (as under load), best of 16 steps; and the decode rate of one `--new-tokens` answer through
 `generate`. Beside them: reuse and blend with pipelined loading on and off (load, wait and compute time of
 `generate`), and a full prefill kept off cuDNN attention. `--profile` adds torch.profiler's top ops and cProfile's
@@ -22,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,7 +36,7 @@ from cacheblend_rag.config import StoreConfig, blend_rule
 from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache
 from cacheblend_rag.engine.serving.graphs import GraphedSteps
 from cacheblend_rag.engine.serving.slots import SlotPool
-from cacheblend_rag.fusion import budget
+from cacheblend_rag.fusion import GraphedLayerSteps, budget
 from cacheblend_rag.models.attention import attention_kernels
 
 
@@ -91,12 +93,16 @@ def profile(engine, prompt, args) -> None:
         pstats.Stats(py).sort_stats("tottime").print_stats(18)
 
 
-def ttft_rows(engine, prompt, args) -> dict[str, dict[str, float]]:
-    """{mode: {"prefill_ms", "generate_ttft_ms"}} for one prompt, chunk KV warm."""
+GRAPHED_MODES = ("reuse", "blend r=0.15", "paper r=0.15")  # timed again with the prefill's layers as CUDA graphs
+
+
+def ttft_rows(engine, prompt, args, only: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
+    """{mode: {"prefill_ms", "generate_ttft_ms"}} for one prompt, chunk KV warm (`only`: these modes)."""
     runs = [("full", "full", {}), ("reuse", "reuse", {})]
     runs += [(f"blend r={r:.2f}", "blend", {"recompute_ratio": r}) for r in args.ratios]
     # other rules: no first pass over the question's attention, every token recomputed up to the check layers
     runs += [(f"{rule} r={r:.2f}", "blend", {"blend": blend_rule(rule, r)}) for rule in args.rules for r in args.ratios]
+    runs = [run for run in runs if only is None or run[0] in only]
     rows, repeats = {}, args.repeats
     for name, mode, opts in runs:
         alone = best_of(lambda mode=mode, opts=opts: engine.prefill(prompt, mode, **opts), args.device, args.repeats)
@@ -133,6 +139,28 @@ def floor_rows(engine, prompt, rows: dict[str, dict[str, float]], rates: DeviceR
         floor = rates.floor_ms(flops, nbytes)
         row.update(tflop=float(f"{flops / 1e12:.4g}"), min_gb=float(f"{nbytes / 1e9:.4g}"),
                    floor_ms=float(f"{floor:.4g}"), over_floor=round(row["prefill_ms"] / floor, 2))  # fmt: skip
+
+
+def graphed_rows(graphed, prompt, args, full_ms: float) -> dict[str, dict[str, float]] | dict[str, str]:
+    """`GRAPHED_MODES` on the engine with prefill graphs (the first runs capture them), printed beside the full
+    prefill; a failure is printed and recorded, and the rest of the check goes on."""
+    t = time.perf_counter()
+    try:
+        warm_up(graphed, prompt)
+        captured_s = time.perf_counter() - t
+        rows = ttft_rows(graphed, prompt, args, only=GRAPHED_MODES)
+    except Exception as exc:  # noqa: BLE001 - the evidence of the other steps must survive a failed capture
+        print(f"  {prompt.num_tokens:>6} tokens  prefill graphs FAILED: {type(exc).__name__}: {exc}")
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    for name, row in rows.items():
+        print(
+            f"  {prompt.num_tokens:>6} tokens  {name + ', graphed':<22} prefill {row['prefill_ms']:8.1f} ms  "
+            f"(full/this {full_ms / row['prefill_ms']:5.2f}x)  generate TTFT {row['generate_ttft_ms']:8.1f} ms"
+        )
+    print(f"  {prompt.num_tokens:>6} tokens  warm-up with graph capture {captured_s:.1f} s, buckets "
+          f"{graphed.prefiller.steps.bucket_sizes}")  # fmt: skip
+    rows["warm_up_s"] = round(captured_s, 1)
+    return rows
 
 
 def pipeline_rows(engine, prompt, args) -> dict[str, dict[str, float]]:
@@ -230,6 +258,13 @@ def main(argv: list[str] | None = None) -> int:
                        "copy_gb_per_s": round(rates.bytes_per_s / 1e9)}  # fmt: skip
     print(f"  measured: matmul {report['rates']['tflop_per_s']} TFLOP/s, copy {report['rates']['copy_gb_per_s']} GB/s")
     prompt = None
+    # the same model with each prefill layer's row-wise work replayed as CUDA graphs (`EngineConfig.prefill_graphs`)
+    # (on a CPU, a smoke run: the same rows padded to their buckets, run eagerly)
+    on_cuda = args.device.startswith("cuda")
+    graphed = CacheBlendEngine(engine.model, engine.tokenizer, config=replace(engine.config, prefill_graphs=on_cuda))
+    if not on_cuda:
+        graphed.prefiller.steps = GraphedLayerSteps(graphed.lm, capture=False)
+    report["graphed"] = {}
     for length in (int(x) for x in args.lengths.split(",")):
         prompt = make_prompt(engine, args, args.chunks, length, None)
         warm_up(engine, prompt)
@@ -243,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(full/this {speedup:5.2f}x)  generate TTFT {row['generate_ttft_ms']:8.1f} ms  "
                   f"floor {row['floor_ms']:7.2f} ms ({row['tflop']} TFLOP, {row['min_gb']} GB)  "
                   f"measured/floor {row['over_floor']:5.1f}")  # fmt: skip
+        report["graphed"][prompt.num_tokens] = graphed_rows(graphed, prompt, args, full)
+    graphed.clear_store()  # its chunk KV: memory the next steps need
     assert prompt is not None
     report["pipeline"] = pipeline_rows(engine, prompt, args)
     for name, row in report["pipeline"].items():
@@ -280,6 +317,13 @@ def write_latest(path, report: dict, commit: str) -> None:
         "floor_ms": {mode: by_length(mode, "floor_ms") for mode in ("full", "reuse", "blend r=0.15")},
         "decode_step_ms": report["decode_step"], "decode_tps": {"1": report["generate_decode_tok_per_s"]},
     }  # fmt: skip
+    graphed = report.get("graphed", {})  # prefill with prefill_graphs=True: mode -> prompt tokens -> ms
+    if graphed:
+        latest["graphed_prefill_ms"] = {
+            mode: {str(n): rows[mode]["prefill_ms"] for n, rows in graphed.items() if mode in rows}
+            for mode in GRAPHED_MODES
+        }
+        latest["graphed_errors"] = {str(n): rows["error"] for n, rows in graphed.items() if "error" in rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(latest, indent=2) + "\n")
 

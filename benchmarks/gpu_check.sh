@@ -4,7 +4,8 @@
 #      of mixed lengths equal to the model's own forward);
 #   2. on random weights of a Llama-2-7B shape (benchmarks/gpu_check.py): each mode's prefill alone and its TTFT
 #      through generate at 3.1k and 7.7k tokens, the top ops of a full and a blend prefill, decode steps of one
-#      request and of 8 requests with caches of 8 lengths, and one answer's decode rate;
+#      request and of 8 requests with caches of 8 lengths, and one answer's decode rate; reuse and the blends again
+#      with each prefill layer's row-wise work replayed as CUDA graphs (prefill_graphs=True);
 #   3. the load benchmark: batched decoding at 1 / 8 / 32 concurrent clients, of the blend with eager steps and with
 #      steps replayed as CUDA graphs, and of full prefills (LOAD=0 skips it; SERIAL=1 adds serial decoding).
 # The package need not be installed: the repository goes on PYTHONPATH. Wheels in ./.whl (for a machine with no
@@ -34,7 +35,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 timeout "${CUDA_TESTS_S:-60}" "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
   | tee "$out/cuda-tests.txt" | tail -15
 cd benchmarks
-timeout "${TTFT_S:-150}" "$py" gpu_check.py --model-shape 7b --dtype bfloat16 --profile --out /tmp/gpu-check-ttft \
+timeout "${TTFT_S:-180}" "$py" gpu_check.py --model-shape 7b --dtype bfloat16 --profile --out /tmp/gpu-check-ttft \
   --latest "$out/latest.json" --commit "${COMMIT:-unknown}" 2>&1 \
   | tee "$out/ttft.txt" | grep -v "^-*$" | awk 'NR <= 90'  # awk reads to the end: head would stop the run
 [ "${LOAD:-1}" = 1 ] || exit 0  # LOAD=0: the tests and gpu_check.py only

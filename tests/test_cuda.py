@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag import CacheBlendEngine, EngineConfig, blend_rule
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 pytestmark = [
@@ -182,6 +182,32 @@ def test_a_cuda_engine_with_decode_graphs_answers_concurrent_requests_as_alone()
     with ThreadPoolExecutor(max_workers=6) as pool:
         got = list(pool.map(lambda i: graphed.generate(chunks[i % 4 :][:2], **asks[i]).token_ids, range(6)))
     assert got == want
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_cuda_prefill_graphs_equal_the_eager_layers(family):
+    # The row-wise halves of every layer replayed as CUDA graphs over padded rows: r = 1 still a full prefill and
+    # r = 0 full reuse, the default rule and `paper` as the eager layers give them, greedy answers equal.
+    def engine(graphs):
+        config = EngineConfig(device="cuda", miss_policy="blend", chunk_separator="", prefill_graphs=graphs)
+        return CacheBlendEngine(make_tiny_model(family, mute_eos=True), make_tiny_tokenizer(), config=config)
+
+    eager, graphed = engine(False), engine(True)
+    prompt = eager.build_prompt([random_words(s, 30) for s in (1, 2, 3)], prefix=random_words(4, 5),
+                                suffix=random_words(5, 6))  # fmt: skip
+    full = eager.prefill(prompt, "full").logits
+    torch.testing.assert_close(graphed.prefill(prompt, "blend", recompute_ratio=1.0).logits, full, atol=1e-4, rtol=0)
+    reuse = eager.prefill(prompt, "reuse").logits
+    torch.testing.assert_close(graphed.prefill(prompt, "blend", recompute_ratio=0.0).logits, reuse, atol=1e-4, rtol=0)
+    torch.testing.assert_close(graphed.prefill(prompt, "reuse").logits, reuse, atol=1e-4, rtol=0)
+    for opts in ({}, {"blend": blend_rule("paper", 0.3)}):
+        want = eager.prefill(prompt, "blend", **opts)
+        got = graphed.prefill(prompt, "blend", **opts)
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=0)
+        assert got.metrics.recomputed_tokens == want.metrics.recomputed_tokens
+    answer = dict(mode="blend", max_new_tokens=6, stop=())
+    assert graphed.generate(prompt, **answer).token_ids == eager.generate(prompt, **answer).token_ids
+    assert graphed.prefiller.steps.bucket_sizes  # the rows did run as graphs
 
 
 def test_a_cuda_engine_in_a_forked_child_refuses_with_advice():
