@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from ..models.adapter import LayerwiseModel
+from ..models.cuda_graphs import capture_graph
 
 
 class LayerRows(Protocol):
@@ -81,7 +82,7 @@ class EagerLayerSteps:
 
 def bucket_rows(rows: int) -> int:
     """The padded size of `rows` rows: the next power of two up to 16, then the next multiple of an eighth of the
-    power of two below (17 -> 18, 30 -> 32, 1,150 -> 1,152, 1,160 -> 1,280): at most 12.5% padding, eight sizes per
+    power of two below (17 -> 18, 33 -> 36, 1,150 -> 1,152, 1,160 -> 1,280): at most 12.5% padding, eight sizes per
     doubling."""
     if rows < 1:
         raise ValueError(f"a bucket holds at least one row, got {rows}")
@@ -96,7 +97,7 @@ class _Bucket:
 
     def __init__(self, lm: LayerwiseModel, size: int, pool: object | None) -> None:
         s, device, dtype = lm.shape, lm.device, lm.dtype
-        self.lm, self.size = lm, size
+        self.lm = lm
         self.h = torch.zeros(size, s.hidden_size, dtype=dtype, device=device)
         self.attn = torch.zeros_like(self.h)
         self.cos = torch.zeros(size, 1, s.head_dim, dtype=dtype, device=device)
@@ -118,22 +119,14 @@ class _Bucket:
         self.h.copy_(self.lm.finish_layer(layer_idx, self.h, self.attn))
 
     def _capture(self, layer_idx: int, pool: object) -> tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]:
-        """Both halves of a layer, warmed up on a side stream (lazy initialisations must stay out of a graph) over
-        the bucket's current contents (zeros: nothing is loaded yet), then captured. Another thread's work (the
-        layer prefetcher's copies) goes on meanwhile: the capture checks only this thread's calls."""
-        side = torch.cuda.Stream(self.h.device)
-        side.wait_stream(torch.cuda.current_stream(self.h.device))
-        with torch.cuda.stream(side):
-            self.run_qkv(layer_idx)
-            self.run_finish(layer_idx)
-        torch.cuda.current_stream(self.h.device).wait_stream(side)
-        halves = []
-        for run in (self.run_qkv, self.run_finish):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                run(layer_idx)
-            halves.append(graph)
-        return halves[0], halves[1]
+        """Both halves of a layer, each warmed up over the bucket's current contents (zeros: nothing is loaded yet)
+        and captured. Another thread's work (the layer prefetcher's copies) goes on meanwhile: the capture checks
+        only this thread's calls."""
+        qkv, _ = capture_graph(lambda: self.run_qkv(layer_idx), device=self.h.device, pool=pool,
+                               error_mode="thread_local")  # fmt: skip
+        finish, _ = capture_graph(lambda: self.run_finish(layer_idx), device=self.h.device, pool=pool,
+                                  error_mode="thread_local")  # fmt: skip
+        return qkv, finish
 
 
 class _PaddedRows:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from ...models.adapter import LayerwiseModel, signed_sin
+from ...models.cuda_graphs import capture_graph
 from .slots import SlotPool, StepPlan
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # batch sizes a step is padded to
@@ -105,15 +106,7 @@ class GraphedSteps:
         return out[: len(tokens)].clone()
 
     def _capture(self, static: StaticStep) -> tuple[StaticStep, torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm the step up on a side stream (lazy initialisations must not land in the graph), then capture it.
-        The warm-up writes only to the scratch slot (every row is padding)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                static.run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = static.run()
+        """Warm the step up twice, then capture it. The warm-up writes only to the scratch slot (every row is
+        padding)."""
+        graph, out = capture_graph(static.run, warmups=2)
         return static, graph, out
