@@ -5,23 +5,24 @@ It composes the rooms beside it:
 - `chunks/`: which stored entry each chunk of a prompt reads (`placement`), found or prefilled (`cache`), and the
   entries a full prefill computes for free (`capture`);
 - `prefill/`: the four prefill modes over the KV gathered for them, planned by pure functions (`planning`);
-- `serving/`: one queue for every request, decode steps batched across requests, the token loop and streams, and
-  the chunks cold requests skipped, stored after their answers (`deferred_fills`);
+- `serving/`: the answering methods (`generation`), one queue for every request, decode steps batched across
+  requests, the token loop and streams, and the chunks cold requests skipped, stored after their answers
+  (`deferred_fills`);
 - `corpus/`: a corpus's chunk KV ahead of requests (`precompute`, grouped or alone).
-The call path: `generate` -> `scheduler.stream` -> (a turn of the scheduler) -> `run_prefill` -> `Prefiller.run` ->
-`fusion.fuse`. One forward runs at a time (a lock): the model's modules are shared, and on a CPU parallel forwards
-only contend; concurrency comes from batching decode steps, not from parallel forwards.
+The call path: `generate` (`serving.generation`) -> `scheduler.stream` -> (a turn of the scheduler) ->
+`run_prefill` -> `Prefiller.run` -> `fusion.fuse`. One forward runs at a time (a lock): the model's modules are
+shared, and on a CPU parallel forwards only contend; concurrency comes from batching decode steps, not from
+parallel forwards.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from typing_extensions import Unpack
 
 from ..config import BlendConfig, EngineConfig, PrefillMode, torch_dtype
 from ..cpu import warn_if_slow_bf16
@@ -40,11 +41,12 @@ from .prefill.planning import RatioPolicy, check_blend
 from .prefill.prefiller import Prefill, Prefiller
 from .request.after_layer import AfterLayer
 from .request.prompt import PromptTemplate, TokenizedPrompt, tokenize_request
-from .request.request import Request, RequestOptions, calling, check_length, check_prompt_parts
+from .request.request import Request, calling, check_length
 from .serving.batch_decode import BatchDecoder
-from .serving.decoding import AsyncTextStream, GenerationResult, TextStream, TokenLoop
+from .serving.decoding import TokenLoop
 from .serving.deferred_fills import DeferredFills, FillStats
 from .serving.forking import ForkSteps, prepare_for_forks
+from .serving.generation import GenerationMethods
 from .serving.graphs import GraphedSteps
 from .serving.scheduler import Scheduler
 from .serving.thread_pools import releasing_thread_pool
@@ -53,7 +55,7 @@ from .serving.tokens import eos_token_ids
 logger = logging.getLogger(__name__)
 
 
-class CacheBlendEngine(CorpusMethods):
+class CacheBlendEngine(CorpusMethods, GenerationMethods):
     """One model, one chunk store, and the four ways to prefill a prompt made of chunks.
 
     `controller`: a ratio policy (e.g. `LoadingController`) that picks the blend ratio per request from the
@@ -305,56 +307,3 @@ class CacheBlendEngine(CorpusMethods):
             logits = self.prefiller.forward(ids, prefill.num_tokens, prefill.cache, all_logits=True)
         prefill.num_tokens += ids.numel()
         return logits
-
-    # -- generation ---------------------------------------------------------------------------------------------
-
-    def generate(
-        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Unpack[RequestOptions]
-    ) -> GenerationResult:
-        """Answer a question over chunks (or a prebuilt prompt) and return the text with the request's metrics.
-
-        Takes the keyword arguments of `stream`, and collects its stream.
-        """
-        prompt, request = self._request("generate", chunks, question, options)
-        return self.scheduler.stream(prompt, request).collect()
-
-    def stream(
-        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Unpack[RequestOptions]
-    ) -> TextStream:
-        """Yield the answer's text as it is produced; `.result` holds the `GenerationResult` at the end.
-
-        Keyword arguments: `RequestOptions` (all optional): the prefill `mode`, `recompute_ratio` or another
-        `blend` rule; decoding (`max_new_tokens`, greedy at `temperature` 0, else `top_p` / `top_k` / `seed`;
-        `stop` strings); the prompt: chunks + question (rendered by `template`), chunks + explicit `prefix` /
-        `suffix`, or a prebuilt `TokenizedPrompt` in place of the chunks. Every argument is checked here, before
-        any compute.
-        """
-        prompt, request = self._request("stream", chunks, question, options)
-        return self.scheduler.stream(prompt, request)
-
-    def _request(
-        self, method: str, chunks: Sequence[str] | TokenizedPrompt, question: str | None, options: Mapping[str, Any]
-    ) -> tuple[TokenizedPrompt, Request]:
-        """The checked request of one `generate` / `stream` call and its tokenized prompt."""
-        request = Request.from_options(method, options)
-        prompt = check_prompt_parts(method, chunks, question, request)
-        if prompt is None:
-            with calling(method):
-                prompt = self.build_prompt(chunks, question, template=request.template, prefix=request.prefix,
-                                           suffix=request.suffix)  # fmt: skip
-        self._check_request(prompt, request, method)
-        return prompt, request
-
-    async def agenerate(
-        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Unpack[RequestOptions]
-    ) -> GenerationResult:
-        """`generate` for asyncio: awaits the answer without holding a thread; concurrent calls decode together."""
-        prompt, request = self._request("agenerate", chunks, question, options)
-        return await self.scheduler.astream(prompt, request).collect()
-
-    def astream(
-        self, chunks: Sequence[str] | TokenizedPrompt, question: str | None = None, **options: Unpack[RequestOptions]
-    ) -> AsyncTextStream:
-        """`stream` for asyncio (`async for delta in engine.astream(...)`); call it inside a running event loop."""
-        prompt, request = self._request("astream", chunks, question, options)
-        return self.scheduler.astream(prompt, request)

@@ -14,12 +14,12 @@ from cacheblend_rag.retrieval.embeddings import (
     embedding_dimension,
     load_embedder,
 )
+from cacheblend_rag.retrieval.folder_index import build_index_from_folder
 from cacheblend_rag.retrieval.index import (
     FORMAT_VERSION,
     ChunkIndex,
     IndexFormatError,
     RetrievedChunk,
-    build_index_from_folder,
 )
 from cacheblend_rag.retrieval.sources import (
     DEFAULT_MAX_DOCUMENT_BYTES,

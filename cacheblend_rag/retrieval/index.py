@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from cacheblend_rag.errors import CacheBlendError, ConfigError, PromptError
-from cacheblend_rag.retrieval.chunking import Chunk, Tokenizer, split_documents
-from cacheblend_rag.retrieval.documents import load_documents
+from cacheblend_rag.retrieval.chunking import Chunk
 from cacheblend_rag.retrieval.embeddings import (
     EMBEDDING_MODEL_NAME,
     Embedder,
@@ -32,7 +31,7 @@ from cacheblend_rag.retrieval.embeddings import (
     load_embedder,
 )
 from cacheblend_rag.retrieval.faiss_file import flat_index_problem, import_faiss
-from cacheblend_rag.retrieval.sources import DEFAULT_MAX_DOCUMENT_BYTES, IndexSource
+from cacheblend_rag.retrieval.sources import IndexSource
 
 if TYPE_CHECKING:
     import faiss
@@ -325,35 +324,3 @@ class ChunkIndex:
                 "built with"
             )
         return cls(chunks, index, embedder, stored_name, IndexSource.from_json(payload.get("source")))
-
-
-def build_index_from_folder(
-    path: str | Path,
-    tokenizer: Tokenizer,
-    *,
-    chunk_tokens: int = 512,
-    overlap_tokens: int = 0,
-    suffixes: Iterable[str] | None = None,
-    globs: Iterable[str] = (),
-    encoding: str = "utf-8",
-    follow_links: bool = False,
-    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
-    embedder: Embedder | None = None,
-    batch_size: int = 32,
-    show_progress: bool = True,
-) -> ChunkIndex:
-    """Load the text files under `path` (chosen as `load_documents` does), split them with the LLM's
-    `tokenizer`, and index the chunks."""
-    documents = load_documents(
-        path,
-        suffixes=suffixes,
-        globs=globs,
-        encoding=encoding,
-        follow_links=follow_links,
-        max_document_bytes=max_document_bytes,
-    )
-    chunks = split_documents(
-        documents, tokenizer, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens, show_progress=show_progress
-    )
-    logger.info("indexing %d chunks from %d documents under %s", len(chunks), len(documents), path)
-    return ChunkIndex.build(chunks, embedder, batch_size=batch_size, show_progress=show_progress)

@@ -3,7 +3,8 @@
 A background thread calls the layer loader for layers 0, 1, 2, ... and keeps at most `depth` layers ready
 ahead of the fusor; the fusor takes them with `get(layer_idx)` and waits only when a layer is not ready yet.
 On a GPU the copies run on a side CUDA stream, and the fusor's stream waits on an event per layer, so copies
-overlap with kernels as well. The timing this records is what separates load time from the wait it caused.
+overlap with kernels as well. The timing this records is what separates load time from the wait it caused;
+`LoadTiming` sums a request's loading, with the pipeline or without it, for its metrics.
 """
 
 from __future__ import annotations
@@ -117,3 +118,28 @@ class LayerPrefetcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class LoadTiming:
+    """What reading a prompt's stored KV cost: `times()` -> (time spent loading, the part of it the fusor waited
+    for: all of it without pipelining; with it, only what compute did not hide)."""
+
+    def __init__(self) -> None:
+        self.assembly_s = 0.0  # laying the parts into the buffers (all of them, when they are in memory)
+        self.read_s = 0.0  # reading layers on the fusor's thread
+        self.prefetcher: LayerPrefetcher | None = None
+
+    def timed(self, load: LayerLoader) -> LayerLoader:
+        def timed_load(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+            t = time.perf_counter()
+            try:
+                return load(layer_idx)
+            finally:
+                self.read_s += time.perf_counter() - t
+
+        return timed_load
+
+    def times(self) -> tuple[float, float]:
+        if self.prefetcher is not None:
+            return self.assembly_s + self.prefetcher.load_s, self.assembly_s + self.prefetcher.wait_s
+        return self.assembly_s + self.read_s, self.assembly_s + self.read_s

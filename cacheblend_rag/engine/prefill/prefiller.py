@@ -7,7 +7,7 @@
 - blend:  CacheBlend's selective recompute, with the rule of the request's `BlendConfig`.
 The three cached modes run through the same fusor (`fusion.fuse`) with plans from `planning`. A chunk missing
 from the store is prefilled on the spot and stored (`gather`). Chunks found on disk or in Redis are read layer by layer
-while the fusor runs (`pipeline.LayerPrefetcher`).
+while the fusor runs (`prefetch.LayerPrefetcher`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ...config import BlendConfig, Guard, PrefillMode, normalize_dtype_name
-from ...fusion import FusionPlan, FusionResult, LayerLoader, LayerSteps, PromptKV, fuse
+from ...fusion import FusionPlan, FusionResult, LayerSteps, PromptKV, fuse
 from ...guard import escalate, first_token_signals
 from ...models.adapter import LayerwiseModel
 from ...store import ChunkKV, ChunkReader, CorruptEntryError
@@ -43,7 +43,7 @@ from .planning import (
     question_mask,
     reuse_plan,
 )
-from .prefetch import LayerPrefetcher
+from .prefetch import LayerPrefetcher, LoadTiming
 from .state import PrefillRun
 
 logger = logging.getLogger(__name__)
@@ -314,31 +314,6 @@ class Prefiller:
                 m.recompute_ratio = steps[-1]
         result.recomputed_per_layer = spent
         return result
-
-
-class LoadTiming:
-    """What reading a prompt's stored KV cost: `times()` -> (time spent loading, the part of it the fusor waited
-    for: all of it without pipelining; with it, only what compute did not hide)."""
-
-    def __init__(self) -> None:
-        self.assembly_s = 0.0  # laying the parts into the buffers (all of them, when they are in memory)
-        self.read_s = 0.0  # reading layers on the fusor's thread
-        self.prefetcher: LayerPrefetcher | None = None
-
-    def timed(self, load: LayerLoader) -> LayerLoader:
-        def timed_load(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-            t = time.perf_counter()
-            try:
-                return load(layer_idx)
-            finally:
-                self.read_s += time.perf_counter() - t
-
-        return timed_load
-
-    def times(self) -> tuple[float, float]:
-        if self.prefetcher is not None:
-            return self.assembly_s + self.prefetcher.load_s, self.assembly_s + self.prefetcher.wait_s
-        return self.assembly_s + self.read_s, self.assembly_s + self.read_s
 
 
 def decode_cache(config: Any, kv: PromptKV) -> DynamicCache:

@@ -1,30 +1,24 @@
 """Serving many requests at once: one queue, one server at a time, decode steps batched across requests.
 
-Every `generate` / `stream` / `agenerate` / `astream` call becomes a `Job` in one queue, whatever thread or event
-loop it comes from. One server serves them all, in turns: the worker thread, or, for a request that is alone, the
-thread that reads its answer (below).
-1. it starts the oldest waiting job, if fewer than `max_batch` are decoding and its KV fits beside theirs
-   (`max_tokens`): the job's prefill (one at a time, under the engine's lock), then its first token;
-2. it stores one chunk that a cold request was answered without, if one is queued (`DeferredFills`: the scheduler
-   hosts that queue while it runs);
-3. it runs one decode step for every job that is decoding, as one batched forward (`BatchDecoder`), and hands each
-   job its new text.
-So a new request waits for at most one decode step before its prefill starts, and each step reads the weights once
-for the whole batch. With `max_token_gap_s`, the requests already decoding also get a step between two layers of
-a prefill, or of a chunk being stored, once their last one is that old (`interleave`), so a long prefill does not
-stop their answers.
-Events go to each job's reader through a `Channel` (a queue for a thread, the event loop for
-a task); a slow reader only lets its own events pile up, and a reader that leaves cancels its job, which leaves the
-batch at the next step. The worker exits when nothing is left and starts again with the next job; at interpreter
-exit it is stopped (`stop`, called by `shutdown`): jobs still waiting or decoding get an error.
+Every `generate` / `stream` / `agenerate` / `astream` call becomes a `Job` in one queue, from any thread or event
+loop. One server serves them all, in turns (the worker thread, or, for a request alone, its reader's thread):
+1. start the oldest waiting job if fewer than `max_batch` decode and its KV fits beside theirs (`max_tokens`): its
+   prefill (one at a time, under the engine's lock), then its first token;
+2. store one chunk a cold request was answered without, if one is queued (`DeferredFills`);
+3. run one decode step for every decoding job as one batched forward (`BatchDecoder`), and hand each its text.
+A new request waits at most one decode step for its prefill, and each step reads the weights once for the batch.
+With `max_token_gap_s`, decoding requests also get a step between two layers of a prefill (or of a chunk being
+stored) once their last token is that old, so a long prefill does not stop their answers. Events reach each
+job's reader through a `Channel` (a queue for a thread, the event loop for a task): a slow reader only lets its
+own events pile up, and a reader that leaves cancels its job. The worker exits when nothing is left and starts
+again with the next job; at interpreter exit `stop` (called by `shutdown`) fails the jobs still in it.
 
-A request alone (a `generate` or `stream` call while nothing else is queued or decoding) is served by the thread
-that reads it, in its turns, whenever that reader waits for its next event. On a CPU this is what makes one
-user's answer fast: PyTorch's OpenMP keeps a pool of threads per thread that runs torch operations, and once the
-pools hold more threads than the machine has cores, every pool stops spinning between operations and sleeps
-instead, so a worker thread beside the caller's own pool ran each decode step 1.3-1.4x slower (2-core CPU). The
-moment a second request arrives, from any thread or event loop, the worker thread takes over (between two turns)
-and serves both, so a slow or departed reader never holds up the others.
+A request alone is served by the thread that reads it, whenever that reader waits for its next event. On a CPU
+this makes one user's answer fast: PyTorch's OpenMP keeps a thread pool per thread that runs torch operations,
+and once the pools hold more threads than there are cores, they sleep between operations instead of spinning;
+a worker thread beside the caller's own pool ran each decode step 1.3-1.4x slower (2-core CPU). When a second
+request arrives the worker thread takes over (between two turns) and serves both, so a slow or departed reader
+never holds up the others.
 """
 
 from __future__ import annotations
