@@ -78,6 +78,30 @@ def test_requests_join_and_leave_between_steps(lm):
     assert pool.slots >= 2 and pool.capacity >= 30
 
 
+def test_a_step_is_masked_only_where_some_request_sees_fewer_positions(lm):
+    """Requests of one length in slots 0..hi-1 see every position: no mask; else one additive mask for all layers
+    (0 where a slot sees a position, -inf elsewhere); both give each request's own logits."""
+    decoder = BatchDecoder(lm)
+    pool = SlotPool(lm.shape, torch.float32, "cpu", slots=3, capacity=32)
+    own, slots, tokens = [], [], []
+    for seed, n in enumerate([9, 9, 4]):
+        cache, keys, values, token = prefilled(lm.model, n, seed=seed, room=4)
+        own.append(cache)
+        slots.append(pool.admit(keys, values, n, room=4))
+        tokens.append(token)
+    assert pool.step_plan(slots[:2]).mask is None
+    assert pool.step_plan(slots[:1]).mask is None
+    mask = pool.step_plan(slots).mask
+    assert mask is not None and mask.dtype == torch.float32 and mask.shape == (3, 1, 1, 10)
+    assert torch.equal(mask[2, 0, 0] == 0, torch.arange(10) < 5) and torch.equal(mask[:2], torch.zeros(2, 1, 1, 10))
+    gap = pool.step_plan([slots[1]]).mask  # slot 0 is not in this step: a gap before it
+    assert gap is not None and torch.isinf(gap[0]).all() and torch.equal(gap[1], torch.zeros(1, 1, 10))
+    for batch in (slice(0, 2), slice(0, 3)):
+        got = decoder.step_slots(tokens[batch], pool, slots[batch])
+        want = decoder.step(tokens[batch], own[batch])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)  # the second: the first two one position on
+
+
 def test_a_slot_must_hold_a_request_and_room_to_write():
     lm = LayerwiseModel(make_tiny_model("llama").eval())
     pool = SlotPool(lm.shape, torch.float32, torch.device("cpu"), slots=2, capacity=8)

@@ -119,17 +119,24 @@ class SlotPool:
         self._clear_tail(slice(0, old_slots), old_capacity)  # the slots held now, at their new positions
 
     def step_plan(self, slots: list[int]) -> StepPlan:
-        """The index tensors and the mask of one decode step of the requests in `slots` (one token each)."""
+        """The index tensors and the mask of one decode step of the requests in `slots` (one token each).
+
+        The mask is additive (0 / -inf in the pool's dtype), made once for every layer: given a boolean one, the
+        fused kernels turn it into this form again in every layer's call. When the requests fill slots 0..hi-1
+        and all see every position (one request, or several of one length), there is no mask at all."""
         self.check(slots)
         positions = [self.lengths[s] for s in slots]
         hi, n = max(slots) + 1, max(positions) + 1
-        lengths = torch.zeros(hi, dtype=torch.long)
-        lengths[slots] = torch.tensor(positions) + 1
-        mask = torch.arange(n)[None, :] < lengths[:, None]  # [hi, n]: each slot's keys, its new one included
         device = self.device
         rows = torch.tensor(slots, dtype=torch.long, device=device)
         dense = slots == list(range(hi))  # the requests fill slots 0..hi-1 in order: no gathering around attention
-        mask = mask.to(device)[:, None, None, :]
+        mask = None
+        if not (dense and all(p == n - 1 for p in positions)):
+            lengths = torch.zeros(hi, dtype=torch.long)
+            lengths[slots] = torch.tensor(positions) + 1
+            seen = torch.arange(n)[None, :] < lengths[:, None]  # [hi, n]: each slot's keys, its new one included
+            mask = torch.zeros(hi, 1, 1, n, dtype=self.dtype).masked_fill_(~seen[:, None, None, :], float("-inf"))
+            mask = mask.to(device)
         at = torch.tensor(positions, dtype=torch.long, device=device)
         return StepPlan(rows, at, mask, dense, self.keys[:, :hi, :, :n], self.values[:, :hi, :, :n])
 
@@ -148,11 +155,11 @@ class SlotPool:
         out = self.attention(q, keys, values, plan.mask, scale)
         return (out if plan.dense else out[plan.rows]).reshape(len(plan.positions), -1)
 
-    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                   scale: float) -> torch.Tensor:  # fmt: skip
         """One query per slot ([hi, H, D]) over its slot's keys and values in one layer ([hi, Hkv, n, D], views of
-        the pool), `mask` ([hi, 1, 1, n] bool) saying which positions it sees; -> [hi, Hkv, H / Hkv, D] (the query
-        heads of each KV head).
+        the pool), `mask` ([hi, 1, 1, n], bool or additive; None: every position) saying which positions it sees;
+        -> [hi, Hkv, H / Hkv, D] (the query heads of each KV head).
 
         torch's fused kernel on every device: on a CPU too it beats the same attention written as two products,
         a scale, a mask and a softmax (by 10-25% in bf16, where a product over transposed keys copies them, and
@@ -172,12 +179,13 @@ class SlotPool:
 
 class StepPlan:
     """What every layer of one batched step reuses: the requests' slots and write positions, the mask over the keys
-    attended ([hi, 1, 1, n] bool, hi the slots spanned and n the keys), whether the requests are slots 0..hi-1 in
-    order, and the pool's keys and values the step reads and writes ([L, hi, Hkv, n, D] views)."""
+    attended ([hi, 1, 1, n] bool or additive, hi the slots spanned and n the keys; None when every slot sees them
+    all), whether the requests are slots 0..hi-1 in order, and the pool's keys and values the step reads and writes
+    ([L, hi, Hkv, n, D] views)."""
 
     __slots__ = ("rows", "positions", "mask", "dense", "keys", "values")
 
-    def __init__(self, rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, dense: bool,
+    def __init__(self, rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, dense: bool,
                  keys: torch.Tensor, values: torch.Tensor) -> None:  # fmt: skip
         self.rows, self.positions, self.mask, self.dense = rows, positions, mask, dense
         self.keys, self.values = keys, values
