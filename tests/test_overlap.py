@@ -53,3 +53,36 @@ def test_groups_never_place_a_chunk_after_its_near_copy():
     for group in similarity_groups(vectors, texts, lengths, 100):
         for a, i in enumerate(group):
             assert not any(near_copies(texts[i], texts[j]) for j in group[:a]), group
+
+
+def test_a_prompts_near_copies_are_every_pair_that_shares_enough():
+    # `copies_before` settles most chunks with one intersection against all the chunks before; it must give what
+    # checking every pair gives, on prompts of windows of one text, repeats, short chunks and unrelated ones.
+    import random
+
+    from cacheblend_rag.engine.chunks.context import copies_before
+    from cacheblend_rag.retrieval.overlap import near_copy_ids
+
+    def every_pair(chunks):
+        return [tuple(dict.fromkeys(b for b in chunks[:j] if b != c and near_copy_ids(c, b)))
+                for j, c in enumerate(chunks)]  # fmt: skip
+
+    rng = random.Random(0)
+    found = 0
+    for _ in range(300):
+        text = [rng.randrange(30) for _ in range(400)]
+        chunks: list[tuple[int, ...]] = []
+        for _ in range(rng.randint(1, 8)):
+            kind = rng.random()
+            if kind < 0.3 and chunks:
+                chunks.append(rng.choice(chunks))
+            elif kind < 0.6:
+                start = rng.randrange(350)
+                chunks.append(tuple(text[start : start + rng.randint(1, 60)]))
+            else:
+                vocab = 30 if rng.random() < 0.5 else 5000
+                chunks.append(tuple(rng.randrange(vocab) for _ in range(rng.randint(1, 80))))
+        expected = every_pair(chunks)
+        assert copies_before(chunks) == expected, chunks
+        found += sum(map(len, expected))
+    assert found > 50  # the prompts hold near copies to find (62)

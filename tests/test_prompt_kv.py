@@ -93,7 +93,10 @@ def test_layers_are_first_read_in_order():
 def test_the_decode_cache_is_the_prefills_buffer():
     engine, prompt, _ = engine_with_prompt()
     pre = engine.prefill(prompt, "blend", recompute_ratio=0.2)
+    assert pre.model_cache is None  # made only when asked for: the engine's decoding reads the buffers themselves
     layers = pre.cache.layers
+    assert pre.cache is pre.cache  # made once
+    assert layers[0].keys.untyped_storage().data_ptr() == pre.kv.key_buffer.untyped_storage().data_ptr()
     base = layers[0].keys.untyped_storage().data_ptr()
     assert all(layer.keys.untyped_storage().data_ptr() == base for layer in layers)  # one buffer, every layer
     assert layers[0].keys.shape == (1, engine.lm.shape.num_kv_heads, prompt.num_tokens, engine.lm.shape.head_dim)

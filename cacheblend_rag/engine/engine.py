@@ -42,6 +42,7 @@ from .prefill.prefiller import Prefill, Prefiller
 from .request.after_layer import AfterLayer
 from .request.prompt import PromptTemplate, TokenizedPrompt, tokenize_request
 from .request.request import Request, calling, check_length
+from .request.token_cache import TokenCache
 from .serving.batch_decode import BatchDecoder
 from .serving.decoding import TokenLoop
 from .serving.deferred_fills import DeferredFills, FillStats
@@ -82,6 +83,7 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         in_other_dtypes = fingerprints_by_dtype(model, dtype)  # before the cast, which may lose the model's values
         self.model = model.to(device=device, dtype=dtype).eval()
         self.tokenizer = tokenizer
+        self.token_cache = TokenCache(tokenizer)  # chunk texts -> ids: a chunk retrieved again is not tokenized again
         self.lm = LayerwiseModel(self.model, fused_qkv=fuse_qkv(self.model))  # q/k/v in one product
         self.device, self.dtype = device, dtype
         check_blend(self.config.blend, self.lm.shape.num_layers, "blend.check_layers")
@@ -119,7 +121,7 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
             graphs=GraphedSteps(self.lm) if self.config.decode_graphs else None,
         )
         # a process that forks with this engine: the child serves too, with workers of its own (`forking`)
-        workers = (self.scheduler, self.fills)
+        workers = (self.scheduler, self.fills, self.token_cache)
         self._forks = ForkSteps(self._lock, workers, lambda: self.chunks.store, device.type == "cuda")
         prepare_for_forks(self._forks)
 
@@ -177,7 +179,7 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
     ) -> TokenizedPrompt:
         """Tokenize a request. Either a question (rendered with the template) or an explicit prefix/suffix."""
         return tokenize_request(self.tokenizer, template or self.template, chunks, question, prefix, suffix,
-                                self.config.chunk_separator)  # fmt: skip
+                                self.config.chunk_separator, self.token_cache)  # fmt: skip
 
     def check_length(self, prompt: TokenizedPrompt, max_new_tokens: int = 0) -> None:
         """PromptError when the prompt and its answer budget do not fit the model's context."""

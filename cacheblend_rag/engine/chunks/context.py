@@ -26,6 +26,7 @@ from typing import Any
 from ...errors import ConfigError, PromptError
 from ..request.prompt import PromptTemplate, tokenize_chunks, tokenize_prefix
 from ..request.request import check_chunks, check_encodable, check_part, check_text
+from ..request.token_cache import TokenCache
 
 
 def context_digest(context_ids: Sequence[int]) -> str:
@@ -47,13 +48,23 @@ def copies_before(chunk_ids: Sequence[Sequence[int]]) -> list[tuple[tuple[int, .
     keyed by these (`copies_digest`): its KV has read them, and a prompt that does not show them before the chunk
     reads it as a repeat that is not there (a MuSiQue passage cached after two windows of itself went several
     nats from full recompute; docs/research.md, "Near copies in a chunk's context")."""
-    from ...retrieval.overlap import near_copy_ids
+    from ...retrieval.overlap import NEAR_COPY_SHARE, near_copy_ids, token_shingles
 
     ids = [tuple(c) for c in chunk_ids]
     out: list[tuple[tuple[int, ...], ...]] = []
+    seen: set[int] = set()  # the shingles of every chunk before
+    fewest = 0  # the fewest shingles a chunk before has
     for j, c in enumerate(ids):
-        found = dict.fromkeys(b for b in ids[:j] if b != c and near_copy_ids(c, b))
+        mine = token_shingles(c)
+        found: dict[tuple[int, ...], None] = {}
+        # A chunk before shares no more shingles with this one than all of them together do, and needs at least
+        # NEAR_COPY_SHARE of the smaller set's: most prompts, which hold no near copies, are settled by one
+        # intersection per chunk instead of one per pair of chunks.
+        if j and len(mine & seen) >= NEAR_COPY_SHARE * max(min(len(mine), fewest), 1):
+            found = dict.fromkeys(b for b in ids[:j] if b != c and near_copy_ids(c, b))
         out.append(tuple(found))
+        seen |= mine
+        fewest = len(mine) if j == 0 else min(fewest, len(mine))
     return out
 
 
@@ -191,10 +202,11 @@ def context_parts(chunks: Sequence[str], context: ContextArg) -> list[list[str]]
 
 def corpus_ids(
     tokenizer: Any, template: PromptTemplate, chunks: Sequence[str], question: str | None, prefix: str | None,
-    separator: str, max_tokens: int,
+    separator: str, max_tokens: int, cache: TokenCache | None = None,
 ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:  # fmt: skip
-    """A corpus checked and tokenized as requests will see it: (prefix ids, each chunk's ids). PromptError for a
-    chunk that cannot fit the model after the prefix, before anything is computed."""
+    """A corpus checked and tokenized as requests will see it (through `cache`, when given, so that they find the
+    ids): (prefix ids, each chunk's ids). PromptError for a chunk that cannot fit the model after the prefix, before
+    anything is computed."""
     check_chunks(chunks)
     check_text("question", question, optional=True)
     check_part("prefix", prefix)
@@ -202,7 +214,7 @@ def corpus_ids(
     if prefix is None:
         prefix, _ = template.render_parts(tokenizer, question or "?")
     prefix_ids = tuple(tokenize_prefix(tokenizer, prefix))
-    chunk_ids = tokenize_chunks(tokenizer, chunks, separator)
+    chunk_ids = tokenize_chunks(tokenizer, chunks, separator, cache)
     for i, ids in enumerate(chunk_ids):  # no request could ever use such a chunk
         if len(prefix_ids) + len(ids) >= max_tokens:
             raise PromptError(f"chunk {i} has {len(ids)} tokens: after the {len(prefix_ids)}-token prefix it does "

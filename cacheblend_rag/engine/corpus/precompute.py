@@ -19,6 +19,7 @@ from ..chunks.context import ContextArg, assign_contexts, context_parts, corpus_
 from ..prefill.prefiller import Prefiller
 from ..request.prompt import PromptTemplate, TokenizedPrompt
 from ..request.request import check_length
+from ..request.token_cache import TokenCache
 from ..serving.forking import ForkSteps
 from ..serving.thread_pools import releasing_thread_pool
 from .groups import GROUPS, check_groups_policy, fill_groups, group_indexes
@@ -40,6 +41,7 @@ class CorpusMethods:
     template: PromptTemplate
     config: EngineConfig
     chunks: ChunkCache
+    token_cache: TokenCache
     max_tokens: int
     _lock: threading.RLock
     _forks: ForkSteps
@@ -126,7 +128,7 @@ class CorpusMethods:
         """Check and tokenize a corpus, record each chunk's context; -> (prefix ids, chunk ids)."""
         self._forks.check()
         prefix_ids, chunk_ids = corpus_ids(self.tokenizer, template or self.template, chunks, question, prefix,
-                                           self.config.chunk_separator, self.max_tokens)  # fmt: skip
+                                           self.config.chunk_separator, self.max_tokens, self.token_cache)  # fmt: skip
         parts = context_parts(chunks, context)
         with self._lock:
             assign_contexts(self.chunks.contexts, self.tokenizer, chunk_ids, parts, self.config.chunk_separator)

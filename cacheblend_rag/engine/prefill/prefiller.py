@@ -51,9 +51,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Prefill:
-    """A built KV cache, ready for decoding."""
+    """A built KV cache, ready for decoding: a cached mode's buffers (`kv`) or a full prefill's own cache; `cache`
+    gives either as a transformers `DynamicCache`."""
 
-    cache: DynamicCache
     logits: torch.Tensor  # [vocab] float32, of the prompt's last token
     num_tokens: int
     metrics: RequestMetrics
@@ -61,8 +61,24 @@ class Prefill:
     deferred: tuple[tuple[int, ...], ...] = ()
     # entries cut from this request's full prefill (`chunks.capture`), to store at once
     captured: dict[tuple[int, ...], ChunkKV] = field(default_factory=dict)
-    # a cached prefill's KV buffers (`cache` is over their `num_tokens` positions)
+    # a cached prefill's KV buffers, from which a request starts decoding (its first `num_tokens` positions)
     kv: PromptKV | None = None
+    # the transformers cache: a full prefill's own; for a cached prefill, made over `kv` when `cache` is first read
+    # (the engine's decoding reads `kv` itself, so a request never pays for it)
+    model_cache: DynamicCache | None = None
+    model_config: Any = field(default=None, repr=False)  # what `cache` is made with
+
+    def __post_init__(self) -> None:
+        if self.kv is None and self.model_cache is None:
+            raise ValueError("a Prefill needs its KV buffers (kv) or a transformers cache (model_cache)")
+
+    @property
+    def cache(self) -> DynamicCache:
+        """The prompt's KV as a transformers `DynamicCache` (over the `kv` buffers themselves, not a copy)."""
+        if self.model_cache is None:
+            assert self.kv is not None
+            self.model_cache = decode_cache(self.model_config, self.kv)
+        return self.model_cache
 
 
 class Prefiller:
@@ -180,7 +196,6 @@ class Prefiller:
             result = self._fuse(run, kv, n_chunks, blend_cfg)
         load_s, wait_s = loading.times()
         assert result.logits is not None
-        cache = decode_cache(self.model.config, result.kv)
         m.recomputed_per_layer = result.recomputed_per_layer
         m.recomputed_tokens = int(result.selected_positions.numel())
         m.load_s += load_s
@@ -194,7 +209,7 @@ class Prefiller:
             todo = [p for p in to_capture(plan) if p.keys[0] not in run.fresh]  # not what this request just stored
             captured = capture(self.chunks, prompt, layers, todo)
             m.chunks_captured = len(captured)
-        return Prefill(cache, result.logits, n, m, captured=captured, kv=result.kv)
+        return Prefill(result.logits, n, m, captured=captured, kv=result.kv, model_config=self.model.config)
 
     def capture_full(self, prompt: TokenizedPrompt, placements: Sequence[Placement]) -> dict[tuple[int, ...], ChunkKV]:
         """A full prefill of `prompt` run for the entries it computes: those of the chunks `placements` (of the
@@ -223,7 +238,7 @@ class Prefiller:
         m.recomputed_per_layer = [n] * num_layers
         m.compute_share = 1.0
         m.chunks_captured = len(captured)
-        return Prefill(cache, logits, n, m, captured=captured)
+        return Prefill(logits, n, m, captured=captured, model_cache=cache)
 
     def _answer_cold_in_full(
         self, run: PrefillRun, plan: Sequence[Placement], mode: PrefillMode, blend: BlendConfig

@@ -16,6 +16,7 @@ import torch
 
 from ...errors import PromptError
 from .marked_text import PromptText, as_prompt_text, check_unreserved, encode_text, render_chat_text
+from .token_cache import TokenCache
 
 _CHUNKS_MARK = "\x00<cacheblend-rag:chunks>\x00"
 _QUESTION_MARK = "\x00<cacheblend-rag:question>\x00"
@@ -132,9 +133,12 @@ def tokenize_prefix(tokenizer: Any, prefix: str | PromptText) -> tuple[int, ...]
     return ids
 
 
-def tokenize_chunks(tokenizer: Any, chunks: Sequence[str], separator: str = "\n\n") -> tuple[tuple[int, ...], ...]:
+def tokenize_chunks(
+    tokenizer: Any, chunks: Sequence[str], separator: str = "\n\n", cache: TokenCache | None = None
+) -> tuple[tuple[int, ...], ...]:
     """Each chunk is tokenized as `text + separator`, as content (a special-token string in it stays text); a
-    non-string or blank chunk is an error."""
+    non-string or blank chunk is an error. With `cache` (made for this tokenizer), a chunk tokenized before is not
+    tokenized again."""
     if isinstance(chunks, str):
         raise PromptError("chunks must be a list of strings, got a single string; wrap it: [text]")
     for i, c in enumerate(chunks):
@@ -142,7 +146,15 @@ def tokenize_chunks(tokenizer: Any, chunks: Sequence[str], separator: str = "\n\
             raise PromptError(f"chunk {i} must be a string, got {type(c).__name__}")
         if not c.strip():
             raise PromptError(f"chunk {i} is empty or whitespace; drop it before the request")
-    return tuple(encode(tokenizer, PromptText.content(c + separator)) for c in chunks)
+
+    def encode_chunk(text: str) -> tuple[int, ...]:
+        return encode(tokenizer, PromptText.content(text))
+
+    if cache is None:
+        return tuple(encode_chunk(c + separator) for c in chunks)
+    if cache.tokenizer is not tokenizer:
+        raise ValueError("the token cache was made for another tokenizer; give each tokenizer its own TokenCache")
+    return tuple(cache.chunk_ids(c, separator, encode_chunk) for c in chunks)
 
 
 def tokenize_parts(
@@ -152,12 +164,14 @@ def tokenize_parts(
     suffix: str | PromptText,
     *,
     separator: str = "\n\n",
+    cache: TokenCache | None = None,
 ) -> TokenizedPrompt:
     """Tokenize each part on its own. A plain-string prefix or suffix is markup (its special-token strings are
-    special tokens: it may be a rendered template); pass a `PromptText` to mark user content in it."""
+    special tokens: it may be a rendered template); pass a `PromptText` to mark user content in it. `cache`: see
+    `tokenize_chunks`."""
     return TokenizedPrompt(
         prefix_ids=tokenize_prefix(tokenizer, as_prompt_text(prefix)),
-        chunk_ids=tokenize_chunks(tokenizer, chunks, separator),
+        chunk_ids=tokenize_chunks(tokenizer, chunks, separator, cache),
         suffix_ids=encode(tokenizer, suffix),
     )
 
@@ -170,8 +184,10 @@ def tokenize_request(
     prefix: str | PromptText | None,
     suffix: str | PromptText | None,
     separator: str,
+    cache: TokenCache | None = None,
 ) -> TokenizedPrompt:
-    """A request's prompt: chunks with either a question (rendered by `template`) or an explicit prefix/suffix."""
+    """A request's prompt: chunks with either a question (rendered by `template`) or an explicit prefix/suffix;
+    `cache`: see `tokenize_chunks`."""
     if question is not None:
         if prefix is not None or suffix is not None:
             raise PromptError("give either a question (the template renders it) or prefix/suffix, not both")
@@ -180,4 +196,4 @@ def tokenize_request(
         prefix, suffix = template.render_parts(tokenizer, question)
     elif suffix is None:
         raise PromptError("give a question, or a suffix (the text after the chunks)")
-    return tokenize_parts(tokenizer, prefix or "", chunks, suffix, separator=separator)
+    return tokenize_parts(tokenizer, prefix or "", chunks, suffix, separator=separator, cache=cache)
