@@ -330,3 +330,26 @@ def test_sixteen_concurrent_greedy_answers_on_a_real_model_equal_each_served_alo
     differing = [i for i in range(16) if together[i] != serial[i]]
     assert not differing, f"{len(differing)} of 16 answers differ from the request served alone: {differing}"
     assert engine.scheduler.largest_batch > 1  # they really were decoded together
+
+
+def test_greedy_rows_of_a_step_are_picked_at_once_as_each_alone():
+    from cacheblend_rag.engine.serving.tokens import greedy_tokens
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    logits[2, [7, 31]] = 100.0  # a tie: the lower id, as the row's own argmax gives
+    greedy = [True, False, True, True, False, True]
+    picked = greedy_tokens(logits, greedy)
+    assert picked == {i: int(torch.argmax(logits[i])) for i, g in enumerate(greedy) if g}
+    assert picked[2] == 7
+    assert greedy_tokens(logits, [False] * 6) == {}
+    assert greedy_tokens(logits, [True] * 6) == {i: int(torch.argmax(row)) for i, row in enumerate(logits)}
+
+
+def test_a_sampled_request_refuses_a_token_picked_for_it():
+    from cacheblend_rag.engine.request.request import SamplingParams
+    from cacheblend_rag.engine.serving.decoding import TokenLoop
+
+    loop = TokenLoop(make_tiny_tokenizer(), {2}, SamplingParams(max_new_tokens=4, temperature=0.7, seed=1), "cpu")
+    with pytest.raises(ValueError, match="picks its own tokens"):
+        loop.take(5)

@@ -62,6 +62,12 @@ class TokenLoop:
         """logits [vocab] float32 of the step that fed `token`."""
         return self._accept(self.picker(logits, self.generated))
 
+    def take(self, token: int) -> str:
+        """`next` with the token already picked from the step's logits (a greedy request's, by `greedy_tokens`)."""
+        if not self.picker.greedy:
+            raise ValueError("a sampled request picks its own tokens (its seed and settings): call next(logits)")
+        return self._accept(token)
+
     def _accept(self, token: int) -> str:
         self.token = None
         if token in self.eos_ids:

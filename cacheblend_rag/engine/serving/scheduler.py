@@ -40,6 +40,7 @@ from .graphs import GraphedSteps
 from .jobs import Channel, Job, Served
 from .shutdown import joined, stop_at_exit
 from .thread_pools import release_thread_pool
+from .tokens import greedy_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -328,11 +329,14 @@ class Scheduler:
                 job.channel.put(exc)
             return
         now = time.perf_counter()
+        picked = greedy_tokens(logits, [job.loop is not None and job.loop.picker.greedy for job in batch])
         for row, job in enumerate(batch):
             try:
                 assert job.loop is not None
                 job.last_token_at = now
-                if self._send(job, job.loop.next(logits[row])) and job.loop.done:
+                token = picked.get(row)
+                delta = job.loop.take(token) if token is not None else job.loop.next(logits[row])
+                if self._send(job, delta) and job.loop.done:
                     self._finish(job)
             except Exception as exc:
                 job.cancel()
