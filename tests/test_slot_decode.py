@@ -209,3 +209,59 @@ def test_memory_the_pool_never_wrote_cannot_reach_a_request(lm, monkeypatch):
         got = decoder.step_slots(tokens, pool, slots)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         tokens = [int(t) for t in want.argmax(-1)]
+
+
+@pytest.mark.parametrize("mode", ["blend", "reuse"])
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_a_prefill_laid_in_its_decode_slot_is_the_prefill_and_needs_no_copy(mode, where, tmp_path):
+    # The scheduler gives a request its slot before the prefill, which lays the prompt's KV there (strided views of
+    # the pool): the same KV as in buffers of its own, whole or read layer by layer from disk, and decoding from the
+    # slot as it is gives the steps of a copy of it.
+    from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
+    from cacheblend_rag.engine.request.request import Request
+    from cacheblend_rag.testing import make_tiny_tokenizer, random_words
+
+    store = StoreConfig(disk_dir=str(tmp_path / "kv"), kv_codec="native") if where == "disk" else StoreConfig()
+    engine = CacheBlendEngine(make_tiny_model("qwen2"), make_tiny_tokenizer(),
+                              config=EngineConfig(miss_policy="blend", chunk_separator="", store=store))  # fmt: skip
+    chunks = [random_words(60 + i, 25) for i in range(3)]
+    engine.precompute(chunks, "w1 w2")
+    if where == "disk":
+        engine.store.tiers[0].clear()  # the memory tier: every chunk is read from disk, layer by layer
+    prompt = engine.build_prompt(chunks, "w3 w4 w5")
+    request = Request(mode=mode, recompute_ratio=0.3) if mode == "blend" else Request(mode=mode)
+    own = engine.run_prefill(prompt, request)
+    pool = SlotPool(engine.lm.shape, engine.dtype, "cpu", slots=3, capacity=8)
+    pool.admit(own.kv.key_buffer, own.kv.value_buffer, prompt.num_tokens, room=4)  # another request in slot 0
+    slot = pool.take(prompt.num_tokens + 4)
+    if where == "disk":
+        engine.store.tiers[0].clear()  # read from disk again (the first read promoted them to memory)
+    laid = engine.run_prefill(prompt, request, buffers=pool.buffers(slot))
+    assert laid.metrics.hits_by_tier == own.metrics.hits_by_tier
+    n = prompt.num_tokens
+    assert laid.kv.key_buffer.data_ptr() == pool.keys[:, slot].data_ptr()
+    torch.testing.assert_close(laid.logits, own.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pool.keys[:, slot, :, :n], own.kv.keys, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pool.values[:, slot, :, :n], own.kv.values, atol=1e-5, rtol=0)
+    before = pool.keys.clone()
+    pool.fill(slot, laid.kv.key_buffer, laid.kv.value_buffer, n)  # its own memory: nothing copied
+    assert torch.equal(pool.keys[:, slot, :, :n], before[:, slot, :, :n])
+    copied = pool.admit(own.kv.key_buffer, own.kv.value_buffer, n, room=4)
+    decoder, token = BatchDecoder(engine.lm), int(own.logits.argmax())
+    for _ in range(3):
+        got = decoder.step_slots([token, token], pool, [slot, copied])
+        torch.testing.assert_close(got[0], got[1], atol=1e-5, rtol=0)
+        token = int(got[0].argmax())
+    engine.close()
+
+
+def test_a_slot_is_filled_only_once_taken_and_within_its_positions(lm):
+    pool = SlotPool(lm.shape, torch.float32, "cpu", slots=2, capacity=8)
+    keys = torch.zeros(lm.shape.num_layers, lm.shape.num_kv_heads, 4, lm.shape.head_dim)
+    with pytest.raises(ValueError, match="was not taken"):
+        pool.fill(0, keys, keys, 4)
+    slot = pool.take(6)
+    with pytest.raises(ValueError, match="do not fit"):
+        pool.fill(slot, keys, keys, 9)
+    pool.fill(slot, keys, keys, 4)
+    assert pool.lengths[slot] == 4

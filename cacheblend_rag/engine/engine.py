@@ -267,10 +267,17 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
             check_blend(request.blend or self.config.blend, self.lm.shape.num_layers, "blend")
             self.check_length(prompt, request.sampling.max_new_tokens if method != "prefill" else 0)
 
-    def run_prefill(self, prompt: TokenizedPrompt, request: Request, after_layer: AfterLayer | None = None) -> Prefill:
+    def run_prefill(
+        self,
+        prompt: TokenizedPrompt,
+        request: Request,
+        after_layer: AfterLayer | None = None,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Prefill:
         """The prefill of a checked request, as the scheduler runs it: the ratio the request, the engine's blend or
         the controller gives; after any chunk of the prompt still being stored; under the engine's lock, with
-        `after_layer` between its layers. The entries a full prefill computed are queued to be stored at once."""
+        `after_layer` between its layers; a cached mode lays the prompt's KV in `buffers` when given (the request's
+        decode slot). The entries a full prefill computed are queued to be stored at once."""
         mode = request.mode
         pinned = request.recompute_ratio is not None or request.blend is not None
         blend = request.blend or self.config.blend
@@ -279,7 +286,7 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         policy = self.controller if mode is PrefillMode.BLEND and not pinned else None
         self.fills.wait_for(prompt.chunk_ids)  # a chunk an earlier cold request is storing: wait, not recompute
         with self._lock:
-            pre = self.prefiller.run_retrying(prompt, mode, blend, policy, self.store_tiers, after_layer)
+            pre = self.prefiller.run_retrying(prompt, mode, blend, policy, self.store_tiers, after_layer, buffers)
         # entries a full prefill computed: stored at once on the fills' thread (no compute, only the store's writes)
         self.fills.submit(prompt.prefix_ids, pre.captured, pre.captured)
         pre.captured = {}  # the fills' thread holds them until stored

@@ -78,14 +78,16 @@ class PromptKV:
         *,
         shape: tuple[int, int, int],
         keep_raw: bool = False,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> PromptKV:
         """Stored KV of every layer (`parts`: raw keys and values [L, Hkv, T_p, D] each, laid end to end from the
         prompt's start) in buffers of `total` tokens, rotated once. cos, sin: [total, D] of the
-        prompt's positions; shape: (L, Hkv, D)."""
+        prompt's positions; shape: (L, Hkv, D). `buffers`: keys and values [L, Hkv, >= total, D] to lay them in (a
+        request's slot of the decode pool, which then decodes from them as they are); None: new ones."""
         stored = sum(k.shape[2] for k, _ in parts)
         if stored > total:
             raise CacheBlendError(f"{stored} stored tokens do not fit a prompt of {total}")
-        keys, values = cls._buffers(shape, total, cos)
+        keys, values = cls._buffers(shape, total, cos, buffers)
         sin_signed = signed_sin(sin)
         raw = None
         if parts:
@@ -115,22 +117,38 @@ class PromptKV:
         *,
         shape: tuple[int, int, int],
         keep_raw: bool = False,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> PromptKV:
-        """Buffers of `total` tokens; layer i is read with `load(i)` (in order 0, 1, ...) and
-        rotated when it is first asked for."""
-        keys, values = cls._buffers(shape, total, cos)
-        keys.zero_()
-        values.zero_()
+        """Buffers of `total` tokens (`buffers`, as for `whole`); layer i is read with `load(i)` (in order 0, 1, ...)
+        and rotated when it is first asked for."""
+        keys, values = cls._buffers(shape, total, cos, buffers)
+        keys[:, :, :total].zero_()
+        values[:, :, :total].zero_()
         raw = cls._raw_buffer(shape, total, cos) if keep_raw else None
         return cls(keys, values, total, cos, signed_sin(sin), raw_keys=raw, load=load)
 
     @staticmethod
-    def _buffers(shape: tuple[int, int, int], capacity: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key and value buffers [L, Hkv, capacity, D] in `like`'s dtype and device, not initialized."""
+    def _buffers(
+        shape: tuple[int, int, int],
+        capacity: int,
+        like: torch.Tensor,
+        given: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value buffers [L, Hkv, >= capacity, D] in `like`'s dtype and device, not initialized: `given`
+        ones, checked, else new."""
         num_layers, hkv, d = shape
-        size = (num_layers, hkv, capacity, d)
-        keys = torch.empty(size, dtype=like.dtype, device=like.device)
-        return keys, torch.empty_like(keys)
+        if given is None:
+            keys = torch.empty((num_layers, hkv, capacity, d), dtype=like.dtype, device=like.device)
+            return keys, torch.empty_like(keys)
+        keys, values = given
+        for t in (keys, values):
+            if (t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != shape or t.shape[2] < capacity
+                    or t.dtype != like.dtype or t.device != like.device):  # fmt: skip
+                raise CacheBlendError(
+                    f"buffers for {capacity} tokens must be [{num_layers}, {hkv}, >= {capacity}, {d}] in "
+                    f"{like.dtype} on {like.device}, got {tuple(t.shape)} in {t.dtype} on {t.device}"
+                )
+        return keys, values
 
     @staticmethod
     def _raw_buffer(shape: tuple[int, int, int], total: int, like: torch.Tensor) -> torch.Tensor:

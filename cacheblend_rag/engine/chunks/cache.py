@@ -121,21 +121,24 @@ class ChunkCache:
         *,
         keep_raw: bool = False,
         load: LayerLoader | None = None,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> PromptKV:
         """The KV buffers of a prompt of `total` tokens whose head is the given KV parts laid end to end.
 
         Parts all in memory are laid in and rotated at once (`PromptKV.whole`); otherwise, or when `load` is given (e.g.
         a prefetcher over `layer_loader(parts)`), each layer is read with it (default `layer_loader(parts)`) when the
         fusor first needs it.
-        `keep_raw`: keep the keys before RoPE too (what a chunk's entry stores)."""
+        `keep_raw`: keep the keys before RoPE too (what a chunk's entry stores). `buffers`: where to lay the KV
+        (`PromptKV.whole`)."""
         s = self.lm.shape
         cos, sin = self.lm.rope(torch.arange(total, device=self.lm.device))
         shape = (s.num_layers, s.num_kv_heads, s.head_dim)
         whole = self.in_memory(parts) if load is None else None
         if whole is not None:
             kept = [(w.keys, w.values) for w in whole]
-            return PromptKV.whole(kept, total, cos, sin, shape=shape, keep_raw=keep_raw)
-        return PromptKV.layerwise(load or self.layer_loader(parts), total, cos, sin, shape=shape, keep_raw=keep_raw)
+            return PromptKV.whole(kept, total, cos, sin, shape=shape, keep_raw=keep_raw, buffers=buffers)
+        return PromptKV.layerwise(load or self.layer_loader(parts), total, cos, sin, shape=shape, keep_raw=keep_raw,
+                                  buffers=buffers)  # fmt: skip
 
     @staticmethod
     def in_memory(parts: Sequence[ChunkReader]) -> list[ChunkKV] | None:

@@ -129,6 +129,7 @@ class Prefiller:
         policy: RatioPolicy | None,
         tiers: int,
         after_layer: AfterLayer | None = None,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Prefill:
         """`run`, again when a stored chunk turns out damaged mid-request, then as a full prefill.
 
@@ -140,11 +141,11 @@ class Prefiller:
         fresh: set[str] = set()  # chunks prefilled during this request: misses, even when found on a retry
         for attempt in range((len(prompt.chunk_ids) + 1) * tiers + 1):
             try:
-                return self.run(prompt, mode, blend, policy, after_layer, fresh)
+                return self.run(prompt, mode, blend, policy, after_layer, fresh, buffers)
             except CorruptEntryError as exc:
                 logger.warning("prefill attempt %d read a damaged chunk (%s); trying again", attempt + 1, exc)
         logger.warning("the store kept returning damaged chunks; answering with a full prefill")
-        return self.run(prompt, PrefillMode.FULL, blend, None, after_layer, fresh)
+        return self.run(prompt, PrefillMode.FULL, blend, None, after_layer, fresh, buffers)
 
     def run(
         self,
@@ -154,13 +155,16 @@ class Prefiller:
         policy: RatioPolicy | None = None,
         after_layer: AfterLayer | None = None,
         fresh: set[str] | None = None,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Prefill:
         """One attempt: `policy` chooses the blend ratio when given; `after_layer(layer_idx)` runs between the layers
         of each pass over the prompt (the scheduler's decode steps for the requests already answering); `fresh`
-        collects the chunks prefilled during this request, across its attempts (`PrefillRun`)."""
+        collects the chunks prefilled during this request, across its attempts; `buffers`: where a cached mode lays the
+        prompt's KV (`PrefillRun`)."""
         n = prompt.num_tokens
         num_layers = self.lm.shape.num_layers
-        run = PrefillRun(prompt, self._metrics(mode, n), after_layer, set() if fresh is None else fresh)
+        run = PrefillRun(prompt, self._metrics(mode, n), after_layer, set() if fresh is None else fresh,
+                         buffers=buffers)  # fmt: skip
         m = run.metrics
 
         if mode is PrefillMode.FULL or not prompt.chunk_ids:
@@ -192,7 +196,7 @@ class Prefiller:
                 m.controller = decision.to_dict()
             blend_cfg = blend
             m.recompute_ratio = blend.recompute_ratio
-        with self._loaded(got.parts, n) as (kv, loading):
+        with self._loaded(got.parts, n, run.buffers) as (kv, loading):
             result = self._fuse(run, kv, n_chunks, blend_cfg)
         load_s, wait_s = loading.times()
         assert result.logits is not None
@@ -264,7 +268,9 @@ class Prefiller:
         return pre
 
     @contextmanager
-    def _loaded(self, parts: Sequence[ChunkReader], n: int) -> Iterator[tuple[PromptKV, LoadTiming]]:
+    def _loaded(
+        self, parts: Sequence[ChunkReader], n: int, buffers: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> Iterator[tuple[PromptKV, LoadTiming]]:
         """The prompt's KV buffers over the stored `parts`, and what reading them cost.
         Parts on disk or in Redis are read layer by layer as the fusor first needs each layer: on a thread ahead of
         it when pipelined."""
@@ -273,13 +279,13 @@ class Prefiller:
         whole = self.chunks.in_memory(parts)  # asked once: a chunk read whole is stacked into one tensor each time
         if whole is not None or not self.pipelined:
             load = None if whole is not None else timing.timed(self.chunks.layer_loader(parts))
-            kv = self.chunks.prompt_kv(parts if whole is None else whole, n, load=load)
+            kv = self.chunks.prompt_kv(parts if whole is None else whole, n, load=load, buffers=buffers)
             timing.assembly_s = time.perf_counter() - t
             yield kv, timing
             return
         with LayerPrefetcher(self.chunks.layer_loader(parts), self.lm.shape.num_layers, self.lm.device) as prefetcher:
             timing.prefetcher = prefetcher
-            kv = self.chunks.prompt_kv(parts, n, load=prefetcher.get)
+            kv = self.chunks.prompt_kv(parts, n, load=prefetcher.get, buffers=buffers)
             timing.assembly_s = time.perf_counter() - t
             yield kv, timing
 

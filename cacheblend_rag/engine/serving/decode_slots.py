@@ -29,14 +29,29 @@ class DecodeSlots:
         self._left: list[Job] = []  # jobs that left from another thread, holding a slot until the next turn
         self._lock = threading.Lock()
 
+    def reserve(self, job: Job, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Give `job` a slot of `positions` positions before its prefill (in a turn); -> the slot's keys and values
+        ([L, Hkv, C, D] views), where a prefill that reads stored KV lays the prompt's, so that `admit` copies
+        nothing. Give it back with `free(job)` if the job never decodes."""
+        self.free()  # those of jobs that left since, for this one to take
+        if self.pool is None:
+            lm = self.decoder.lm
+            self.pool = SlotPool(lm.shape, lm.dtype, lm.device, min(4, self.max_batch), rounded(positions))
+        job.slot = self.pool.take(positions)
+        return self.pool.buffers(job.slot)
+
     def admit(self, job: Job, pre: Prefill) -> None:
-        """Give `job` a slot holding its prefill's KV, with room for its whole answer (in a turn)."""
+        """Give `job` a slot holding its prefill's KV, with room for its whole answer (in a turn): the slot it was
+        given before its prefill (`reserve`), or a new one."""
         self.free()  # those of jobs that left since, for this one to take
         if pre.kv is not None:  # the blend's buffers: every layer in one tensor
             keys, values = pre.kv.key_buffer, pre.kv.value_buffer
         else:
             keys = [layer.keys[0] for layer in pre.cache.layers]
             values = [layer.values[0] for layer in pre.cache.layers]
+        if job.slot is not None and self.pool is not None:
+            self.pool.fill(job.slot, keys, values, pre.num_tokens)  # nothing to copy when the prefill wrote it there
+            return
         room = job.request.sampling.max_new_tokens
         if self.pool is None:
             self.pool = SlotPool(self.decoder.lm.shape, keys[0].dtype, keys[0].device, min(4, self.max_batch),

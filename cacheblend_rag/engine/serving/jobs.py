@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from ..prefill.prefiller import Prefill
 from ..request.after_layer import AfterLayer
 from ..request.prompt import TokenizedPrompt
@@ -89,8 +91,15 @@ class Served(Protocol):
         """The chunks cold requests were answered without, stored by the scheduler's worker in its turns."""
         ...
 
-    def run_prefill(self, prompt: TokenizedPrompt, request: Request, after_layer: AfterLayer | None) -> Prefill:
-        """The request's prefill (taking the engine's lock itself), `after_layer` between its layers if given."""
+    def run_prefill(
+        self,
+        prompt: TokenizedPrompt,
+        request: Request,
+        after_layer: AfterLayer | None,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> Prefill:
+        """The request's prefill (taking the engine's lock itself), `after_layer` between its layers if given, its KV
+        laid in `buffers` (the request's decode slot) when given and its mode reads stored KV."""
         ...
 
     def token_loop(self, request: Request) -> TokenLoop:

@@ -269,19 +269,25 @@ class Scheduler:
     def _start(self, job: Job) -> None:
         try:
             self._hosted = 0
-            pre = self._served.run_prefill(job.prompt, job.request, self._after_layer)
+            # its decode slot first: a prefill that reads stored KV lays the prompt's there, and decoding starts
+            # from it with no copy
+            positions = job.prompt.num_tokens + job.request.sampling.max_new_tokens
+            buffers = self.slots.reserve(job, positions)
+            pre = self._served.run_prefill(job.prompt, job.request, self._after_layer, buffers)
             pre.metrics.interleaved_steps = self._hosted
             job.deferred = pre.deferred
             job.loop = self._served.token_loop(job.request)
             first = job.loop.first(pre.logits, pre.metrics, job.t0)
             job.last_token_at = time.perf_counter()
             if not self._send(job, first):
+                self.slots.free(job)
                 return
             if job.loop.done:
                 self._finish(job)
                 return
             self.slots.admit(job, pre)
         except Exception as exc:
+            self.slots.free(job)
             job.channel.put(exc)
             return
         with self._cond:

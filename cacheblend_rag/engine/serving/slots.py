@@ -1,11 +1,12 @@
 """The decode KV of every answering request in one preallocated tensor per layer, attended in one call per layer.
 
-`SlotPool` holds keys and values [S, Hkv, C, D] per layer: S slots of C positions. A request is given a slot when
-it starts decoding (its prefill's KV copied in once, every layer in one copy where the prefill left one buffer),
-and gives it back when it ends; the pool keeps its requests in the lowest slots, so a step's requests span
-slots 0..hi-1 with few gaps. `attend` runs one layer's attention for the whole batch as one call over
-[hi, Hkv, n, D], n the longest length in the batch, each request masked to its own length: a step's attention is
-then a handful of operations whatever the batch size, where one call per request was a handful each. The pool
+`SlotPool` holds keys and values [S, Hkv, C, D] per layer: S slots of C positions. A request is given a slot before
+its prefill, which lays the prompt's KV there itself when it reads stored KV (`take`, `buffers`, `fill`: nothing is
+copied), or when it starts decoding (`admit`: its prefill's KV copied in once, every layer in one copy where the
+prefill left one buffer), and gives it back when it ends; the pool keeps its requests in the lowest slots, so a
+step's requests span slots 0..hi-1 with few gaps. `attend` runs one layer's attention for the whole batch as one call
+over [hi, Hkv, n, D], n the longest length in the batch, each request masked to its own length: a step's attention
+is then a handful of operations whatever the batch size, where one call per request was a handful each. The pool
 grows when a request does not fit (twice the slots, or its positions rounded up to 256 per slot), copying what it
 holds; its owner lets it go when no request holds a slot.
 
@@ -62,21 +63,43 @@ class SlotPool:
     def admit(self, keys: Layers, values: Layers, length: int, room: int) -> int:
         """A slot holding `length` positions of rotated KV ([L, Hkv, >= length, D] each, one tensor or one per
         layer), with `room` more to decode into; -> the slot."""
-        if self.capacity < length + room:
-            self._grow(self.slots, rounded(length + room))
+        slot = self.take(length + room)
+        self.fill(slot, keys, values, length)
+        return slot
+
+    def take(self, positions: int) -> int:
+        """A free slot of at least `positions` positions, holding nothing yet (`fill` it); -> the slot. The pool
+        grows when needed."""
+        if self.capacity < positions:
+            self._grow(self.slots, rounded(positions))
         if not self.free:
             self._grow(2 * self.slots, self.capacity)
         slot = self.free.pop(0)
-        if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor):  # one copy for every layer
-            self.keys[:, slot, :, :length] = keys[:, :, :length]
-            self.values[:, slot, :, :length] = values[:, :, :length]
+        self.lengths[slot] = 0
+        return slot
+
+    def buffers(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of a slot, [L, Hkv, C, D] views: a prefill can lay a request's KV there itself."""
+        return self.keys[:, slot], self.values[:, slot]
+
+    def fill(self, slot: int, keys: Layers, values: Layers, length: int) -> None:
+        """The slot holds `length` positions of `keys` and `values` (as for `admit`): copied in, unless they are
+        the slot's own memory already (`buffers`, written by the prefill)."""
+        if slot in self.free or slot == self.scratch:
+            raise ValueError(f"slot {slot} was not taken")
+        if length > self.capacity:
+            raise ValueError(f"{length} positions do not fit a slot of {self.capacity}")
+        mine = self.keys[:, slot]
+        if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor):
+            if not (_same_view(keys, mine) and _same_view(values, self.values[:, slot])):  # one copy, every layer
+                self.keys[:, slot, :, :length] = keys[:, :, :length]
+                self.values[:, slot, :, :length] = values[:, :, :length]
         else:
             for i, (k, v) in enumerate(zip(keys, values, strict=True)):
                 self.keys[i, slot, :, :length] = k[:, :length]
                 self.values[i, slot, :, :length] = v[:, :length]
         self._clear_tail(slot, length)
         self.lengths[slot] = length
-        return slot
 
     @property
     def empty(self) -> bool:
@@ -189,6 +212,11 @@ class StepPlan:
                  keys: torch.Tensor, values: torch.Tensor) -> None:  # fmt: skip
         self.rows, self.positions, self.mask, self.dense = rows, positions, mask, dense
         self.keys, self.values = keys, values
+
+
+def _same_view(t: torch.Tensor, slot: torch.Tensor) -> bool:
+    """Whether `t` starts where the slot's view does, with its strides: the slot's own memory."""
+    return t.data_ptr() == slot.data_ptr() and t.stride() == slot.stride() and t.device == slot.device
 
 
 def rounded(positions: int, step: int = 256) -> int:
