@@ -13,12 +13,9 @@ job's reader through a `Channel` (a queue for a thread, the event loop for a tas
 own events pile up, and a reader that leaves cancels its job. The worker exits when nothing is left and starts
 again with the next job; at interpreter exit `stop` (called by `shutdown`) fails the jobs still in it.
 
-A request alone is served by the thread that reads it, whenever that reader waits for its next event. On a CPU
-this makes one user's answer fast: PyTorch's OpenMP keeps a thread pool per thread that runs torch operations,
-and once the pools hold more threads than there are cores, they sleep between operations instead of spinning;
-a worker thread beside the caller's own pool ran each decode step 1.3-1.4x slower (2-core CPU). When a second
-request arrives the worker thread takes over (between two turns) and serves both, so a slow or departed reader
-never holds up the others.
+A request alone is served by the thread that reads it: PyTorch keeps an OpenMP pool per thread, and a worker's
+pool beside the caller's own oversubscribes a CPU's cores (each decode step 1.3-1.4x slower on 2 cores). When a
+second request arrives the worker thread takes over between two turns, so a slow or gone reader holds no one up.
 """
 
 from __future__ import annotations
