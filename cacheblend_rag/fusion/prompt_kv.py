@@ -4,8 +4,8 @@ The fusor reads and writes a prompt's KV through a `PromptKV`: keys rotated at t
 each one tensor [L, Hkv, N, D] made once per request. Stored chunk KV is laid into it end to end and rotated there
 once for all layers (`whole`), or, when the chunks are read from disk or Redis layer by layer, one layer at a time
 as the fusor first asks for it (`layerwise`). The fusor writes the KV it recomputes into the same buffers, a
-second pass over the prompt reads them as the first left them, and the decode cache takes each layer's slice as it
-is: no per-layer `cat`, `clone` or re-rotation of the whole prompt.
+second pass over the prompt reads them as the first left them, and decoding reads them as they are (the buffers can
+be the request's slot of the decode pool): no per-layer `cat`, `clone` or re-rotation of the whole prompt.
 
 Keys are rotated with the adapter's `rope_rotate`: the model's formula, with the sine table made once.
 """
@@ -28,8 +28,9 @@ class PromptKV:
     """The KV of a prompt's N tokens on every layer: `keys` (rotated at their positions) and `values`, each
     [L, Hkv, N, D], and with `raw_keys` the keys before RoPE too (what a chunk's entry stores).
 
-    `keys` and `values` are the first N positions of the buffers `key_buffer`, `value_buffer` ([L, Hkv, N, D]), from
-    which a request starts decoding (copied into its slot of the decode pool). Build it with `whole` (stored KV of
+    `keys` and `values` are the first N positions of the buffers `key_buffer`, `value_buffer` ([L, Hkv, >= N, D]),
+    from which a request starts decoding (they are its slot of the decode pool when the scheduler gave them, else
+    copied into it). Build it with `whole` (stored KV of
     every layer at hand) or `layerwise` (read a layer when it is first asked for); `layer(i)` returns writable views
     of layer i. Tokens past the stored ones hold zeros until written.
     """
