@@ -1,9 +1,10 @@
 """The scheduler's decode slots: which slot of one `SlotPool` each decoding job holds, and the steps over them.
 
-The pool is made when the first job starts decoding, sized for it, and grows as later ones need; it is let go once
-no job holds a slot (kept while CUDA graphs are captured over it, so that they are not captured again). Slots are
-taken and given back only inside a scheduler turn, when no step is using them: a job that leaves from another
-thread (its reader went away) is recorded with `leave` and its slot freed at the next turn (`free`).
+The pool is made when the first job is given a slot (before its prefill), sized for it, and grows as later ones
+need; it is let go once no job holds a slot (kept while CUDA graphs are captured over it, so that they are not
+captured again). Slots are taken and given back only inside a scheduler turn, when no step is using them: a job that
+leaves from another thread (its reader went away) is recorded with `leave` and its slot freed at the next turn
+(`free`).
 """
 
 from __future__ import annotations
@@ -41,22 +42,17 @@ class DecodeSlots:
         return self.pool.buffers(job.slot)
 
     def admit(self, job: Job, pre: Prefill) -> None:
-        """Give `job` a slot holding its prefill's KV, with room for its whole answer (in a turn): the slot it was
-        given before its prefill (`reserve`), or a new one."""
-        self.free()  # those of jobs that left since, for this one to take
-        if pre.kv is not None:  # the blend's buffers: every layer in one tensor
+        """`job`'s slot (given before its prefill by `reserve`) holds its prefill's KV: nothing to copy when the
+        prefill laid it there, else copied in once (a full prefill's cache, a guard's escalated copy). In a turn."""
+        self.free()  # those of jobs that left since
+        if job.slot is None or self.pool is None:
+            raise RuntimeError("a job is admitted to decoding in the slot reserve() gave it before its prefill")
+        if pre.kv is not None:  # the cached modes' buffers: every layer in one tensor
             keys, values = pre.kv.key_buffer, pre.kv.value_buffer
         else:
             keys = [layer.keys[0] for layer in pre.cache.layers]
             values = [layer.values[0] for layer in pre.cache.layers]
-        if job.slot is not None and self.pool is not None:
-            self.pool.fill(job.slot, keys, values, pre.num_tokens)  # nothing to copy when the prefill wrote it there
-            return
-        room = job.request.sampling.max_new_tokens
-        if self.pool is None:
-            self.pool = SlotPool(self.decoder.lm.shape, keys[0].dtype, keys[0].device, min(4, self.max_batch),
-                                 rounded(pre.num_tokens + room))  # fmt: skip
-        job.slot = self.pool.admit(keys, values, pre.num_tokens, room)
+        self.pool.fill(job.slot, keys, values, pre.num_tokens)
 
     def leave(self, jobs: Sequence[Job]) -> None:
         """Jobs dropped outside a turn: their slots are freed at the next one (any thread)."""
