@@ -7,6 +7,7 @@ loop. One server serves them all, in turns (the worker thread, or, for a request
 2. store one chunk a cold request was answered without, if one is queued (`DeferredFills`);
 3. run one decode step for every decoding job as one batched forward (`BatchDecoder`), and hand each its text.
 A new request waits at most one decode step for its prefill, and each step reads the weights once for the batch.
+What a turn does to its jobs (start, step, finish) is `JobSteps`; this module decides which jobs, and when.
 With `max_token_gap_s`, decoding requests also get a step between two layers of a prefill (or of a chunk being
 stored) once their last token is that old, so a long prefill does not stop their answers. Events reach each
 job's reader through a `Channel` (a queue for a thread, the event loop for a task): a slow reader only lets its
@@ -21,10 +22,9 @@ second request arrives the worker thread takes over between two turns, so a slow
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 from ...errors import EngineClosedError, PromptError
 from ..request.after_layer import AfterLayer
@@ -34,12 +34,10 @@ from .batch_decode import BatchDecoder
 from .decode_slots import DecodeSlots
 from .decoding import AsyncTextStream, Event, GenerationResult, TextStream
 from .graphs import GraphedSteps
+from .job_steps import JobSteps
 from .jobs import Channel, Job, Served
 from .shutdown import joined, stop_at_exit
 from .thread_pools import release_thread_pool
-from .tokens import greedy_tokens
-
-logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -65,7 +63,6 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_tokens = max_tokens
         self.max_token_gap_s = max_token_gap_s
-        self._lock = lock
         self._served = served
         self._cond = threading.Condition()
         self._waiting: list[Job] = []
@@ -74,9 +71,7 @@ class Scheduler:
         self._lone: Job | None = None  # the job alone in the queue whose reader serves it, while nothing else is
         self._turn = threading.Lock()  # held by whoever runs a turn: the worker or the lone job's reader
         self._stopped = False
-        self._hosted = 0  # decode steps run between the layers of the prefill in progress
-        self.largest_batch = 0  # the most jobs one step has decoded together (for tests and benchmarks)
-        self.largest_batch_tokens = 0  # the most KV positions (`Job.positions`) of the jobs of one step
+        self.steps = JobSteps(served, self.slots, lock)  # what a turn does to its jobs
         stop_at_exit(self)
 
     def submit(
@@ -199,7 +194,7 @@ class Scheduler:
         self._turn = threading.Lock()
         self._waiting, self._active = [], []
         self._thread = self._lone = None
-        self._hosted = 0
+        self.steps.hosted = 0
         self.slots.reset()
 
     @property
@@ -207,6 +202,16 @@ class Scheduler:
         """(slots, positions per slot) of the decoding requests' KV pool now; (0, 0) when none is held (the pool is
         let go once no request decodes)."""
         return self.slots.shape
+
+    @property
+    def largest_batch(self) -> int:
+        """The most jobs one decode step has decoded together (for tests and benchmarks)."""
+        return self.steps.largest_batch
+
+    @property
+    def largest_batch_tokens(self) -> int:
+        """The most KV positions (`Job.positions`) of the jobs of one decode step."""
+        return self.steps.largest_batch_tokens
 
     @property
     def busy(self) -> int:
@@ -251,8 +256,9 @@ class Scheduler:
                 if job is not None:
                     self._waiting.remove(job)
             batch = list(self._active)
-        if job is not None:
-            self._start(job)
+        if job is not None and self.steps.start(job, self._after_layer):
+            with self._cond:
+                self._active.append(job)
         stored = self._served.fills.run_next(self._after_layer)
         if job is None and not batch and not stored:
             with self._cond:
@@ -260,35 +266,8 @@ class Scheduler:
             return True
         batch = [j for j in batch if not (j.cancelled or j.finished)]  # some may have ended in between
         if batch:
-            self._step(batch)
+            self.steps.step(batch)
         return True
-
-    def _start(self, job: Job) -> None:
-        try:
-            self._hosted = 0
-            # its decode slot first: a prefill that reads stored KV lays the prompt's there, and decoding starts
-            # from it with no copy
-            positions = job.prompt.num_tokens + job.request.sampling.max_new_tokens
-            buffers = self.slots.reserve(job, positions)
-            pre = self._served.run_prefill(job.prompt, job.request, self._after_layer, buffers)
-            pre.metrics.interleaved_steps = self._hosted
-            job.deferred = pre.deferred
-            job.loop = self._served.token_loop(job.request)
-            first = job.loop.first(pre.logits, pre.metrics, job.t0)
-            job.last_token_at = time.perf_counter()
-            if not self._send(job, first):
-                self.slots.free(job)
-                return
-            if job.loop.done:
-                self._finish(job)
-                return
-            self.slots.admit(job, pre)
-        except Exception as exc:
-            self.slots.free(job)
-            job.channel.put(exc)
-            return
-        with self._cond:
-            self._active.append(job)
 
     def _ready(self, job: Job) -> bool:
         """False while one of the job's chunks is still being stored by a fill."""
@@ -316,49 +295,5 @@ class Scheduler:
         with self._cond:
             batch = [j for j in self._active if not (j.cancelled or j.finished)]
         if batch and time.perf_counter() - min(j.last_token_at for j in batch) >= self.max_token_gap_s:
-            self._hosted += 1
-            self._step(batch)
-
-    def _step(self, batch: Sequence[Job]) -> None:
-        self.largest_batch = max(self.largest_batch, len(batch))
-        self.largest_batch_tokens = max(self.largest_batch_tokens, sum(j.positions for j in batch))
-        try:
-            with self._lock:
-                logits = self.slots.step([j.loop.token for j in batch], batch)  # type: ignore[union-attr]
-        except Exception as exc:  # a failed step fails the requests in it, never the worker
-            logger.exception("a decode step failed for %d requests", len(batch))
-            for job in batch:
-                job.cancel()
-                job.channel.put(exc)
-            return
-        now = time.perf_counter()
-        picked = greedy_tokens(logits, [job.loop is not None and job.loop.picker.greedy for job in batch])
-        for row, job in enumerate(batch):
-            try:
-                assert job.loop is not None
-                job.last_token_at = now
-                token = picked.get(row)
-                delta = job.loop.take(token) if token is not None else job.loop.next(logits[row])
-                if self._send(job, delta) and job.loop.done:
-                    self._finish(job)
-            except Exception as exc:
-                job.cancel()
-                job.channel.put(exc)
-
-    def _send(self, job: Job, delta: str) -> bool:
-        """Hand a job its text; -> False when the job has no reader left."""
-        if delta and not job.channel.put(delta):
-            job.cancel()
-        return not job.cancelled
-
-    def _finish(self, job: Job) -> None:
-        assert job.loop is not None
-        job.finished = True  # leaves the batch
-        self.slots.free(job)
-        rest, result = job.loop.result()
-        if rest:
-            job.channel.put(rest)
-        try:  # store, off its path, the chunks a cold request was answered without
-            self._served.fills.submit(job.prompt.prefix_ids, job.deferred)
-        finally:
-            job.channel.put(result)
+            self.steps.hosted += 1
+            self.steps.step(batch)
