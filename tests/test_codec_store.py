@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save as st_save
-from test_store_tiers import make_kv, same
+from store_helpers import make_kv, same
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
 from cacheblend_rag.errors import ConfigError
@@ -243,7 +243,7 @@ def test_the_engine_stores_disk_entries_in_its_kv_codec_and_blends_from_them(tmp
 @pytest.mark.parametrize("codec_name", ["native", "int8", "int4"])
 def test_a_forged_layer_that_decodes_to_nan_is_a_corrupt_entry_not_nan_logits(codec_name):
     # A forger without the HMAC key can rewrite a layer and its sha256: checksums catch damage, not forgery.
-    from test_store_tiers import make_kv
+    from store_helpers import make_kv
 
     from cacheblend_rag.errors import CorruptEntryError
     from cacheblend_rag.store.codec import get_codec
@@ -263,7 +263,7 @@ def test_a_forged_layer_that_decodes_to_nan_is_a_corrupt_entry_not_nan_logits(co
 
 @pytest.mark.parametrize("codec_name", ["native", "int8"])
 def test_kv_holding_inf_is_refused_by_the_encoders_and_never_stored(tmp_path, codec_name, caplog):
-    from test_store_tiers import make_kv
+    from store_helpers import make_kv
 
     from cacheblend_rag.errors import NonFiniteKVError
     from cacheblend_rag.store import DiskStore, MemoryStore

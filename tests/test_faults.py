@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_store_tiers import make_kv
+from store_helpers import make_kv
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
 from cacheblend_rag.errors import ConfigError

@@ -173,7 +173,7 @@ def test_a_models_buffers_are_in_its_fingerprint_so_it_never_reads_another_model
 
 
 def test_an_entry_evicted_while_its_layers_are_read_is_a_miss_not_damage(redis_server):
-    from test_store_tiers import make_kv
+    from store_helpers import make_kv
 
     from cacheblend_rag.errors import EntryGoneError
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import diskcache
 import pytest
-from test_store_tiers import make_kv, same
+from store_helpers import make_kv, same
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
 from cacheblend_rag.store import DiskStore

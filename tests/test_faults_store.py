@@ -17,7 +17,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from test_store_tiers import make_kv
+from store_helpers import make_kv
 
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.fingerprint import checkpoint_digest

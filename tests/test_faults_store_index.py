@@ -15,8 +15,8 @@ from pathlib import Path
 
 import diskcache
 import pytest
+from store_helpers import make_kv, same
 from test_faults import ask, warm_disk_engine
-from test_store_tiers import make_kv, same
 
 from cacheblend_rag.store import DiskStore, MemoryStore, TieredStore
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_store_tiers import make_kv, same
+from store_helpers import make_kv, same
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
 from cacheblend_rag.engine.prefill.prefetch import LayerPrefetcher

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from redis_helpers import started_cluster
-from test_store_tiers import make_kv, same
+from store_helpers import make_kv, same
 
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.redis_store import RedisStore, split_cluster_flag
@@ -101,7 +101,7 @@ def test_two_workers_share_chunks_through_the_cluster(cluster, store):
     store.put(make_kv("from-parent", seed=7))
     script = textwrap.dedent(
         f"""
-        from test_store_tiers import make_kv, same
+        from store_helpers import make_kv, same
         from cacheblend_rag.store.redis_store import RedisStore
         store = RedisStore({cluster.url!r}, namespace={store.namespace!r}, codec={EXACT_CODEC!r})
         assert same(store.get("from-parent"), make_kv("from-parent", seed=7))

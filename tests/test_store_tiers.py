@@ -1,23 +1,14 @@
-"""The store tiers below process memory: serialization, the disk tier, the Redis tier, and the tiered stack.
-
-Redis tests run against a private `redis-server` on a free loopback port; they are skipped (with the reason) only
-where that binary or redis-py is missing.
-"""
+"""The store tiers below process memory: serialization, the disk tier, and the tiered stack (the Redis tier is in
+test_store_redis.py, the protocol every store shares in test_store_protocol.py)."""
 
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
-import textwrap
 import threading
-import time
-import uuid
-from pathlib import Path
 
 import pytest
 import torch
-from redis_helpers import RedisServer
+from store_helpers import EXACT_CODEC, make_kv, same
 
 from cacheblend_rag.store.chunk_kv import ChunkKV
 from cacheblend_rag.store.disk.tier import DiskStore
@@ -30,23 +21,6 @@ from cacheblend_rag.store.serialize import (
     serialize_chunk,
 )
 from cacheblend_rag.store.tiered import TieredStore, build_store
-
-# The disk and Redis tiers here keep the exact codec, not the lossy default (int8): these tests check the tiers'
-# bookkeeping bit for bit. The default codec has its own tests in test_codec_store.py and test_codec.py.
-EXACT_CODEC = "native"
-
-
-def make_kv(name: str, tokens: int = 4, dtype: torch.dtype = torch.float32, seed: int = 0) -> ChunkKV:
-    g = torch.Generator().manual_seed(seed)
-    shape = (2, 2, tokens, 8)  # [L, Hkv, T, D]
-    keys = torch.randn(shape, generator=g).to(dtype)
-    values = torch.randn(shape, generator=g).to(dtype)
-    return ChunkKV(name, keys, values)
-
-
-def same(a: ChunkKV, b: ChunkKV) -> bool:
-    return a.key == b.key and a.dtype == b.dtype and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-
 
 # ---------------------------------------------------------------- serialization
 
@@ -309,153 +283,6 @@ def test_tiered_rejects_duplicate_names():
 
     with pytest.raises(ConfigError, match="distinct"):
         TieredStore([MemoryStore(), MemoryStore()])
-
-
-# ---------------------------------------------------------------- Redis tier
-
-
-def test_redis_round_trip(redis_store):
-    kv = make_kv("chunk-a", dtype=torch.bfloat16)
-    assert redis_store.get("chunk-a") is None
-    redis_store.put(kv)
-    assert "chunk-a" in redis_store and len(redis_store) == 1
-    assert same(redis_store.get("chunk-a"), kv)
-    assert redis_store.nbytes == len(serialize_chunk(kv))
-    redis_store.discard("chunk-a")
-    assert "chunk-a" not in redis_store and len(redis_store) == 0 and redis_store.nbytes == 0
-
-
-def test_redis_eviction_keeps_budget_and_drops_least_recently_used(redis_server):
-    from cacheblend_rag.store.redis_store import RedisStore
-
-    entry = len(serialize_chunk(make_kv("x")))
-    store = RedisStore(
-        redis_server.url,
-        budget_bytes=3 * entry + entry // 2,
-        namespace=f"t-{uuid.uuid4().hex[:8]}",
-        codec=EXACT_CODEC,
-    )
-    for i, name in enumerate("abc"):
-        store.put(make_kv(name, seed=i))
-    assert store.get("a") is not None  # b is now the least recently used
-    store.put(make_kv("d", seed=3))
-    assert "b" not in store
-    assert all(name in store for name in "acd")
-    assert len(store) == 3 and store.nbytes == 3 * entry <= store.budget_bytes
-    assert store.stats.evictions == 1
-    store.clear()
-
-
-def test_redis_garbled_value_is_a_logged_miss_and_removed(redis_store, caplog):
-    redis_store.put(make_kv("chunk-a"))
-    client = redis_store._client
-    value_key = redis_store.value_key("chunk-a")
-    client.setrange(value_key, client.strlen(value_key) - 3, b"\x00\x01\x02")
-    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.redis_store"):
-        assert redis_store.get("chunk-a") is None
-    assert "corrupt" in caplog.text
-    assert "chunk-a" not in redis_store and len(redis_store) == 0 and redis_store.nbytes == 0
-    assert redis_store.stats.corrupt == 1
-    client.set(redis_store.value_key("chunk-b"), b"not a chunk")  # planted by hand, no bookkeeping
-    assert redis_store.get("chunk-b") is None and "chunk-b" not in redis_store
-    assert redis_store.stats.corrupt == 2
-
-
-def test_redis_two_processes_see_each_others_chunks(redis_server, redis_store):
-    redis_store.put(make_kv("from-parent", seed=7))
-    script = textwrap.dedent(
-        f"""
-        import sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_store_tiers import make_kv, same
-        from cacheblend_rag.store.redis_store import RedisStore
-        store = RedisStore({redis_server.url!r}, namespace={redis_store.namespace!r}, codec={EXACT_CODEC!r})
-        got = store.get("from-parent")
-        assert got is not None and same(got, make_kv("from-parent", seed=7)), "child did not see the parent's chunk"
-        store.put(make_kv("from-child", seed=8))
-        """
-    )
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert child.returncode == 0, child.stderr
-    assert same(redis_store.get("from-child"), make_kv("from-child", seed=8))
-
-
-def test_redis_stopped_mid_run_falls_back_without_errors(caplog):
-    from cacheblend_rag.store.redis_store import RedisStore
-
-    server = RedisServer()
-    server.start()
-    try:
-        redis = RedisStore(server.url, budget_bytes=10 * 1024**2, backoff_s=0.3)
-        store = TieredStore([MemoryStore(10 * 1024**2), redis], names=["memory", "redis"])
-        store.put(make_kv("chunk-a"))
-        store.flush()
-        assert "chunk-a" in redis
-        server.stop()
-
-        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.redis_store"):
-            assert redis.get("chunk-a") is None
-            assert redis.get("chunk-a") is None  # backing off: not even tried
-            store.put(make_kv("chunk-b"))
-            store.flush()
-            assert store.get("chunk-a") is not None and store.get("chunk-b") is not None
-            assert store.get("chunk-c") is None
-        assert store.hits_by_tier == {"memory": 2, "redis": 0}
-        assert redis.stats.errors == 1 and not redis.available  # one failed try; the backoff answered the rest
-        assert caplog.text.count("unreachable") == 1
-
-        # The server comes back on the same port: after the back-off the tier is used again.
-        server.start()
-        time.sleep(0.35)
-        redis.put(make_kv("chunk-d"))
-        assert redis.get("chunk-d") is not None
-        assert "reachable again" in caplog.text
-    finally:
-        server.stop()
-
-
-# ---------------------------------------------------------------- one protocol for every store
-
-
-@pytest.fixture(params=["memory", "disk", "redis", "tiered"])
-def any_store(request, tmp_path):
-    from cacheblend_rag.store import RedisStore
-
-    if request.param == "memory":
-        store = MemoryStore(10 * 1024**2)
-    elif request.param == "disk":
-        store = DiskStore(tmp_path, 10 * 1024**2, codec=EXACT_CODEC)
-    elif request.param == "redis":
-        url = request.getfixturevalue("redis_server").url
-        store = RedisStore(url, namespace=f"p-{uuid.uuid4().hex[:8]}", codec=EXACT_CODEC)
-    else:
-        store = TieredStore([MemoryStore(0), DiskStore(tmp_path, 10 * 1024**2, codec=EXACT_CODEC)])
-    yield store
-    store.close()
-
-
-def test_every_store_implements_the_whole_protocol_the_same_way(any_store):
-    from cacheblend_rag.store import ChunkReader, ChunkStore, Hit
-
-    store = any_store
-    assert isinstance(store, ChunkStore) and isinstance(store.name, str)
-    kv = make_kv("chunk-a", tokens=1024)
-    store.put(kv)
-    store.flush()
-    assert "chunk-a" in store and len(store) == 1
-    hit = store.open("chunk-a")
-    assert isinstance(hit, Hit) and isinstance(hit.kv, ChunkReader) and hit.tier in (store.name, "disk")
-    assert hit.kv.shape == kv.shape and hit.kv.dtype == kv.dtype and hit.kv.nbytes == kv.nbytes
-    k, v = hit.kv.layer(1)
-    assert torch.equal(k, kv.keys[1]) and torch.equal(v, kv.values[1])
-    assert same(hit.kv.materialize(), kv) and same(store.get("chunk-a"), kv)
-    assert store.open("chunk-b") is None and store.get("chunk-b") is None
-    assert store.stats.hits >= 2 and store.stats.misses >= 2
-    store.discard("chunk-a")
-    assert store.get("chunk-a") is None
-    store.put(kv)
-    store.clear()
-    assert len(store) == 0 and store.open("chunk-a") is None
 
 
 def test_the_disk_folder_stays_within_its_budget_with_the_sqlite_log_and_no_empty_folders(tmp_path):
