@@ -205,13 +205,21 @@ class Scheduler:
 
     @property
     def largest_batch(self) -> int:
-        """The most jobs one decode step has decoded together (for tests and benchmarks)."""
+        """The most jobs one decode step has decoded together (for tests and benchmarks; set 0 to count anew)."""
         return self.steps.largest_batch
+
+    @largest_batch.setter
+    def largest_batch(self, value: int) -> None:
+        self.steps.largest_batch = value
 
     @property
     def largest_batch_tokens(self) -> int:
         """The most KV positions (`Job.positions`) of the jobs of one decode step."""
         return self.steps.largest_batch_tokens
+
+    @largest_batch_tokens.setter
+    def largest_batch_tokens(self, value: int) -> None:
+        self.steps.largest_batch_tokens = value
 
     @property
     def busy(self) -> int:
