@@ -1,5 +1,6 @@
-"""The package tests' own fixtures: a private Redis server and a store on it (the tiny models, the tokenizer and the
-one-thread fixture are in the repository's root `conftest.py`, shared with the benchmark machinery's tests)."""
+"""The package tests' own fixtures: a private Redis server and a store on it, and a tiny model saved as a local
+checkpoint for the command line (the tiny models, the tokenizer and the one-thread fixture are in the repository's
+root `conftest.py`, shared with the benchmark machinery's tests)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import uuid
 
 import pytest
 from redis_helpers import RedisServer
+
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -30,3 +33,13 @@ def redis_store(redis_server):
     yield store
     store.clear()
     store.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random-weight Llama and its word-level tokenizer, saved as a local checkpoint (once a module: the
+    command line only reads it)."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    make_tiny_model("llama").save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    return folder

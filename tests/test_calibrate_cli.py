@@ -9,7 +9,7 @@ from calibrate_helpers import LADDER, hand_profile
 
 from cacheblend_rag import CacheBlendEngine, Guard
 from cacheblend_rag.controller import FidelityProfile
-from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
+from cacheblend_rag.testing import random_words
 
 
 def docs_and_questions(tmp_path):
@@ -20,15 +20,6 @@ def docs_and_questions(tmp_path):
         (docs / f"d{i}.txt").write_text(random_words(10 + i, 40))
     (tmp_path / "questions.txt").write_text("\n".join(random_words(20 + i, 5) for i in range(3)) + "\n\n")
     return docs
-
-
-@pytest.fixture
-def tiny_model_dir(tmp_path):
-    """A tiny random-weight Llama and its word-level tokenizer, saved as a local checkpoint."""
-    folder = tmp_path / "tiny-model"
-    make_tiny_model("llama").save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture

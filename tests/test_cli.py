@@ -8,7 +8,7 @@ import pytest
 
 from cacheblend_rag.cli import main
 from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
+from cacheblend_rag.testing import random_words
 
 
 def test_models_lists_the_presets(capsys):
@@ -46,15 +46,6 @@ def test_every_option_has_help_and_shows_its_default():
 def test_ask_without_docs_or_index_is_a_clear_error(capsys):
     assert main(["ask", "--model", "smollm2-135m-instruct", "question?"]) == 2
     assert "give --docs DIR" in capsys.readouterr().err
-
-
-@pytest.fixture
-def tiny_model_dir(tmp_path):
-    """A tiny random-weight Llama and its word-level tokenizer, saved as a local checkpoint."""
-    folder = tmp_path / "tiny-model"
-    make_tiny_model("llama").save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
-    return folder
 
 
 def latin1_folder(root):

@@ -13,16 +13,7 @@ import sys
 import pytest
 
 from cacheblend_rag.cli import main
-from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    """A tiny random-weight Llama and its word-level tokenizer, saved as a local checkpoint."""
-    folder = tmp_path_factory.mktemp("tiny-model")
-    make_tiny_model("llama").save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
-    return folder
+from cacheblend_rag.testing import random_words
 
 
 def docs_folder(root, **files: str):
