@@ -20,7 +20,6 @@ Per prompt and mode (full KV reuse, the default blend, `paper`) it reports, medi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from benchlib.cli import add_out_argument, cpu_name, model_name  # noqa: E402
+from benchlib.cli import add_out_argument, cpu_name, model_name, write_results  # noqa: E402
 from benchlib.timing import add_data_dir_argument, chunk_texts  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
@@ -123,9 +122,6 @@ def main() -> None:
             results["rows"].append(row)
             print(mode, {k: round(v, 2) for k, v in row.items() if k.endswith("_ms")}, flush=True)
     engine.close()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
     lines = [f"Tokenizer and vocabulary of {results['model']}, a random model {args.layers} layers deep and 64 wide, "
              f"{results['cpu']}, one thread; median of {args.repeats} alternated runs (ms).", "",
              "| prompt | mode | `generate`, text, token cache | text, no cache | prebuilt prompt | prefill alone | "
@@ -136,8 +132,7 @@ def main() -> None:
                      f"{r['text_ms']:.1f} | {r['text_uncached_ms']:.1f} | {r['prompt_ms']:.1f} | "
                      f"{r['prefill_ms']:.1f} | {r['tokenize_ms']:.1f} | {r['near_copies_ms']:.2f} | "
                      f"{r['transformers_cache_ms']:.2f} |")  # fmt: skip
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(Path(args.out), results, "\n".join(lines))
 
 
 if __name__ == "__main__":
