@@ -159,12 +159,11 @@ class Prefiller:
     ) -> Prefill:
         """One attempt: `policy` chooses the blend ratio when given; `after_layer(layer_idx)` runs between the layers
         of each pass over the prompt (the scheduler's decode steps for the requests already answering); `fresh`
-        collects the chunks prefilled during this request, across its attempts; `buffers`: where a cached mode lays the
-        prompt's KV (`PrefillRun`)."""
+        collects the chunks prefilled during this request, across its attempts (`PrefillRun`); `buffers`: where a cached
+        mode lays the prompt's KV (the request's decode slot), None for buffers of its own."""
         n = prompt.num_tokens
         num_layers = self.lm.shape.num_layers
-        run = PrefillRun(prompt, self._metrics(mode, n), after_layer, set() if fresh is None else fresh,
-                         buffers=buffers)  # fmt: skip
+        run = PrefillRun(prompt, self._metrics(mode, n), after_layer, set() if fresh is None else fresh)
         m = run.metrics
 
         if mode is PrefillMode.FULL or not prompt.chunk_ids:
@@ -196,7 +195,7 @@ class Prefiller:
                 m.controller = decision.to_dict()
             blend_cfg = blend
             m.recompute_ratio = blend.recompute_ratio
-        with self._loaded(got.parts, n, run.buffers) as (kv, loading):
+        with self._loaded(got.parts, n, buffers) as (kv, loading):
             result = self._fuse(run, kv, n_chunks, blend_cfg)
         load_s, wait_s = loading.times()
         assert result.logits is not None

@@ -6,8 +6,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from ..request.after_layer import AfterLayer
 from ..request.metrics import RequestMetrics
 from ..request.prompt import TokenizedPrompt
@@ -22,6 +20,3 @@ class PrefillRun:
     # entries this request prefilled and stored: misses, even when a retry finds them (shared by the retries)
     fresh: set[str] = field(default_factory=set)
     t0: float = field(default_factory=time.perf_counter)  # when this attempt started
-    # where a cached mode lays the prompt's KV ([L, Hkv, >= N, D] keys and values: the request's slot of the decode
-    # pool, which decodes from them with no copy); None: buffers of its own
-    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
