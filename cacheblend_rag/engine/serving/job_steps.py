@@ -36,8 +36,7 @@ class JobSteps:
             self.hosted = 0
             # its decode slot first: a prefill that reads stored KV lays the prompt's there, and decoding starts
             # from it with no copy
-            positions = job.prompt.num_tokens + job.request.sampling.max_new_tokens
-            buffers = self.slots.reserve(job, positions)
+            buffers = self.slots.reserve(job, job.positions)
             pre = self.served.run_prefill(job.prompt, job.request, after_layer, buffers)
             pre.metrics.interleaved_steps = self.hosted
             job.deferred = pre.deferred
