@@ -119,7 +119,7 @@ def test_alias_loads_the_copy_converted_under_the_old_name(tmp_path: Path, monke
     tiny_tokenizer().save_pretrained(legacy)
     input_ids = torch.tensor([[2, 3, 4]])  # (1, 3)
 
-    loaded, _ = load_model("fake-new-name", cache_dir=tmp_path / "cache", show_progress=False)
+    loaded, _ = load_model("fake-new-name", cache_dir=tmp_path / "cache", dtype="float32", show_progress=False)
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, rtol=0, atol=0)
     assert not (tmp_path / "cache" / "models" / "fake-new-name").exists()

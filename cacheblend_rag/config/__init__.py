@@ -4,12 +4,14 @@ but its errors and the guard's policy, and never torch.
 - `blend`: `BlendConfig` (the algorithm's hyperparameters, paper §4.3), the selection rules, the prefill modes;
 - `engine_config`: `EngineConfig` (device, precision, the store, how chunk KV is cached, serving);
 - `store_config`: `StoreConfig` (the tiers that keep chunk KV, their budgets and codecs);
+- `device`: where the model runs (`resolve_device`: "auto" is the GPU where torch sees one);
 - `dtype`: precision names; `checks`: the number checks every setting and request argument shares.
 Per-request choices (mode, ratio override, sampling) are arguments of the engine's calls, never module state.
 """
 
 from ..guard import Guard  # the guard's policy lives with its signals and loop; re-exported here
 from .blend import RULE_NAMES, RULES, BlendConfig, PrefillMode, blend_rule
+from .device import resolve_device
 from .dtype import normalize_dtype_name, torch_dtype
 from .engine_config import CHUNK_CONTEXTS, DECODE_WEIGHTS, DEFAULT_GROUP_TOKENS, MISS_POLICIES, EngineConfig
 from .store_config import CODEC_NAMES, StoreConfig
@@ -29,5 +31,6 @@ __all__ = [
     "StoreConfig",
     "blend_rule",
     "normalize_dtype_name",
+    "resolve_device",
     "torch_dtype",
 ]

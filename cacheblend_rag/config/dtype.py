@@ -35,7 +35,10 @@ def normalize_dtype_name(dtype: object, device: object = "cpu") -> str:
 def auto_dtype(device: object = "cpu") -> str:
     """What "auto" picks on `device`: bfloat16 on a GPU and on a CPU with bf16 instructions, else float32."""
     from ..cpu import cpu_has_bf16  # torch-free
+    from .device import DEVICE_AUTO, resolve_device
 
+    if str(device) == DEVICE_AUTO:
+        device = resolve_device(device)
     return "bfloat16" if str(device).startswith("cuda") or cpu_has_bf16() else "float32"
 
 

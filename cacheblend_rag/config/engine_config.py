@@ -9,6 +9,7 @@ from ..errors import ConfigError
 from ..guard import Guard
 from .blend import BlendConfig
 from .checks import check_count, check_real
+from .device import DEVICE_AUTO, check_device_spec, resolve_device
 from .dtype import normalize_dtype_name
 from .store_config import STORE_FIELDS, StoreConfig
 
@@ -46,9 +47,11 @@ REMOVED: dict[str, str] = {
 class EngineConfig:
     """How the engine runs: device and precision, the chunk KV store, the blend, how chunk KV is cached, serving."""
 
-    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    # "auto" (default): the GPU where torch sees one, else the CPU (`config.resolve_device`); or "cpu", "cuda",
+    # "cuda:N". Decided when the config is made: `config.device` names the choice.
+    device: str = DEVICE_AUTO
     # "auto" (default): bfloat16 on a GPU and on a CPU with bf16 instructions, float32 elsewhere; "float32" for
-    # exactness; "bfloat16" / "float16". Decided when the config is made: `config.dtype` names the choice.
+    # exactness; "bfloat16" / "float16". Decided for the device when the config is made: `config.dtype` names it.
     dtype: str = "auto"
     store: StoreConfig = field(default_factory=StoreConfig)  # the tiers that keep chunk KV, their budgets and codecs
     blend: BlendConfig = field(default_factory=BlendConfig)  # the blend's rule and ratio r
@@ -91,10 +94,11 @@ class EngineConfig:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", normalize_dtype_name(self.dtype, self.device))  # "auto" decided here
-        dev = str(self.device)
-        if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
-            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        dev = check_device_spec(self.device)
+        if dev == DEVICE_AUTO:  # decided here; a named GPU is checked against torch's when the model loads
+            dev = resolve_device(dev)
+        object.__setattr__(self, "device", dev)
+        object.__setattr__(self, "dtype", normalize_dtype_name(self.dtype, dev))  # "auto" decided here
         if not isinstance(self.store, StoreConfig):
             raise ConfigError(f"store must be a StoreConfig, got {type(self.store).__name__}")
         if self.chunk_context not in CHUNK_CONTEXTS:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..config import BlendConfig, EngineConfig, PrefillMode, torch_dtype
+from ..config import BlendConfig, EngineConfig, PrefillMode, resolve_device, torch_dtype
 from ..cpu import warn_if_slow_bf16
 from ..errors import ConfigError
 from ..fusion import GraphedLayerSteps
@@ -75,9 +75,7 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         controller: RatioPolicy | None = None,
     ) -> None:
         self.config = config or EngineConfig()
-        device, dtype = torch.device(self.config.device), torch_dtype(self.config.dtype)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device {self.config.device!r} asked for, but no CUDA device is present; use 'cpu'")
+        device, dtype = torch.device(resolve_device(self.config.device)), torch_dtype(self.config.dtype)
         if getattr(model, "dtype", None) != dtype:  # converted here (`load_model` warns for the models it loads)
             warn_if_slow_bf16(device, dtype)
         in_other_dtypes = fingerprints_by_dtype(model, dtype)  # before the cast, which may lose the model's values

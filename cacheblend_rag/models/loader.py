@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cacheblend_rag.config import resolve_device
 from cacheblend_rag.config import torch_dtype as config_torch_dtype
 from cacheblend_rag.cpu import warn_if_slow_bf16
-from cacheblend_rag.errors import ConfigError, ModelNotFoundError
+from cacheblend_rag.errors import ModelNotFoundError
 from cacheblend_rag.models.gguf import (
     assemble_preset_file,
     cache_home,
@@ -46,7 +47,6 @@ __all__ = [
     "load_model",
     "load_pretrained",
     "preset_cache_dir",
-    "resolve_device",
     "resolve_dtype",
 ]
 
@@ -61,27 +61,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
     """Map "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16", one of those torch.dtypes, or "auto" (bfloat16 on
     a GPU or a CPU with bf16 instructions, else float32: decided for `device`) to a dtype."""
     return config_torch_dtype(dtype, device)  # the one dtype table, in config.py
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """Parse "cpu", "cuda" or "cuda:N", refusing CUDA where no CUDA device is present."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as err:
-        raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from err
-    if parsed.type == "cpu":
-        return parsed
-    if parsed.type != "cuda":
-        raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"device {device!r} asks for CUDA, but no CUDA device is present "
-            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); use device='cpu'"
-        )
-    count = torch.cuda.device_count()
-    if parsed.index is not None and parsed.index >= count:
-        raise ConfigError(f"device {device!r} does not exist: this machine has {count} CUDA device(s)")
-    return parsed
 
 
 # ------------------------------------------------------------------------------------------- loading
@@ -264,8 +243,8 @@ def _load_preset(
 def load_model(
     name_or_path: str | os.PathLike[str] | None = None,
     *,
-    device: str | torch.device = "cpu",
-    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
     cache_dir: str | os.PathLike[str] | None = None,
     revision: str | None = None,
     local_files_only: bool = False,
@@ -278,7 +257,7 @@ def load_model(
             folder written by `save_pretrained`, a `.gguf` file, or a Hugging Face hub id
             ("Qwen/Qwen2.5-7B-Instruct"), downloaded on first use; None: `default_model()`
             (`$CACHEBLEND_RAG_MODEL`, else the default preset).
-        device: "cpu", "cuda" or "cuda:N".
+        device: "auto" (the GPU where torch sees one, else the CPU), "cpu", "cuda" or "cuda:N".
         dtype: "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16", a torch.dtype, or "auto" (bfloat16 on a
             GPU or a CPU with AMX / AVX-512-BF16, else float32).
         cache_dir: a preset's converted copy goes here (default `cache_home()`); a hub model's files go to this
@@ -296,8 +275,8 @@ def load_model(
         UnsupportedModelError: the model cannot be blended correctly (see `check_supported`); for a hub id this
             is decided from its config, before any weights are downloaded.
     """
-    torch_dtype = resolve_dtype(dtype, device)
-    torch_device = resolve_device(device)
+    torch_device = torch.device(resolve_device(device))  # "auto": the GPU where torch sees one
+    torch_dtype = resolve_dtype(dtype, torch_device)
     warn_if_slow_bf16(torch_device, torch_dtype)
 
     name_or_path = default_model() if name_or_path is None else name_or_path
