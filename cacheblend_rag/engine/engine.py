@@ -32,7 +32,7 @@ from ..models.adapter import LayerwiseModel
 from ..models.fingerprint import fingerprints_by_dtype, model_fingerprint
 from ..models.fused import fuse_qkv
 from ..models.int8 import int8_decode_lm
-from ..models.support import max_blend_length
+from ..models.support import check_supported, max_blend_length
 from ..store import ChunkStore, TieredStore, build_store
 from .chunks.cache import ChunkCache
 from .chunks.placement import Placement
@@ -74,6 +74,7 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         template: PromptTemplate | None = None,
         controller: RatioPolicy | None = None,
     ) -> None:
+        check_supported(model.config)  # a family the adapter cannot read is refused before anything touches it
         self.config = config or EngineConfig()
         device, dtype = torch.device(resolve_device(self.config.device)), torch_dtype(self.config.dtype)
         if getattr(model, "dtype", None) != dtype:  # converted here (`load_model` warns for the models it loads)

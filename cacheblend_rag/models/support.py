@@ -1,96 +1,158 @@
 """Which model configurations CacheBlend can blend correctly, decided from the config alone.
 
 Scope: pure checks on a `transformers.PretrainedConfig`; nothing here loads weights. Blending reuses each
-chunk's keys at a new position by rotating them (RoPE), and concatenates per-layer caches, so a model must
-(1) use RoPE whose frequencies do not depend on the sequence length and (2) attend over the whole prefix in
-every layer. Families outside the tested set are refused rather than blended silently wrong.
+chunk's keys at a new position by rotating them (RoPE), and lays per-layer caches end to end, so every layer must
+be attention over a KV cache (no recurrent state), with RoPE whose frequencies do not depend on the sequence length
+(or no RoPE at all on that layer). Families outside the tested set are refused before anything is loaded, with the
+reason.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from cacheblend_rag.errors import UnsupportedModelError
 
 __all__ = [
     "SUPPORTED_FAMILIES",
+    "SUPPORTED_LAYER_TYPES",
     "SUPPORTED_ROPE_TYPES",
-    "ModelFamily",
     "check_supported",
     "max_blend_length",
     "model_family",
 ]
 
-ModelFamily = Literal["llama", "mistral", "qwen2", "qwen3"]
-
 SUPPORTED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+# Sliding-window layers keep only part of the prefix, so per-chunk caches cannot be laid end to end.
+SUPPORTED_LAYER_TYPES: frozenset[str] = frozenset({"full_attention"})
 
 # Each of these multiplies the angle by a per-dimension constant, so moving a cached key from position p
 # to p' is one more rotation by (p' - p). "dynamic" and "longrope" pick their frequencies from the current
 # sequence length, so a key cached under one length cannot be re-positioned for another.
 SUPPORTED_ROPE_TYPES: frozenset[str] = frozenset({"default", "linear", "llama3", "yarn"})
 
-_WHAT_WORKS = "Use a Llama, Mistral, Qwen2 or Qwen3 checkpoint with full attention, e.g. a preset."
+# Layers that are not attention keep a running state that depends on every token before them: a chunk's state
+# computed alone cannot be placed after other chunks, and no part of it can be recomputed on its own.
+_NOT_ATTENTION: dict[str, str] = {
+    "qwen3_next": "linear attention (Gated DeltaNet)",
+    "qwen3_5": "linear attention (Gated DeltaNet)",
+    "qwen3_5_text": "linear attention (Gated DeltaNet)",
+    "qwen3_5_moe": "linear attention (Gated DeltaNet)",
+    "qwen3_5_moe_text": "linear attention (Gated DeltaNet)",
+    "granitemoehybrid": "Mamba-2 state-space layers",
+    "falcon_h1": "Mamba-2 state-space layers",
+    "bamba": "Mamba-2 state-space layers",
+    "jamba": "Mamba state-space layers",
+    "nemotron_h": "Mamba-2 state-space layers",
+    "zamba": "Mamba state-space layers",
+    "zamba2": "Mamba-2 state-space layers",
+    "mamba": "state-space layers",
+    "mamba2": "state-space layers",
+    "lfm2": "short convolution layers",
+    "lfm2_moe": "short convolution layers",
+    "recurrent_gemma": "recurrent (RG-LRU) layers",
+    "rwkv": "recurrent (RWKV) layers",
+}
+_NOT_ATTENTION_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "recurrent"})
+
+# Families that are attention over a KV cache, but whose cache or positions differ from what the adapter reads.
+_NOT_YET: dict[str, str] = {
+    "deepseek_v2": "multi-head latent attention (MLA) caches a compressed latent and a separate rotary key, not "
+    "per-head keys and values",
+    "deepseek_v3": "multi-head latent attention (MLA) caches a compressed latent and a separate rotary key, not "
+    "per-head keys and values",
+    "kimi_k2": "multi-head latent attention (MLA) caches a compressed latent and a separate rotary key, not "
+    "per-head keys and values",
+    "gemma4_text": "its layers share KV caches across layers, add per-layer token embeddings and norm the values, "
+    "and its global layers use proportional partial RoPE",
+    "cohere2": "it rotates interleaved channel pairs and runs attention and the MLP in parallel from one LayerNorm",
+    "llama4_text": "its chunked-attention layers, complex-valued RoPE and position-dependent query temperature on "
+    "its NoPE layers are not read by the adapter yet",
+}
+
+_WHAT_WORKS = (
+    "Use a checkpoint of a supported family (" + ", ".join(sorted(SUPPORTED_FAMILIES)) + "), e.g. a preset; "
+    "docs/configuration.md lists what each family needs."
+)
 
 
-def model_family(config: Any) -> ModelFamily:
-    """Return the model family (`config.model_type`) if CacheBlend supports it, else raise.
+def _layer_types(config: Any) -> list[str]:
+    return list(getattr(config, "layer_types", None) or [])
 
-    The engine dispatches on this value (Qwen3 normalises q/k per head, the others do not).
-    """
+
+def model_family(config: Any) -> str:
+    """Return the model family (`config.model_type`) if CacheBlend supports it, else raise `UnsupportedModelError`
+    that says why."""
     model_type = getattr(config, "model_type", None)
+    not_attention = _NOT_ATTENTION.get(str(model_type))
+    if not_attention is None and _NOT_ATTENTION_LAYER_TYPES & set(_layer_types(config)):
+        not_attention = "layers of types " + str(sorted(_NOT_ATTENTION_LAYER_TYPES & set(_layer_types(config))))
+    if not_attention is not None:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} cannot be blended: it has {not_attention} besides attention, whose running "
+            f"state depends on every earlier token, so a chunk's state computed alone cannot be reused after other "
+            f"chunks, nor a few of its tokens recomputed. {_WHAT_WORKS}"
+        )
+    if model_type in _NOT_YET:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported yet: {_NOT_YET[model_type]}. "
+                                    f"{_WHAT_WORKS}")  # fmt: skip
     if model_type not in SUPPORTED_FAMILIES:
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported: CacheBlend re-positions cached keys with RoPE "
-            f"and is tested only on {sorted(SUPPORTED_FAMILIES)}; other families use other position "
-            f"schemes (learned, ALiBi) or mixed attention layers. {_WHAT_WORKS}"
+            f"model_type {model_type!r} is not supported: CacheBlend re-positions cached keys with RoPE and reads "
+            f"each family's layer structure, tested family by family; other families use other position schemes "
+            f"(learned, ALiBi) or layers the adapter does not read. {_WHAT_WORKS}"
         )
-    return model_type  # type: ignore[return-value]  # narrowed by the membership test above
+    return str(model_type)
 
 
-def _rope_type(config: Any) -> str:
-    # transformers 5.x keeps RoPE settings in `rope_parameters`; older configs used `rope_scaling`,
-    # where None meant plain RoPE and the key was sometimes "type" instead of "rope_type".
+def _rope_parameters(config: Any) -> list[dict[str, Any]]:
+    """The RoPE settings of every layer type: transformers 5.x keeps them in `rope_parameters` (one dict, or one per
+    layer type); older configs used `rope_scaling`, where None meant plain RoPE and the key was sometimes "type"."""
     params = getattr(config, "rope_parameters", None)
     if params is None:
         params = getattr(config, "rope_scaling", None)
     if not params:
-        return "default"
-    return str(params.get("rope_type", params.get("type", "default")))
+        return [{}]
+    if all(isinstance(v, dict) for v in params.values()):
+        return list(params.values())
+    return [params]
 
 
 def check_supported(config: Any) -> None:
     """Raise `UnsupportedModelError` if blending this model's caches would give wrong results."""
     family = model_family(config)
 
-    layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({kind for kind in layer_types if kind != "full_attention"})
+    other = sorted(set(_layer_types(config)) - SUPPORTED_LAYER_TYPES)
     if other:
-        hint = " (set use_sliding_window=False)" if family in {"qwen2", "qwen3"} else ""
         raise UnsupportedModelError(
-            f"{family} model has layer types {other} besides full_attention: sliding-window or hybrid "
-            f"layers keep only part of the prefix, so per-chunk caches cannot be concatenated. "
-            f"Use a config whose layers are all full_attention{hint}."
+            f"{family} model has layer types {other}, which the adapter does not read: use a config whose "
+            f"layers are all of {sorted(SUPPORTED_LAYER_TYPES)} (Qwen2/Qwen3: use_sliding_window=False)."
         )
-
-    rope_type = _rope_type(config)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"{family} model uses RoPE type {rope_type!r}, whose frequencies change with the sequence "
-            f"length, so cached keys cannot be moved to new positions. Supported RoPE types: "
-            f"{sorted(SUPPORTED_ROPE_TYPES)}; drop the rope scaling or pick a checkpoint without it."
-        )
+    for params in _rope_parameters(config):
+        rope_type = str(params.get("rope_type", params.get("type", "default")))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"{family} model uses RoPE type {rope_type!r}, whose frequencies change with the sequence "
+                f"length, so cached keys cannot be moved to new positions. Supported RoPE types: "
+                f"{sorted(SUPPORTED_ROPE_TYPES)}; drop the rope scaling or pick a checkpoint without it."
+            )
+        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        if partial is not None and float(partial) != 1.0:
+            raise UnsupportedModelError(
+                f"{family} model rotates only part of each head (partial_rotary_factor={partial}), which the "
+                f"adapter's key rotation does not cover yet; use a checkpoint that rotates whole heads."
+            )
 
 
 def max_blend_length(config: Any) -> int | None:
-    """Longest prompt (in tokens) a blended request may have, or None when attention is unlimited.
+    """Longest prompt (in tokens) a blended request may have, or None when only the model's positions bound it.
 
-    Mistral applies its sliding window to every layer through the attention mask; within the window it
-    is plain causal attention, so blending is exact as long as the whole prompt fits inside it.
-    """
-    family = model_family(config)
-    if family == "mistral":
-        window = getattr(config, "sliding_window", None)
-        return int(window) if window is not None else None
-    # Other families mark windowed layers in `layer_types`, which `check_supported` already refuses.
+    Ministral 3 scales its queries by 1 + beta * log(1 + floor(position / original context)): exactly 1 within the
+    original context, which is where the adapter (whose queries are not scaled) equals the model."""
+    if model_family(config) == "mistral" and getattr(config, "sliding_window", None) is not None:
+        return int(config.sliding_window)  # a window over every layer: exact while the whole prompt fits in it
+    params = _rope_parameters(config)[0]
+    if params.get("llama_4_scaling_beta"):
+        return int(params["original_max_position_embeddings"])
     return None
