@@ -26,7 +26,7 @@ import torch
 
 from ..config import BlendConfig, EngineConfig, PrefillMode, resolve_device, torch_dtype
 from ..cpu import warn_if_slow_bf16
-from ..errors import ConfigError
+from ..errors import ConfigError, EngineClosedError
 from ..fusion import GraphedLayerSteps
 from ..models.adapter import LayerwiseModel
 from ..models.fingerprint import fingerprints_by_dtype, model_fingerprint
@@ -123,6 +123,7 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         workers = (self.scheduler, self.fills, self.token_cache)
         self._forks = ForkSteps(self._lock, workers, lambda: self.chunks.store, device.type == "cuda")
         prepare_for_forks(self._forks)
+        self._closed = False  # set by `close`: the public methods then raise EngineClosedError
 
     @classmethod
     def from_pretrained(
@@ -162,6 +163,7 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
     @store.setter
     def store(self, store: ChunkStore) -> None:
         """Serve later requests from another store (after the request in flight, if any)."""
+        self._check_open("store")
         with self._lock:
             self.chunks.store = store
 
@@ -177,11 +179,13 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         suffix: str | None = None,
     ) -> TokenizedPrompt:
         """Tokenize a request. Either a question (rendered with the template) or an explicit prefix/suffix."""
+        self._check_open("build_prompt")
         return tokenize_request(self.tokenizer, template or self.template, chunks, question, prefix, suffix,
                                 self.config.chunk_separator, self.token_cache)  # fmt: skip
 
     def check_length(self, prompt: TokenizedPrompt, max_new_tokens: int = 0) -> None:
         """PromptError when the prompt and its answer budget do not fit the model's context."""
+        self._check_open("check_length")
         check_length(prompt, max_new_tokens, self.max_tokens)
 
     def chunk_key(
@@ -196,22 +200,26 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         with `captured`, of its captured entry (a full prefill's, read unless chunk_context="isolated"), cached after
         the near copies of it `copies` (token ids of overlapping windows of its text; none: the plain captured
         entry)."""
+        self._check_open("chunk_key")
         return self.chunks.key(prefix_ids, chunk_ids, captured=captured, copies=copies)
 
     def placements(self, prompt: TokenizedPrompt) -> tuple[Placement, ...]:
         """Which stored entry each chunk of the prompt reads now, and which a miss or a full prefill stores: the plan
         a request makes before reading any KV (`engine.chunks.placement`)."""
+        self._check_open("placements")
         return self.chunks.place(prompt.prefix_ids, prompt.chunk_ids)
 
     def prompt_keys(self, prompt: TokenizedPrompt, *, with_prefix: bool = True) -> list[str]:
         """The store keys this engine reads a prompt's KV from now: the prefix's (if any, and `with_prefix`), then
         the entry each chunk's plan finds, or the one a miss stores (`placements`)."""
+        self._check_open("prompt_keys")
         return self.chunks.prompt_keys(prompt.prefix_ids, prompt.chunk_ids, with_prefix=with_prefix)
 
     def clear_store(self, tiers: Sequence[str] | None = None) -> None:
         """Drop the stored chunk KV: every tier, or only the named ones (`["memory"]` frees this process's memory and
         keeps disk and Redis, which other workers may share), once the request in flight and the chunks being stored
         after cold requests are done; the next request recomputes whatever it no longer finds."""
+        self._check_open("clear_store")
         self.fills.wait()
         with self._lock:
             self.chunks.clear(tiers)
@@ -249,18 +257,36 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
     def wait_for_fills(self, timeout: float | None = None) -> bool:
         """Wait until the chunks that cold requests were answered without are stored (they are stored on a
         background thread after the call returns; a request that needs one waits for it by itself). -> False
-        if `timeout` seconds ran out first."""
+        if `timeout` seconds ran out first. After `close` it returns True at once: what was queued was dropped."""
         return self.fills.wait(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop serving: requests not answered yet end with EngineClosedError, later ones raise it, and the chunks
-        still queued to be stored are dropped (`wait_for_fills()` first keeps them). Runs by itself at exit."""
+        """Stop serving: requests not answered yet end with EngineClosedError, and the chunks still queued to be
+        stored are dropped (`wait_for_fills()` first keeps them); then the store is closed (its files and
+        connections released: a store shared with another engine is closed for it too). From then on every public
+        method but `wait_for_fills` raises EngineClosedError; a second `close` does nothing. At exit, the serving
+        threads stop by themselves (`shutdown`); the store is left as it is."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self.scheduler.stop(timeout)
         self.fills.stop(timeout)
+        with self._lock:  # after a prefill in flight
+            self.chunks.store.close()
+
+    def _check_open(self, method: str) -> None:
+        """EngineClosedError, naming `method`, once `close` has run."""
+        if self._closed:
+            raise EngineClosedError(
+                f"{method}: the engine is closed (engine.close() ran): no new request runs, nothing more is "
+                "computed or stored; build a new engine to go on"
+            )
 
     def _check_request(self, prompt: TokenizedPrompt, request: Request, method: str) -> None:
         """What a request needs of this engine: a process it can run in, a rule this model has the layers for, a
         prompt that fits."""
+        self._check_open(method)
         self._forks.check()
         with calling(method):
             check_blend(request.blend or self.config.blend, self.lm.shape.num_layers, "blend")
@@ -277,6 +303,7 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         the controller gives; after any chunk of the prompt still being stored; under the engine's lock, with
         `after_layer` between its layers; a cached mode lays the prompt's KV in `buffers` when given (the request's
         decode slot). The entries a full prefill computed are queued to be stored at once."""
+        self._check_open("run_prefill")
         mode = request.mode
         pinned = request.recompute_ratio is not None or request.blend is not None
         blend = request.blend or self.config.blend
@@ -293,6 +320,7 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
 
     def token_loop(self, request: Request) -> TokenLoop:
         """A fresh token loop (sampling, stops, the answer's text) for a request's decoding."""
+        self._check_open("token_loop")
         return TokenLoop(self.tokenizer, self.eos_ids, request.sampling, self.device)
 
     @property
@@ -307,6 +335,7 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         Row t is the next-token distribution after `token_ids[t]`, so `prefill.logits` followed by rows 0..T-2
         score a continuation of T tokens. The prefill's cache grows by these tokens and `num_tokens` with it.
         """
+        self._check_open("extend")
         self._forks.check()
         ids = torch.as_tensor(list(token_ids), dtype=torch.long)
         if ids.ndim != 1 or ids.numel() == 0:

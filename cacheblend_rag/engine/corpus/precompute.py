@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from ...config import DEFAULT_GROUP_TOKENS, EngineConfig
@@ -46,6 +46,7 @@ class CorpusMethods:
     _lock: threading.RLock
     _forks: ForkSteps
     prefiller: Prefiller
+    _check_open: Callable[[str], None]
 
     @releasing_thread_pool
     def precompute(
@@ -70,6 +71,7 @@ class CorpusMethods:
         context is the prefix alone). The template's prefix does not depend on the question, so `question` is only
         needed by templates that place it before the chunks. Returns (chunks stored already, chunks computed now).
         """
+        self._check_open("precompute")
         if isinstance(context, str) and context == AUTO:
             context = GROUPS if self.config.group_tokens else None
         grouped = isinstance(context, str) and context == GROUPS
@@ -91,6 +93,7 @@ class CorpusMethods:
         """`precompute(context="groups")` with the groups given (each a list of chunks in prefill order; a chunk in
         one group only): every chunk's isolated entry, and each group's later chunks' KV from one full prefill of
         the group, stored as their captured entries (`groups`). Returns (chunks stored already, computed now)."""
+        self._check_open("precompute_groups")
         check_groups_policy(self.config.capture_policy)
         flat = [c for group in groups for c in group]
         prefix_ids, chunk_ids = self._take_corpus(flat, None, question, template, prefix)
@@ -118,6 +121,7 @@ class CorpusMethods:
         digest). Give it the whole corpus (a retriever's chunks) when an index is built or loaded. Returns how
         many chunks have a context.
         """
+        self._check_open("set_chunk_context")
         _, chunk_ids = self._take_corpus(chunks, context, question, template, prefix)
         return sum(1 for ids in chunk_ids if self.chunks.contexts.digest(ids))
 

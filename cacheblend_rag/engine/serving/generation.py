@@ -23,6 +23,7 @@ class GenerationMethods:
     scheduler: Scheduler
 
     build_prompt: Callable[..., TokenizedPrompt]
+    _check_open: Callable[[str], None]
     _check_request: Callable[[TokenizedPrompt, Request, str], None]
 
     def generate(
@@ -53,6 +54,7 @@ class GenerationMethods:
         self, method: str, chunks: Sequence[str] | TokenizedPrompt, question: str | None, options: Mapping[str, Any]
     ) -> tuple[TokenizedPrompt, Request]:
         """The checked request of one `generate` / `stream` call and its tokenized prompt."""
+        self._check_open(method)
         request = Request.from_options(method, options)
         prompt = check_prompt_parts(method, chunks, question, request)
         if prompt is None:

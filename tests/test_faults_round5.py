@@ -1,0 +1,92 @@
+"""Faults of the fifth probe: a full disk at start-up, a request cancelled during its prefill, a link loop in a
+documents folder, an engine used after `close()`, Redis URLs that fail before any connection, and an untrusted
+pickle in a model folder. Each test is the probe's reproducer on tiny models, with the behaviour it must keep."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cacheblend_rag import CacheBlendEngine, EngineClosedError, EngineConfig, StoreConfig
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.store import DiskStore, MemoryStore
+from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
+
+EXACT_CODEC = "native"
+
+
+def engine_on(num_layers: int = 6, **tiers) -> CacheBlendEngine:
+    settings = StoreConfig(**{"memory_budget_bytes": 0, "kv_codec": EXACT_CODEC, **tiers})
+    config = EngineConfig(miss_policy="blend", chunk_separator="", store=settings)
+    return CacheBlendEngine(make_tiny_model("qwen2", num_layers=num_layers), make_tiny_tokenizer(), config=config)
+
+
+def chunks_of(seed: int, n: int = 2, words: int = 40) -> list[str]:
+    return [random_words(seed * 10 + i, words) for i in range(n)]
+
+
+def ask(engine, chunks, **options):
+    return engine.generate(chunks, prefix=random_words(1, 4), suffix=random_words(2, 5), max_new_tokens=4, **options)
+
+
+# ---------------------------------------------------------------- R4: an engine used after close()
+
+
+def test_every_public_method_of_a_closed_engine_raises_and_writes_nothing(tmp_path):
+    engine = engine_on(disk_dir=str(tmp_path / "kv"), memory_budget_bytes=2**24)
+    ask(engine, chunks_of(1))
+    engine.store.flush()
+    prompt = engine.build_prompt(chunks_of(1), "a question")
+    pre = engine.prefill(prompt)
+    engine.wait_for_fills()
+    engine.store.flush()
+    puts = engine.store.tier_stats()["disk"].puts
+    memory = engine.store.tiers[0]
+    assert len(memory) > 0
+    engine.close()
+    engine.close()  # a second close does nothing
+
+    async def agenerate():
+        return await engine.agenerate(chunks_of(2), "q")
+
+    calls = {
+        "generate": lambda: engine.generate(chunks_of(2), "q"),
+        "stream": lambda: engine.stream(chunks_of(2), "q"),
+        "agenerate": lambda: asyncio.run(agenerate()),
+        "astream": lambda: engine.astream(chunks_of(2), "q"),
+        "prefill": lambda: engine.prefill(prompt),
+        "extend": lambda: engine.extend(pre, [3, 4]),
+        "precompute": lambda: engine.precompute(chunks_of(3)),
+        "precompute_groups": lambda: engine.precompute_groups([chunks_of(3)]),
+        "set_chunk_context": lambda: engine.set_chunk_context(chunks_of(3), None),
+        "build_prompt": lambda: engine.build_prompt(chunks_of(2), "q"),
+        "check_length": lambda: engine.check_length(prompt),
+        "chunk_key": lambda: engine.chunk_key(prompt.prefix_ids, prompt.chunk_ids[0]),
+        "placements": lambda: engine.placements(prompt),
+        "prompt_keys": lambda: engine.prompt_keys(prompt),
+        "clear_store": lambda: engine.clear_store(),
+        "run_prefill": lambda: engine.run_prefill(prompt, None),  # type: ignore[arg-type]
+        "token_loop": lambda: engine.token_loop(None),  # type: ignore[arg-type]
+    }
+    public = {n for n, v in inspect.getmembers(CacheBlendEngine, inspect.isfunction) if not n.startswith("_")}
+    assert set(calls) == public - {"close", "wait_for_fills"}, "a new public method: add it here and check it"
+    for name, call in calls.items():
+        with pytest.raises(EngineClosedError, match=f"^{name}: the engine is closed"):
+            call()
+    with pytest.raises(EngineClosedError, match="^store: the engine is closed"):
+        engine.store = MemoryStore(2**20)
+    assert engine.wait_for_fills(timeout=5)  # nothing is left to wait for
+    assert engine.store.tier_stats()["disk"].puts == puts
+    assert len(memory) == 0  # close() closed the store: the memory tier let its entries go
+    reopened = DiskStore(tmp_path / "kv", codec=EXACT_CODEC)
+    assert len(reopened) == puts  # nothing written after close
+    reopened.close()
