@@ -21,6 +21,7 @@ from cacheblend_rag.retrieval.index import (
     IndexFormatError,
     RetrievedChunk,
 )
+from cacheblend_rag.retrieval.kept_index import IndexUpdate, index_key, prepare_update
 from cacheblend_rag.retrieval.sources import (
     DEFAULT_MAX_DOCUMENT_BYTES,
     DEFAULT_SUFFIXES,
@@ -44,6 +45,7 @@ __all__ = [
     "Embedder",
     "IndexFormatError",
     "IndexSource",
+    "IndexUpdate",
     "RetrievedChunk",
     "Tokenizer",
     "build_index_from_folder",
@@ -51,8 +53,10 @@ __all__ = [
     "embedder_name",
     "embedding_dimension",
     "find_document_files",
+    "index_key",
     "load_documents",
     "load_embedder",
+    "prepare_update",
     "read_documents",
     "split_documents",
 ]

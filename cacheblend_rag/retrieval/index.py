@@ -171,13 +171,17 @@ class ChunkIndex:
     def dimension(self) -> int:
         return int(self._index.d)
 
+    def vectors(self) -> np.ndarray:
+        """The chunks' unit-length embeddings as stored, one row per chunk in index order: (N, dim) float32."""
+        return self._index.reconstruct_n(0, self._index.ntotal)
+
     def neighbour_contexts(self, n: int) -> list[list[str]]:
         """For each chunk (in index order), its `n` most similar other chunks' texts in the order its KV is
         prefilled after them, the most similar last (`CacheBlendEngine.set_chunk_context(texts, contexts)`).
         Uses the stored vectors: nothing is embedded again."""
         from cacheblend_rag.retrieval.neighbours import nearest_neighbours, neighbour_context
 
-        vectors = self._index.reconstruct_n(0, self._index.ntotal)
+        vectors = self.vectors()
         texts = [c.text for c in self._chunks]
         found = nearest_neighbours(vectors, vectors, n, query_texts=texts, pool_texts=texts)
         return [neighbour_context([texts[j] for j in ids]) for ids in found]
