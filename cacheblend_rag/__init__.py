@@ -13,7 +13,17 @@ benchmarks compare live outside the package, in the repository's `benchmarks/ben
 
 from typing import TYPE_CHECKING
 
-from .config import RULE_NAMES, RULES, BlendConfig, EngineConfig, Guard, PrefillMode, StoreConfig, blend_rule
+from .config import (
+    RULE_NAMES,
+    RULES,
+    BlendConfig,
+    EngineConfig,
+    Guard,
+    PrefillMode,
+    StoreConfig,
+    blend_rule,
+    resolve_device,
+)
 from .errors import (
     CacheBlendError,
     ConfigError,
@@ -87,4 +97,5 @@ __all__ = [
     "UnsupportedModelError",
     "__version__",
     "blend_rule",
+    "resolve_device",
 ]

@@ -39,3 +39,25 @@ def warn_if_slow_bf16(device: object, dtype: object) -> None:
     nothing on other devices or dtypes, or where `cpu_has_bf16()` cannot tell. `device`, `dtype`: torch's."""
     if getattr(device, "type", device) == "cpu" and str(dtype) == "torch.bfloat16" and cpu_has_bf16() is False:
         warnings.warn(SLOW_BF16_WARNING, stacklevel=3)
+
+
+# The flags a bug report about speed needs: AVX-512 (fast fp32), its BF16 extension and AMX (fast bf16).
+REPORTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_summary(cpuinfo: str | None = None) -> tuple[str, dict[str, bool]]:
+    """(this CPU's model name, whether it has each of `REPORTED_FLAGS`) read from /proc/cpuinfo (or `cpuinfo`'s
+    text); ("unknown", {}) where it cannot be read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return "unknown", {}
+    model, flags = "unknown", None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model == "unknown":
+            model = value.strip()
+        elif key.strip() == "flags" and flags is None:
+            flags = set(value.split())
+    return model, ({} if flags is None else {flag: flag in flags for flag in REPORTED_FLAGS})

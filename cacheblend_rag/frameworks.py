@@ -54,6 +54,8 @@ __all__ = [
     "CALL_ARGUMENTS",
     "CONTEXT_PLACEHOLDER",
     "DETAILED_METRICS",
+    "DEVICE_HELP",
+    "DTYPE_HELP",
     "ENGINE_SETTINGS",
     "ROLES",
     "STORE_SETTINGS",
@@ -284,6 +286,15 @@ ENGINE_SETTINGS = (
     "disk_budget_bytes",
     "redis_url",
     "redis_budget_bytes",
+)
+# What the frameworks' model objects say of their device and dtype fields: None leaves each to the engine's default.
+DEVICE_HELP = (
+    "Torch device of a loaded engine: 'auto' (the GPU where torch sees one, else the CPU), 'cpu', 'cuda' or "
+    "'cuda:N'; None: the engine's default, 'auto'."
+)
+DTYPE_HELP = (
+    "Precision of a loaded engine: 'auto' (bfloat16 on a GPU or a CPU with bf16 instructions, else float32), "
+    "'float32', 'bfloat16' or 'float16'; None: the engine's default, 'auto'."
 )
 # Those that describe the chunk store: an engine passed in has its own, so they cannot apply to it.
 STORE_SETTINGS = ("memory_budget_bytes", "disk_dir", "disk_budget_bytes", "redis_url", "redis_budget_bytes")

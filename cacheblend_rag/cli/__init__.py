@@ -1,7 +1,7 @@
 """Command line: `cacheblend-rag ask --docs DIR "question"` and friends.
 
-One module per command (`ask`, `calibrate`, `profile`, `index`, `plan`, `models`); the parser and the checks shared by
-the commands are in `args`, where `ask`, `calibrate` and `index` get their chunks in `sources`. Importing this
+One module per command (`ask`, `calibrate`, `profile`, `index`, `plan`, `models`, `env`); the parser and the checks
+shared by the commands are in `args`, where `ask`, `calibrate` and `index` get their chunks in `sources`. Importing this
 package loads no model machinery: every command imports torch, transformers or FAISS when it runs.
 """
 
@@ -16,6 +16,7 @@ from ..errors import CacheBlendError
 from .args import build_parser
 from .ask import cmd_ask
 from .calibrate import cmd_calibrate
+from .env import cmd_env
 from .index import cmd_index
 from .models import cmd_models
 from .plan import cmd_plan
@@ -31,6 +32,7 @@ COMMANDS = {
     "index": cmd_index,
     "models": cmd_models,
     "plan": cmd_plan,
+    "env": cmd_env,
 }
 
 

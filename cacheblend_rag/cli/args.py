@@ -56,7 +56,8 @@ def _add_document_arguments(parser: argparse._ActionsContainer, *, required: boo
 
 def _add_runtime_arguments(parser: argparse._ActionsContainer) -> None:
     parser.add_argument("--model", help="preset, local checkpoint or hub id (default: the default preset)")
-    parser.add_argument("--device", default="cpu", help="torch device to run the model on, e.g. cuda")
+    parser.add_argument("--device", default="auto", help="torch device to run the model on: auto (the default: the "
+                        "GPU where torch sees one, else the CPU), cpu, cuda or cuda:N")  # fmt: skip
     parser.add_argument("--dtype", default="auto", help="model precision: auto (the default: bfloat16 on a GPU or a "
                         "CPU with AMX / AVX-512-BF16, else float32), float32, bfloat16 or float16")  # fmt: skip
     parser.add_argument("--chunk-context", choices=tuple(CHUNK_CONTEXTS), default="grouped",
@@ -191,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub, _HelpFormatter)
     sub.add_parser("models", help="list the packaged model presets")
+    env = sub.add_parser("env", help="what a bug report needs: versions, CPU and GPU, what device and dtype 'auto' "
+                         "pick here and why, a model's family check, reachable store tiers",
+                         formatter_class=_HelpFormatter)  # fmt: skip
+    env.add_argument("--model", help="also check whether this preset, folder or cached hub id can be blended")
+    env.add_argument("--kv-dir", help="also check that this disk tier folder can be used")
+    env.add_argument("--redis-url", help="also check that this Redis answers")
     return p
 
 

@@ -16,6 +16,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from ..config.device import resolve_device
 from ..config.dtype import normalize_dtype_name
 from ..cpu import SLOW_BF16_WARNING, cpu_has_bf16
 from .args import check_kv_dir, check_model_name, check_numbers, guard_from_args
@@ -35,7 +36,8 @@ def engine_config(args: argparse.Namespace):
     blend = BlendConfig(recompute_ratio=args.ratio) if args.ratio is not None else BlendConfig()
     check_model_name(args.model)
     check_kv_dir(args)
-    if args.device == "cpu" and str(args.dtype).lower() in ("bfloat16", "bf16") and cpu_has_bf16() is False:
+    slow_bf16 = str(args.dtype).lower() in ("bfloat16", "bf16") and cpu_has_bf16() is False
+    if slow_bf16 and resolve_device(args.device) == "cpu":
         print("warning: this CPU has no bf16 matrix instructions (amx_bf16 / avx512_bf16): bfloat16 runs several "
               "times slower than float32 here; drop --dtype bfloat16", file=sys.stderr)  # fmt: skip
     return EngineConfig(

@@ -17,7 +17,7 @@ _DTYPES = {
 }
 
 
-def normalize_dtype_name(dtype: object, device: object = "cpu") -> str:
+def normalize_dtype_name(dtype: object, device: object = "auto") -> str:
     """'bf16', torch.bfloat16, ... -> 'bfloat16'; anything else is a ConfigError listing the choices.
 
     "auto" picks for `device`: bfloat16 on a GPU and on a CPU with bf16 instructions (AMX or AVX-512-BF16), where it
@@ -32,7 +32,7 @@ def normalize_dtype_name(dtype: object, device: object = "cpu") -> str:
     return _DTYPES[name]
 
 
-def auto_dtype(device: object = "cpu") -> str:
+def auto_dtype(device: object = "auto") -> str:
     """What "auto" picks on `device`: bfloat16 on a GPU and on a CPU with bf16 instructions, else float32."""
     from ..cpu import cpu_has_bf16  # torch-free
     from .device import DEVICE_AUTO, resolve_device
@@ -42,7 +42,7 @@ def auto_dtype(device: object = "cpu") -> str:
     return "bfloat16" if str(device).startswith("cuda") or cpu_has_bf16() else "float32"
 
 
-def torch_dtype(dtype: object, device: object = "cpu") -> Any:
+def torch_dtype(dtype: object, device: object = "auto") -> Any:
     """'bf16', 'float32', torch.float16, 'auto' (for `device`), ... -> the torch.dtype; anything else is a
     ConfigError."""
     import torch

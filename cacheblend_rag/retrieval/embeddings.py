@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from cacheblend_rag.config import resolve_device
 from cacheblend_rag.errors import ConfigError, ModelNotFoundError
 from cacheblend_rag.retrieval.faiss_file import import_faiss
 
@@ -54,12 +55,13 @@ def embedder_name(embedder: Embedder) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def load_embedder(device: str = "cpu") -> SentenceTransformer:
-    """The packaged all-MiniLM-L6-v2 as a SentenceTransformer on `device`, loaded once per device."""
-    if not isinstance(device, str) or not device:
-        raise ConfigError(f"device must be a torch device string such as 'cpu' or 'cuda', got {device!r}")
-    # The cache sits behind this wrapper so load_embedder() and load_embedder("cpu") share one entry.
-    return _load_embedder(device)
+def load_embedder(device: str | None = None) -> SentenceTransformer:
+    """The packaged all-MiniLM-L6-v2 as a SentenceTransformer on `device`, loaded once per device. None or "auto":
+    the GPU where torch sees one, else the CPU (`config.resolve_device`, the engine's rule)."""
+    if device is not None and (not isinstance(device, str) or not device):
+        raise ConfigError(f"device must be a torch device string such as 'auto', 'cpu' or 'cuda', got {device!r}")
+    # The cache sits behind this wrapper so load_embedder() and load_embedder("cpu") share one entry here.
+    return _load_embedder(resolve_device("auto" if device is None else device))
 
 
 def packaged_model_path() -> Path:

@@ -20,6 +20,8 @@ from cacheblend_rag.engine.serving.decoding import AsyncTextStream
 from cacheblend_rag.errors import PromptError
 from cacheblend_rag.frameworks import (
     CONTEXT_PLACEHOLDER,
+    DEVICE_HELP,
+    DTYPE_HELP,
     ENGINE_SETTINGS,
     call_arguments,
     check_no_store_settings,
@@ -91,8 +93,9 @@ class CacheBlendParams(BaseModel):
         exclude=True,
         description="An engine built by the caller; takes precedence over `model` for loading.",
     )
-    device: str = Field(default="cpu", description="Torch device of a loaded engine: 'cpu' or 'cuda'.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="Of a loaded engine.")
+    # Where a loaded engine runs; None: the engine's own default (EngineConfig's "auto" for both).
+    device: str | None = Field(default=None, description=DEVICE_HELP)
+    dtype: str | None = Field(default=None, description=DTYPE_HELP)
     # The chunk KV store of a loaded engine (EngineConfig's fields; None: EngineConfig's default). An engine passed
     # as `engine=` has its own store, so these are refused beside it.
     disk_dir: str | None = Field(default=None, description="Folder of a local disk tier; None: no disk tier.")

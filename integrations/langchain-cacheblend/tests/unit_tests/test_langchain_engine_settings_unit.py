@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from cacheblend_rag import EngineConfig
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer
 from pydantic import ValidationError
 
@@ -27,7 +28,8 @@ def test_store_settings_reach_the_loaded_engine(checkpoint, tmp_path):
     )
     config = chat.get_engine().config
     assert (config.store.disk_dir, config.store.memory_budget_bytes) == (str(tmp_path / "kv"), 2**20)
-    assert (config.store.disk_budget_bytes, config.store.redis_budget_bytes, config.dtype) == (2**30, 2**29, "float32")
+    assert (config.store.disk_budget_bytes, config.store.redis_budget_bytes) == (2**30, 2**29)
+    assert (config.device, config.dtype) == (EngineConfig().device, EngineConfig().dtype)  # the engine's defaults
 
 
 def test_models_with_different_stores_never_share_an_engine(checkpoint, tmp_path):

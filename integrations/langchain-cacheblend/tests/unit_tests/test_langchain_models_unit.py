@@ -46,6 +46,8 @@ def test_chat_invoke_equals_engine_generate(engine):
     assert message.usage_metadata["output_tokens"] == 5
     assert message.usage_metadata["input_tokens"] == direct.metrics.prompt_tokens
     assert message.response_metadata["cacheblend"]["mode"] == "full"  # no chunks: a plain prefill
+    served = message.response_metadata["cacheblend"]
+    assert (served["device"], served["dtype"]) == (str(engine.device), engine.config.dtype)  # what served it
 
 
 def test_stream_adds_up_to_invoke_with_metadata_once_on_the_last_chunk(engine):

@@ -16,6 +16,8 @@ from typing import Any
 from cacheblend_rag import CacheBlendEngine, EngineConfig, GenerationResult, PrefillMode
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.frameworks import (
+    DEVICE_HELP,
+    DTYPE_HELP,
     ENGINE_SETTINGS,
     ChatTurn,
     call_arguments,
@@ -131,8 +133,8 @@ class CacheBlendLLM(CustomLLM):
 
     # The engine loaded without `engine=` (EngineConfig's fields; None: EngineConfig's default). An engine passed
     # in has its own device and store, so these are refused beside it.
-    device: str | None = Field(default=None, description="Torch device of a loaded engine (None: 'cpu').")
-    dtype: str | None = Field(default=None, description="dtype of a loaded engine (None: 'float32').")
+    device: str | None = Field(default=None, description=DEVICE_HELP)
+    dtype: str | None = Field(default=None, description=DTYPE_HELP)
     disk_dir: str | None = Field(default=None, description="Folder of a local disk tier; None: no disk tier.")
     # A secret: a Redis URL may hold a password; repr, model_dump and validation errors never show it.
     redis_url: SecretStr | None = Field(
@@ -181,7 +183,7 @@ class CacheBlendLLM(CustomLLM):
         cls, name_or_path: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any
     ) -> CacheBlendLLM:
         """Build an engine (a preset or a local checkpoint) and wrap it; keyword arguments are the LLM's fields."""
-        engine = CacheBlendEngine.from_pretrained(name_or_path, config=config or EngineConfig(dtype="float32"))
+        engine = CacheBlendEngine.from_pretrained(name_or_path, config=config or EngineConfig())
         return cls(engine=engine, **kwargs)
 
     @classmethod
@@ -259,7 +261,12 @@ class CacheBlendLLM(CustomLLM):
     def _response(self, result: GenerationResult) -> CompletionResponse:
         return CompletionResponse(
             text=result.text,
-            raw={"token_ids": result.token_ids, "finish_reason": result.finish_reason},
+            raw={
+                "token_ids": result.token_ids,
+                "finish_reason": result.finish_reason,
+                "device": result.metrics.device,  # where and in what precision the answer was computed
+                "dtype": result.metrics.dtype,
+            },
             additional_kwargs={METRICS_KEY: self.metrics_of(result)},
         )
 

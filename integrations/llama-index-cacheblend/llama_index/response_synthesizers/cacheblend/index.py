@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cacheblend_rag import resolve_device
 from cacheblend_rag.retrieval.embeddings import packaged_model_path
 from cacheblend_rag.retrieval.faiss_file import flat_index_problem
 from llama_index.core import StorageContext, VectorStoreIndex, load_index_from_storage
@@ -21,9 +22,11 @@ from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 from llama_index.vector_stores.faiss import FaissVectorStore
 
 
-def minilm_embedding(device: str = "cpu", **kwargs: Any) -> HuggingFaceEmbedding:
-    """The packaged all-MiniLM-L6-v2 as a LlamaIndex `HuggingFaceEmbedding` (keyword arguments go to it)."""
+def minilm_embedding(device: str | None = None, **kwargs: Any) -> HuggingFaceEmbedding:
+    """The packaged all-MiniLM-L6-v2 as a LlamaIndex `HuggingFaceEmbedding` (keyword arguments go to it).
+    `device` None or "auto": the GPU where torch sees one, else the CPU (the engine's rule)."""
     model_path = packaged_model_path()
+    device = resolve_device("auto" if device is None else device)
     return HuggingFaceEmbedding(model_name=str(model_path), device=device, local_files_only=True, **kwargs)
 
 
