@@ -8,6 +8,7 @@ import asyncio
 import inspect
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -90,3 +91,72 @@ def test_every_public_method_of_a_closed_engine_raises_and_writes_nothing(tmp_pa
     reopened = DiskStore(tmp_path / "kv", codec=EXACT_CODEC)
     assert len(reopened) == puts  # nothing written after close
     reopened.close()
+
+
+# ---------------------------------------------------------------- R3: a link loop in a documents folder
+
+
+def looping_docs(root: Path) -> Path:
+    root.mkdir()
+    (root / "a.txt").write_text(random_words(1, 12))
+    (root / "sub").mkdir()
+    (root / "sub" / "b.txt").write_text(random_words(2, 9))
+    os.symlink("self", root / "self")  # a link to itself: ELOOP on every stat
+    os.symlink("loop.txt", root / "sub" / "loop.txt")
+    os.symlink(".", root / "here")  # a link back to the folder: walked once
+    return root
+
+
+def test_a_link_loop_in_the_docs_folder_is_skipped_with_one_warning_line(tmp_path, caplog):
+    from cacheblend_rag.retrieval import load_documents
+
+    docs = looping_docs(tmp_path / "docs")
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.retrieval"):
+        got = load_documents(docs)
+    assert [d.source for d in got] == ["a.txt", "sub/b.txt"]
+    warnings = [r.getMessage() for r in caplog.records if "resolve to no file" in r.getMessage()]
+    assert len(warnings) == 1 and "'self'" in warnings[0] and "'sub/loop.txt'" in warnings[0], warnings
+
+
+def test_the_command_line_reads_a_docs_folder_with_a_link_loop(tmp_path, capsys, caplog, tiny_model_dir):
+    from cacheblend_rag.cli import main
+
+    docs = looping_docs(tmp_path / "docs")
+    out = tmp_path / "index"
+    args = ["index", "--docs", str(docs), "--out", str(out), "--model", str(tiny_model_dir), "--chunk-tokens", "16"]
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.retrieval"):
+        assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Errno 40" not in err
+    # one warning line (stderr outside pytest, which captures log records instead)
+    assert sum("resolve to no file" in r.getMessage() for r in caplog.records) == 1
+
+
+# ---------------------------------------------------------------- R5: Redis URLs that cannot work
+
+
+def dead_port() -> int:
+    """A loopback port nothing listens on (bound once to learn a free one, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_redis_port_out_of_range_is_a_config_error_before_a_model_loads(capsys, no_model_loads):
+    from cacheblend_rag.cli import main
+
+    with pytest.raises(ConfigError, match=r"redis_url 'redis://:\*\*\*@127.0.0.1:99999/0' has no usable port") as err:
+        StoreConfig(redis_url="redis://:secret@127.0.0.1:99999/0")
+    assert "secret" not in str(err.value) and "check the port" in str(err.value)
+    assert main(["ask", "--docs", ".", "--redis-url", "redis://:secret@127.0.0.1:99999/0", "q?"]) == 2
+    out = capsys.readouterr().err
+    assert out.startswith("error: ") and "no usable port" in out and "secret" not in out and "Traceback" not in out
+
+
+def test_an_unreachable_redis_cluster_is_a_config_error_naming_the_url_without_its_password():
+    url = f"redis://:secret@127.0.0.1:{dead_port()}/0?cluster=1"
+    config = EngineConfig(store=StoreConfig(memory_budget_bytes=0, redis_url=url))
+    with pytest.raises(ConfigError, match="cannot reach the Redis Cluster at redis://:\\*\\*\\*@127.0.0.1") as err:
+        CacheBlendEngine(make_tiny_model("qwen2", num_layers=2), make_tiny_tokenizer(), config=config)
+    assert "secret" not in str(err.value) and "check that a node" in str(err.value)
+    assert err.value.__cause__ is None  # redis-py's own exception is not chained under it

@@ -10,6 +10,7 @@ from, so a later run with other documents or settings rebuilds it instead of ans
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import stat
 from collections.abc import Iterable, Mapping
@@ -19,6 +20,8 @@ from pathlib import Path, PurePosixPath
 
 from cacheblend_rag.advice import option
 from cacheblend_rag.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SUFFIXES: tuple[str, ...] = (".txt", ".md", ".rst")
 # One document at most this large by default. Splitting ran at 0.06-0.13 MB/s with the default preset's
@@ -129,7 +132,8 @@ def find_document_files(
 
     `suffixes` defaults to `.txt`/`.md`/`.rst` when no glob is given, and to none when one is. Hidden files and
     folders (a name starting with ".") and anything that is not a regular file are skipped; so are links whose
-    target lies outside the folder, unless `follow_links`. Raises ConfigError when nothing matches.
+    target lies outside the folder, unless `follow_links`, and, with one warning line, links that resolve to no
+    file (a loop such as `ln -s self self`, a link to nothing). Raises ConfigError when nothing matches.
     """
     globs = normalize_globs(globs)
     wanted = normalize_suffixes(DEFAULT_SUFFIXES if suffixes is None and not globs else suffixes or ())
@@ -150,6 +154,7 @@ def find_document_files(
     real_root = os.path.realpath(root)
     files: list[tuple[Path, str]] = []
     skipped = 0
+    unresolved: list[str] = []  # entries no file stands behind: a link loop, a link to nothing
     seen = {real_root}  # real folders already walked: a link loop is walked once
     stack = [(root, PurePosixPath())]
     while stack:
@@ -162,20 +167,29 @@ def find_document_files(
             if entry.name.startswith("."):
                 continue  # .git/, .venv/, editor backups: never meant as documents
             name = relative / entry.name
-            real = os.path.realpath(entry.path)
+            try:  # a link in a loop (`ln -s self self`) or to nothing resolves to no file: skipped, counted
+                real = os.path.realpath(entry.path, strict=True)
+                is_dir, is_file = entry.is_dir(), entry.is_file()
+            except OSError:
+                unresolved.append(name.as_posix())
+                continue
             if entry.is_symlink() and not _inside(real, real_root) and not follow_links:
                 skipped += 1
                 continue
-            if entry.is_dir():
+            if is_dir:
                 if entry.is_symlink() and _inside(real, real_root):
                     continue  # its files are read through the folder itself
                 if real not in seen:
                     seen.add(real)
                     stack.append((Path(entry.path), name))
-            elif entry.is_file() and (
+            elif is_file and (
                 PurePosixPath(entry.name).suffix.lower() in wanted or any(_glob_match(name.parts, p) for p in patterns)
             ):
                 files.append((Path(entry.path), name.as_posix()))
+    if unresolved:
+        shown = ", ".join(repr(n) for n in sorted(unresolved)[:3]) + (" ..." if len(unresolved) > 3 else "")
+        logger.warning("skipped %d entr%s under %s that resolve to no file (a link loop or a link to nothing): %s",
+                       len(unresolved), "y" if len(unresolved) == 1 else "ies", root, shown)  # fmt: skip
     # Sorting by the relative path (not the file system's order) makes the chunk order, and with it the index,
     # the same on every machine.
     files.sort(key=lambda item: item[1])
