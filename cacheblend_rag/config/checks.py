@@ -1,5 +1,5 @@
-"""The number checks shared by the settings (`config`) and a request's arguments (`engine.request`), and
-`mask_url`, which shows a URL in an error without its password.
+"""The number checks shared by the settings (`config`) and a request's arguments (`engine.request`), `mask_url`,
+which shows a URL in an error without its password, and `check_redis_url`, what a Redis URL's text alone shows.
 
 It imports nothing but `errors`, so that the settings can use it without loading the engine, the store or torch.
 Each check raises a `ConfigError` that names the setting, the value given and, where it helps, what the number
@@ -53,3 +53,23 @@ def mask_url(url: object) -> str:
         return text.rsplit("@", 1)[-1] if "@" in text else text
     host = parts.netloc.rsplit("@", 1)[1]
     return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
+def check_redis_url(url: object) -> None:
+    """ConfigError, naming the URL without its password and what to check, for a Redis URL whose text alone shows
+    it cannot work: another scheme than redis://, rediss:// or unix://, or a port that is not a number in 0-65535.
+    Whether a server answers there is learnt when the store connects."""
+    from urllib.parse import urlsplit
+
+    shown, text = mask_url(url), str(url)
+    if not text.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {shown!r}")
+    if text.startswith("unix://"):
+        return
+    try:
+        urlsplit(text).port  # noqa: B018 (parsed when read)
+    except ValueError as exc:  # "Port out of range 0-65535", "Port could not be cast to integer value"
+        raise ConfigError(
+            f"redis_url {shown!r} has no usable port ({exc}): check the port, a number up to 65535 (Redis listens "
+            "on 6379 unless told otherwise), e.g. redis://127.0.0.1:6379/0"
+        ) from None

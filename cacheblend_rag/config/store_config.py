@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..errors import ConfigError
-from .checks import check_count, mask_url
+from .checks import check_count, check_redis_url, mask_url
 
 # The codecs `kv_codec` and `memory_codec` may name: those of `store.codec.CODECS` (a test keeps the two equal),
 # listed here so that the settings import nothing of the store.
@@ -48,10 +48,8 @@ class StoreConfig:
             object.__setattr__(self, "disk_dir", os.fspath(self.disk_dir))
             if not self.disk_dir:
                 raise ConfigError("disk_dir must be a folder path or None (no disk tier), got ''")
-        if self.redis_url is not None and not str(self.redis_url).startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(
-                f"redis_url must start with redis://, rediss:// or unix://, got {mask_url(self.redis_url)!r}"
-            )
+        if self.redis_url is not None:
+            check_redis_url(self.redis_url)  # before a model loads: what the URL's text alone shows
         if self.hmac_key is not None and (not isinstance(self.hmac_key, (bytes, str)) or len(self.hmac_key) < 16):
             raise ConfigError("hmac_key must be None or a secret of at least 16 bytes (str or bytes)")
         for name in ("kv_codec", "memory_codec"):

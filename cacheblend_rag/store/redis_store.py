@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from ..config.checks import mask_url
+from ..config.checks import check_redis_url, mask_url
 from ..errors import ConfigError, CorruptEntryError, EntryGoneError, NonFiniteKVError
 from . import redis_scripts
 from .base import Hit
@@ -92,6 +92,7 @@ class RedisStore(CountedTier):
             raise ConfigError(f"namespace must be a non-empty string without braces, got {namespace!r}")
         if backoff_s < 0:
             raise ConfigError(f"backoff_s must be >= 0, got {backoff_s}")
+        check_redis_url(url)
         url, url_cluster = split_cluster_flag(url)
         cluster = url_cluster if cluster is None else cluster
         shards = (_CLUSTER_SHARDS if cluster else 1) if shards is None else shards
@@ -118,7 +119,11 @@ class RedisStore(CountedTier):
         if cluster:
             self._client = self._cluster_client(redis, url, timeouts)
         else:
-            self._client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **timeouts)
+            try:
+                self._client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **timeouts)
+            except ValueError as exc:  # a part redis-py cannot read, e.g. a database that is not a number
+                raise ConfigError(f"redis_url {mask_url(url)!r} cannot be used ({exc}): check it against "
+                                  "redis://[[user]:password@]host:port/db") from None  # fmt: skip
         self._outage_errors: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
         self._redis_error: type[BaseException] = redis.RedisError
         scripts = {
@@ -141,8 +146,13 @@ class RedisStore(CountedTier):
         try:
             # Connecting here learns the slot map; an unreachable cluster makes the tier an outage until it is up.
             return RedisCluster.from_url(url, cluster_error_retry_attempts=1, **timeouts)
-        except (redis.ConnectionError, redis.TimeoutError, redis.RedisError) as exc:
-            raise ConfigError(f"cannot reach the Redis Cluster at {mask_url(url)}: {exc}") from exc
+        except (redis.RedisError, redis.exceptions.RedisClusterException, ValueError) as exc:
+            # redis-py raises RedisClusterUnreachableError (not a RedisError) when no node answers
+            raise ConfigError(
+                f"cannot reach the Redis Cluster at {mask_url(url)} ({type(exc).__name__}: {exc}): check that a node "
+                "of the cluster listens at that host and port with cluster mode on (`redis-cli -h HOST -p PORT "
+                "cluster info`), or drop ?cluster=1 for a single Redis server"
+            ) from None
 
     # -- key layout -----------------------------------------------------------------------------------------
 
