@@ -152,3 +152,31 @@ def test_the_model_loaded_when_none_is_named_comes_from_the_environment(monkeypa
     assert default_model({"CACHEBLEND_RAG_MODEL": "smollm2-135m-instruct"}) == "smollm2-135m-instruct"
     monkeypatch.setenv("CACHEBLEND_RAG_MODEL", "/models/mine")
     assert resolve_model_name(None, None) == "/models/mine"
+
+
+def test_engine_fields_are_declared_once_under_the_engines_names() -> None:
+    pytest.importorskip("pydantic")
+    from cacheblend_rag.frameworks import ENGINE_SETTINGS, EngineFields
+
+    assert tuple(EngineFields.model_fields) == ENGINE_SETTINGS
+    assert all(field.default is None for field in EngineFields.model_fields.values())  # unset: the engine's default
+    fields = EngineFields(redis_url="redis://:pw@host:6379/0", dtype="bf16")
+    assert fields.engine_settings()["redis_url"] == "redis://:pw@host:6379/0" and "pw" not in repr(fields)
+    assert engine_config(**fields.engine_settings()).dtype == "bfloat16"
+
+
+def test_the_integrations_import_only_the_public_api() -> None:
+    import re
+    from pathlib import Path
+
+    public = {"cacheblend_rag", "cacheblend_rag.frameworks", "cacheblend_rag.errors"}
+    root = Path(__file__).resolve().parents[1] / "integrations"
+    pattern = re.compile(r"^\s*(?:from|import)\s+(cacheblend_rag[\w.]*)", re.MULTILINE)
+    deeper = {
+        f"{path.relative_to(root)}: {module}"
+        for path in root.rglob("*.py")
+        if "tests" not in path.parts
+        for module in pattern.findall(path.read_text())
+        if module not in public
+    }
+    assert not deeper, f"the integrations reach past the public API: {sorted(deeper)}"

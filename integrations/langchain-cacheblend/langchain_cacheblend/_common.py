@@ -15,14 +15,12 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
 from cacheblend_rag import CacheBlendEngine, GenerationResult
-from cacheblend_rag.engine.request.marked_text import PromptText
-from cacheblend_rag.engine.serving.decoding import AsyncTextStream
 from cacheblend_rag.errors import PromptError
 from cacheblend_rag.frameworks import (
     CONTEXT_PLACEHOLDER,
-    DEVICE_HELP,
-    DTYPE_HELP,
-    ENGINE_SETTINGS,
+    AsyncTextStream,
+    EngineFields,
+    PromptText,
     call_arguments,
     check_no_store_settings,
     engine_config,
@@ -34,7 +32,7 @@ from cacheblend_rag.frameworks import (
 )
 from langchain_core.language_models import LangSmithParams
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 __all__ = ["CONTEXT_PLACEHOLDER", "CacheBlendParams", "load_engine", "split_prompt", "usage_from"]
 
@@ -74,7 +72,7 @@ def usage_from(result: GenerationResult) -> UsageMetadata:
     )
 
 
-class CacheBlendParams(BaseModel):
+class CacheBlendParams(EngineFields):
     """Settings shared by `CacheBlendLLM` and `ChatCacheBlend`. Per call, each may be overridden by a kwarg."""
 
     # The engine is a plain object; unknown settings are errors, not silently ignored. (Each model class sets
@@ -93,20 +91,8 @@ class CacheBlendParams(BaseModel):
         exclude=True,
         description="An engine built by the caller; takes precedence over `model` for loading.",
     )
-    # Where a loaded engine runs; None: the engine's own default (EngineConfig's "auto" for both).
-    device: str | None = Field(default=None, description=DEVICE_HELP)
-    dtype: str | None = Field(default=None, description=DTYPE_HELP)
-    # The chunk KV store of a loaded engine (EngineConfig's fields; None: EngineConfig's default). An engine passed
-    # as `engine=` has its own store, so these are refused beside it.
-    disk_dir: str | None = Field(default=None, description="Folder of a local disk tier; None: no disk tier.")
-    # A secret: a Redis URL may hold a password. repr, model_dump, LangChain's dumpd/dumps and validation errors
-    # never show it.
-    redis_url: SecretStr | None = Field(
-        default=None, description="redis:// URL of a Redis tier shared by workers; None: no Redis tier."
-    )
-    memory_budget_bytes: int | None = Field(default=None, ge=0, description="In-process tier size (None: 2 GiB).")
-    disk_budget_bytes: int | None = Field(default=None, ge=0, description="Disk tier size (None: 20 GiB).")
-    redis_budget_bytes: int | None = Field(default=None, ge=0, description="Redis tier size (None: 8 GiB).")
+    # device, dtype and the store of a loaded engine are `EngineFields`' (declared once for both frameworks); an
+    # engine passed as `engine=` has its own, so store settings are refused beside it.
     mode: Literal["blend", "full", "prefix", "reuse"] = Field(
         default="blend", description="How a prompt with chunks is prefilled; 'full' is the reference."
     )
@@ -156,17 +142,11 @@ class CacheBlendParams(BaseModel):
     def _check_engine_settings(self) -> CacheBlendParams:
         """Bad store or call settings fail here, where the model is built, not at its first call."""
         if self.engine is not None:
-            check_no_store_settings(**self._engine_settings())
+            check_no_store_settings(**self.engine_settings())
         else:
-            engine_config(**self._engine_settings())
+            engine_config(**self.engine_settings())
         call_arguments(self._defaults(), {}, framework=_FRAMEWORK_KWARGS)
         return self
-
-    def _engine_settings(self) -> dict[str, Any]:
-        settings = {name: getattr(self, name) for name in ENGINE_SETTINGS}
-        if self.redis_url is not None:
-            settings["redis_url"] = self.redis_url.get_secret_value()
-        return settings
 
     @property
     def lc_secrets(self) -> dict[str, str]:
@@ -181,10 +161,10 @@ class CacheBlendParams(BaseModel):
     def get_engine(self, model: str | None = None) -> CacheBlendEngine:
         """The engine for a call: the given one, or the shared one of `model` (a per-call override) or `self.model`."""
         if model is not None and model != self.model_name:
-            return load_engine(model, **self._engine_settings())
+            return load_engine(model, **self.engine_settings())
         if self.engine is not None:
             return self.engine
-        return load_engine(self.model, **self._engine_settings())
+        return load_engine(self.model, **self.engine_settings())
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of `text` by the model's own tokenizer (LangChain's default is GPT-2's)."""

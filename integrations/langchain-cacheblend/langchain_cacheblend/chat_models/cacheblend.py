@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from cacheblend_rag.engine.request.marked_text import PromptText
 from cacheblend_rag.errors import PromptError
-from cacheblend_rag.frameworks import ChatTurn, non_text_error, render_chat
+from cacheblend_rag.frameworks import ChatTurn, PromptText, non_text_error, render_chat
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cacheblend_rag import resolve_device
-from cacheblend_rag.retrieval.embeddings import packaged_model_path
+from cacheblend_rag.frameworks import packaged_model_path
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
 
@@ -125,7 +125,7 @@ def load_faiss_index(folder: str | Path, embeddings: Embeddings | None = None) -
     Raises ValueError when the folder is not such an index or was built with another embedding model.
     """
     import faiss
-    from cacheblend_rag.retrieval.faiss_file import flat_index_problem
+    from cacheblend_rag.frameworks import flat_index_problem
     from langchain_community.docstore.in_memory import InMemoryDocstore
     from langchain_community.vectorstores import FAISS
     from langchain_community.vectorstores.utils import DistanceStrategy

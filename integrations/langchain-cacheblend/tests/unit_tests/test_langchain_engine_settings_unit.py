@@ -59,7 +59,7 @@ def test_a_redis_password_never_shows_in_repr_dumps_or_errors():
     shown = [repr(chat), str(chat), dumps(chat), json.dumps(dumpd(chat), default=str), str(chat.model_dump()),
              chat.model_dump_json()]  # fmt: skip
     assert not [text for text in shown if "S3CRETPW" in text]
-    assert chat._engine_settings()["redis_url"] == url  # the engine still gets the real URL
+    assert chat.engine_settings()["redis_url"] == url  # the engine still gets the real URL
     for bad in ("http://:S3CRETPW@host/0", 12345):
         with pytest.raises(pydantic.ValidationError) as caught:
             ChatCacheBlend(model="smollm2-135m-instruct", redis_url=bad)

@@ -16,10 +16,9 @@ from typing import Any
 from cacheblend_rag import CacheBlendEngine, EngineConfig, GenerationResult, PrefillMode
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.frameworks import (
-    DEVICE_HELP,
-    DTYPE_HELP,
     ENGINE_SETTINGS,
     ChatTurn,
+    EngineFields,
     call_arguments,
     check_no_store_settings,
     has_chat_template,
@@ -86,7 +85,7 @@ class ChatTemplate:
         return f"ChatTemplate(system_prompt={self.system_prompt!r})"
 
 
-class CacheBlendLLM(CustomLLM):
+class CacheBlendLLM(EngineFields, CustomLLM):
     """A LlamaIndex LLM served in-process by a `CacheBlendEngine` (build the engine once and share it).
 
     Example:
@@ -131,18 +130,8 @@ class CacheBlendLLM(CustomLLM):
         ),
     )
 
-    # The engine loaded without `engine=` (EngineConfig's fields; None: EngineConfig's default). An engine passed
-    # in has its own device and store, so these are refused beside it.
-    device: str | None = Field(default=None, description=DEVICE_HELP)
-    dtype: str | None = Field(default=None, description=DTYPE_HELP)
-    disk_dir: str | None = Field(default=None, description="Folder of a local disk tier; None: no disk tier.")
-    # A secret: a Redis URL may hold a password; repr, model_dump and validation errors never show it.
-    redis_url: SecretStr | None = Field(
-        default=None, description="redis:// URL of a Redis tier shared by workers; None: no Redis tier."
-    )
-    memory_budget_bytes: int | None = Field(default=None, ge=0, description="In-process tier size (None: 2 GiB).")
-    disk_budget_bytes: int | None = Field(default=None, ge=0, description="Disk tier size (None: 20 GiB).")
-    redis_budget_bytes: int | None = Field(default=None, ge=0, description="Redis tier size (None: 8 GiB).")
+    # device, dtype and the store of the engine loaded without `engine=` are `EngineFields`' (declared once for both
+    # frameworks); an engine passed in has its own, so these are refused beside it.
 
     _engine: CacheBlendEngine = PrivateAttr()
 

@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cacheblend_rag import resolve_device
-from cacheblend_rag.retrieval.embeddings import packaged_model_path
-from cacheblend_rag.retrieval.faiss_file import flat_index_problem
+from cacheblend_rag.frameworks import flat_index_problem, packaged_model_path
 from llama_index.core import StorageContext, VectorStoreIndex, load_index_from_storage
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.schema import Document
