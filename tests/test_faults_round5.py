@@ -160,3 +160,40 @@ def test_an_unreachable_redis_cluster_is_a_config_error_naming_the_url_without_i
         CacheBlendEngine(make_tiny_model("qwen2", num_layers=2), make_tiny_tokenizer(), config=config)
     assert "secret" not in str(err.value) and "check that a node" in str(err.value)
     assert err.value.__cause__ is None  # redis-py's own exception is not chained under it
+
+
+# ---------------------------------------------------------------- R6: an untrusted pickle in a model folder
+
+
+class _Payload:
+    """Pickles as a call of os.system: what torch's weights_only loading must refuse without running it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_an_untrusted_pytorch_model_bin_is_the_packages_error_and_runs_no_code(tmp_path, capsys):
+    import torch
+
+    from cacheblend_rag.cli import main
+    from cacheblend_rag.errors import ModelNotFoundError
+    from cacheblend_rag.models import load_model
+
+    folder, marker = tmp_path / "model", tmp_path / "code-ran"
+    model = make_tiny_model("llama", num_layers=2)
+    model.save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    torch.save({**model.state_dict(), "payload": _Payload(marker)}, folder / "pytorch_model.bin")
+    with pytest.raises(ModelNotFoundError, match=r"a pickle \(pytorch_model.bin\).*weights_only.*safetensors"):
+        load_model(str(folder))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text(random_words(1, 12))
+    capsys.readouterr()
+    assert main(["ask", "--docs", str(tmp_path / "docs"), "--model", str(folder), "q?"]) == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and "safetensors" in err and "UnpicklingError" not in err and "Traceback" not in err
+    assert not marker.exists()

@@ -14,6 +14,7 @@ every later load reads that copy (~3 s). Whether a model can be blended at all i
 from __future__ import annotations
 
 import os
+import pickle
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -154,6 +155,8 @@ def _load_source(source: _Source, dtype: torch.dtype) -> tuple[PreTrainedModel, 
         model = AutoModelForCausalLM.from_pretrained(
             source.name, dtype=dtype, attn_implementation="sdpa", **source.kwargs()
         )
+    except pickle.UnpicklingError as err:
+        raise _untrusted_pickle(source.name, err) from None
     except OSError as err:
         if source.is_hub_id:
             raise source.not_found(err) from err
@@ -171,6 +174,19 @@ def _load_source(source: _Source, dtype: torch.dtype) -> tuple[PreTrainedModel, 
             f"tokenizer.save_pretrained({source.name!r})"
         ) from err
     return model, tokenizer
+
+
+def _untrusted_pickle(name: str, err: pickle.UnpicklingError) -> ModelNotFoundError:
+    """The error for a `pytorch_model.bin` that torch's safe loading (`weights_only=True`) refused: a pickle that
+    holds more than tensors, whose code did not run. This package offers no way to load it anyway."""
+    refused = next((line.strip() for line in str(err).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
+    return ModelNotFoundError(
+        f"the weights of {name!r} are a pickle (pytorch_model.bin) that holds more than tensors, so torch's safe "
+        f"loading (weights_only) refused it and none of its code ran{f' ({refused})' if refused else ''}: convert "
+        "it to safetensors where you trust it (`AutoModelForCausalLM.from_pretrained(folder, weights_only=False)`, "
+        "then `save_pretrained(folder)` writes model.safetensors) or get a safetensors copy of the model; "
+        "cacheblend-rag never loads a pickle that way itself"
+    )
 
 
 def _downloads_off(local_files_only: bool) -> bool:
