@@ -44,7 +44,7 @@ def test_other_docs_with_a_saved_index_rebuild_it_and_say_so(tmp_path, capsys, t
     capsys.readouterr()
 
     assert main(ask(tiny_model_dir, "--docs", str(old), "--index", str(index), random_words(3, 3))) == 0
-    assert "loaded index" in capsys.readouterr().err  # same documents, same settings: reused
+    assert "index: 1 file reused, 0 re-indexed, 0 removed" in capsys.readouterr().err  # nothing changed
 
     argv = ask(tiny_model_dir, "--docs", str(new), "--index", str(index), "--show-sources", random_words(3, 3))
     assert main(argv) == 0
@@ -54,14 +54,16 @@ def test_other_docs_with_a_saved_index_rebuild_it_and_say_so(tmp_path, capsys, t
     assert sources_of(index) == {"new.txt"}
 
 
-def test_a_changed_file_or_chunk_size_rebuilds_the_index(tmp_path, capsys, tiny_model_dir):
-    docs = docs_folder(tmp_path / "docs", **{"a.txt": random_words(1, 12)})
+def test_a_changed_file_is_indexed_again_alone_and_another_chunk_size_rebuilds_the_index(
+    tmp_path, capsys, tiny_model_dir
+):
+    docs = docs_folder(tmp_path / "docs", **{"a.txt": random_words(1, 12), "b.txt": random_words(2, 12)})
     index = tmp_path / "index"
     assert main(ask(tiny_model_dir, "--docs", str(docs), "--index", str(index), random_words(3, 3))) == 0
-    (docs / "a.txt").write_text(random_words(4, 30))  # another size: the digest of names/sizes/mtimes differs
+    (docs / "a.txt").write_text(random_words(4, 30))
     capsys.readouterr()
     assert main(ask(tiny_model_dir, "--docs", str(docs), "--index", str(index), random_words(3, 3))) == 0
-    assert "rebuilding" in capsys.readouterr().err
+    assert "index: 1 file reused, 1 re-indexed (a.txt), 0 removed" in capsys.readouterr().err
     argv = ask(tiny_model_dir, "--docs", str(docs), "--index", str(index), random_words(3, 3))
     assert main([*argv, "--chunk-tokens", "32"]) == 0  # the last one given wins
     assert "chunk_tokens" in capsys.readouterr().err

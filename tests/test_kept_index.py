@@ -120,3 +120,42 @@ def test_other_chunk_settings_or_embedding_model_give_another_key_and_a_rebuild(
         embedder = CountingEmbedder()
         index = build(docs, tmp_path / "index", embedder, **change)
         assert len(embedder.texts) == len(index)  # nothing reused from an index of other settings
+
+
+def test_kept_indexes_of_folders_that_are_gone_are_dropped_and_others_kept(docs: Path, tmp_path: Path) -> None:
+    from cacheblend_rag.retrieval.kept_index import drop_orphans
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    (gone / "x.md").write_text(words(5), encoding="utf-8")
+    root = tmp_path / "indexes"
+    build(docs, root / "kept", CountingEmbedder())
+    build(gone, root / "orphan", CountingEmbedder())
+    (root / "mine").mkdir()
+    (root / "mine" / "notes.txt").write_text("not an index")
+    (gone / "x.md").unlink()
+    gone.rmdir()
+    assert drop_orphans(root) == [root / "orphan"]
+    assert sorted(p.name for p in root.iterdir()) == ["kept", "mine"]
+
+
+def test_ask_keeps_the_index_beside_the_chunk_kv_and_reuses_it(tmp_path: Path, capsys, tiny_model_dir) -> None:
+    from cacheblend_rag.cli import main
+    from cacheblend_rag.testing import random_words
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, name in enumerate(("a.txt", "b.txt")):
+        (docs / name).write_text(random_words(i, 12))
+    argv = ["ask", "--model", str(tiny_model_dir), "--chunk-tokens", "16", "--max-new-tokens", "2", "--docs",
+            str(docs), "--kv-dir", str(tmp_path / "kv"), random_words(3, 3)]  # fmt: skip
+    assert main(argv) == 0
+    assert "index: 0 files reused, 2 re-indexed (a.txt, b.txt), 0 removed" in capsys.readouterr().err
+    assert len(list((tmp_path / "kv" / "folder-indexes").iterdir())) == 1
+    assert main(argv) == 0
+    assert "index: 2 files reused, 0 re-indexed, 0 removed" in capsys.readouterr().err
+    (docs / "b.txt").unlink()
+    assert main([*argv, "--no-index-cache"]) == 0  # built in memory: the kept one is left as it is
+    assert "index: 0 files reused, 1 re-indexed (a.txt), 0 removed" in capsys.readouterr().err
+    assert main(argv) == 0
+    assert "index: 1 file reused, 0 re-indexed, 1 removed (b.txt)" in capsys.readouterr().err

@@ -54,6 +54,12 @@ def _add_document_arguments(parser: argparse._ActionsContainer, *, required: boo
     parser.add_argument("--chunk-tokens", type=int, default=512, help="chunk size, in tokens of the model")
 
 
+def _add_index_cache_argument(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument("--no-index-cache", action="store_true", help="index --docs in memory only; by default its "
+                        "index is kept (beside --kv-dir's chunk KV, else under $CACHEBLEND_RAG_HOME, default "
+                        "~/.cache/cacheblend-rag) and later runs embed only the files that changed")  # fmt: skip
+
+
 def _add_runtime_arguments(parser: argparse._ActionsContainer) -> None:
     parser.add_argument("--model", help="preset, local checkpoint or hub id (default: the default preset)")
     parser.add_argument("--device", default="auto", help="torch device to run the model on: auto (the default: the "
@@ -77,6 +83,7 @@ def add_calibrate_parser(sub: argparse._SubParsersAction, formatter: type[argpar
     cal.add_argument("--questions", help="text file of questions over --docs, one per line")
     _add_document_arguments(cal, required=False)
     cal.add_argument("--index", help="folder for the chunk index of --docs, as for `ask`")
+    _add_index_cache_argument(cal)
     cal.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question (with --docs)")
     cal.add_argument("--dataset", help="instead of --docs: a benchmark data set (musique, wikimqa, ...)")
     cal.add_argument("--data-dir", help="folder of the data sets (with --dataset)")
@@ -140,8 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("questions", nargs="+", help="one or more questions")
     docs = ask.add_argument_group("documents")
     _add_document_arguments(docs, required=False)
-    docs.add_argument("--index", help="folder for the chunk index: loaded when it holds one built from the same "
-                     "--docs and settings, else (re)built there; must be new, empty or an index")  # fmt: skip
+    docs.add_argument("--index", help="folder for the chunk index of --docs (instead of the kept one): reused there, "
+                     "only new and changed files embedded again; other settings rebuild it; must be new, empty or an "
+                     "index")  # fmt: skip
+    _add_index_cache_argument(docs)
     _add_runtime_arguments(ask.add_argument_group("model and store"))
     answering = ask.add_argument_group("answering")
     tuning = ask.add_argument_group("tuning and measuring (docs/configuration.md)")
@@ -208,6 +217,8 @@ def add_plan_parser(sub: argparse._SubParsersAction, formatter: type[argparse.He
     plan.add_argument("--questions", required=True, help="text file of questions, one per line, in arrival order")
     _add_document_arguments(plan, required=False)
     plan.add_argument("--index", help="folder for the chunk index of --docs, as for `ask`")
+    _add_index_cache_argument(plan)
+    plan.set_defaults(kv_dir=None)  # no chunk KV to keep the index beside
     plan.add_argument("--model", help="whose tokenizer and KV shape (default: the default preset)")
     plan.add_argument("--dtype", default="auto", help="the engine's compute dtype (sizes native entries; "
                       "default: what auto picks here)")  # fmt: skip

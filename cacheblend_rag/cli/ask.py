@@ -100,10 +100,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
           file=sys.stderr)  # fmt: skip
     if fidelity is not None:
         fidelity.profile.check_model(engine.fingerprint, engine.config.dtype)
-    index = sources.index
-    if index is None:
-        assert sources.record is not None, "documents come with the record of their index"
-        index = build_index(args, sources.documents, engine.tokenizer, sources.record, args.index)
+    index = build_index(args, sources, engine.tokenizer)
     context = index_context(engine)  # in groups of similar chunks of the index (--chunk-context grouped), or alone
     for question in args.questions:
         hits = index.search(question, k=args.top_k)

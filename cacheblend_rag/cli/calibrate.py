@@ -136,10 +136,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         from ..controller import SampleQuestion
 
         assert sources is not None
-        index = sources.index
-        if index is None:
-            assert sources.record is not None, "documents come with the record of their index"
-            index = build_index(args, sources.documents, engine.tokenizer, sources.record, args.index)
+        index = build_index(args, sources, engine.tokenizer)
         context = index_context(engine)  # as `ask` will run
         items = [
             SampleQuestion(

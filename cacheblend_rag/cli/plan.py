@@ -90,10 +90,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     questions = read_questions(args.questions)
     sources = read_sources(args)
     tokenizer, config = tokenizer_and_config(args.model)
-    index = sources.index
-    if index is None:
-        assert sources.record is not None, "documents come with the record of their index"
-        index = build_index(args, sources.documents, tokenizer, sources.record, args.index)
+    index = build_index(args, sources, tokenizer)
     costs = _costs(args, index, questions)
     shape = KVShape.of_config(config, args.dtype, args.codec)
     stream = "clustered" if args.order == "as-given" else "uniform"

@@ -1,9 +1,10 @@
-"""Where `ask` and `index` get their chunks: a saved index folder, or the documents of `--docs`.
+"""Where `ask`, `plan`, `calibrate` and `index` get their chunks: a saved index folder, or the documents of `--docs`.
 
-An index folder records what it was built from (`IndexSource`: the documents path, how files were chosen,
-chunk size, tokenizer, embedder and a digest of the files' names, sizes and modification times). `ask --docs D
---index I` loads I only when that record matches; otherwise it says why on stderr and rebuilds I. A folder that
-holds anything but an index is never written to: the user's documents are not an index folder.
+The index of --docs is kept on disk (`retrieval.kept_index`): in --index when given, else beside the chunk KV of
+--kv-dir (`folder-indexes/`), else under the package's cache folder ($CACHEBLEND_RAG_HOME, default
+~/.cache/cacheblend-rag, in `indexes/`), one folder per documents folder and settings; --no-index-cache keeps none.
+A later run reuses it, splitting and embedding only the files whose contents changed, and says so in one line. An
+--index folder that holds anything but an index is never written to: the user's documents are not an index folder.
 """
 
 from __future__ import annotations
@@ -12,22 +13,22 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CacheBlendError
 
 if TYPE_CHECKING:
     from ..engine import CacheBlendEngine
-    from ..retrieval import ChunkIndex, Document, DocumentFiles, IndexSource, Tokenizer
+    from ..retrieval import ChunkIndex, DocumentFiles, IndexSource, IndexUpdate, Tokenizer
 
 
 @dataclass(frozen=True)
 class Sources:
-    """A saved index usable as is, or the documents to build one from."""
+    """A saved index usable as is (--index without --docs), or --docs compared with its kept index."""
 
     index: ChunkIndex | None
-    documents: list[Document]
-    record: IndexSource | None  # what an index built now records (None without --docs)
+    update: IndexUpdate | None  # `build_index` finishes it once the tokenizer is loaded
 
 
 def check_index_folder(folder: str, flag: str) -> str:
@@ -71,10 +72,28 @@ def choose_documents(args: argparse.Namespace) -> tuple[DocumentFiles, IndexSour
     return files, record
 
 
+def kept_index_folder(args: argparse.Namespace, record: IndexSource) -> Path | None:
+    """Where the index of --docs is kept: --index, else a folder named by its settings beside --kv-dir's chunk KV or
+    under the package's cache folder; None with --no-index-cache."""
+    if args.index:
+        return Path(args.index)
+    if args.no_index_cache:
+        return None
+    from ..retrieval import index_key
+
+    if args.kv_dir:
+        return Path(args.kv_dir).expanduser() / "folder-indexes" / index_key(record)
+    from ..models.gguf import cache_home
+    from ..retrieval.kept_index import drop_orphans
+
+    drop_orphans(cache_home() / "indexes")  # the kept indexes of folders that are gone
+    return cache_home() / "indexes" / index_key(record)
+
+
 def read_sources(args: argparse.Namespace) -> Sources:
-    """`ask`'s chunks: the saved index of --index when it fits --docs, else --docs' documents. Read (and
-    checked) before any model loads."""
-    from ..retrieval import ChunkIndex, IndexFormatError, read_documents
+    """`ask`'s chunks: the saved index of --index alone, or --docs compared with its kept index (the files to index
+    again read now). Read (and checked) before any model loads."""
+    from ..retrieval import ChunkIndex, prepare_update
 
     state = check_index_folder(args.index, "--index") if args.index else "new"
     if not args.docs:
@@ -85,39 +104,24 @@ def read_sources(args: argparse.Namespace) -> Sources:
             )
         index = ChunkIndex.load(args.index)
         print(f"loaded index of {len(index)} chunks from {args.index}", file=sys.stderr)
-        return Sources(index, [], None)
+        return Sources(index, None)
 
     files, record = choose_documents(args)
-    if state == "index":
-        try:
-            index = ChunkIndex.load(args.index)
-        except IndexFormatError as exc:
-            why = f"it cannot be read: {exc}"
-        else:
-            if index.source == record:
-                print(f"loaded index of {len(index)} chunks from {args.index}", file=sys.stderr)
-                return Sources(index, [], record)
-            changed = index.source.differences(record) if index.source is not None else ["it records no source"]
-            why = "; ".join(changed)
-        print(
-            f"the index at {args.index} does not match --docs ({why}); rebuilding it from {args.docs}", file=sys.stderr
-        )
-    return Sources(None, read_documents(files, encoding=args.encoding), record)
+    update = prepare_update(kept_index_folder(args, record), files, record)
+    if update.problem is not None:
+        print(f"the index in {update.folder} cannot be reused ({update.problem}); rebuilding it from {args.docs}",
+              file=sys.stderr)  # fmt: skip
+    return Sources(None, update)
 
 
-def build_index(
-    args: argparse.Namespace, documents: list[Document], tokenizer: Tokenizer, record: IndexSource, out: str | None
-) -> ChunkIndex:
-    """Split the documents with the model's tokenizer and index the chunks (FAISS + all-MiniLM-L6-v2); saved in
-    `out` with their record when given."""
-    from ..retrieval import ChunkIndex, split_documents
-
-    chunks = split_documents(documents, tokenizer, chunk_tokens=args.chunk_tokens, show_progress=True)
-    index = ChunkIndex.build(chunks, show_progress=True, source=record)
-    print(f"indexed {len(index)} chunks from {args.docs}", file=sys.stderr)
-    if out:
-        index.save(out)
-        print(f"saved the index to {out}", file=sys.stderr)
+def build_index(args: argparse.Namespace, sources: Sources, tokenizer: Tokenizer) -> ChunkIndex:
+    """The index of the sources: the saved one, or --docs' kept index brought up to date (new and changed files
+    split with the model's tokenizer and embedded with all-MiniLM-L6-v2), with one line on what was reused."""
+    if sources.index is not None:
+        return sources.index
+    assert sources.update is not None, "without a saved index there are documents"
+    index = sources.update.build(tokenizer, show_progress=True)
+    print(f"{sources.update.summary()}: {len(index)} chunks from {args.docs}", file=sys.stderr)
     return index
 
 

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,7 +143,8 @@ class IndexUpdate:
             more = f" and {len(names) - _SHOWN_NAMES} more" if len(names) > _SHOWN_NAMES else ""
             return " (" + ", ".join(names[:_SHOWN_NAMES]) + more + ")"
 
-        line = (f"index: {len(self.reused)} files reused, {len(self.reindexed)} re-indexed{named(self.reindexed)}, "
+        files = "file" if len(self.reused) == 1 else "files"
+        line = (f"index: {len(self.reused)} {files} reused, {len(self.reindexed)} re-indexed{named(self.reindexed)}, "
                 f"{len(self.removed)} removed{named(self.removed)}")  # fmt: skip
         if self.kept is None and self.folder is not None:
             line += f"; kept in {self.folder}" if self.problem is None else f"; rebuilt in {self.folder}"
@@ -214,6 +216,21 @@ def _save(index: ChunkIndex, folder: Path, settings: dict[str, Any], files: list
     tmp = folder / (FILES_FILE + ".tmp")
     tmp.write_bytes(json.dumps(payload, ensure_ascii=False, indent=1).encode("utf-8", "backslashreplace"))
     os.replace(tmp, folder / FILES_FILE)
+
+
+def drop_orphans(root: str | Path) -> list[Path]:
+    """Delete the kept indexes in the folders of `root` whose documents path no longer exists (a cache folder of
+    kept indexes, one per folder and settings, would otherwise grow with every folder ever asked about). -> them."""
+    dropped = []
+    for folder in Path(root).iterdir() if Path(root).is_dir() else ():
+        try:
+            docs = json.loads((folder / FILES_FILE).read_text(encoding="utf-8"))["settings"]["docs"]
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError):
+            continue  # not a kept index, or not a readable one: left alone
+        if isinstance(docs, str) and not os.path.exists(docs) and index_folder_state(folder) == "index":
+            shutil.rmtree(folder, ignore_errors=True)
+            dropped.append(folder)
+    return dropped
 
 
 def prepare_update(
