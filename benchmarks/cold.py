@@ -53,7 +53,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="prompts, each with its own chunks (default: 4)")
     parser.add_argument("--chunks", type=int, default=6, help="chunks per prompt (default: %(default)s)")
     parser.add_argument("--chunk-tokens", type=int, default=512, help="tokens per chunk (default: %(default)s)")
-    parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"), help="(default: %(default)s)")
+    data_env = os.environ.get("CACHEBLEND_RAG_DATA")
+    parser.add_argument("--data-dir", type=Path, default=data_env, required=not data_env,
+                        help="folder with musique/ (default: $CACHEBLEND_RAG_DATA)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cold"), help="(default: %(default)s)")
     args = parser.parse_args()
 

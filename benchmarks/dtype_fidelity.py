@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--datasets", default="musique,wikimqa,multi_news,samsum", help="comma-separated")
     p.add_argument("--limit", type=int, help="first N cases of each data set (default: all)")
-    p.add_argument("--data-dir", help="folder with the data sets (default ../shared/data)")
+    p.add_argument("--data-dir", help="folder with the data sets (default: $CACHEBLEND_RAG_DATA)")
     p.add_argument("--model", help="preset name or local checkpoint (default: the default preset)")
     p.add_argument("--report-only", action="store_true", help="only rebuild summary.md from OUT's records")
     add_out_argument(p, "dtype-fidelity", f"records and summary ({RESULTS_FILE}, summary.md)")

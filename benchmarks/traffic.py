@@ -108,7 +108,8 @@ def cmd_export(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=("real", "simulate", "report", "export"))
-    p.add_argument("--data-dir", type=Path, default=Path("../shared/data"), help="(default: %(default)s)")
+    p.add_argument("--data-dir", type=Path, default=os.environ.get("CACHEBLEND_RAG_DATA"),
+                   help="folder with the SQuAD file (default: $CACHEBLEND_RAG_DATA)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/traffic"), help="(default: %(default)s)")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "cacheblend-rag" / "traffic",
                    help="the index and retrievals, kept between runs (default: %(default)s)")  # fmt: skip
@@ -128,6 +129,8 @@ def main() -> None:
     p.add_argument("--costs", type=Path, default=None, help="a saved cost model (default: --out/costs.json)")
     args = p.parse_args()
     args.dtype = normalize_dtype_name(args.dtype)
+    if args.data_dir is None and args.command != "report":
+        p.error("give --data-dir DIR (the folder with the SQuAD file) or set CACHEBLEND_RAG_DATA")
     if args.command == "real":
         args.questions = args.questions or 500
         args.streams = args.streams or ["zipf", "clustered"]

@@ -10,7 +10,7 @@ built prompt to the first generated token (cache loads included); medians over r
 
 Writes OUT/ttft.json (default benchmarks/results/ttft/).
 
-Chunk text comes from MuSiQue passages when `--data-dir` (default ../shared/data) holds them, else from a
+Chunk text comes from MuSiQue passages when `--data-dir` (default: $CACHEBLEND_RAG_DATA) holds them, else from a
 fixed pseudo-random word list; the timing does not depend on the words.
 """
 

@@ -81,7 +81,7 @@ def add_out_argument(parser: argparse.ArgumentParser, name: str, what: str) -> N
 
 def add_engine_arguments(parser: argparse.ArgumentParser, folders: str, *, dtype_help: str | None = None) -> None:
     """--data-dir, --model, --device and --dtype, the arguments every benchmark that loads a model takes."""
-    parser.add_argument("--data-dir", help=f"folder with {folders} (default ../shared/data)")
+    parser.add_argument("--data-dir", help=f"folder with {folders} (default: $CACHEBLEND_RAG_DATA)")
     parser.add_argument("--model", help="preset name or local checkpoint (default: the default preset)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", help=dtype_help)

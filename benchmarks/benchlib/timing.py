@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Mapping
@@ -20,12 +21,11 @@ from cacheblend_rag.config import blend_rule
 from cacheblend_rag.store import ChunkStore, TieredStore
 
 K = TypeVar("K")
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"  # ../shared/data beside the checkout
 
 
 def add_data_dir_argument(parser: argparse.ArgumentParser) -> None:
-    """--data-dir: MuSiQue passages give the chunk texts when present (default ../shared/data)."""
-    default = str(DEFAULT_DATA_DIR) if DEFAULT_DATA_DIR.exists() else None
+    """--data-dir: MuSiQue passages give the chunk texts when present (default: $CACHEBLEND_RAG_DATA)."""
+    default = os.environ.get("CACHEBLEND_RAG_DATA") or None
     parser.add_argument("--data-dir", default=default, help="folder with musique/ for the chunk texts")
 
 

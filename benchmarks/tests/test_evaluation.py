@@ -23,6 +23,7 @@ from cacheblend_rag.evaluation import (
     best_score,
     load_dataset,
     normalize_answer,
+    resolve_data_dir,
     score_answer,
 )
 from cacheblend_rag.evaluation.datasets import QA_SPEC_TEMPLATE, load_samsum, split_passages
@@ -135,6 +136,21 @@ def test_loaders_name_the_missing_file_and_the_option(tmp_path):
         load_dataset("samsum", tmp_path / "nowhere")
     with pytest.raises(DatasetError, match="unknown data set 'squad'"):
         load_dataset("squad", tmp_path)
+
+
+@needs_data
+def test_the_data_folder_is_the_argument_else_the_environment_else_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("CACHEBLEND_RAG_DATA", raising=False)
+    with pytest.raises(DatasetError, match="--data-dir DIR or set CACHEBLEND_RAG_DATA"):
+        resolve_data_dir(None)
+    monkeypatch.setenv("CACHEBLEND_RAG_DATA", str(tmp_path / "nowhere"))
+    with pytest.raises(DatasetError, match="CACHEBLEND_RAG_DATA=.*is not a folder"):
+        resolve_data_dir(None)
+    monkeypatch.setenv("CACHEBLEND_RAG_DATA", str(DATA_DIR))
+    assert resolve_data_dir(None) == DATA_DIR
+    assert resolve_data_dir(tmp_path) == tmp_path  # an argument wins over the environment
+    from_env = load_dataset("musique", None, limit=1).cases[0]
+    assert from_env.chunks == load_dataset("musique", DATA_DIR, 1).cases[0].chunks
 
 
 def test_loader_rejects_malformed_answers(tmp_path):

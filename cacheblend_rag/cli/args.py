@@ -86,7 +86,7 @@ def add_calibrate_parser(sub: argparse._SubParsersAction, formatter: type[argpar
     _add_index_cache_argument(cal)
     cal.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question (with --docs)")
     cal.add_argument("--dataset", help="instead of --docs: a benchmark data set (musique, wikimqa, ...)")
-    cal.add_argument("--data-dir", help="folder of the data sets (with --dataset)")
+    cal.add_argument("--data-dir", help="folder of the data sets (with --dataset; default: $CACHEBLEND_RAG_DATA)")
     cal.add_argument("--limit", type=int, default=30, help="questions in the sample")
     cal.add_argument("--max-new-tokens", type=int, default=32, help="length of full recompute's reference answer "
                      "(with --docs; a data set has its own)")  # fmt: skip

@@ -1,6 +1,6 @@
 """Benchmark data sets of the paper (§7) as lists of `Case`s: chunks, a question, gold answers.
 
-Scope: reading the files under a data folder (`--data-dir`, by default `../shared/data` when present) and
+Scope: reading the files under a data folder (`--data-dir`, or the `CACHEBLEND_RAG_DATA` environment variable) and
 turning each record into a `Case`, plus each data set's prompt (`TaskSpec`). Scoring is `scoring.py`'s job,
 running methods `methods.py`'s.
 
@@ -136,19 +136,17 @@ def canonical_dataset_name(name: str) -> str:
 
 # -- data folder -----------------------------------------------------------------------------------------------
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+DATA_ENV = "CACHEBLEND_RAG_DATA"  # the data folder when no --data-dir is given
 
 
 def default_data_dir() -> Path | None:
-    """`../shared/data` next to the working directory or next to the repository, whichever exists first."""
-    for base in (Path.cwd(), _REPO_ROOT):
-        candidate = (base / ".." / "shared" / "data").resolve()
-        if candidate.is_dir():
-            return candidate
-    return None
+    """The folder `CACHEBLEND_RAG_DATA` names, or None when it is unset or empty."""
+    configured = os.environ.get(DATA_ENV, "").strip()
+    return Path(configured) if configured else None
 
 
 def resolve_data_dir(data_dir: str | os.PathLike[str] | None) -> Path:
+    """`data_dir`, else `$CACHEBLEND_RAG_DATA`; a DatasetError saying how to give one when neither is a folder."""
     if data_dir is not None:
         path = Path(data_dir)
         if not path.is_dir():
@@ -157,9 +155,11 @@ def resolve_data_dir(data_dir: str | os.PathLike[str] | None) -> Path:
     found = default_data_dir()
     if found is None:
         raise DatasetError(
-            "no data folder given and ../shared/data does not exist (next to the working directory or the "
-            "repository); pass --data-dir DIR with musique/, wikimqa/, multi_news/ and samsum/ in it"
+            f"no data folder given: pass --data-dir DIR or set {DATA_ENV}=DIR, a folder with musique/, wikimqa/, "
+            "multi_news/ and samsum/ in it"
         )
+    if not found.is_dir():
+        raise DatasetError(f"{DATA_ENV}={str(found)!r} is not a folder; point it at the data folder or pass --data-dir")
     return found
 
 
