@@ -5,12 +5,13 @@ pickle in a model folder. Each test is the probe's reproducer on tiny models, wi
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import logging
 import os
 import socket
+import sqlite3
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -197,3 +198,125 @@ def test_an_untrusted_pytorch_model_bin_is_the_packages_error_and_runs_no_code(t
     err = capsys.readouterr().err
     assert "error: " in err and "safetensors" in err and "UnpicklingError" not in err and "Traceback" not in err
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- R1: a store whose filesystem is full at start-up
+
+MB = 1024**2
+BIG = 1024  # tokens: above diskcache's 32 KiB threshold, so the entry is a value file
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 2 MB tmpfs, mounted for the test (as root, where mounting is allowed: CI runs so)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 2 MB tmpfs needs root (CI runs as root); the simulated full disk is tested apart")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    command = ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not allowed here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill_up(folder: Path) -> Path:
+    """A file taking every byte left on `folder`'s filesystem."""
+    ballast = folder / "ballast"
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, bytes(64 * 1024))
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc
+    try:
+        while True:
+            os.write(fd, bytes(512))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return ballast
+
+
+def full_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "is full" in r.getMessage() and "pausing" in r.getMessage()]
+
+
+def test_an_engine_on_a_store_whose_filesystem_is_full_starts_and_serves_what_is_stored(small_filesystem, caplog):
+    folder = str(small_filesystem / "kv")
+    first = engine_on(num_layers=2, disk_dir=folder)
+    expected = ask(first, chunks_of(1))
+    first.close()
+    fill_up(small_filesystem)
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store"):
+        engine = engine_on(num_layers=2, disk_dir=folder)
+        got = ask(engine, chunks_of(1))
+        cold = [ask(engine, chunks_of(seed)) for seed in (2, 3)]
+    assert got.text == expected.text and got.metrics.hits_by_tier == {"disk": 2}
+    assert all(r.metrics.chunks_missed == 2 for r in cold)
+    disk = engine.store.tier_stats()["disk"]
+    assert disk.errors == 1 and disk.puts == 0 and disk.skipped >= 4, disk  # the failed open, then no write tried
+    assert len(full_lines(caplog)) == 1, full_lines(caplog)
+    engine.close()
+
+
+@pytest.fixture
+def open_says_full(monkeypatch):
+    """diskcache's open (which writes its settings) fails in the folders added to the set, as on a full disk."""
+    import diskcache
+
+    folders: set[str] = set()
+    init = diskcache.Cache.__init__
+
+    def failing_init(cache, directory=None, *args, **kwargs):
+        if os.fspath(directory) in folders:
+            raise sqlite3.OperationalError("database or disk is full")
+        init(cache, directory, *args, **kwargs)
+
+    monkeypatch.setattr(diskcache.Cache, "__init__", failing_init)
+    return folders
+
+
+def test_a_store_opened_on_a_full_disk_serves_its_entries_and_writes_once_there_is_room(
+    tmp_path, open_says_full, caplog
+):
+    from store_helpers import make_kv, same
+
+    folder = tmp_path / "kv"
+    entries = [make_kv("small"), make_kv("big", tokens=BIG)]
+    store = DiskStore(folder, budget_bytes=10 * MB, codec=EXACT_CODEC)
+    for kv in entries:
+        store.put(kv)
+    store.close()
+    open_says_full.add(str(folder))
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store"):
+        store = DiskStore(folder, budget_bytes=10 * MB, codec=EXACT_CODEC, write_pause_s=0.2)
+        assert len(store) == 2 and store.nbytes > 0
+        for kv in entries:
+            assert same(store.get(kv.key), kv)
+            hit = store.open(kv.key)
+            assert hit is not None and same(hit.kv.materialize(), kv)
+        new = make_kv("new", seed=1)
+        store.put(new)  # paused: skipped
+        assert store.stats.errors == 1 and store.stats.skipped == 1 and store.stats.puts == 0
+        time.sleep(0.25)
+        store.put(new)  # the pause is over: one try, which fails
+        assert store.stats.errors == 2 and store.get("new") is None
+        open_says_full.clear()  # room again
+        time.sleep(0.25)
+        store.put(new)
+    assert same(store.get("new"), new) and store.stats.puts == 1
+    assert len(full_lines(caplog)) == 1, full_lines(caplog)
+    assert sum("takes writes again" in r.getMessage() for r in caplog.records) == 1
+    store.close()
+
+
+def test_a_new_folder_on_a_full_disk_is_one_error_that_says_to_free_space(tmp_path, open_says_full):
+    open_says_full.add(str(tmp_path / "kv"))
+    with pytest.raises(ConfigError, match="its filesystem is full; free space on it") as err:
+        DiskStore(tmp_path / "kv")
+    assert "writable" not in str(err.value)

@@ -83,8 +83,9 @@ def _quoted(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def check_index(directory: str, timeout_s: float) -> None:
-    """Refuse, drop or reset what diskcache did not put in `directory/cache.db` (see the module docstring).
+def check_index(directory: str, timeout_s: float, *, repair: bool = True) -> None:
+    """Refuse, drop or reset what diskcache did not put in `directory/cache.db` (see the module docstring); without
+    `repair` (a full disk: no write can be made), only refuse foreign tables.
 
     Raises ConfigError for foreign tables, sqlite3 errors for a damaged or locked database.
     """
@@ -95,7 +96,7 @@ def check_index(directory: str, timeout_s: float) -> None:
     deadline = time.monotonic() + 4 * timeout_s
     with contextlib.closing(sqlite3.connect(path, timeout=timeout_s, isolation_level=None)) as db:
         db.set_progress_handler(lambda: int(time.monotonic() > deadline), _PROGRESS_STEPS)
-        db.execute("BEGIN IMMEDIATE")
+        db.execute("BEGIN IMMEDIATE" if repair else "BEGIN")
         try:
             rows = db.execute(_SCHEMA).fetchall()
             foreign = _foreign(rows)
@@ -107,6 +108,9 @@ def check_index(directory: str, timeout_s: float) -> None:
                     f"never makes ({', '.join(map(repr, tables[:5]))}), so it is not the tier's index; delete the "
                     "folder if it held only a cache, or give an empty or new folder"
                 )
+            if not repair:  # what is left runs only on writes (triggers) or when diskcache opens (settings)
+                foreign = []
+                ours = set()
             for kind, name in foreign:  # triggers and views run on the tier's calls; extra indexes slow them
                 db.execute(f"DROP {kind.upper()} IF EXISTS {_quoted(name)}")
             if ("table", "Settings") in ours:
@@ -134,17 +138,44 @@ class _Thread(threading.local):
 
 class GuardedIndex:
     """diskcache's `Cache` (`cache`) with the guards of the module docstring. Methods raise OSError, sqlite3.Error
-    or diskcache.Timeout, and wait at most `timeout_s` on a lock or on one read of the tier's own."""
+    or diskcache.Timeout, and wait at most `timeout_s` on a lock or on one read of the tier's own.
 
-    def __init__(self, directory: str, budget_bytes: int, timeout_s: float) -> None:
+    With `opened=False` (a folder on a full disk, where diskcache's open, which writes its settings, fails), the
+    index starts on reads alone: `peek`, `inline_length`, `count` and `volume` run on the tier's own read-only
+    connection, and the first write checks and opens the index (`cache`) then, raising what that open raises."""
+
+    def __init__(self, directory: str, budget_bytes: int, timeout_s: float, *, opened: bool = True) -> None:
         settings = cache_settings(budget_bytes)
-        self.budget_bytes, self.timeout_s = budget_bytes, timeout_s
+        self.directory, self.budget_bytes, self.timeout_s = directory, budget_bytes, timeout_s
+        self._settings = settings
         self._db_path = os.path.join(directory, DB_NAME)
         self._pragmas = {k: v for k, v in settings.items() if k.startswith("sqlite_")}
         self._thread = _Thread()
         self._clean_schema = -1  # the last schema_version seen holding only diskcache's schema objects
-        self.cache = import_diskcache().Cache(directory, timeout=timeout_s, disk=safe_bytes_disk(), **settings)
-        self.inline_limit: int = self.cache.disk.min_file_size  # values this long and longer are kept as files
+        self._cache: Any = None  # diskcache's Cache, once opened
+        self._opening = threading.Lock()
+        disk_options = {k[5:]: v for k, v in settings.items() if k.startswith("disk_")}
+        self.disk: Any = safe_bytes_disk()(directory, **disk_options)  # reads: key encoding and value files
+        self.inline_limit: int = self.disk.min_file_size  # values this long and longer are kept as files
+        if opened:
+            self._open(checked=True)
+
+    @property
+    def cache(self) -> Any:
+        """diskcache's Cache over the folder, opened (after `check_index`) on first use if it was not at start."""
+        if self._cache is None:
+            self._open(checked=False)
+        return self._cache
+
+    def _open(self, *, checked: bool) -> None:
+        with self._opening:
+            if self._cache is not None:
+                return
+            if not checked:
+                check_index(self.directory, self.timeout_s)
+            diskcache = import_diskcache()
+            cache = diskcache.Cache(self.directory, timeout=self.timeout_s, disk=safe_bytes_disk(), **self._settings)
+            self._cache, self.disk = cache, cache.disk  # its writes track their value files on its own disk
 
     def _query(self, statement: str, args: Any = ()) -> list[Any]:
         """The rows of one read on the tier's own connection, interrupted after `timeout_s`."""
@@ -230,17 +261,17 @@ class GuardedIndex:
     def peek(self, key: str) -> Any:
         """Like `read`, without moving the entry, which is a write (refused by a full or read-only folder)."""
         select = "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = ? AND coalesce(expire_time > ?, 1)"
-        rows = self._query(select, (*self.cache.disk.put(key), time.time()))
+        rows = self._query(select, (*self.disk.put(key), time.time()))
         if not rows:
             return None
         try:
-            return self.cache.disk.fetch(*rows[0], True)
+            return self.disk.fetch(*rows[0], True)
         except OSError:  # the file went with its entry, deleted by another process since the select
             return None
 
     def inline_length(self, key: str) -> int | None:
         """Bytes of `key`'s value kept inside the index (0: in a file; None: no entry), read from its row header."""
-        rows = self._query("SELECT length(value) FROM Cache WHERE key = ? AND raw = ?", self.cache.disk.put(key))
+        rows = self._query("SELECT length(value) FROM Cache WHERE key = ? AND raw = ?", self.disk.put(key))
         return None if not rows else int(rows[0][0] or 0)
 
     def delete(self, key: str) -> None:
@@ -253,6 +284,11 @@ class GuardedIndex:
 
     def volume(self) -> int:
         """Bytes of the index and the values, as diskcache counts them for its size limit."""
+        if self._cache is None:  # not opened (a full disk): the same sum, read on the tier's own connection
+            ((pages,),) = self._query("PRAGMA page_count")
+            ((page_size,),) = self._query("PRAGMA page_size")
+            size = self._query("SELECT value FROM Settings WHERE key = 'size'")
+            return int(pages) * int(page_size) + (int(size[0][0]) if size and type(size[0][0]) is int else 0)
         self._ready()
         try:
             return int(self.cache.volume())
@@ -264,18 +300,21 @@ class GuardedIndex:
 
     def close(self) -> None:
         """Close this thread's connections (diskcache's and the tier's own)."""
-        self.cache.close()
+        if self._cache is not None:
+            self._cache.close()
         reader, self._thread.reader, self._thread.ready = self._thread.reader, None, False
         if reader is not None:
             reader.close()
 
 
-def open_error(directory: str, exc: BaseException) -> ConfigError:
+def open_error(directory: str, exc: BaseException, *, full: bool = False) -> ConfigError:
     """The ConfigError for a folder whose index could not be opened, with the fix that fits `exc`."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         fix = "it is a file; give a folder path"
     elif isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
         fix = f"its {DB_NAME} is damaged; delete the folder (it holds only a cache) or give another one"
+    elif full:
+        fix = "its filesystem is full; free space on it, or give a folder on another filesystem"
     else:
         fix = "make it writable by this user, or give another folder"
     return ConfigError(f"the disk tier folder {directory!r} cannot be used ({exc}): {fix}")

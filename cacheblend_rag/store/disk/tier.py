@@ -22,8 +22,8 @@ from ..serialize import header_length, parse_layout, serialize_chunk
 from ..stats import CountedTier
 from .files import import_diskcache
 from .folder import claim_folder, write_marker
-from .index import GuardedIndex, check_index, open_error
-from .pause import WritePause
+from .index import DB_NAME, GuardedIndex, check_index, open_error
+from .pause import WritePause, lasting_write_failure
 
 logger = logging.getLogger(__name__)
 
@@ -38,28 +38,37 @@ def _expanded(directory: str | os.PathLike[str]) -> str:
     return os.path.expandvars(os.path.expanduser(os.fspath(directory)))
 
 
-def _open_index(directory: str, budget_bytes: int, timeout_s: float) -> GuardedIndex:
-    """The guarded diskcache index over `directory`, or one ConfigError naming the folder, the reason and the fix."""
+def _open_index(directory: str, budget_bytes: int, timeout_s: float) -> tuple[GuardedIndex, BaseException | None]:
+    """The guarded diskcache index over `directory`, or one ConfigError naming the folder, the reason and the fix.
+    -> (index, None), or (an index opened for reads alone, the error) for a store whose filesystem is full: opening
+    diskcache writes its settings, so the index opens on the first write that succeeds (`GuardedIndex`)."""
     diskcache = import_diskcache()
     needs_marker = claim_folder(directory)
     try:
         check_index(directory, timeout_s)
         index = GuardedIndex(directory, budget_bytes, timeout_s)
     except (OSError, sqlite3.Error, diskcache.Timeout) as exc:
-        raise open_error(directory, exc) from exc
+        full = lasting_write_failure(exc) == "full"
+        if not full or needs_marker or not os.path.isfile(os.path.join(directory, DB_NAME)):
+            raise open_error(directory, exc, full=full) from exc
+        try:  # a store on a full disk: what it holds is served; foreign tables are still refused
+            check_index(directory, timeout_s, repair=False)
+        except (OSError, sqlite3.Error) as again:
+            raise open_error(directory, again, full=True) from again
+        return GuardedIndex(directory, budget_bytes, timeout_s, opened=False), exc
     if needs_marker:
         try:
             write_marker(directory)
         except ConfigError:
             index.close()
             raise
-    return index
+    return index, None
 
 
 def check_disk_dir(directory: str | os.PathLike[str]) -> None:
     """Open and close the disk tier's folder once, so a folder it refuses is reported before a model loads: the
     same checks as `DiskStore` (a new or empty folder, made a store, or a store; else a ConfigError with the fix)."""
-    _open_index(_expanded(directory), 0, _TIMEOUT_S).close()
+    _open_index(_expanded(directory), 0, _TIMEOUT_S)[0].close()
 
 
 class DiskStore(CountedTier):
@@ -78,7 +87,8 @@ class DiskStore(CountedTier):
     The folder must be new, empty, or a store (see `disk_folder`); anything else, or an unusable folder (a file,
     not writable, a damaged index), is a ConfigError at construction. A folder that fills up or turns read-only
     while the tier is open pauses its writes for `write_pause_s` seconds (`disk_pause`): puts are skipped and
-    counted in `stats.skipped`, reads still serve what is stored, and each pause costs one failed write.
+    counted in `stats.skipped`, reads still serve what is stored, and each pause costs one failed write. A store
+    whose filesystem is full already when it is opened opens the same way, its writes paused from the start.
 
     With `hmac_key`, entries are signed when written and entries without a valid signature are refused (misses).
     Entries are encoded with `codec` (`codec.py`). Each entry is kept under a name of the key, the codec and the
@@ -110,8 +120,11 @@ class DiskStore(CountedTier):
         self.hmac_key = hmac_key
         self.timeout_s = timeout_s
         self.codec = get_codec(codec, "disk codec")
-        self._index = _open_index(self.directory, budget_bytes, timeout_s)
+        self._index, full = _open_index(self.directory, budget_bytes, timeout_s)
         self._pause = WritePause(self.directory, write_pause_s)
+        if full is not None:  # a full disk: start serving what is stored, with writes paused (one counted failure)
+            self._count_failure(miss=False)
+            self._pause.failed(full)
         # Failures of the backend itself, as opposed to bad data in it.
         self._backend_errors: tuple[type[BaseException], ...] = (OSError, sqlite3.Error, diskcache.Timeout)
 
