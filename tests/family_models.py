@@ -26,26 +26,48 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", {"use_sliding_window": False}),
     "qwen3": ("Qwen3Config", {"head_dim": 16, "use_sliding_window": False}),
     "phi3": ("Phi3Config", {"sliding_window": None}),
-    "granite": ("GraniteConfig", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
-                                  "attention_multiplier": 0.2, "logits_scaling": 4.0}),  # fmt: skip
+    "granite": (
+        "GraniteConfig",
+        {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2, "logits_scaling": 4.0},
+    ),  # fmt: skip
     "olmo2": ("Olmo2Config", {}),
     "olmo3": ("Olmo3Config", {"sliding_window": WINDOW, "layer_types": _MIXED}),
     "smollm3": ("SmolLM3Config", {"no_rope_layers": [1, 1, 1, 0], "use_sliding_window": False}),
     "gemma": ("GemmaConfig", {"head_dim": 16}),
-    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": WINDOW, "layer_types": _MIXED,
-                                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),  # fmt: skip
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "layer_types": _MIXED,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0,
+        },
+    ),  # fmt: skip
     "gemma3_text": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": WINDOW, "layer_types": _MIXED}),
     "gemma4_text": ("Gemma4TextConfig", {"head_dim": 16, "sliding_window": WINDOW, "layer_types": _MIXED}),
     "cohere2": ("Cohere2Config", {"sliding_window": WINDOW, "layer_types": _MIXED}),
     "ministral3": ("Ministral3Config", {"sliding_window": WINDOW}),
     "exaone4": ("Exaone4Config", {"sliding_window": WINDOW, "layer_types": _MIXED}),
     "mixtral": ("MixtralConfig", {**_MOE, "sliding_window": None}),
-    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-                                     "moe_intermediate_size": 32}),  # fmt: skip
-    "gpt_oss": ("GptOssConfig", {**_MOE, "head_dim": 16, "sliding_window": WINDOW, "layer_types": _MIXED,
-                                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),  # fmt: skip
-    "llama4_text": ("Llama4TextConfig", {"head_dim": 16, "attention_chunk_size": WINDOW, "num_local_experts": 4,
-                                         "intermediate_size_mlp": 128}),  # fmt: skip
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    ),  # fmt: skip
+    "gpt_oss": (
+        "GptOssConfig",
+        {
+            **_MOE,
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "layer_types": _MIXED,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),  # fmt: skip
+    "llama4_text": (
+        "Llama4TextConfig",
+        {"head_dim": 16, "attention_chunk_size": WINDOW, "num_local_experts": 4, "intermediate_size_mlp": 128},
+    ),  # fmt: skip
 }
 
 # Families whose layers are not all attention, and multi-head latent attention: refused, never blended.

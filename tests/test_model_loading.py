@@ -12,9 +12,11 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     LlamaForCausalLM,
+    Ministral3Config,
     MistralConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3NextConfig,
 )
 
 from cacheblend_rag.errors import ConfigError, ModelNotFoundError, UnsupportedModelError
@@ -153,10 +155,12 @@ def test_check_supported_rejects_gpt2() -> None:
         check_supported(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99))
 
 
-def test_check_supported_rejects_sliding_window_layers() -> None:
+def test_check_supported_accepts_sliding_window_layers_and_rejects_other_layer_types() -> None:
     config = Qwen2Config(**{**TINY, "num_hidden_layers": 4}, use_sliding_window=True, max_window_layers=2)
     assert "sliding_attention" in config.layer_types
-    with pytest.raises(UnsupportedModelError, match="sliding_attention"):
+    check_supported(config)  # each windowed layer attends within its window
+    config.layer_types = ["full_attention", "chunked_attention"] * 2
+    with pytest.raises(UnsupportedModelError, match="chunked_attention"):
         check_supported(config)
 
 
@@ -166,10 +170,13 @@ def test_check_supported_rejects_length_dependent_rope() -> None:
         check_supported(config)
 
 
-def test_mistral_window_bounds_blend_length() -> None:
+def test_a_window_does_not_bound_blend_length_but_ministral3_query_scaling_does() -> None:
     config = MistralConfig(**TINY, sliding_window=64)
     check_supported(config)
-    assert max_blend_length(config) == 64
+    assert max_blend_length(config) is None  # the window is a mask on every layer, in the blend as in the model
+    scaled = Ministral3Config(**TINY, sliding_window=64)
+    check_supported(scaled)
+    assert max_blend_length(scaled) == scaled.rope_parameters["original_max_position_embeddings"]
 
 
 # ------------------------------------------------------------------------------------- local folder
@@ -195,7 +202,7 @@ def test_folder_round_trip_gives_identical_logits(tmp_path: Path) -> None:
 
 
 def test_folder_with_unsupported_config_is_refused_before_weights(tmp_path: Path) -> None:
-    config = Qwen2Config(**{**TINY, "num_hidden_layers": 4}, use_sliding_window=True, max_window_layers=2)
+    config = Qwen3NextConfig(**TINY)
     config.save_pretrained(tmp_path)  # no weights at all: the config alone must decide
     with pytest.raises(UnsupportedModelError):
         load_model(tmp_path)

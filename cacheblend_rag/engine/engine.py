@@ -84,6 +84,12 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         self.tokenizer = tokenizer
         self.token_cache = TokenCache(tokenizer)  # chunk texts -> ids: a chunk retrieved again is not tokenized again
         self.lm = LayerwiseModel(self.model, fused_qkv=fuse_qkv(self.model))  # q/k/v in one product
+        # int8 decode weights and CUDA graphs are written for Llama's layer: other families run the exact path
+        fast = self.lm.spec.llama_like
+        asked = self.config.decode_weights == "int8" or self.config.prefill_graphs or self.config.decode_graphs
+        if asked and not fast:
+            logger.info("%s: int8 decode weights and CUDA graphs cover Llama-like layers only; using the exact path",
+                        self.lm.spec.family)  # fmt: skip
         self.device, self.dtype = device, dtype
         check_blend(self.config.blend, self.lm.shape.num_layers, "blend.check_layers")
         store = store if store is not None else build_store(**self.config.store.build_options())
@@ -104,7 +110,7 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
             pipelined=True,
             miss_policy=self.config.miss_policy,
             guard=self.config.guard,
-            steps=GraphedLayerSteps(self.lm) if self.config.prefill_graphs else None,
+            steps=GraphedLayerSteps(self.lm) if self.config.prefill_graphs and fast else None,
         )
         self._lock = threading.RLock()
         # the chunks cold requests were answered without, stored after their answers (by the scheduler while it serves)
@@ -112,12 +118,12 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         self.scheduler = Scheduler(
             self,  # its steps: `run_prefill`, `token_loop` and `fills`
             # decode steps run on the model itself, or on int8 copies of its linear layers (`decode_weights`)
-            BatchDecoder(int8_decode_lm(self.model) if self.config.decode_weights == "int8" else self.lm),
+            BatchDecoder(int8_decode_lm(self.model) if self.config.decode_weights == "int8" and fast else self.lm),
             self._lock,
             max_batch=self.config.max_batch_size,
             max_tokens=self.config.max_batch_tokens,
             max_token_gap_s=self.config.max_token_gap_s,
-            graphs=GraphedSteps(self.lm) if self.config.decode_graphs else None,
+            graphs=GraphedSteps(self.lm) if self.config.decode_graphs and fast else None,
         )
         # a process that forks with this engine: the child serves too, with workers of its own (`forking`)
         workers = (self.scheduler, self.fills, self.token_cache)

@@ -109,10 +109,13 @@ class FusionResult:
         return None if raw is None else [raw[i] for i in range(raw.shape[0])]
 
 
-def attention_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The causal mask of scattered queries ([A] positions over [N]) for one masked attention call: additive
-    (0 / -inf) in the attention's dtype, so the kernel need not convert a boolean one on every layer. -> [A, N]"""
-    allowed = causal_mask(q_positions, k_positions)
+def attention_mask(
+    q_positions: torch.Tensor, k_positions: torch.Tensor, dtype: torch.dtype, window: int | None = None
+) -> torch.Tensor:
+    """The causal mask of scattered queries ([A] positions over [N]) for one masked attention call, within a layer's
+    sliding `window` if it has one: additive (0 / -inf) in the attention's dtype, so the kernel need not convert a
+    boolean one on every layer. -> [A, N]"""
+    allowed = causal_mask(q_positions, k_positions, window)
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
@@ -137,7 +140,8 @@ def attend_blocks(
     With `block_size` 0 (a GPU) the queries attend in one call instead: `as_tail` (the caller knows they are the
     prompt's last tokens, in order) as the tail of the causal square with no mask, the kernel skipping the scores
     above the diagonal; else under `mask` (`attention_mask`, which a caller builds once for a set of queries and
-    passes on every layer), built here when none is given.
+    passes on every layer of the same window), built here when none is given. A windowed layer's masks hold its
+    window (`LayerwiseModel.window`); unmasked calls get it from the adapter.
     query: [H, A, D]; keys, values: [Hkv, N, D], or [1, Hkv, N, D] (`PromptKV.batched`, views made once);
     q_positions: [A] ascending; k_positions: [N] ascending. Returns [A, hidden].
     """
@@ -147,7 +151,7 @@ def attend_blocks(
         if as_tail:
             return lm.attend(layer_idx, query, keys, values, None)
         if mask is None:
-            mask = attention_mask(q_positions, k_positions, query.dtype)
+            mask = attention_mask(q_positions, k_positions, query.dtype, lm.window(layer_idx))
         return lm.attend(layer_idx, query, keys, values, mask)
     block_ids = torch.div(q_positions, block_size, rounding_mode="floor")
     _, sizes = torch.unique_consecutive(block_ids, return_counts=True)
@@ -155,7 +159,7 @@ def attend_blocks(
     for size in sizes.tolist():
         q_pos = q_positions[start : start + size]
         end = int(torch.searchsorted(k_positions, q_pos[-1], right=True))  # keys at positions <= the block's last
-        mask = causal_mask(q_pos, k_positions[:end])  # [size, end]
+        mask = causal_mask(q_pos, k_positions[:end], lm.window(layer_idx))  # [size, end]
         q, k, v = query[:, start : start + size], keys[..., :end, :], values[..., :end, :]
         outs.append(lm.attend(layer_idx, q, k, v, mask))
         start += size
@@ -230,17 +234,18 @@ def fuse(
     cos_a, sin_a = kv.cos[active].unsqueeze(1), kv.sin_signed[active].unsqueeze(1)  # [A, 1, D]
     steps = EagerLayerSteps(lm) if steps is None else steps
     work = steps.rows(lm.embed(plan.input_ids.to(device)[active]), cos_a, sin_a)  # the rows' hidden states [A, hidden]
-    rows = probe_mask = None
+    rows = probe_masks = None
     if attention_from is not None:  # indices of the recorded queries among `active`, from the host masks
         if plan.chosen is not None or checks:
             raise CacheBlendError("attention_from is recorded on a plan whose recomputed tokens are known on the host")
         recorded = np.flatnonzero(attention_from.cpu().numpy()[plan.computed])
         rows = None if recorded.size == count else torch.from_numpy(recorded).to(device)
         n_rows = recorded.size
-        probe_mask = causal_mask(positions[active if rows is None else active[rows]], positions)  # [Q, N]
+        probe_q = positions[active if rows is None else active[rows]]
+        probe_masks = {w: causal_mask(probe_q, positions, w) for w in {lm.window(i) for i in range(depth)}}  # [Q, N]
     attn_sum = torch.zeros(n, dtype=torch.float32, device=device)
     attn_layers = 0
-    layer_mask: torch.Tensor | None = None  # the one-call attention mask of `active`, built once per set
+    layer_masks: dict[int | None, torch.Tensor] = {}  # the one-call attention masks of `active` by window, once per set
     counts: list[int] = []
 
     q_pos = positions[active]  # [A]: the recomputed tokens' positions, made again when `active` changes
@@ -253,7 +258,8 @@ def fuse(
         else:
             x = lm.normed_input(layer_idx, work.hidden)  # [A, hidden]
             q_rows, raw_k, v_rows = (t.transpose(0, 1) for t in lm.project_raw_qkv(layer_idx, x))
-            q_rows, k_rows = rope_rotate(q_rows, cos_a, sin_a), rope_rotate(raw_k, cos_a, sin_a)
+            cos_l, sin_l = lm.layer_rope(layer_idx, cos_a, sin_a)
+            q_rows, k_rows = rope_rotate(q_rows, cos_l, sin_l), rope_rotate(raw_k, cos_l, sin_l)
 
         if layer_idx in checks and n_cand > 0:
             assert cand is not None and fixed is not None
@@ -271,7 +277,7 @@ def fuse(
                 raw_k = raw_k[keep]
             cos_a, sin_a = cos_a[keep], sin_a[keep]
             work = steps.rows(hidden, cos_a, sin_a)
-            layer_mask = None
+            layer_masks = {}
             tail = tail and n_cand == plan.candidates.size
 
         key_rows.index_copy_(0, active, k_rows)
@@ -289,14 +295,14 @@ def fuse(
             # Only the last token's output is needed from the last layer; its K/V are already stored above.
             active, q_rows, q_pos = active[-1:], q_rows[-1:], q_pos[-1:]
             work = steps.rows(work.hidden[-1:], None, None)
-            q_active, layer_mask = 1, None
+            q_active, layer_masks = 1, {}
         query = q_rows.transpose(0, 1)  # [H, A, D]
         # a shallow probe's last layer: only its attention weights are read, as no later layer is run
         shallow_end = layer_idx == depth - 1 < num_layers - 1
         attn_out = None
-        if probe_mask is not None and layer_idx < num_layers - 1 and n_rows > 0:
+        if probe_masks is not None and layer_idx < num_layers - 1 and n_rows > 0:
             q_probe = query if rows is None else query[:, rows]
-            probs = lm.attention_weights(layer_idx, q_probe, keys, probe_mask)  # [H, Q, N]
+            probs = lm.attention_weights(layer_idx, q_probe, keys, probe_masks[lm.window(layer_idx)])  # [H, Q, N]
             attn_sum += probs.mean(dim=(0, 1))
             attn_layers += 1
             if rows is None and not shallow_end:  # every query is recorded: their output from the same weights
@@ -306,10 +312,11 @@ def fuse(
         if attn_out is None:
             # the prompt's tail, and at least half of it: the causal square's padded rows cost less than a mask's waste
             as_tail = tail and q_active == n_computed and 2 * q_active > n - 1
-            if block_size <= 0 and not as_tail and layer_mask is None:
-                layer_mask = attention_mask(q_pos, positions, query.dtype)[None, None]  # [1, 1, A, N]
+            window = lm.window(layer_idx)
+            if block_size <= 0 and not as_tail and window not in layer_masks:
+                layer_masks[window] = attention_mask(q_pos, positions, query.dtype, window)[None, None]  # [1, 1, A, N]
             attn_out = attend_blocks(lm, layer_idx, query, *kv.batched(layer_idx), q_pos, positions, block_size,
-                                     as_tail=as_tail, mask=layer_mask)  # fmt: skip
+                                     as_tail=as_tail, mask=layer_masks.get(window))  # fmt: skip
         work.finish(layer_idx, attn_out)
         if after_layer is not None and layer_idx < num_layers - 1:
             after_layer(layer_idx)

@@ -7,7 +7,9 @@ as the fusor first asks for it (`layerwise`). The fusor writes the KV it recompu
 second pass over the prompt reads them as the first left them, and decoding reads them as they are (the buffers can
 be the request's slot of the decode pool): no per-layer `cat`, `clone` or re-rotation of the whole prompt.
 
-Keys are rotated with the adapter's `rope_rotate`: the model's formula, with the sine table made once.
+Keys are rotated with the adapter's `rope_rotate`: the model's formula, with the sine table made once. A model whose
+layers rotate differently (`LayerwiseModel.rope`: one block of tables per kind) gives each layer's block
+(`rope_blocks`); its layers are then rotated one by one.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ from ..models.adapter import rope_rotate, signed_sin
 # layer_idx -> (raw keys [Hkv, T, D], values [Hkv, T, D]) of the prompt's stored KV laid end to end (T <= N tokens,
 # from the prompt's start), read when the fusor first needs that layer
 LayerLoader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _block(
+    cos: torch.Tensor, sin_signed: torch.Tensor, block: int, head_dim: int, tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `tokens` rows of one block of D channels of the tables ([N, K * D] -> [tokens, D])."""
+    start = block * head_dim
+    return cos[:tokens, start : start + head_dim], sin_signed[:tokens, start : start + head_dim]
 
 
 class PromptKV:
@@ -44,6 +54,7 @@ class PromptKV:
         sin_signed: torch.Tensor,
         raw_keys: torch.Tensor | None = None,
         load: LayerLoader | None = None,
+        rope_blocks: Sequence[int] | None = None,
     ) -> None:
         if key_buffer.shape != value_buffer.shape or key_buffer.dim() != 4 or key_buffer.shape[2] < num_tokens:
             raise CacheBlendError(f"keys and values must be two [L, Hkv, >= {num_tokens}, D] tensors of one shape, "
@@ -53,8 +64,9 @@ class PromptKV:
         self.keys = key_buffer[:, :, :num_tokens]
         self.values = value_buffer[:, :, :num_tokens]
         self.raw_keys = raw_keys
-        self.cos = cos  # [N, D]: the prompt positions' RoPE tables, in the keys' dtype
+        self.cos = cos  # [N, K * D]: the prompt positions' RoPE tables (K blocks of D), in the keys' dtype
         self.sin_signed = sin_signed
+        self.rope_blocks = None if rope_blocks is None else tuple(rope_blocks)  # per layer its block; None: K = 1
         self._load = load
         self._filled = 0 if load is not None else key_buffer.shape[0]  # layers 0.._filled-1 hold their stored KV
         self._views = list(zip(self.keys.unbind(0), self.values.unbind(0), strict=True))  # per layer, made once
@@ -80,16 +92,18 @@ class PromptKV:
         shape: tuple[int, int, int],
         keep_raw: bool = False,
         buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope_blocks: Sequence[int] | None = None,
     ) -> PromptKV:
         """Stored KV of every layer (`parts`: raw keys and values [L, Hkv, T_p, D] each, laid end to end from the
-        prompt's start) in buffers of `total` tokens, rotated once. cos, sin: [total, D] of the
-        prompt's positions; shape: (L, Hkv, D). `buffers`: keys and values [L, Hkv, >= total, D] to lay them in (a
-        request's slot of the decode pool, which then decodes from them as they are); None: new ones."""
+        prompt's start) in buffers of `total` tokens, rotated once. cos, sin: [total, K * D] of the prompt's
+        positions; shape: (L, Hkv, D); rope_blocks: each layer's block of the tables (None: one block, K = 1).
+        `buffers`: keys and values [L, Hkv, >= total, D] to lay them in (a request's slot of the decode pool, which
+        then decodes from them as they are); None: new ones."""
         stored = sum(k.shape[2] for k, _ in parts)
         if stored > total:
             raise CacheBlendError(f"{stored} stored tokens do not fit a prompt of {total}")
         keys, values = cls._buffers(shape, total, cos, buffers)
-        sin_signed = signed_sin(sin)
+        sin_signed = signed_sin(sin, shape[2])
         raw = None
         if parts:
             device = cos.device
@@ -100,13 +114,18 @@ class PromptKV:
                 values[:, :, :stored] = value_parts[0]
             else:
                 torch.cat(value_parts, dim=2, out=values[:, :, :stored])
-            rope_rotate(raw, cos[:stored], sin_signed[:stored], out=keys[:, :, :stored])  # every layer at once
+            if rope_blocks is None:
+                rope_rotate(raw, cos[:stored], sin_signed[:stored], out=keys[:, :, :stored])  # every layer at once
+            else:
+                for layer_idx, block in enumerate(rope_blocks):
+                    c, s = _block(cos, sin_signed, block, shape[2], stored)
+                    rope_rotate(raw[layer_idx], c, s, out=keys[layer_idx, :, :stored])
         keys[:, :, stored:total].zero_()
         values[:, :, stored:total].zero_()
         raw_keys = cls._raw_buffer(shape, total, cos) if keep_raw else None
         if raw_keys is not None and raw is not None:
             raw_keys[:, :, :stored] = raw
-        return cls(keys, values, total, cos, sin_signed, raw_keys=raw_keys)
+        return cls(keys, values, total, cos, sin_signed, raw_keys=raw_keys, rope_blocks=rope_blocks)
 
     @classmethod
     def layerwise(
@@ -119,6 +138,7 @@ class PromptKV:
         shape: tuple[int, int, int],
         keep_raw: bool = False,
         buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope_blocks: Sequence[int] | None = None,
     ) -> PromptKV:
         """Buffers of `total` tokens (`buffers`, as for `whole`); layer i is read with `load(i)` (in order 0, 1, ...)
         and rotated when it is first asked for."""
@@ -126,7 +146,8 @@ class PromptKV:
         keys[:, :, :total].zero_()
         values[:, :, :total].zero_()
         raw = cls._raw_buffer(shape, total, cos) if keep_raw else None
-        return cls(keys, values, total, cos, signed_sin(sin), raw_keys=raw, load=load)
+        return cls(keys, values, total, cos, signed_sin(sin, shape[2]), raw_keys=raw, load=load,
+                   rope_blocks=rope_blocks)  # fmt: skip
 
     @staticmethod
     def _buffers(
@@ -188,7 +209,9 @@ class PromptKV:
         if t > self.num_tokens:
             raise CacheBlendError(f"layer {layer_idx} has {t} stored tokens for a prompt of {self.num_tokens}")
         raw_k, v = raw_k.to(self.keys.device), v.to(self.keys.device)
-        rope_rotate(raw_k, self.cos[:t], self.sin_signed[:t], out=self.keys[layer_idx, :, :t])
+        block = 0 if self.rope_blocks is None else self.rope_blocks[layer_idx]
+        cos, sin_signed = _block(self.cos, self.sin_signed, block, self.keys.shape[-1], t)
+        rope_rotate(raw_k, cos, sin_signed, out=self.keys[layer_idx, :, :t])
         self.values[layer_idx, :, :t] = v
         if self.raw_keys is not None:
             self.raw_keys[layer_idx, :, :t] = raw_k
@@ -201,7 +224,7 @@ class PromptKV:
         self._read_all()
         raw = None if self.raw_keys is None else self.raw_keys.clone()
         return PromptKV(self.key_buffer.clone(), self.value_buffer.clone(), self.num_tokens, self.cos,
-                        self.sin_signed, raw_keys=raw)  # fmt: skip
+                        self.sin_signed, raw_keys=raw, rope_blocks=self.rope_blocks)  # fmt: skip
 
     def layers(self, *, batched: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's (rotated keys, values) [Hkv, N, D] as views, read to the end first; with `batched`

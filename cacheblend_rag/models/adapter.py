@@ -19,8 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from .attention import attention_kernels, fused_attention
+from .attention import attention_kernels, attention_probs, causal_mask, fused_attention, written_out_attention
+from .layer_spec import LayerSpec, read_spec
+from .rope import no_rotation, rope_rotate, rotate_keys, signed_sin, unrotate_keys
 from .support import check_supported
+
+__all__ = ["LayerwiseModel", "ModelShape", "causal_mask", "rms_norm", "rope_rotate", "rotate_keys", "signed_sin",
+           "unrotate_keys"]  # fmt: skip
 
 
 def _rms_norm_classes() -> tuple[type[nn.Module], ...]:
@@ -48,53 +53,6 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return weight * F.rms_norm(x, weight.shape, None, eps)  # computed in float32, returned in x's dtype
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rotate_keys(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE to raw keys (or queries).
-
-    x: [..., T, D]; cos, sin: [T, D] for the tokens' target positions. Same formula as transformers'
-    `apply_rotary_pos_emb`, so a raw key rotated here equals the key an in-context prefill computes.
-    """
-    return x * cos + rotate_half(x) * sin
-
-
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """The sine table with its first half negated ([..., D]): `rope_rotate`'s form of `rotate_half(x) * sin`."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def rope_rotate(
-    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, *, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`rotate_keys` with the sine table made once (`signed_sin`): one `roll` instead of two slices, a negation
-    and a `cat`, and the second product added as it is made (`addcmul`). x: [..., T, D]; cos, sin_signed: [T, D];
-    `out`: where to write the result (e.g. a slice of a buffer), instead of a new tensor."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed, out=out)
-
-
-def unrotate_keys(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Undo `rotate_keys`: keys rotated at the positions of `cos`, `sin` ([T, D]) -> raw keys [H, T, D].
-
-    RoPE turns each pair of channels by an angle; turning it back by minus that angle is exact in real numbers,
-    and within a few units of the last place in floating point (pass float32 keys and cos, sin for stored KV).
-    """
-    return x * cos.unsqueeze(0) - rotate_half(x) * sin.unsqueeze(0)
-
-
-def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-    """Boolean attention mask from true positions: query i may see key j iff pos(j) <= pos(i).
-
-    q_positions: [A]; k_positions: [N] -> [A, N]. Built from positions, not from row/column order, so any
-    subset of queries in any order attends exactly as it would inside a full causal prefill.
-    """
-    return k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
-
-
 @dataclass(frozen=True)
 class ModelShape:
     num_layers: int
@@ -106,11 +64,13 @@ class ModelShape:
 
 
 class LayerwiseModel:
-    """Step-by-step forward over the modules of a `*ForCausalLM` of a supported family.
+    """Step-by-step forward over the modules of a `*ForCausalLM` of a supported family; where the family's layers
+    differ from Llama's is read once from its modules and config (`layer_spec.read_spec`, `self.spec`).
 
     `fused_qkv`, one module per layer, maps a layer's normed input to its queries, keys and values side by side
     (the three projections' outputs concatenated, in that order, e.g. `models.fused.fuse_qkv`): `project_raw_qkv`
-    and `rotated_qkv` then run one product instead of three. Left out, the layer's own q/k/v projections run.
+    and `rotated_qkv` then run one product instead of three. Left out, the layer's own projections run (Phi-3's own
+    `qkv_proj` is such a product already).
     """
 
     def __init__(self, model: nn.Module, fused_qkv: Sequence[nn.Module] | None = None) -> None:
@@ -119,17 +79,14 @@ class LayerwiseModel:
         if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
             raise UnsupportedModelError(
                 f"{type(model).__name__} does not expose .model.layers and .model.rotary_emb; "
-                "pass a Llama, Mistral, Qwen2 or Qwen3 *ForCausalLM from transformers"
+                "pass a *ForCausalLM from transformers of a supported family"
             )
         attn0 = base.layers[0].self_attn
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if not hasattr(attn0, name):
-                raise UnsupportedModelError(f"attention module {type(attn0).__name__} has no {name}")
         cfg = model.config
         self.model = model
         self.base = base
         self.layers = base.layers
-        self.has_qk_norm = hasattr(attn0, "q_norm") and hasattr(attn0, "k_norm")  # Qwen3 normalizes q/k per head
+        self.spec = read_spec(model)
         self.shape = ModelShape(
             num_layers=len(base.layers),
             num_heads=cfg.num_attention_heads,
@@ -140,7 +97,10 @@ class LayerwiseModel:
         )
         if fused_qkv is not None and len(fused_qkv) != len(base.layers):
             raise ValueError(f"fused_qkv has {len(fused_qkv)} modules for {len(base.layers)} layers")
+        if self.spec.fused_qkv:
+            fused_qkv = [layer.self_attn.qkv_proj for layer in base.layers]
         self.fused_qkv = None if fused_qkv is None else list(fused_qkv)
+        self.has_qk_norm = any(layer.qk_norm != "none" for layer in self.spec.layers)
 
     @property
     def device(self) -> torch.device:
@@ -154,34 +114,87 @@ class LayerwiseModel:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] -> hidden: [T, hidden]"""
-        return self.base.embed_tokens(input_ids)
+        hidden = self.base.embed_tokens(input_ids)
+        return hidden if self.spec.embed_scale == 1.0 else hidden * self.spec.embed_scale
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] -> cos, sin: [T, D] in `dtype` (default: the model's), from the model's own rotary module."""
+        """positions: [T] -> cos, sin: [T, K * D] in `dtype` (default: the model's), from the model's own rotary module:
+        one block of D channels per kind of rotation the layers use (`spec.rope_kinds`; K = 1 for most families),
+        which `layer_rope` picks for a layer."""
         dummy = torch.empty(0, dtype=dtype or self.dtype, device=self.device)
-        cos, sin = self.base.rotary_emb(dummy, positions.unsqueeze(0))
-        return cos[0], sin[0]
+        blocks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for kind in self.spec.rope_kinds:
+            if kind == "none":
+                continue
+            args = () if kind is None else (kind,)
+            cos, sin = self.base.rotary_emb(dummy, positions.unsqueeze(0), *args)
+            if cos.shape[-1] * 2 == self.shape.head_dim:  # GPT-OSS: one angle per channel pair, halves not repeated
+                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+            blocks.append((cos[0], sin[0]))
+        kinds = iter(blocks)
+        like = blocks[0][0] if blocks else torch.empty(positions.shape[0], self.shape.head_dim, dtype=dummy.dtype,
+                                                         device=self.device)  # fmt: skip
+        tables = [no_rotation(like) if kind == "none" else next(kinds) for kind in self.spec.rope_kinds]
+        if len(tables) == 1:
+            return tables[0]
+        return torch.cat([c for c, _ in tables], dim=-1), torch.cat([s for _, s in tables], dim=-1)
+
+    def layer_rope(self, layer_idx: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's block of tables made by `rope` (cos, sin or signed sin: [..., K * D] -> [..., D])."""
+        if len(self.spec.rope_kinds) == 1:
+            return cos, sin
+        d = self.shape.head_dim
+        start = self.spec.layers[layer_idx].rope_block * d
+        return cos[..., start : start + d], sin[..., start : start + d]
+
+    @property
+    def rope_blocks(self) -> tuple[int, ...] | None:
+        """Each layer's block of the `rope` tables, or None when there is one block (K = 1) for every layer."""
+        if len(self.spec.rope_kinds) == 1:
+            return None
+        return tuple(layer.rope_block for layer in self.spec.layers)
+
+    def window(self, layer_idx: int) -> int | None:
+        """The layer's sliding window in tokens (see `LayerSpec.window`), or None: it attends to every earlier key."""
+        return self.spec.layers[layer_idx].window
 
     def normed_input(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
         """The attention input of a layer. hidden: [T, hidden] -> [T, hidden]"""
-        return rms_norm(self.layers[layer_idx].input_layernorm, hidden)
+        norm = self.spec.layers[layer_idx].input_norm
+        return hidden if norm is None else rms_norm(norm, hidden)
+
+    def _heads(self, layer_idx: int, projected: torch.Tensor, norm_name: str) -> torch.Tensor:
+        """A query or key projection [T, n * D] -> [T, n, D], through the layer's q or k norm (`norm_name`)."""
+        kind = self.spec.layers[layer_idx].qk_norm
+        norm = getattr(self.layers[layer_idx].self_attn, norm_name) if kind != "none" else None
+        if kind == "whole":  # OLMo 2/3: one norm over the whole projection
+            projected = rms_norm(norm, projected)
+        heads = projected.view(projected.shape[0], -1, self.shape.head_dim)
+        return rms_norm(norm, heads) if kind == "head" else heads  # Qwen3, Gemma 3, Exaone 4: per head
+
+    def _split_qkv(self, layer_idx: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> raw queries [T, H, D], raw keys and values [T, Hkv, D], from the fused product."""
+        assert self.fused_qkv is not None
+        s = self.shape
+        d = s.head_dim
+        q, k, v = self.fused_qkv[layer_idx](x).split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], -1)
+        return self._heads(layer_idx, q, "q_norm"), self._heads(layer_idx, k, "k_norm"), v.view(x.shape[0], -1, d)
 
     def project_kv(self, layer_idx: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: normed input [T, hidden] -> raw keys (before RoPE) [Hkv, T, D], values [Hkv, T, D]"""
+        if self.fused_qkv is not None:
+            _, k, v = self._split_qkv(layer_idx, x)
+            return k.transpose(0, 1), v.transpose(0, 1)
         attn = self.layers[layer_idx].self_attn
-        t, d = x.shape[0], self.shape.head_dim
-        k = attn.k_proj(x).view(t, -1, d)  # [T, Hkv, D]
-        if self.has_qk_norm:
-            k = rms_norm(attn.k_norm, k)
-        v = attn.v_proj(x).view(t, -1, d)
+        k = self._heads(layer_idx, attn.k_proj(x), "k_norm")
+        v = attn.v_proj(x).view(x.shape[0], -1, self.shape.head_dim)
         return k.transpose(0, 1), v.transpose(0, 1)
 
     def queries(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
         """x: normed input [A, hidden] -> raw queries (before RoPE) [H, A, D]"""
-        attn = self.layers[layer_idx].self_attn
-        q = attn.q_proj(x).view(x.shape[0], -1, self.shape.head_dim)  # [A, H, D]
-        if self.has_qk_norm:
-            q = rms_norm(attn.q_norm, q)
+        if self.fused_qkv is not None:
+            return self._split_qkv(layer_idx, x)[0].transpose(0, 1)
+        q = self._heads(layer_idx, self.layers[layer_idx].self_attn.q_proj(x), "q_norm")
         return q.transpose(0, 1)
 
     def project_raw_qkv(self, layer_idx: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -189,26 +202,21 @@ class LayerwiseModel:
         if self.fused_qkv is None:
             raw_k, v = self.project_kv(layer_idx, x)
             return self.queries(layer_idx, x), raw_k, v
-        attn = self.layers[layer_idx].self_attn
-        s = self.shape
-        t, d = x.shape[0], s.head_dim
-        q, k, v = self.fused_qkv[layer_idx](x).split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], -1)
-        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
-        if self.has_qk_norm:
-            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+        q, k, v = self._split_qkv(layer_idx, x)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
     def rotated_qkv(
         self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values of some rows, each row one token (a prefill's recomputed tokens, or one token per
-        request of a decode step): x [T, hidden]; cos, sin_signed [T, 1, D] (`signed_sin`) -> rotated queries
-        [T, H, D], rotated keys and values [T, Hkv, D].
+        request of a decode step): x [T, hidden]; cos, sin_signed [T, 1, K * D] (`rope`, `signed_sin`) -> rotated
+        queries [T, H, D], rotated keys and values [T, Hkv, D].
 
-        With `fused_qkv` (and no per-head q/k norm), one product gives all three, the queries and keys are turned
-        in one pass in place in its output, and the three come back as views of it."""
+        With `fused_qkv` (and no q/k norm), one product gives all three, the queries and keys are turned in one pass
+        in place in its output, and the three come back as views of it."""
         s = self.shape
         t, d = x.shape[0], s.head_dim
+        cos, sin_signed = self.layer_rope(layer_idx, cos, sin_signed)
         if self.fused_qkv is None or self.has_qk_norm:
             q, k, v = (r.transpose(0, 1) for r in self.project_raw_qkv(layer_idx, x))
             return rope_rotate(q, cos, sin_signed), rope_rotate(k, cos, sin_signed), v
@@ -217,6 +225,10 @@ class LayerwiseModel:
         rope_rotate(turned, cos, sin_signed, out=turned)
         q, k = turned.split([s.num_heads, s.num_kv_heads], dim=1)
         return q, k, v
+
+    def _written_out(self, layer: LayerSpec) -> bool:
+        """Whether the layer's softmax is one torch's fused kernel does not take (soft-capping, sinks)."""
+        return layer.softcap is not None or layer.sinks is not None
 
     def attend(
         self,
@@ -230,13 +242,21 @@ class LayerwiseModel:
 
         query: [H, A, D] rotated; keys: [Hkv, N, D] rotated; values: [Hkv, N, D] (or both [1, Hkv, N, D], views made
         once for many calls); mask: [A, N] (or [1, 1, A, N], made once for many calls), bool (True = may attend) or
-        additive (0 / -inf, in the query's dtype); or None when the
-        queries are the last A of the N tokens, in order: causal, aligned at the end. Then the queries are padded
-        to the causal square (A == N is that square), which the fused kernels run without any mask, skipping the
-        scores above the diagonal; the padded rows' outputs are dropped. Returns [A, hidden].
+        additive (0 / -inf, in the query's dtype), which in a windowed layer must hold its window (`causal_mask`); or
+        None when the queries are the last A of the N tokens, in order: causal (within the layer's window), aligned
+        at the end. Then, in a layer without a window, the queries are padded to the causal square (A == N is that
+        square), which the fused kernels run without any mask, skipping the scores above the diagonal; the padded
+        rows' outputs are dropped. Returns [A, hidden].
         """
-        attn = self.layers[layer_idx].self_attn
+        attn, layer = self.layers[layer_idx].self_attn, self.spec.layers[layer_idx]
         a, n = query.shape[1], keys.shape[-2]
+        if mask is None and layer.window is not None:  # the tail's positions, for the window's mask
+            positions = torch.arange(n, device=query.device)
+            mask = causal_mask(positions[n - a :], positions, layer.window)
+        if self._written_out(layer):
+            out = written_out_attention(query, keys, values, mask, attn.scaling, softcap=layer.softcap,
+                                        sinks=layer.sinks)  # fmt: skip
+            return attn.o_proj(out.reshape(-1, a, out.shape[-1]).transpose(0, 1).reshape(a, -1))
         padded = mask is None and a < n
         if padded:
             query = torch.cat((query.new_zeros(query.shape[0], n - a, query.shape[2]), query), dim=1)
@@ -262,11 +282,15 @@ class LayerwiseModel:
         """Attention of one query per request over that request's own keys, then one output projection for all.
 
         query: [H, B, D] rotated, row b of request b; keys_values[b]: its rotated keys and values [Hkv, N_b, D],
-        the query's own position last (a query sees every key it is given). Returns [B, hidden].
+        the query's own position last (a query sees every key it is given, within the layer's window). Returns
+        [B, hidden].
         """
-        attn = self.layers[layer_idx].self_attn
-        if query.device.type == "cpu":  # the per-request reference the slot pool is tested against: plain products
-            rows = [self._attend_one(query[:, b], k, v, attn.scaling) for b, (k, v) in enumerate(keys_values)]
+        attn, layer = self.layers[layer_idx].self_attn, self.spec.layers[layer_idx]
+        if layer.window is not None:
+            keys_values = [(k[:, -layer.window :], v[:, -layer.window :]) for k, v in keys_values]
+        if query.device.type == "cpu" or self._written_out(layer):  # the reference the slot pool is tested against
+            rows = [written_out_attention(query[:, b, None], k, v, None, attn.scaling, softcap=layer.softcap,
+                                          sinks=layer.sinks)[:, 0] for b, (k, v) in enumerate(keys_values)]  # fmt: skip
         else:
             gqa = self.shape.num_heads != self.shape.num_kv_heads
             with attention_kernels(query.device):
@@ -279,27 +303,17 @@ class LayerwiseModel:
                 ]  # fmt: skip
         return attn.o_proj(torch.stack(rows).reshape(len(rows), -1))
 
-    @staticmethod
-    def _attend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-        """One query per head [H, D] over keys, values [Hkv, N, D] -> [H, D]; query heads share KV heads in groups."""
-        hkv, d = keys.shape[0], keys.shape[2]
-        scores = torch.matmul(query.reshape(hkv, -1, d), keys.transpose(1, 2)) * scale  # [Hkv, groups, N]
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-        return torch.matmul(probs, values).view(query.shape)
-
     def attention_weights(
         self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """The attention probabilities behind `attend`, for a few queries (used to rank keys, not to compute).
 
-        query: [H, A, D] rotated; keys: [Hkv, N, D] rotated; mask: [A, N] bool. Returns [H, A, N] float32.
+        query: [H, A, D] rotated; keys: [Hkv, N, D] rotated; mask: [A, N] bool (holding the layer's window). Returns
+        [H, A, N] float32.
         """
-        scale = self.layers[layer_idx].self_attn.scaling
-        hkv, a = keys.shape[0], query.shape[1]
-        q = query.float().reshape(hkv, -1, query.shape[2])  # [Hkv, groups * A, D]: heads of one KV head together
-        scores = torch.matmul(q, keys.float().transpose(1, 2)).view(query.shape[0], a, -1) * scale  # [H, A, N]
-        scores.masked_fill_(~mask.unsqueeze(0), float("-inf"))
-        return torch.softmax(scores, dim=-1)
+        attn, layer = self.layers[layer_idx].self_attn, self.spec.layers[layer_idx]
+        return attention_probs(query.float(), keys.float(), mask, attn.scaling, softcap=layer.softcap,
+                               sinks=layer.sinks)  # fmt: skip
 
     def attend_from_weights(self, layer_idx: int, probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """`attend`'s result for queries whose probabilities `attention_weights` already gave: their weighted sum
@@ -314,11 +328,25 @@ class LayerwiseModel:
         return attn.o_proj(out.view(h, a, -1).transpose(0, 1).reshape(a, -1))
 
     def finish_layer(self, layer_idx: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Residual, post-attention norm and MLP. hidden, attn_out: [A, hidden] -> [A, hidden]"""
-        layer = self.layers[layer_idx]
-        hidden = hidden + attn_out
-        return hidden + layer.mlp(rms_norm(layer.post_attention_layernorm, hidden))
+        """Residual, norms and MLP, in the family's order (`LayerSpec`). hidden, attn_out: [A, hidden] -> [A, hidden]"""
+        layer, spec = self.layers[layer_idx], self.spec.layers[layer_idx]
+        if spec.attn_out_norm is not None:
+            attn_out = rms_norm(spec.attn_out_norm, attn_out)
+        hidden = hidden + (attn_out if spec.residual_scale == 1.0 else attn_out * spec.residual_scale)
+        x = hidden if spec.mlp_norm is None else rms_norm(spec.mlp_norm, hidden)
+        out = layer.mlp(x) if self.spec.dense_mlp else layer.mlp(x.unsqueeze(0))
+        if isinstance(out, tuple):  # GPT-OSS's experts also return their router's scores
+            out = out[0]
+        out = out.view_as(x)
+        if spec.mlp_out_norm is not None:
+            out = rms_norm(spec.mlp_out_norm, out)
+        return hidden + (out if spec.residual_scale == 1.0 else out * spec.residual_scale)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head. hidden: [T, hidden] -> logits [T, vocab] (float32)"""
-        return self.model.lm_head(rms_norm(self.base.norm, hidden)).float()
+        """Final norm and LM head (and the family's logit scaling). hidden: [T, hidden] -> logits [T, vocab] float32"""
+        logits = self.model.lm_head(rms_norm(self.base.norm, hidden))
+        if self.spec.logits_divisor != 1.0:
+            logits = logits / self.spec.logits_divisor
+        if self.spec.logits_softcap is not None:
+            logits = torch.tanh(logits / self.spec.logits_softcap) * self.spec.logits_softcap
+        return logits.float()

@@ -1,5 +1,6 @@
 """torch's fused attention as the package calls it: the kernels it may pick on a GPU, and a query block shaped so
-that the CPU's kernel takes its fast path.
+that the CPU's kernel takes its fast path; the masks built from positions (causal, and a sliding window); attention
+written out for the softmaxes the fused kernel does not take (soft-capping, sinks).
 
 cuDNN's attention builds an execution graph for every new shape, and keeps the graphs per thread: a new prompt
 length, a new count of recomputed tokens, each decode step's longer cache, and every request again on a fresh
@@ -61,3 +62,58 @@ def fused_attention(
         query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
     )
     return out[..., :-1, :] if pad else out
+
+
+def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Boolean attention mask from true positions: query i may see key j iff pos(j) <= pos(i), and, in a layer with
+    a sliding `window`, pos(i) - window < pos(j).
+
+    q_positions: [A]; k_positions: [N] -> [A, N]. Built from positions, not from row/column order, so any
+    subset of queries in any order attends exactly as it would inside a full causal prefill.
+    """
+    allowed = k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
+    if window is not None:
+        allowed &= k_positions.unsqueeze(0) > q_positions.unsqueeze(1) - window
+    return allowed
+
+
+def attention_probs(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention probabilities written out, for the softmaxes torch's fused kernel does not take (transformers' eager
+    attention): scores soft-capped (`softcap * tanh(scores / softcap)`, Gemma 2) and one sink logit per head
+    (GPT-OSS), whose weight is dropped after the softmax.
+
+    query: [..., H, A, D]; keys: [..., Hkv, N, D]; mask: broadcastable to [..., H, A, N], bool (True = may attend) or
+    additive; sinks: [H]. -> [..., H, A, N] float32; each query's row sums to 1 (less its sink's share).
+    """
+    groups = query.shape[-3] // keys.shape[-3]
+    keys = keys.repeat_interleave(groups, dim=-3) if groups > 1 else keys
+    scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scale  # [..., H, A, N]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    logits = torch.cat((scores, sink), dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    return torch.softmax(logits, dim=-1)[..., :-1]
+
+
+def written_out_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    *, softcap: float | None = None, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`attention_probs` applied to the values ([..., Hkv, N, D]) -> [..., H, A, D] in the values' dtype."""
+    probs = attention_probs(query, keys, mask, scale, softcap=softcap, sinks=sinks)
+    groups = query.shape[-3] // values.shape[-3]
+    values = values.repeat_interleave(groups, dim=-3) if groups > 1 else values
+    return torch.matmul(probs.to(values.dtype), values)

@@ -62,12 +62,15 @@ def fuse_qkv(model: nn.Module) -> list[FusedQKV] | None:
     weight the layer's `q_proj`, `k_proj` and `v_proj` then view (the same values in the same memory; moving or
     casting the model later gives each projection its own tensor again, and the fused products keep the old ones).
 
-    None, and the model is left as it is, unless every projection is a plain `nn.Linear` with its weights on one
-    device in one dtype (not quantized, wrapped or offloaded), and all or none of them have a bias.
+    None, and the model is left as it is, unless every layer has the three projections, each a plain `nn.Linear`
+    with its weights on one device in one dtype (not quantized, wrapped or offloaded), and all or none of them have
+    a bias.
     """
     names = ("q_proj", "k_proj", "v_proj")
     layers = model.model.layers
     attns = [layer.self_attn for layer in layers]
+    if not all(hasattr(attn, name) for attn in attns for name in names):  # e.g. Phi-3's own `qkv_proj`
+        return None
     weight0 = attns[0].q_proj.weight
     for attn in attns:
         linears = [getattr(attn, name) for name in names]

@@ -3,8 +3,9 @@
 Scope: pure checks on a `transformers.PretrainedConfig`; nothing here loads weights. Blending reuses each
 chunk's keys at a new position by rotating them (RoPE), and lays per-layer caches end to end, so every layer must
 be attention over a KV cache (no recurrent state), with RoPE whose frequencies do not depend on the sequence length
-(or no RoPE at all on that layer). Families outside the tested set are refused before anything is loaded, with the
-reason.
+(or no RoPE at all on that layer). The families below are tested one by one (`tests/test_families.py`): a full
+prefill equals the model's own forward, a blend recomputing every token equals it, one recomputing none equals full
+KV reuse. Families outside that set are refused before anything is loaded, with the reason.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ __all__ = [
     "model_family",
 ]
 
-SUPPORTED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+SUPPORTED_FAMILIES: frozenset[str] = frozenset({
+    "llama", "mistral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "olmo2", "olmo3", "smollm3", "gemma",
+    "gemma2", "gemma3_text", "exaone4", "mixtral", "qwen3_moe", "gpt_oss",
+})  # fmt: skip
 
-# Sliding-window layers keep only part of the prefix, so per-chunk caches cannot be laid end to end.
-SUPPORTED_LAYER_TYPES: frozenset[str] = frozenset({"full_attention"})
+# A windowed layer attends within its window, in the recompute and in decoding alike (`layer_spec.LayerSpec.window`).
+SUPPORTED_LAYER_TYPES: frozenset[str] = frozenset({"full_attention", "sliding_attention"})
 
 # Each of these multiplies the angle by a per-dimension constant, so moving a cached key from position p
 # to p' is one more rotation by (p' - p). "dynamic" and "longrope" pick their frequencies from the current
@@ -150,8 +154,7 @@ def max_blend_length(config: Any) -> int | None:
 
     Ministral 3 scales its queries by 1 + beta * log(1 + floor(position / original context)): exactly 1 within the
     original context, which is where the adapter (whose queries are not scaled) equals the model."""
-    if model_family(config) == "mistral" and getattr(config, "sliding_window", None) is not None:
-        return int(config.sliding_window)  # a window over every layer: exact while the whole prompt fits in it
+    model_family(config)
     params = _rope_parameters(config)[0]
     if params.get("llama_4_scaling_beta"):
         return int(params["original_max_position_embeddings"])

@@ -136,9 +136,10 @@ class ChunkCache:
         whole = self.in_memory(parts) if load is None else None
         if whole is not None:
             kept = [(w.keys, w.values) for w in whole]
-            return PromptKV.whole(kept, total, cos, sin, shape=shape, keep_raw=keep_raw, buffers=buffers)
+            return PromptKV.whole(kept, total, cos, sin, shape=shape, keep_raw=keep_raw, buffers=buffers,
+                                  rope_blocks=self.lm.rope_blocks)  # fmt: skip
         return PromptKV.layerwise(load or self.layer_loader(parts), total, cos, sin, shape=shape, keep_raw=keep_raw,
-                                  buffers=buffers)  # fmt: skip
+                                  buffers=buffers, rope_blocks=self.lm.rope_blocks)  # fmt: skip
 
     @staticmethod
     def in_memory(parts: Sequence[ChunkReader]) -> list[ChunkKV] | None:

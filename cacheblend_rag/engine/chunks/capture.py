@@ -36,7 +36,10 @@ def capture(chunks: ChunkCache, prompt: TokenizedPrompt, layers: Sequence[tuple[
     out: dict[tuple[int, ...], ChunkKV] = {}
     for placed in placements:
         s, e = spans[placed.position]
-        keys = torch.stack([unrotate_keys(k[:, s:e].float(), cos[s:e], sin[s:e]).to(chunks.dtype) for k, _ in layers])
+        keys = torch.stack([
+            unrotate_keys(k[:, s:e].float(), *chunks.lm.layer_rope(i, cos[s:e], sin[s:e])).to(chunks.dtype)
+            for i, (k, _) in enumerate(layers)
+        ])  # fmt: skip
         values = torch.stack([v[:, s:e] for _, v in layers])
         out[placed.ids] = ChunkKV(placed.keys[0], keys, values)
     return out

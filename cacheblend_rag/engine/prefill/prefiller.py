@@ -231,7 +231,8 @@ class Prefiller:
         prompt, m = run.prompt, run.metrics
         n, num_layers = prompt.num_tokens, self.lm.shape.num_layers
         m.mode = PrefillMode.FULL.value
-        cache = DynamicCache(config=self.model.config)
+        # every layer's cache whole, a sliding window's too (the model masks it): what capture and decoding read
+        cache = DynamicCache()
         with between_layers(self.lm.layers, run.after_layer):
             logits = self.forward(prompt.input_ids(), 0, cache)
         layers = [(layer.keys[0], layer.values[0]) for layer in cache.layers]

@@ -75,12 +75,13 @@ class BatchDecoder:
         ids = torch.tensor(list(tokens), dtype=torch.long, device=device)
         positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
         hidden = lm.embed(ids)  # [B, hidden]
-        cos, sin = lm.rope(positions)  # [B, D]
-        sin = signed_sin(sin)  # made once per step, for every layer's `rope_rotate`
+        cos, sin = lm.rope(positions)  # [B, K * D]
+        sin = signed_sin(sin, lm.shape.head_dim)  # made once per step, for every layer's `rope_rotate`
         for layer_idx in range(lm.shape.num_layers):
             x = lm.normed_input(layer_idx, hidden)
             q, raw_k, v = lm.project_raw_qkv(layer_idx, x)  # [H, B, D], [Hkv, B, D] x 2
-            q, k = rope_rotate(q, cos, sin), rope_rotate(raw_k, cos, sin)
+            cos_l, sin_l = lm.layer_rope(layer_idx, cos, sin)
+            q, k = rope_rotate(q, cos_l, sin_l), rope_rotate(raw_k, cos_l, sin_l)
             per_request = [c.put(layer_idx, k[:, b], v[:, b]) for b, c in enumerate(caches)]
             hidden = lm.finish_layer(layer_idx, hidden, lm.attend_each(layer_idx, q, per_request))
         for c in caches:
@@ -96,12 +97,13 @@ class BatchDecoder:
         lm = self.lm
         plan = pool.step_plan(list(slots))
         hidden = lm.embed(torch.tensor(list(tokens), dtype=torch.long, device=lm.device))  # [B, hidden]
-        cos, sin = lm.rope(plan.positions)  # [B, D]
-        cos, sin = cos[:, None], signed_sin(sin)[:, None]  # [B, 1, D]: one row per request, for every head
+        cos, sin = lm.rope(plan.positions)  # [B, K * D]
+        cos, sin = cos[:, None], signed_sin(sin, lm.shape.head_dim)[:, None]  # [B, 1, K * D]: for every head
         for layer_idx in range(lm.shape.num_layers):
             q, k, v = lm.rotated_qkv(layer_idx, lm.normed_input(layer_idx, hidden), cos, sin)  # [B, H | Hkv, D]
-            attn = lm.layers[layer_idx].self_attn
-            out = pool.attend(layer_idx, plan, q, k, v, attn.scaling)
+            attn, spec = lm.layers[layer_idx].self_attn, lm.spec.layers[layer_idx]
+            out = pool.attend(layer_idx, plan, q, k, v, attn.scaling, window=spec.window, softcap=spec.softcap,
+                              sinks=spec.sinks)  # fmt: skip
             hidden = lm.finish_layer(layer_idx, hidden, attn.o_proj(out))
         pool.advance(list(slots))
         return lm.logits(hidden)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from ...models.adapter import ModelShape
-from ...models.attention import attention_kernels, fused_attention
+from ...models.attention import attention_kernels, fused_attention, written_out_attention
 
 Layers = torch.Tensor | Sequence[torch.Tensor]  # a request's keys or values: [L, Hkv, N, D], or L of [Hkv, N, D]
 
@@ -164,9 +164,12 @@ class SlotPool:
         return StepPlan(rows, at, mask, dense, self.keys[:, :hi, :, :n], self.values[:, :hi, :, :n])
 
     def attend(self, layer_idx: int, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scale: float) -> torch.Tensor:  # fmt: skip
+               scale: float, *, window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Write the step's keys and values ([B, Hkv, D], request b at slot plan.rows[b]) in place, then attend each
-        request's query ([B, H, D]) over its slot; -> [B, H * D] in the order of the requests."""
+        request's query ([B, H, D]) over its slot (within the layer's sliding `window`, if it has one); -> [B, H * D]
+        in the order of the requests. A layer with soft-capped scores or attention sinks (`softcap`, `sinks` [H]:
+        see `models.attention.attention_probs`) attends through the written-out softmax."""
         keys, values = plan.keys[layer_idx], plan.values[layer_idx]  # [hi, Hkv, n, D]
         keys[plan.rows, :, plan.positions] = key  # one write per request and head
         values[plan.rows, :, plan.positions] = value
@@ -175,7 +178,11 @@ class SlotPool:
         else:
             q = query.new_zeros(keys.shape[0], *query.shape[1:])
             q[plan.rows] = query  # into the batch's slots
-        out = self.attention(q, keys, values, plan.mask, scale)
+        mask = plan.mask if window is None else plan.window_mask(window)
+        if softcap is None and sinks is None:
+            out = self.attention(q, keys, values, mask, scale)
+        else:  # one query row per slot: [hi, H, 1, D] -> [hi, H, 1, D]
+            out = written_out_attention(q[:, :, None], keys, values, mask, scale, softcap=softcap, sinks=sinks)
         return (out if plan.dense else out[plan.rows]).reshape(len(plan.positions), -1)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -206,12 +213,26 @@ class StepPlan:
     all), whether the requests are slots 0..hi-1 in order, and the pool's keys and values the step reads and writes
     ([L, hi, Hkv, n, D] views)."""
 
-    __slots__ = ("rows", "positions", "mask", "dense", "keys", "values")
+    __slots__ = ("rows", "positions", "mask", "dense", "keys", "values", "windows")
 
     def __init__(self, rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, dense: bool,
                  keys: torch.Tensor, values: torch.Tensor) -> None:  # fmt: skip
         self.rows, self.positions, self.mask, self.dense = rows, positions, mask, dense
         self.keys, self.values = keys, values
+        self.windows: dict[int, torch.Tensor] = {}  # the masks of windowed layers, by window, made at first use
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """The mask of a layer with a sliding window ([hi, 1, 1, n], additive): each request sees its keys at
+        positions p - window < j <= p, p its step's position. Slots outside the step see the last positions."""
+        if window not in self.windows:
+            hi, n = self.keys.shape[1], self.keys.shape[3]
+            at = torch.full((hi,), n - 1, dtype=torch.long, device=self.rows.device)
+            at[self.rows] = self.positions
+            k = torch.arange(n, device=at.device)[None, :]
+            seen = (k <= at[:, None]) & (k > at[:, None] - window)  # [hi, n]
+            mask = torch.zeros(hi, 1, 1, n, dtype=self.keys.dtype, device=at.device)
+            self.windows[window] = mask.masked_fill_(~seen[:, None, None, :], float("-inf"))
+        return self.windows[window]
 
 
 def _same_view(t: torch.Tensor, slot: torch.Tensor) -> bool:
