@@ -14,17 +14,13 @@ import re
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
 
 from ..config.device import resolve_device
 from ..config.dtype import normalize_dtype_name
 from ..cpu import SLOW_BF16_WARNING, cpu_has_bf16
 from .args import check_kv_dir, check_model_name, check_numbers, guard_from_args
+from .precompute_all import precompute_after_answers
 from .sources import build_index, index_context, read_sources
-
-if TYPE_CHECKING:
-    from ..engine import CacheBlendEngine
-    from ..retrieval import ChunkIndex
 
 __all__ = ["cmd_ask", "engine_config"]
 
@@ -102,6 +98,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         fidelity.profile.check_model(engine.fingerprint, engine.config.dtype)
     index = build_index(args, sources, engine.tokenizer)
     context = index_context(engine)  # in groups of similar chunks of the index (--chunk-context grouped), or alone
+    answered = []  # the answers' metrics: their prefills time --precompute-all's estimate
     for question in args.questions:
         hits = index.search(question, k=args.top_k)
         print(f"\nQ: {echoed(question)}")
@@ -127,24 +124,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
             print("" if started else "A: ", flush=True)  # the answer's line ends, even when Ctrl-C cuts it short
         assert stream.result is not None, "a finished stream holds its result"
         print(f"   {stream.result.metrics.summary()}")
+        answered.append(stream.result.metrics)
     engine.wait_for_fills()  # chunks cold questions were answered without: stored after each answer, in the background
     if args.precompute_all:
-        precompute_after_answers(args, engine, index, context)
+        precompute_after_answers(args, engine, index, context, answered)
     engine.store.flush()  # chunk KV written to disk/Redis in the background must land before the process exits
     return 0
-
-
-def precompute_after_answers(
-    args: argparse.Namespace, engine: CacheBlendEngine, index: ChunkIndex, context: Any
-) -> None:
-    """`--precompute-all`: every chunk's KV, computed once the questions are answered (the first answer does not wait
-    for the whole folder: its chunks are computed in its own request), for the later runs that read --kv-dir or
-    --redis-url; with neither the store ends with the process, so nothing is computed."""
-    if not (args.kv_dir or args.redis_url):
-        print("--precompute-all: skipped, the chunk KV would live in this process's memory only and end with it; pass "
-              "--kv-dir DIR (or --redis-url) to keep it for later runs", file=sys.stderr)  # fmt: skip
-        return
-    t = time.perf_counter()
-    done = engine.precompute([c.text for c in index.chunks], context=context, show_progress=True)
-    print(f"precomputed the KV of {len(index)} chunks in {time.perf_counter() - t:.1f}s after the answers "
-          f"({done.stored} already stored, {done.computed} computed) for later runs", file=sys.stderr)  # fmt: skip

@@ -3,6 +3,7 @@
 `engine.py` composes them into `CacheBlendEngine`."""
 
 from ..models.fingerprint import model_fingerprint
+from .corpus.groups import PrecomputePlan
 from .engine import CacheBlendEngine
 from .prefill.planning import RatioPolicy
 from .prefill.prefiller import Prefill
@@ -17,6 +18,7 @@ __all__ = [
     "CacheBlendEngine",
     "GenerationResult",
     "Prefill",
+    "PrecomputePlan",
     "PromptTemplate",
     "RatioPolicy",
     "RequestMetrics",

@@ -11,7 +11,8 @@ place in one group).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
@@ -22,6 +23,34 @@ from ..prefill.prefiller import Prefiller
 from ..request.prompt import TokenizedPrompt
 
 GROUPS = "groups"  # `precompute(context=...)`: full prefills of groups of similar chunks, stored as captured KV
+# the precompute bar: tokens done, with the time spent and the time left
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} tokens [{elapsed} spent, {remaining} left, {rate_fmt}{postfix}]"
+
+
+@dataclass(frozen=True)
+class PrecomputePlan:
+    """What a precompute is about to compute, known before its first prefill (`precompute(on_plan=...)`)."""
+
+    chunks: int  # distinct chunks of the corpus
+    stored: int  # chunks whose entries are all stored already: nothing is computed for them
+    # chunks with an entry stored (a request stores the one its prompt computed: alone for its first chunk, in the
+    # prompt's context for the others) and another one missing, computed now
+    partly_stored: int
+    alone: int  # chunks prefilled on their own, for their isolated entry (not grouped: for their own entry)
+    alone_tokens: int
+    groups: int  # groups prefilled whole, for their chunks' in-group entries (0 when not grouped)
+    group_tokens: int  # the tokens of those groups' prompts
+    all_groups: int  # the corpus's groups (0 when not grouped)
+
+    @property
+    def computed(self) -> int:
+        """Chunks with an entry computed now."""
+        return self.chunks - self.stored
+
+    @property
+    def tokens(self) -> int:
+        """Tokens to prefill in all."""
+        return self.alone_tokens + self.group_tokens
 
 
 def group_indexes(texts: Sequence[str], lengths: Sequence[int], group_tokens: int) -> list[list[int]]:
@@ -53,12 +82,14 @@ def fill_groups(
     groups: Sequence[Sequence[Sequence[int]]],
     *,
     show_progress: bool = False,
+    on_plan: Callable[[PrecomputePlan], object] | None = None,
 ) -> tuple[int, int]:
     """Store each group's chunks from one full prefill of the prefix and the group (one token after it, id 0, closes
     the prompt; causal attention leaves the chunks' KV as it is): the first chunk's isolated entry, the later
     chunks' captured entries; the later chunks' isolated entries are prefilled alone. A group whose entries are
-    all stored is not prefilled again. -> (chunks whose entries were all stored already,
-    chunks with an entry computed now)."""
+    all stored is not prefilled again; the chunks of one that is are all computed in it (those stored already are
+    not stored again). `on_plan` is told what will be computed before the first prefill. -> (chunks whose entries
+    were all stored already, chunks with an entry computed now)."""
     groups = [tuple(tuple(ids) for ids in group) for group in groups]
     unique = list(dict.fromkeys(ids for group in groups for ids in group))
     prompts = [TokenizedPrompt(tuple(prefix_ids), group, (0,)) for group in groups]
@@ -70,9 +101,19 @@ def fill_groups(
     alone = [ids for ids in later if chunks.key(prefix_ids, ids, isolated=True) not in chunks.store]
     full = [(prompt, todo) for prompt, todo in zip(prompts, pending, strict=True) if todo]
     missing = set(alone) | {placed.ids for _, todo in full for placed in todo}
+    alone_tokens, group_tokens = sum(map(len, alone)), sum(prompt.num_tokens for prompt, _ in full)
+    if on_plan is not None:
+
+        def has_entry(ids: tuple[int, ...]) -> bool:  # stored alone, or captured in a request's prompt
+            keys = (chunks.key(prefix_ids, ids, isolated=True), chunks.key(prefix_ids, ids, captured=True))
+            return any(k in chunks.store for k in keys)
+
+        partly = sum(map(has_entry, missing))
+        on_plan(PrecomputePlan(len(unique), len(unique) - len(missing), partly, len(alone), alone_tokens, len(full),
+                               group_tokens, len(groups)))  # fmt: skip
     # one bar over the tokens to prefill: the chunks alone, then the groups (a group's prompt whole)
-    work = sum(map(len, alone)) + sum(prompt.num_tokens for prompt, _ in full)
-    with tqdm(total=work, desc="precomputing chunk KV", unit="tok", unit_scale=True, disable=not show_progress) as bar:
+    with tqdm(total=alone_tokens + group_tokens, desc="precomputing chunk KV", unit="tok", unit_scale=True,
+              bar_format=BAR_FORMAT, disable=not show_progress) as bar:  # fmt: skip
         bar.set_postfix_str(f"{len(alone)} chunks alone, then {len(full)} groups")
         chunks.fill(prefix_ids, alone, progress=bar.update)
         for i, (prompt, todo) in enumerate(full):

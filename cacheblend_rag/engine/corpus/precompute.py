@@ -22,7 +22,7 @@ from ..request.request import check_length
 from ..request.token_cache import TokenCache
 from ..serving.forking import ForkSteps
 from ..serving.thread_pools import releasing_thread_pool
-from .groups import GROUPS, check_groups_policy, fill_groups, group_indexes
+from .groups import GROUPS, PrecomputePlan, check_groups_policy, fill_groups, group_indexes
 
 AUTO = "auto"  # `precompute(context=...)`: what the engine's `chunk_context` asks for
 
@@ -59,6 +59,7 @@ class CorpusMethods:
         context: ContextArg = AUTO,
         show_progress: bool = False,
         group_tokens: int | None = None,
+        on_plan: Callable[[PrecomputePlan], object] | None = None,
     ) -> Precomputed:
         """Make sure every chunk's KV is in the store, for the template's prefix or an explicit prefix.
 
@@ -69,7 +70,9 @@ class CorpusMethods:
         default, "auto", is "groups" under `EngineConfig(chunk_context="grouped")` (the default), else None. A
         chunk with a context also gets its isolated entry, which a prompt reads for its first chunk (whose real
         context is the prefix alone). The template's prefix does not depend on the question, so `question` is only
-        needed by templates that place it before the chunks. Returns (chunks stored already, chunks computed now).
+        needed by templates that place it before the chunks. `on_plan(plan)` is told what will be computed (chunks,
+        tokens, groups: a `PrecomputePlan`) before the first prefill, e.g. to print an estimate. Returns (chunks
+        stored already, chunks computed now).
         """
         self._check_open("precompute")
         if isinstance(context, str) and context == AUTO:
@@ -81,8 +84,10 @@ class CorpusMethods:
         if grouped:
             group_tokens = group_tokens or DEFAULT_GROUP_TOKENS
             found = group_indexes(chunks, [len(ids) for ids in chunk_ids], group_tokens)
-            return self._fill_groups(prefix_ids, [[chunk_ids[i] for i in g] for g in found], show_progress)
+            return self._fill_groups(prefix_ids, [[chunk_ids[i] for i in g] for g in found], show_progress, on_plan)
         with self._lock:
+            if on_plan is not None:
+                on_plan(self._alone_plan(prefix_ids, chunk_ids))
             return Precomputed(*self.chunks.fill(prefix_ids, chunk_ids, show_progress=show_progress, heads=True))
 
     @releasing_thread_pool
@@ -100,14 +105,30 @@ class CorpusMethods:
         spans = itertools.accumulate((len(g) for g in groups), initial=0)
         return self._fill_groups(prefix_ids, [chunk_ids[a:b] for a, b in itertools.pairwise(spans)], show_progress)
 
+    def _alone_plan(self, prefix_ids: tuple[int, ...], chunk_ids: Sequence[tuple[int, ...]]) -> PrecomputePlan:
+        """What `chunks.fill(..., heads=True)` will compute: each chunk's own entry, and its isolated one when it has
+        a context."""
+        unique = list(dict.fromkeys(chunk_ids))
+        found = {}
+        for ids in unique:
+            keys = [self.chunks.key(prefix_ids, ids)]
+            if self.chunks.contexts.digest(ids):
+                keys.append(self.chunks.key(prefix_ids, ids, isolated=True))
+            found[ids] = [k in self.chunks.store for k in keys]
+        todo = [ids for ids in unique if not all(found[ids])]
+        partly = sum(any(found[ids]) for ids in todo)
+        return PrecomputePlan(len(unique), len(unique) - len(todo), partly, len(todo), sum(map(len, todo)), 0, 0, 0)
+
     def _fill_groups(
-        self, prefix_ids: tuple[int, ...], groups: Sequence[Sequence[tuple[int, ...]]], show_progress: bool
-    ) -> Precomputed:
+        self, prefix_ids: tuple[int, ...], groups: Sequence[Sequence[tuple[int, ...]]], show_progress: bool,
+        on_plan: Callable[[PrecomputePlan], object] | None = None,
+    ) -> Precomputed:  # fmt: skip
         """Check that the longest group fits the model, then store the groups' entries (`groups.fill_groups`)."""
         longest = max(groups, key=lambda g: sum(map(len, g)))
         check_length(TokenizedPrompt(prefix_ids, tuple(longest), (0,)), 0, self.max_tokens)
         with self._lock:
-            done = fill_groups(self.chunks, self.prefiller, prefix_ids, groups, show_progress=show_progress)
+            done = fill_groups(self.chunks, self.prefiller, prefix_ids, groups, show_progress=show_progress,
+                               on_plan=on_plan)  # fmt: skip
         return Precomputed(*done)
 
     def set_chunk_context(
