@@ -1,9 +1,11 @@
-"""Layer-wise access to a Hugging Face decoder (Llama, Mistral, Qwen2, Qwen3) for selective recompute.
+"""Layer-wise access to a Hugging Face decoder of a supported family (`support.py`) for selective recompute.
 
 `transformers` runs a whole layer on a whole sequence. CacheBlend needs finer steps: project K/V for some tokens,
 compare them with cached ones, then run attention and the MLP for a *subset* of query tokens against the full
 (partly cached) K/V. `LayerwiseModel` exposes those steps over the model's own modules and weights, so the
-arithmetic is the model's; only the order of work changes.
+arithmetic is the model's; only the order of work changes. Where a family's layer differs from Llama's (norms,
+q/k norms, windows, RoPE per layer, soft-capping, sinks, multipliers) is read once into `self.spec`
+(`layer_spec.py`).
 
 Tensors here carry no batch dimension: one request at a time. Keys are handed around *before* RoPE ("raw"),
 which makes them position-free: `rotate_keys` places them at any position, exactly as an in-context prefill would.
