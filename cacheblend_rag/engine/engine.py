@@ -146,7 +146,8 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         show_progress: bool = True,
     ) -> CacheBlendEngine:
         """Load a preset (default: the default preset), a local folder or a Hugging Face hub id of a
-        Llama/Mistral/Qwen2/Qwen3 model (see `load_model` for `cache_dir`, `revision`, `local_files_only`)."""
+        model of a supported family (`models.support`; see `load_model` for `cache_dir`, `revision`,
+        `local_files_only`)."""
         from ..models import default_model, load_model
 
         config = config or EngineConfig()
