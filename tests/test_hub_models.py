@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig
+from transformers import Qwen3NextConfig
 
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.errors import ModelNotFoundError, UnsupportedModelError
@@ -69,14 +69,14 @@ def test_hf_hub_offline_forbids_downloads_like_local_files_only(tmp_path: Path, 
 
 
 def test_cached_unsupported_family_is_refused_from_its_config(tmp_path: Path, offline: None) -> None:
-    # Gemma-3 mixes sliding-window and full-attention layers; the config alone decides, no weights needed.
-    config = Gemma3TextConfig(
-        vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    # Qwen3-Next's layers are mostly linear attention; the config alone decides, no weights needed.
+    config = Qwen3NextConfig(
+        vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8,
     )  # fmt: skip
-    config.save_pretrained(_snapshot(tmp_path, "tiny-org/tiny-gemma3"))
-    with pytest.raises(UnsupportedModelError, match="gemma3"):
-        load_model("tiny-org/tiny-gemma3", cache_dir=tmp_path)
+    config.save_pretrained(_snapshot(tmp_path, "tiny-org/tiny-qwen3-next"))
+    with pytest.raises(UnsupportedModelError, match="qwen3_next"):
+        load_model("tiny-org/tiny-qwen3-next", cache_dir=tmp_path)
 
 
 def test_missing_path_that_cannot_be_a_hub_id_is_not_found(tmp_path: Path) -> None:
