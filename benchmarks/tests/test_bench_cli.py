@@ -98,7 +98,7 @@ def test_quality_figure_compares_only_methods_measured_on_the_same_cases(tmp_pat
     [("quality", "quality"), ("report", "quality"), ("fidelity", "fidelity"), ("throughput", "throughput"),
      ("sweep", "sweep"), ("ttft", "ttft"), ("tiers", "tiers"), ("controller", "controller"), ("load", "load"),
      ("decode_batch", "decode-batch"), ("precompute_cost", "precompute-cost"), ("folder_warm", "folder-warm"),
-     ("dtype_fidelity", "dtype-fidelity")],
+     ("dtype_fidelity", "dtype-fidelity"), ("ask_index", "ask-index")],
 )  # fmt: skip
 def test_every_benchmark_writes_under_benchmarks_results_by_default(name, folder, capsys, monkeypatch):
     import importlib
@@ -203,6 +203,23 @@ def test_precompute_cost_and_folder_warm_end_to_end_on_the_small_model(tmp_path,
     assert folder_warm.main([*small, "--question", "what?", "--top-k", "2", "--repeats", "1",
                              "--out", str(tmp_path / "fw")]) == 0  # fmt: skip
     assert "disk / memory" in capsys.readouterr().out
+
+
+@pytest.mark.real_model
+def test_ask_index_reuses_the_unchanged_folder_and_indexes_the_changed_file_alone(tmp_path, capsys):
+    import ask_index
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"d{i}.txt").write_text(random_words(900 + i, 120))
+    argv = ["--docs", str(docs), "--model", "smollm2-135m-instruct", "--change", "d1.txt", "--out", str(tmp_path / "o")]
+    assert ask_index.main(argv) == 0
+    runs = json.loads((tmp_path / "o" / "results.json").read_text())["runs"]
+    indexed = [(r["reused"], r["reindexed"]) for r in runs]
+    assert indexed == [(0, ["d0.txt", "d1.txt", "d2.txt"]), (3, []), (2, ["d1.txt"])]
+    assert "retrieval set-up (s)" in capsys.readouterr().out
+    assert (docs / "d1.txt").read_text() == random_words(901, 120)  # the folder given is never written
 
 
 def test_dtype_fidelity_pairs_each_dtypes_blend_against_its_own_reference():
