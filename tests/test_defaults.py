@@ -127,7 +127,8 @@ def test_env_names_what_auto_resolves_to_and_checks_a_model(gpu: bool, monkeypat
     assert f'device "auto" -> {device}' in report and f'dtype "auto" -> {dtype}' in report
     assert ("Test GPU, 80 GiB" in report) == gpu
     assert "torch " + torch.__version__ in report
-    assert "model smollm2-135m-instruct: a packaged preset" in report
+    model_line = next(line for line in report.splitlines() if line.startswith("model smollm2-135m-instruct"))
+    assert "supported" in model_line and "refused" not in model_line  # converted or not yet
     assert "store memory tier" in report
 
 
@@ -139,3 +140,14 @@ def test_env_refuses_an_unsupported_family_from_its_config(tmp_path) -> None:
     )
     report = environment_report(model=str(tmp_path))
     assert f"model {tmp_path} (gpt_neox): refused:" in report
+
+
+def test_env_says_which_fast_paths_a_family_gets(tmp_path) -> None:
+    from transformers import Gemma2Config, LlamaConfig
+
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    Gemma2Config(head_dim=16, sliding_window=64, **tiny).save_pretrained(tmp_path / "gemma2")
+    LlamaConfig(**tiny).save_pretrained(tmp_path / "llama")
+    assert "(gemma2): supported; fast paths:" in environment_report(model=str(tmp_path / "gemma2"))
+    assert "CUDA graphs no (the exact path)" in environment_report(model=str(tmp_path / "gemma2"))
+    assert "CUDA graphs yes" in environment_report(model=str(tmp_path / "llama"))

@@ -11,6 +11,7 @@ import argparse
 import logging
 import platform
 from importlib import metadata
+from pathlib import Path
 
 __all__ = ["PACKAGES", "cmd_env", "environment_report"]
 
@@ -67,17 +68,22 @@ def _device_lines() -> list[str]:
 
 def _model_line(name: str) -> str:
     """Whether `name` (a preset, a folder or a cached hub id) can be blended, from its config alone."""
+    from transformers import AutoConfig
+
     from ..errors import CacheBlendError
     from ..models import check_supported
     from ..models.presets import find_preset
 
     preset = find_preset(name)
+    source = name
     if preset is not None:
-        return f"model {name}: a packaged preset ({preset.description}); supported"
-    try:
-        from transformers import AutoConfig
+        from ..models.gguf import preset_cache_dir
 
-        config = AutoConfig.from_pretrained(name, local_files_only=True)
+        source = str(preset_cache_dir(preset) / "hf")  # its converted copy, once made
+        if not Path(source, "config.json").is_file():
+            return f"model {name}: a packaged preset ({preset.description}); supported, not converted yet"
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError):
         return (f"model {name}: not a preset, and no config.json in a folder of that name or in the local Hugging "
                 "Face cache")  # fmt: skip
@@ -85,7 +91,24 @@ def _model_line(name: str) -> str:
         check_supported(config)
     except CacheBlendError as err:
         return f"model {name} ({config.model_type}): refused: {err}"
-    return f"model {name} ({config.model_type}): supported"
+    return f"model {name} ({config.model_type}): supported; {_fast_paths(config)}"
+
+
+def _fast_paths(config: object) -> str:
+    """Which fast paths the engine takes for a model of this config, read from a weightless copy of it (meta)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..models.layer_spec import read_spec
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        spec = read_spec(model)
+    except Exception as err:  # a config transformers cannot build a model of: say so, the check above stands
+        return f"fast paths unknown ({type(err).__name__}: {err})"
+    covered = "yes" if spec.llama_like else "no (the exact path)"
+    return f"fast paths: fused q/k/v projections yes; int8 decode weights and CUDA graphs {covered}"
 
 
 def _store_lines(kv_dir: str | None, redis_url: str | None) -> list[str]:
@@ -96,8 +119,6 @@ def _store_lines(kv_dir: str | None, redis_url: str | None) -> list[str]:
     if kv_dir is None:
         lines.append("store disk tier: not asked (--kv-dir DIR checks a folder)")
     else:
-        from pathlib import Path
-
         from ..store import check_disk_dir
 
         if not Path(kv_dir).expanduser().exists():
