@@ -81,6 +81,21 @@ RANDOM_SHAPES = {
         num_attention_heads=14,
         num_key_value_heads=2,
     ),
+    # Gemma-3 1B's shape: a sliding-window family (5 layers of 512-token windows to 1 global layer, two RoPE bases,
+    # per-head q/k norms, norms around each branch), built from its own config class.
+    "gemma3-1b": dict(
+        model_type="gemma3_text",
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+    ),
 }
 
 
@@ -90,14 +105,16 @@ def build_engine(args, dtype: str, **config_fields) -> CacheBlendEngine:
     if not args.random_weights:
         return CacheBlendEngine.from_pretrained(args.model, config=config, show_progress=False)
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    shape = RANDOM_SHAPES[args.model_shape]
-    cfg = LlamaConfig(**{"vocab_size": 32000, "max_position_embeddings": 8192, "rope_theta": 10000.0, **shape})
+    shape = dict(RANDOM_SHAPES[args.model_shape])
+    model_type = shape.pop("model_type", "llama")
+    defaults = {"vocab_size": 32000, "max_position_embeddings": 8192, "rope_theta": 10000.0}
+    cfg = AutoConfig.for_model(model_type, **{**defaults, **shape})
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(args.device):
-        model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype))
     # One token per word "w2".."w31999". The special tokens get names no word contains: the tokenizer matches
     # special tokens inside words too, so an eos named "w1" would split "w12" into two tokens.
     vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, 32000)}}
