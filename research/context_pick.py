@@ -1,6 +1,6 @@
 """Which passages should a chunk's KV be prefilled after? Nearest, random, or mid-ranked passages of the corpus.
 
-Contextual chunk KV after a chunk's 2 nearest passages broke MuSiQue on the default model (research.md, "Neighbour
+Contextual chunk KV after a chunk's 2 nearest passages broke MuSiQue on the default model (the research log, "Neighbour
 context on the default model"), while KV captured among a request's other passages helped on every set. This
 screens, per case, chunk KV prefilled after 2 passages picked from the data set's whole pool (every case's
 passages, the chunk's own text left out) by several rules, against the same chunk prefilled alone:
@@ -15,7 +15,7 @@ passages, the chunk's own text left out) by several rules, against the same chun
 For each, full KV reuse and the default blend (`attention`@0.15) are teacher-forced along full recompute's
 answer; it prints mean KL(full || method) and whether the first token is full recompute's, and writes one JSON
 line per case and variant. Runs on `main` (the public API). Its records were taken before the engine read a
-prompt's first chunk from its isolated entry whatever context built its own (research.md section 17); since then
+prompt's first chunk from its isolated entry whatever context built its own (research/README.md, study 17); since then
 every variant reads it so, and `+first` measures the same as its base variant.
 
     python research/context_pick.py --datasets musique,multi_news,wikimqa,samsum --cases 0,1 \

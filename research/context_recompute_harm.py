@@ -1,6 +1,6 @@
 """Why does recomputing more tokens take a blend over contextual chunk KV further from full recompute?
 
-On MuSiQue's first case with acyclic contexts (research.md section 17), full KV reuse was at 0.050 nats and the
+On MuSiQue's first case with acyclic contexts (research/README.md, study 17), full KV reuse was at 0.050 nats and the
 default blend went 0.040, 0.127, 0.541, 1.852 as r rose 0.05 -> 0.2. This script takes that case apart, on the
 first answer token (the prefill's logits, KL(full || method) in nats, and whether its top token is full's):
 - the blend at several ratios (the attention rule's selection, from its own full-reuse pass), as a check against
@@ -10,7 +10,7 @@ first answer token (the prefill's logits, KL(full || method) in nats, and whethe
 - per chunk: which other chunks of the prompt its entry was cached after, and how many tokens were selected in it;
 - the same selections over isolated entries (each chunk prefilled alone), where more recompute helps.
 
-The "contextual" rows of research.md section 19 were measured at commit 73aef61, before the engine read an entry
+The "contextual" rows of research/README.md, study 19 were measured at commit 73aef61, before the engine read an entry
 built after a later chunk from its isolated entry; from 78f0e19 on the engine applies that rule itself, so here
 "contextual" reads like "ctx, later isolated".
 

@@ -8,7 +8,7 @@ last, one neighbour, 2 neighbours with the first chunk isolated, 2 other chunks 
 no two chunks in each other's context (`--only` picks some). Prints per-token KL(full || reuse) and reuse's first
 token. `--leave-one-out` then puts each chunk in turn back on its isolated entry, the others after their
 neighbours. Since the engine reads a prompt's first chunk from its isolated entry whatever context built its own
-(research.md section 17), "2 neighbours, first isolated" measures the same as "2 neighbours, nearest last".
+(research/README.md, study 17), "2 neighbours, first isolated" measures the same as "2 neighbours, nearest last".
 
     python research/context_variants_case.py --model qwen2.5-coder-0.5b-instruct --dataset musique --case 0
 """

@@ -1,5 +1,5 @@
 """Near copies in a chunk's context: how often similar chunks are overlapping windows of one text, and what a
-chunk's KV cached after such a window does to the blend (docs/research.md, "Near copies in a chunk's context").
+chunk's KV cached after such a window does to the blend (research/README.md, "Near copies in a chunk's context").
 
     python research/near_copies.py stats --data-dir ../shared/data
     python research/near_copies.py case musique musique-10 --data-dir ../shared/data

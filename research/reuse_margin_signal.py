@@ -1,7 +1,7 @@
 """Does full KV reuse's own first-token margin tell when the default blend will change the first token?
 
 The guard escalates on the blend's first-token margin (`Guard()`: margin < 0.1). On the 1.5B preset that signal is at
-chance on MuSiQue (AUC 0.48, research.md section 9). The `attention` rule's first pass ends with full KV reuse's
+chance on MuSiQue (AUC 0.48, research/README.md, study 9). The `attention` rule's first pass ends with full KV reuse's
 first-token distribution before any token is recomputed, and every blend now records its margin as
 `metrics.risk["reuse_margin"]`. This study reads it from guard probes (`benchmarks/guard_probe.py`: one chunk
 prefill and one default blend per case, on cases whose fidelity records hold full recompute's answer) and asks, per

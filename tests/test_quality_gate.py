@@ -40,7 +40,7 @@ REUSE_OVER_DEFAULT_HALF = 4.0  # reuse is at least this many times further from 
 # context holds a chunk placed after it in the prompt reads its isolated entry): measured 0.0598 for full reuse,
 # 0.0404 for the default at 0.15 and 0.0539 at 0.05. Isolated entries (0.114, 0.058, 0.085) fail every one of these
 # bounds. (Reading every contextual entry wherever its context sits gave 0.0136 / 0.0127 / 0.0124 here, and took a
-# MuSiQue answer far from full recompute: research.md section 19.)
+# MuSiQue answer far from full recompute: research/README.md, study 19.)
 CONTEXT_REUSE_KL_BOUND = 0.08
 CONTEXT_DEFAULT_KL_BOUND = 0.05
 # Captured chunk KV (`capture="all"`: cut from a cold request's full prefill of the same passages, the first in

@@ -59,7 +59,7 @@ class PoolNeighbours:
     """Each passage's nearest neighbours in a data set's pool (every case's passages, duplicates once).
 
     `acyclic`: only among passages earlier in a fixed order of the pool (`text_rank`), so no two passages are in
-    each other's context (research.md, "Which passages to cache a chunk after": chunks cached after each other,
+    each other's context (research/README.md, "Which passages to cache a chunk after": chunks cached after each other,
     all in one prompt, broke a MuSiQue answer); searched among the 8n + 16 nearest, so a passage early in the
     order may get fewer than n, and the first none."""
 

@@ -30,7 +30,7 @@ class PrefillMode(str, Enum):
 
 
 # The selection rules, by name: which reused chunk tokens a blend recomputes. Each earns its place in the fidelity
-# tables of docs/benchmarks.md; the rules that lost are described in docs/research.md.
+# tables of docs/benchmarks.md; the rules that lost are described in research/README.md.
 RULES: dict[str, str] = {
     # the default: the question's attention over the chunk tokens in a first pass that reuses every chunk's KV;
     # the top r of chunk tokens are then recomputed on every layer (no check layers)

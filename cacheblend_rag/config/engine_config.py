@@ -37,7 +37,7 @@ REMOVED: dict[str, str] = {
     "context_neighbours": "neighbour context left the product (grouped precompute, the default, took its place); "
     "to cache chunks after given texts, pass them as precompute(chunks, context=[[text, ...], ...])",
     "stale_key_temperature": "the attention temperature on stale KV left the product (within noise for the default "
-    "blend; docs/research.md keeps its study)",
+    "blend; research/README.md keeps its study)",
     "pipelined_loading": "pipelined loading is always on (benchmarks compare it with "
     "engine.prefiller.pipelined = False)",
 }

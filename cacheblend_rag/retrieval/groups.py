@@ -8,7 +8,7 @@ and the next chunk in corpus order when those are all placed), and the chain is 
 windows of one text), which it would read as a repeat of its own words. A chunk's KV from its group's prefill has
 read the chunks before it there: on the fidelity benchmark, KV captured among passages of earlier requests was as
 close to full recompute as KV prefilled after each chunk's nearest neighbours, which costs that context's tokens
-again for every chunk (docs/benchmarks.md, "Contextual chunk KV").
+again for every chunk (research/README.md, "Contextual chunk KV after neighbours").
 """
 
 from __future__ import annotations

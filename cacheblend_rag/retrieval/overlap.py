@@ -4,7 +4,7 @@ Corpora are often split with overlapping windows (a text splitter's `chunk_overl
 windows), so a chunk's most similar chunk is often a window that holds much of the same text. A chunk's KV
 prefilled after such a near copy is computed while the model reads its own words a second time: on the fidelity
 benchmark one MuSiQue passage cached after two windows holding most of it took full KV reuse from 0.35 to 4.8
-nats from full recompute (docs/research.md, "Near copies in a chunk's context"). Contextual chunk KV (the
+nats from full recompute (research/README.md, "Near copies in a chunk's context"). Contextual chunk KV (the
 neighbours a chunk is prefilled after, the groups of grouped precompute) therefore leaves near copies apart.
 
 Two texts are near copies when they share at least `NEAR_COPY_SHARE` of the word 8-grams of the shorter one; two

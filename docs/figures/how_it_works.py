@@ -3,7 +3,10 @@
     python docs/figures/how_it_works.py            # needs matplotlib (the `eval` extra)
     python docs/figures/how_it_works.py --rule gradual --out /tmp/gradual.png
 
-Left: what happens once per chunk (prefill alone, store the KV). Right: one request as a grid of layers x prompt
+Left: what precompute stores, as `EngineConfig().chunk_context` says (the default, "grouped": the corpus chained
+by similarity into groups, each group prefilled once and each chunk after a group's first stored as the group's
+prefill computed it, beside every chunk's KV computed alone; `--chunk-context isolated` draws chunks cached alone
+only). Right: one request as a grid of layers x prompt
 tokens, coloured by what the fusor does there: loaded and kept (the reused KV), recomputed, or exact (the shared
 prefix). The default rule (`attention`) is drawn with its first pass, a strip of the attention the question
 pays to each chunk token; the tokens it ranks highest are recomputed on every layer. `--rule gradual` draws a
@@ -24,7 +27,7 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 
-from cacheblend_rag import RULE_NAMES, BlendConfig, blend_rule
+from cacheblend_rag import RULE_NAMES, BlendConfig, EngineConfig, blend_rule
 
 PREFIX, CHUNK, QUESTION = 6, 22, 8  # tokens per part in the drawing (not to scale)
 CHUNKS = 3
@@ -49,11 +52,11 @@ def recompute_grid(config: BlendConfig, seed: int = 0) -> np.ndarray:
     grid = np.zeros((LAYERS, n), dtype=int)
     grid[:, :PREFIX] = 1
     grid[:, PREFIX + n_reused :] = 3
-    if config.selection == "attention":  # the picks of the first pass, recomputed on every layer
+    if config.uses_attention_pass:  # the picks of the first pass, recomputed on every layer
         picks = np.argsort(-attention_scores(seed))[: max(1, round(config.recompute_ratio * n_reused))]
         grid[:, PREFIX + picks] = 2
         return grid
-    if config.selection == "none":  # EPIC: the first tokens of every chunk
+    if config.rule == "epic":  # EPIC: the first tokens of every chunk
         for i in range(CHUNKS):
             grid[:, PREFIX + i * CHUNK : PREFIX + i * CHUNK + max(1, round(config.recompute_ratio * CHUNK))] = 2
         return grid
@@ -80,14 +83,9 @@ def arrow(ax, a, b):
     ax.add_patch(FancyArrowPatch(a, b, arrowstyle="-|>", mutation_scale=12, lw=1.0, color="#333333"))
 
 
-def draw(out: Path, config: BlendConfig) -> None:
-    probe = config.selection == "attention"
-    fig = plt.figure(figsize=(14, 5.8))
-    left = fig.add_axes([0.01, 0.05, 0.32, 0.86])
-    left.set_xlim(0, 11.0)
-    left.set_ylim(0, 10)
-    left.axis("off")
-    left.set_title("once per chunk (precompute, or on first miss)", fontsize=11)
+def draw_isolated(left) -> None:
+    """Each chunk prefilled alone after the prefix, its KV stored."""
+    left.set_title("once per chunk: prefilled alone, stored", fontsize=11)
     for i in range(CHUNKS):
         y = 7.6 - i * 2.4
         box(left, (0.2, y), 2.6, 1.3, f"[prefix] chunk {i + 1}", "#f0f0f0")
@@ -95,15 +93,44 @@ def draw(out: Path, config: BlendConfig) -> None:
         box(left, (4.1, y), 2.2, 1.3, "prefill\nalone", "#fff7bc")
         arrow(left, (6.4, y + 0.65), (7.1, y + 0.65))
         box(left, (7.2, y), 2.9, 1.3, f"K, V of chunk {i + 1}\n(keys before RoPE)", COLORS["kept"], 8)
-    box(left, (4.0, 0.3), 5.8, 1.4, "store: memory -> disk -> Redis\nsafetensors, sha256 per layer", "#e5f5e0")
-    for i in range(CHUNKS):  # every chunk's KV goes to the store
-        y = 7.6 - i * 2.4 + 0.65
-        left.add_patch(
-            FancyArrowPatch(
-                (10.1, y), (9.3, 1.75), arrowstyle="-|>", mutation_scale=12, lw=1.0, color="#333333",
-                connectionstyle=f"arc3,rad=-{0.15 + 0.05 * (CHUNKS - i)}",
-            )
-        )  # fmt: skip
+    arrow(left, (8.65, 2.8), (8.65, 1.75))
+
+
+def draw_grouped(left) -> None:
+    """Grouped precompute: one prefill per group of similar chunks, and each chunk alone."""
+    left.set_title("once per corpus: grouped precompute (the default)", fontsize=11)
+    box(left, (0.2, 8.3), 10.6, 1.2, "corpus chained by similarity, cut into groups of up to 3,072 tokens",
+        "#f7f7f7", 8)  # fmt: skip
+    box(left, (0.2, 6.2), 4.6, 1.3, "[prefix] chunk 1 | chunk 2 | chunk 3\n(one group of similar chunks)", "#f0f0f0", 8)
+    arrow(left, (4.9, 6.85), (5.6, 6.85))
+    box(left, (5.7, 6.2), 1.9, 1.3, "prefill the\ngroup once", "#fff7bc", 8)
+    arrow(left, (7.7, 6.85), (8.1, 6.85))
+    box(left, (8.2, 6.2), 2.6, 1.3, "K, V of chunks 2, 3\nas in the group", COLORS["kept"], 8)
+    box(left, (0.2, 3.7), 4.6, 1.3, "[prefix] chunk i, for every chunk", "#f0f0f0", 8)
+    arrow(left, (4.9, 4.35), (5.6, 4.35))
+    box(left, (5.7, 3.7), 1.9, 1.3, "prefill\nalone", "#fff7bc", 8)
+    arrow(left, (7.7, 4.35), (8.1, 4.35))
+    box(left, (8.2, 3.7), 2.6, 1.3, "K, V of chunk i\nalone", COLORS["kept"], 8)
+    note = "a prompt's first chunk reads its entry alone; a later chunk its grouped entry\n"
+    note += "(keys stored before RoPE, rotated to the prompt's positions when read)"
+    left.text(0.2, 2.55, note, ha="left", fontsize=7.5)
+    left.add_patch(FancyArrowPatch((10.8, 6.85), (10.5, 1.75), arrowstyle="-|>", mutation_scale=12, lw=1.0,
+                                   color="#333333", connectionstyle="arc3,rad=-0.35", clip_on=False))  # fmt: skip
+    arrow(left, (9.9, 3.7), (9.9, 1.75))
+
+
+def draw(out: Path, config: BlendConfig, chunk_context: str) -> None:
+    probe = config.uses_attention_pass
+    fig = plt.figure(figsize=(14, 5.8))
+    left = fig.add_axes([0.01, 0.05, 0.34, 0.86])
+    left.set_xlim(0, 11.0)
+    left.set_ylim(0, 10)
+    left.axis("off")
+    if chunk_context == "isolated":
+        draw_isolated(left)
+    else:
+        draw_grouped(left)
+    box(left, (4.0, 0.3), 6.8, 1.4, "store: memory, then disk and Redis (int8 by default)", "#e5f5e0", 8)
 
     right = fig.add_axes([0.45, 0.22, 0.53, 0.52 if probe else 0.68])
     grid = recompute_grid(config)
@@ -172,8 +199,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("how_it_works.png"))
     parser.add_argument("--rule", choices=RULE_NAMES, default=None, help="a named rule (default: BlendConfig())")
+    parser.add_argument("--chunk-context", choices=("grouped", "isolated"), default=None,
+                        help="what the left panel draws (default: EngineConfig().chunk_context)")  # fmt: skip
     args = parser.parse_args()
-    draw(args.out, BlendConfig() if args.rule is None else blend_rule(args.rule))
+    context = args.chunk_context or ("isolated" if EngineConfig().chunk_context == "isolated" else "grouped")
+    draw(args.out, BlendConfig() if args.rule is None else blend_rule(args.rule), context)
     print(f"wrote {args.out}")
 
 

@@ -47,7 +47,7 @@ def copies_before(chunk_ids: Sequence[Sequence[int]]) -> list[tuple[tuple[int, .
     (`retrieval.overlap.near_copy_ids`: overlapping windows of one text), in prompt order. A captured entry is
     keyed by these (`copies_digest`): its KV has read them, and a prompt that does not show them before the chunk
     reads it as a repeat that is not there (a MuSiQue passage cached after two windows of itself went several
-    nats from full recompute; docs/research.md, "Near copies in a chunk's context")."""
+    nats from full recompute; research/README.md, "Near copies in a chunk's context")."""
     from ...retrieval.overlap import NEAR_COPY_SHARE, near_copy_ids, token_shingles
 
     ids = [tuple(c) for c in chunk_ids]
