@@ -320,3 +320,119 @@ def test_a_new_folder_on_a_full_disk_is_one_error_that_says_to_free_space(tmp_pa
     with pytest.raises(ConfigError, match="its filesystem is full; free space on it") as err:
         DiskStore(tmp_path / "kv")
     assert "writable" not in str(err.value)
+
+
+# ---------------------------------------------------------------- R2: a request cancelled during its prefill
+
+S_PER_TOKEN = 1.5e-4  # what each decoder layer takes per token of its input: the long prompt's layer ~0.07 s
+LONG_TOKENS = 450
+
+
+class SlowLayers:
+    """Makes each decoder layer of `model` take `S_PER_TOKEN` seconds per token of its input (a stand-in for a model
+    large enough that a prefill takes seconds, on a tiny one), and sets `reached` once a forward of at least
+    `LONG_TOKENS` tokens has finished its second layer (the prefill is then well under way)."""
+
+    def __init__(self, model) -> None:
+        self.reached = threading.Event()
+        for idx, layer in enumerate(model.model.layers):
+            layer.register_forward_hook(self._hook(idx), with_kwargs=True)
+
+    def _hook(self, layer_idx: int):
+        def done(module, args, kwargs, output):
+            hidden = args[0] if args else kwargs["hidden_states"]  # [B, T, hidden]
+            time.sleep(S_PER_TOKEN * hidden.shape[1])
+            if layer_idx == 1 and hidden.shape[1] >= LONG_TOKENS:
+                self.reached.set()
+
+        return done
+
+
+# Prompts without chunks (a full prefill each, and nothing stored after it that could hold the engine later)
+LONG = random_words(50, LONG_TOKENS + 10)
+SHORT = random_words(60, 4)
+TAIL = random_words(61, 3)
+
+
+@pytest.fixture
+def slow_engine(one_thread):  # one thread: a tiny model's compute does not stall when other processes hold the cores
+    engine = CacheBlendEngine(make_tiny_model("qwen2", num_layers=12), make_tiny_tokenizer(),
+                              config=EngineConfig(chunk_separator=""))  # fmt: skip
+    slow = SlowLayers(engine.model)
+    yield engine, slow
+    engine.close()
+
+
+def run_long(engine) -> float:
+    """Seconds the long request takes alone (its prefill and one token): what a cancelled one is compared with."""
+    t0 = time.perf_counter()
+    engine.generate([], prefix=LONG, suffix=TAIL, max_new_tokens=1)
+    return time.perf_counter() - t0
+
+
+def short_wait(engine) -> float:
+    t0 = time.perf_counter()
+    engine.generate([], prefix=SHORT, suffix=TAIL, max_new_tokens=1)
+    return time.perf_counter() - t0
+
+
+async def short_wait_async(engine) -> float:
+    t0 = time.perf_counter()
+    await engine.agenerate([], prefix=SHORT, suffix=TAIL, max_new_tokens=1)
+    return time.perf_counter() - t0
+
+
+def shorter(waited: float, alone: float) -> None:
+    assert waited < 0.4 * alone, f"the short request waited {waited:.2f} s; the long prefill alone takes {alone:.2f} s"
+
+
+@pytest.mark.parametrize("how", ["task.cancel", "wait_for"])
+def test_a_request_cancelled_in_its_prefill_stops_it_and_the_next_request_does_not_wait_for_it(slow_engine, how):
+    engine, slow = slow_engine
+    alone = run_long(engine)
+
+    async def scenario() -> float:
+        call = engine.agenerate([], prefix=LONG, suffix=TAIL, max_new_tokens=1)
+        if how == "wait_for":
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(call, timeout=0.25 * alone)
+        else:
+            task = asyncio.create_task(call)
+            await asyncio.to_thread(slow.reached.wait, 60)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        return await short_wait_async(engine)
+
+    shorter(asyncio.run(scenario()), alone)
+    assert engine.scheduler.decode_pool == (0, 0)  # no slot held for the cancelled request
+
+
+def test_a_stream_closed_by_another_thread_during_its_prefill_stops_it(slow_engine):
+    engine, slow = slow_engine
+    alone = run_long(engine)
+    stream = engine.stream([], prefix=LONG, suffix=TAIL, max_new_tokens=1)
+    read: list[str] = []
+    reader = threading.Thread(target=lambda: read.extend(stream))  # served on the reader's own thread
+    reader.start()
+    assert slow.reached.wait(60)
+    stream.close()  # a client that went away
+    waited = short_wait(engine)
+    reader.join(60)
+    assert not reader.is_alive() and read == [] and stream.result is None
+    shorter(waited, alone)
+
+
+def test_a_langchain_timeout_stops_the_prefill_it_interrupts(slow_engine):
+    pytest.importorskip("langchain_cacheblend")
+    from langchain_cacheblend import CacheBlendLLM
+
+    engine, _ = slow_engine
+    alone = run_long(engine)
+    llm = CacheBlendLLM(engine=engine, max_tokens=1, timeout=0.25 * alone)
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="timeout"):
+        llm.invoke(LONG)  # no chunks: a full prefill of the whole text, served on this thread
+    took = time.perf_counter() - t0
+    assert took < 0.65 * alone, f"the call timed out after {took:.2f} s; the long prefill alone takes {alone:.2f} s"
+    shorter(short_wait(engine), alone)

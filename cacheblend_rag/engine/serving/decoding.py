@@ -93,6 +93,12 @@ class TokenLoop:
         return rest, GenerationResult(self.text.text, self.generated, self.finish, m)
 
 
+class RequestCancelled(Exception):
+    """A request's reader left (a stream closed, an asyncio task cancelled or timed out): raised between the layers
+    of its prefill, which stops there, and the last event of its channel, which wakes a reader still waiting on it.
+    A closed stream ends quietly on it; no caller sees it."""
+
+
 Event = str | GenerationResult | BaseException  # what a request's channel carries, in order
 
 
@@ -111,7 +117,9 @@ class _Events:
             self._cancel()
 
     def _take(self, event: Event) -> str:
-        """An event's text ("" for none); the result is kept, an error raised."""
+        """An event's text ("" for none); the result is kept, an error raised (a closed stream's cancel ends it)."""
+        if isinstance(event, RequestCancelled) and self._closed:
+            return ""
         if isinstance(event, BaseException):
             raise event
         if isinstance(event, GenerationResult):
@@ -123,8 +131,8 @@ class _Events:
 class TextStream(_Events):
     """Iterator over text deltas of one generation; `.result` holds the GenerationResult once exhausted.
 
-    `close()` (or leaving a `with` block, or dropping the stream) cancels the request: the engine stops
-    decoding it at its next step and the others go on.
+    `close()` (or leaving a `with` block, or dropping the stream), from any thread, cancels the request: the engine
+    stops its prefill at the next layer, or its decoding at the next step, and the others go on.
     """
 
     def __init__(self, events: Iterator[Event], cancel: Callable[[], None]) -> None:
@@ -167,7 +175,8 @@ class AsyncTextStream(_Events):
     """`async for` over text deltas of one generation; `.result` holds the GenerationResult once exhausted.
 
     Awaiting a delta parks the task without a thread: the engine's scheduler hands each event to the event loop.
-    `aclose()` cancels the request, as does a task cancelled while it waits.
+    `aclose()` cancels the request, as does a task cancelled while it waits (`asyncio.wait_for` timing out): its
+    prefill stops at the next layer, its decoding at the next step.
     """
 
     def __init__(self, events: AsyncIterator[Event], cancel: Callable[[], None]) -> None:

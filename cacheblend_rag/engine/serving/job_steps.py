@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from ..request.after_layer import AfterLayer
 from .decode_slots import DecodeSlots
+from .decoding import RequestCancelled
 from .jobs import Job, Served
 from .tokens import greedy_tokens
 
@@ -31,13 +32,16 @@ class JobSteps:
 
     def start(self, job: Job, after_layer: AfterLayer | None) -> bool:
         """Prefill `job` and send its first token; -> True when it goes on decoding (it then holds its slot).
-        An error ends the job with that error, never the server."""
+        An error ends the job with that error, never the server; a job cancelled during its prefill stops it at the
+        next layer and lets go of its slot."""
         try:
             self.hosted = 0
+            if job.cancelled:
+                raise RequestCancelled("the request was cancelled before its prefill")
             # its decode slot first: a prefill that reads stored KV lays the prompt's there, and decoding starts
             # from it with no copy
             buffers = self.slots.reserve(job, job.positions)
-            pre = self.served.run_prefill(job.prompt, job.request, after_layer, buffers)
+            pre = self.served.run_prefill(job.prompt, job.request, job.watching(after_layer), buffers)
             pre.metrics.interleaved_steps = self.hosted
             job.deferred = pre.deferred
             job.loop = self.served.token_loop(job.request)
@@ -52,7 +56,10 @@ class JobSteps:
             self.slots.admit(job, pre)
         except Exception as exc:
             self.slots.free(job)
-            job.channel.put(exc)
+            if isinstance(exc, RequestCancelled):
+                job.cancel()
+                logger.debug("%s", exc)
+            job.channel.put(exc)  # a reader still waiting wakes up; one that left never reads it
             return False
         return True
 

@@ -17,7 +17,7 @@ from ..prefill.prefiller import Prefill
 from ..request.after_layer import AfterLayer
 from ..request.prompt import TokenizedPrompt
 from ..request.request import Request
-from .decoding import Event, GenerationResult, TokenLoop
+from .decoding import Event, GenerationResult, RequestCancelled, TokenLoop
 from .deferred_fills import DeferredFills
 
 
@@ -81,6 +81,18 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def watching(self, after_layer: AfterLayer | None) -> AfterLayer:
+        """What this job's prefill runs between its layers: RequestCancelled once the job is cancelled (the prefill
+        stops there), else `after_layer` (the scheduler's decode steps for the others) if given."""
+
+        def between(layer_idx: int) -> None:
+            if self.cancelled:
+                raise RequestCancelled(f"the request was cancelled after layer {layer_idx} of its prefill")
+            if after_layer is not None:
+                after_layer(layer_idx)
+
+        return between
 
 
 class Served(Protocol):

@@ -11,8 +11,9 @@ What a turn does to its jobs (start, step, finish) is `JobSteps`; this module de
 With `max_token_gap_s`, decoding requests also get a step between two layers of a prefill (or of a chunk being
 stored) once their last token is that old, so a long prefill does not stop their answers. Events reach each
 job's reader through a `Channel` (a queue for a thread, the event loop for a task): a slow reader only lets its
-own events pile up, and a reader that leaves cancels its job. The worker exits when nothing is left and starts
-again with the next job; at interpreter exit `stop` (called by `shutdown`) fails the jobs still in it.
+own events pile up, and a reader that leaves cancels its job, whose prefill then stops at its next layer. The
+worker exits when nothing is left and starts again with the next job; at interpreter exit `stop` (called by
+`shutdown`) fails the jobs still in it.
 
 A request alone is served by the thread that reads it: PyTorch keeps an OpenMP pool per thread, and a worker's
 pool beside the caller's own oversubscribes a CPU's cores (each decode step 1.3-1.4x slower on 2 cores). When a
@@ -32,7 +33,7 @@ from ..request.prompt import TokenizedPrompt
 from ..request.request import Request
 from .batch_decode import BatchDecoder
 from .decode_slots import DecodeSlots
-from .decoding import AsyncTextStream, Event, GenerationResult, TextStream
+from .decoding import AsyncTextStream, Event, GenerationResult, RequestCancelled, TextStream
 from .graphs import GraphedSteps
 from .job_steps import JobSteps
 from .jobs import Channel, Job, Served
@@ -282,7 +283,12 @@ class Scheduler:
         return self._served.fills.wait_for(job.prompt.chunk_ids, timeout=0)
 
     def _prune(self) -> None:
-        """Drop the jobs no one serves any more: cancelled ones, and finished ones (under the condition's lock)."""
+        """Drop the jobs no one serves any more: cancelled ones, and finished ones (under the condition's lock). A
+        cancelled job's channel gets a last event, so a reader still waiting on it (another thread than the one
+        that closed its stream) wakes up."""
+        for job in self._waiting + self._active:
+            if job.cancelled and not job.finished:
+                job.channel.put(RequestCancelled("the request was cancelled"))
         self._waiting = [j for j in self._waiting if not j.cancelled]
         self.slots.leave([j for j in self._active if j.cancelled and not j.finished])
         self._active = [j for j in self._active if not (j.cancelled or j.finished)]

@@ -10,11 +10,11 @@ shared with the LlamaIndex package.
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
-from cacheblend_rag import CacheBlendEngine, GenerationResult
+from cacheblend_rag import CacheBlendEngine, GenerationResult, TextStream
 from cacheblend_rag.errors import PromptError
 from cacheblend_rag.frameworks import (
     CONTEXT_PLACEHOLDER,
@@ -109,7 +109,9 @@ class CacheBlendParams(EngineFields):
     stop: list[str] | None = Field(default=None, description="Generation ends before the first of these strings.")
     streaming: bool = Field(default=False, description="Generate through the streaming path even on invoke.")
     timeout: float | None = Field(
-        default=None, gt=0, description="Seconds a call may take; a longer one raises TimeoutError between tokens."
+        default=None,
+        gt=0,
+        description="Seconds a call may take; a longer one raises TimeoutError, its prefill stopped at the next layer.",
     )
     max_retries: int = Field(
         default=0,
@@ -212,12 +214,23 @@ class CacheBlendParams(EngineFields):
         stream = engine.astream(chunks, prefix=prefix, suffix=suffix, **arguments)
         return self._with_async_timeout(stream), stream, kwargs.get("model") or self.model_name
 
-    async def _with_async_timeout(self, deltas: AsyncIterator[str]) -> AsyncIterator[str]:
-        start = time.perf_counter()
-        async for delta in deltas:
+    async def _with_async_timeout(self, deltas: AsyncTextStream) -> AsyncIterator[str]:
+        """The deltas, ending in TimeoutError once `timeout` seconds have passed, even in the middle of the prefill:
+        the wait for the next delta is cancelled, which cancels the request (its prefill stops at the next layer)."""
+        if self.timeout is None:
+            async for delta in deltas:
+                yield delta
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        while True:
+            try:
+                delta = await asyncio.wait_for(deltas.__anext__(), max(0.0, deadline - loop.time()))
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise self._timeout_error() from None
             yield delta
-            if self.timeout is not None and time.perf_counter() - start > self.timeout:
-                raise self._timeout_error()
 
     def _timeout_error(self) -> TimeoutError:
         return TimeoutError(
@@ -225,12 +238,27 @@ class CacheBlendParams(EngineFields):
             "documents"
         )
 
-    def _with_timeout(self, deltas: Iterator[str]) -> Iterator[str]:
-        start = time.perf_counter()
-        for delta in deltas:
-            yield delta
-            if self.timeout is not None and time.perf_counter() - start > self.timeout:
-                raise self._timeout_error()
+    def _with_timeout(self, deltas: TextStream) -> Iterator[str]:
+        """The deltas, ending in TimeoutError once `timeout` seconds have passed, even in the middle of the prefill:
+        a timer closes the stream then, which cancels the request (its prefill stops at the next layer)."""
+        if self.timeout is None:
+            yield from deltas
+            return
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            deltas.close()
+
+        timer = threading.Timer(self.timeout, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield from deltas
+        finally:
+            timer.cancel()
+        if expired.is_set():
+            raise self._timeout_error()
 
     def _generation_info(self, result: GenerationResult, model_name: str) -> dict[str, Any]:
         """What a response carries besides its text: the model, why it ended, and the request's blend metrics."""
