@@ -436,3 +436,26 @@ def test_a_langchain_timeout_stops_the_prefill_it_interrupts(slow_engine):
     took = time.perf_counter() - t0
     assert took < 0.65 * alone, f"the call timed out after {took:.2f} s; the long prefill alone takes {alone:.2f} s"
     shorter(short_wait(engine), alone)
+
+
+def test_a_file_this_user_may_not_read_is_skipped_with_one_warning_line(tmp_path, caplog, monkeypatch):
+    import os
+
+    from cacheblend_rag.retrieval import load_documents, sources
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("A readable document about rivers.")
+    locked = docs / "locked.txt"
+    locked.write_text("A document nobody may read.")
+    locked.chmod(0)
+    if os.geteuid() == 0:  # root reads whatever the mode says: let the permission check say what it says for others
+        real_access = os.access
+        monkeypatch.setattr(
+            sources.os, "access", lambda p, mode: False if str(p) == str(locked) else real_access(p, mode)
+        )
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.retrieval"):
+        got = load_documents(docs)
+    assert [d.source for d in got] == ["a.txt"]
+    warnings = [r.getMessage() for r in caplog.records if "may not read" in r.getMessage()]
+    assert len(warnings) == 1 and "'locked.txt'" in warnings[0], warnings

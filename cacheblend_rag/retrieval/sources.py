@@ -132,8 +132,9 @@ def find_document_files(
 
     `suffixes` defaults to `.txt`/`.md`/`.rst` when no glob is given, and to none when one is. Hidden files and
     folders (a name starting with ".") and anything that is not a regular file are skipped; so are links whose
-    target lies outside the folder, unless `follow_links`, and, with one warning line, links that resolve to no
-    file (a loop such as `ln -s self self`, a link to nothing). Raises ConfigError when nothing matches.
+    target lies outside the folder, unless `follow_links`, and, with one warning line each, links that resolve to no
+    file (a loop such as `ln -s self self`, a link to nothing) and files this user may not read. Raises ConfigError
+    when nothing matches.
     """
     globs = normalize_globs(globs)
     wanted = normalize_suffixes(DEFAULT_SUFFIXES if suffixes is None and not globs else suffixes or ())
@@ -155,6 +156,7 @@ def find_document_files(
     files: list[tuple[Path, str]] = []
     skipped = 0
     unresolved: list[str] = []  # entries no file stands behind: a link loop, a link to nothing
+    unreadable: list[str] = []  # files this user may not read (permissions): skipped, named once
     seen = {real_root}  # real folders already walked: a link loop is walked once
     stack = [(root, PurePosixPath())]
     while stack:
@@ -185,7 +187,14 @@ def find_document_files(
             elif is_file and (
                 PurePosixPath(entry.name).suffix.lower() in wanted or any(_glob_match(name.parts, p) for p in patterns)
             ):
-                files.append((Path(entry.path), name.as_posix()))
+                if os.access(real, os.R_OK):
+                    files.append((Path(entry.path), name.as_posix()))
+                else:
+                    unreadable.append(name.as_posix())
+    if unreadable:
+        shown = ", ".join(repr(n) for n in sorted(unreadable)[:3]) + (" ..." if len(unreadable) > 3 else "")
+        logger.warning("skipped %d file%s under %s this user may not read: %s", len(unreadable),
+                       "" if len(unreadable) == 1 else "s", root, shown)  # fmt: skip
     if unresolved:
         shown = ", ".join(repr(n) for n in sorted(unresolved)[:3]) + (" ..." if len(unresolved) > 3 else "")
         logger.warning("skipped %d entr%s under %s that resolve to no file (a link loop or a link to nothing): %s",
