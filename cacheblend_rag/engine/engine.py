@@ -32,6 +32,7 @@ from ..models.adapter import LayerwiseModel
 from ..models.fingerprint import fingerprints_by_dtype, model_fingerprint
 from ..models.fused import fuse_qkv
 from ..models.int8 import int8_decode_lm
+from ..models.packed import pack_linears, packing_available
 from ..models.support import check_supported, max_blend_length
 from ..store import ChunkStore, TieredStore, build_store
 from .chunks.cache import ChunkCache
@@ -83,7 +84,9 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         self.model = model.to(device=device, dtype=dtype).eval()
         self.tokenizer = tokenizer
         self.token_cache = TokenCache(tokenizer)  # chunk texts -> ids: a chunk retrieved again is not tokenized again
-        self.lm = LayerwiseModel(self.model, fused_qkv=fuse_qkv(self.model))  # q/k/v in one product
+        fused = fuse_qkv(self.model)  # q/k/v in one product; bf16 on a CPU: weights packed once for oneDNN
+        fused = pack_linears(self.model, fused) if packing_available(device, dtype) else fused
+        self.lm = LayerwiseModel(self.model, fused_qkv=fused)
         # int8 decode weights and CUDA graphs are written for Llama's layer: other families run the exact path
         fast = self.lm.spec.llama_like
         asked = self.config.decode_weights == "int8" or self.config.prefill_graphs or self.config.decode_graphs

@@ -63,9 +63,11 @@ def fuse_qkv(model: nn.Module) -> list[FusedQKV] | None:
     casting the model later gives each projection its own tensor again, and the fused products keep the old ones).
 
     None, and the model is left as it is, unless every layer has the three projections, each a plain `nn.Linear`
-    with its weights on one device in one dtype (not quantized, wrapped or offloaded), and all or none of them have
-    a bias.
+    (or one an engine packed for oneDNN before, `packed.PackedLinear`) with its weights on one device in one dtype
+    (not quantized, wrapped or offloaded), and all or none of them have a bias.
     """
+    from .packed import PackedLinear  # packed layers (`packed.py`) are plain linears over the same parameters
+
     names = ("q_proj", "k_proj", "v_proj")
     layers = model.model.layers
     attns = [layer.self_attn for layer in layers]
@@ -74,7 +76,7 @@ def fuse_qkv(model: nn.Module) -> list[FusedQKV] | None:
     weight0 = attns[0].q_proj.weight
     for attn in attns:
         linears = [getattr(attn, name) for name in names]
-        if any(type(lin) is not nn.Linear for lin in linears):
+        if any(type(lin) not in (nn.Linear, PackedLinear) for lin in linears):
             return None
         tensors = [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
         if any(t.device != weight0.device or t.dtype != weight0.dtype or t.is_meta for t in tensors):
