@@ -11,18 +11,18 @@ import torch
 from test_batching import POOL, request_args
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig
-from cacheblend_rag.engine.request.after_layer import between_layers
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fusion import FusionPlan, fuse
+from cacheblend_rag.fusion import FusionPlan, LayerEvents, fuse
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 
-def test_between_layers_calls_back_after_every_layer_but_the_last_on_its_own_thread_only():
+def test_layer_events_hooked_on_a_forward_tell_every_layer_but_the_last_on_their_own_thread_only():
     model = make_tiny_model("llama", num_layers=4)
     ids = torch.tensor([[5, 6, 7, 8]])
     seen: list[tuple[str, int]] = []
     with torch.inference_mode():
-        with between_layers(model.model.layers, lambda i: seen.append((threading.current_thread().name, i))):
+        events = LayerEvents(lambda i: seen.append((threading.current_thread().name, i)))
+        with events.hooked(model.model.layers):
             model(input_ids=ids)
             other = threading.Thread(target=lambda: model(input_ids=ids), name="other")
             other.start()
@@ -47,11 +47,11 @@ def test_the_fusor_calls_back_between_layers_and_computes_the_same():
     reused[n - len(prompt.suffix_ids) :] = False
     plan = FusionPlan(prompt.input_ids(), torch.arange(n), exact, reused, (1,), (6,), "key")
 
-    def run(after_layer=None):
-        return fuse(engine.lm, plan, engine.chunks.prompt_kv(parts, n), after_layer=after_layer)
+    def run(events=None):
+        return fuse(engine.lm, plan, engine.chunks.prompt_kv(parts, n), events=events)
 
     called: list[int] = []
-    plain, ticked = run(), run(called.append)
+    plain, ticked = run(), run(LayerEvents(called.append))
     assert called == [0, 1, 2, 3]
     assert torch.equal(plain.logits, ticked.logits)
     assert torch.equal(plain.selected_positions, ticked.selected_positions)
@@ -144,7 +144,7 @@ def test_chunks_stored_after_a_cold_request_host_the_decode_steps_of_the_request
     fill, step = engine.chunks.fill, engine.scheduler.decoder.step_slots
 
     def spy_fill(*args, **kwargs):
-        fills.append((threading.current_thread().name, kwargs.get("after_layer") is not None))
+        fills.append((threading.current_thread().name, kwargs.get("events") is not None))
         in_fill.set()
         try:
             return fill(*args, **kwargs)

@@ -230,13 +230,13 @@ def test_a_prefill_laid_in_its_decode_slot_is_the_prefill_and_needs_no_copy(mode
         engine.store.tiers[0].clear()  # the memory tier: every chunk is read from disk, layer by layer
     prompt = engine.build_prompt(chunks, "w3 w4 w5")
     request = Request(mode=mode, recompute_ratio=0.3) if mode == "blend" else Request(mode=mode)
-    own = engine.run_prefill(prompt, request)
+    own = engine.prefiller.run(prompt, request)
     pool = SlotPool(engine.lm.shape, engine.dtype, "cpu", slots=3, capacity=8)
     pool.admit(own.kv.key_buffer, own.kv.value_buffer, prompt.num_tokens, room=4)  # another request in slot 0
     slot = pool.take(prompt.num_tokens + 4)
     if where == "disk":
         engine.store.tiers[0].clear()  # read from disk again (the first read promoted them to memory)
-    laid = engine.run_prefill(prompt, request, buffers=pool.buffers(slot))
+    laid = engine.prefiller.run(prompt, request, buffers=pool.buffers(slot))
     assert laid.metrics.hits_by_tier == own.metrics.hits_by_tier
     n = prompt.num_tokens
     assert laid.kv.key_buffer.data_ptr() == pool.keys[:, slot].data_ptr()

@@ -1,28 +1,29 @@
 """The engine: one model, one chunk store, and the four ways to prefill a prompt made of chunks.
 
-It composes the rooms beside it:
-- `request/`: a request's checked arguments, its tokenized prompt, its metrics, the hook between a prefill's layers;
-- `chunks/`: which stored entry each chunk of a prompt reads (`placement`), found or prefilled (`cache`), and the
-  entries a full prefill computes for free (`capture`);
-- `prefill/`: the four prefill modes over the KV gathered for them, planned by pure functions (`planning`);
-- `serving/`: the answering methods (`generation`), one queue for every request, decode steps batched across
-  requests, the token loop and streams, and the chunks cold requests skipped, stored after their answers
-  (`deferred_fills`);
-- `corpus/`: a corpus's chunk KV ahead of requests (`precompute`, grouped or alone).
-The call path: `generate` (`serving.generation`) -> `scheduler.stream` -> (a turn of the scheduler) ->
-`run_prefill` -> `Prefiller.run` -> `fusion.fuse`. One forward runs at a time (a lock): the model's modules are
-shared, and on a CPU parallel forwards only contend; concurrency comes from batching decode steps, not from
-parallel forwards.
+`CacheBlendEngine` is a facade over parts it builds once and holds, each a plain object that calls the ones below it
+and never back up:
+- `chunks` (`chunks/`): which stored entry each chunk of a prompt reads, found or prefilled, and the entries a full
+  prefill computes for free;
+- `prefiller` (`prefill/`): a request's prefill in one of the four modes, over the KV gathered for it;
+- `fills` (`serving/deferred_fills`): the chunks cold requests skipped, stored after their answers;
+- `scheduler` (`serving/`): one queue for every request, its job steps (prefill, first token, batched decode steps);
+- `corpus` (`corpus/`): a corpus's chunk KV ahead of requests (`precompute`, grouped or alone).
+The call path: `generate` checks a `Request` and tokenizes its prompt once -> `scheduler.stream` -> (a turn of the
+scheduler) -> `JobSteps.start` -> `Prefiller.run` -> `fusion.fuse`. One forward runs at a time (a lock): the model's
+modules are shared, and on a CPU parallel forwards only contend; concurrency comes from batching decode steps, not
+from parallel forwards.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
 from ..config import BlendConfig, EngineConfig, PrefillMode, resolve_device, torch_dtype
 from ..cpu import warn_if_slow_bf16
@@ -34,30 +35,31 @@ from ..models.fused import fuse_qkv
 from ..models.int8 import int8_decode_lm
 from ..models.packed import pack_linears, packing_available
 from ..models.support import check_supported, max_blend_length
-from ..store import ChunkStore, TieredStore, build_store
+from ..store import ChunkStore, build_store
 from .chunks.cache import ChunkCache
+from .chunks.context import ContextArg
 from .chunks.placement import Placement
-from .corpus.precompute import CorpusMethods
+from .corpus.groups import PrecomputePlan
+from .corpus.precompute import AUTO, Corpus, Precomputed
 from .prefill.planning import RatioPolicy, check_blend
 from .prefill.prefiller import Prefill, Prefiller
-from .request.after_layer import AfterLayer
 from .request.prompt import PromptTemplate, TokenizedPrompt, tokenize_request
-from .request.request import Request, calling, check_length
+from .request.request import Request, RequestOptions, calling, check_length, check_prompt_parts
 from .request.token_cache import TokenCache
 from .serving.batch_decode import BatchDecoder
-from .serving.decoding import TokenLoop
+from .serving.decoding import AsyncTextStream, GenerationResult, TextStream, TokenLoop
 from .serving.deferred_fills import DeferredFills, FillStats
 from .serving.forking import ForkSteps, prepare_for_forks
-from .serving.generation import GenerationMethods
 from .serving.graphs import GraphedSteps
 from .serving.scheduler import Scheduler
 from .serving.thread_pools import releasing_thread_pool
 from .serving.tokens import eos_token_ids
 
 logger = logging.getLogger(__name__)
+Chunks = Sequence[str] | TokenizedPrompt  # a request's chunks (their texts), or its prompt built already
 
 
-class CacheBlendEngine(CorpusMethods, GenerationMethods):
+class CacheBlendEngine:
     """One model, one chunk store, and the four ways to prefill a prompt made of chunks.
 
     `controller`: a ratio policy (e.g. `LoadingController`) that picks the blend ratio per request from the
@@ -106,22 +108,27 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         self.max_tokens = min(x for x in limits if x is not None)
         self.chunks = ChunkCache(self.lm, store, self.fingerprint, self.dtype, self.config.capture_policy,
                                  fingerprint_in=in_other_dtypes)  # fmt: skip
+        self._lock = threading.RLock()
+        # the chunks cold requests were answered without, stored after their answers (by the scheduler while it serves)
+        self.fills = DeferredFills(self.chunks.store_or_fill, self._lock)
         self.prefiller = Prefiller(
             self.model,
             self.lm,
             self.chunks,
-            pipelined=True,
+            self.fills,
+            self._lock,
+            blend=self.config.blend,
+            controller=controller,
             miss_policy=self.config.miss_policy,
             guard=self.config.guard,
             steps=GraphedLayerSteps(self.lm) if self.config.prefill_graphs and fast else None,
         )
-        self._lock = threading.RLock()
-        # the chunks cold requests were answered without, stored after their answers (by the scheduler while it serves)
-        self.fills = DeferredFills(self.chunks.store_or_fill, self._lock)
         self.scheduler = Scheduler(
-            self,  # its steps: `run_prefill`, `token_loop` and `fills`
+            self.prefiller,
+            self.fills,
             # decode steps run on the model itself, or on int8 copies of its linear layers (`decode_weights`)
             BatchDecoder(int8_decode_lm(self.model) if self.config.decode_weights == "int8" and fast else self.lm),
+            functools.partial(TokenLoop, tokenizer, self.eos_ids, device=device),  # a request's token loop
             self._lock,
             max_batch=self.config.max_batch_size,
             max_tokens=self.config.max_batch_tokens,
@@ -132,6 +139,8 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         workers = (self.scheduler, self.fills, self.token_cache)
         self._forks = ForkSteps(self._lock, workers, lambda: self.chunks.store, device.type == "cuda")
         prepare_for_forks(self._forks)
+        self.corpus = Corpus(tokenizer, self.template, self.config, self.chunks, self.prefiller, self.token_cache,
+                             self._lock, self._forks, self.max_tokens)  # fmt: skip
         self._closed = False  # set by `close`: the public methods then raise EngineClosedError
 
     @classmethod
@@ -176,6 +185,92 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         self._check_open("store")
         with self._lock:
             self.chunks.store = store
+
+    # -- answering: a request checked and tokenized once, then the scheduler's -----------------------------------
+
+    def generate(
+        self, chunks: Chunks, question: str | None = None, **options: Unpack[RequestOptions]
+    ) -> GenerationResult:
+        """Answer a question over chunks (or a prebuilt prompt) and return the text with the request's metrics.
+
+        Takes the keyword arguments of `stream`, and collects its stream.
+        """
+        prompt, request = self._request("generate", chunks, question, options)
+        return self.scheduler.stream(prompt, request).collect()
+
+    def stream(self, chunks: Chunks, question: str | None = None, **options: Unpack[RequestOptions]) -> TextStream:
+        """Yield the answer's text as it is produced; `.result` holds the `GenerationResult` at the end.
+
+        Keyword arguments: `RequestOptions` (all optional): the prefill `mode`, `recompute_ratio` or another
+        `blend` rule; decoding (`max_new_tokens`, greedy at `temperature` 0, else `top_p` / `top_k` / `seed`;
+        `stop` strings); the prompt: chunks + question (rendered by `template`), chunks + explicit `prefix` /
+        `suffix`, or a prebuilt `TokenizedPrompt` in place of the chunks. Every argument is checked here, before
+        any compute.
+        """
+        prompt, request = self._request("stream", chunks, question, options)
+        return self.scheduler.stream(prompt, request)
+
+    async def agenerate(
+        self, chunks: Chunks, question: str | None = None, **options: Unpack[RequestOptions]
+    ) -> GenerationResult:
+        """`generate` for asyncio: awaits the answer without holding a thread; concurrent calls decode together."""
+        prompt, request = self._request("agenerate", chunks, question, options)
+        return await self.scheduler.astream(prompt, request).collect()
+
+    def astream(
+        self, chunks: Chunks, question: str | None = None, **options: Unpack[RequestOptions]
+    ) -> AsyncTextStream:
+        """`stream` for asyncio (`async for delta in engine.astream(...)`); call it inside a running event loop."""
+        prompt, request = self._request("astream", chunks, question, options)
+        return self.scheduler.astream(prompt, request)
+
+    def _request(
+        self, method: str, chunks: Chunks, question: str | None, options: Mapping[str, Any]
+    ) -> tuple[TokenizedPrompt, Request]:
+        """The checked request of one `generate` / `stream` call and its tokenized prompt."""
+        self._check_open(method)
+        request = Request.from_options(method, options)
+        prompt = check_prompt_parts(method, chunks, question, request)
+        if prompt is None:
+            with calling(method):
+                prompt = self.build_prompt(chunks, question, template=request.template, prefix=request.prefix,
+                                           suffix=request.suffix)  # fmt: skip
+        self._check_request(prompt, request, method)
+        return prompt, request
+
+    # -- a corpus: `corpus` (`corpus/precompute.py`) says how ---------------------------------------------------
+
+    def precompute(
+        self, chunks: Sequence[str], question: str | None = None, *, template: PromptTemplate | None = None,
+        prefix: str | None = None, context: ContextArg = AUTO, show_progress: bool = False,
+        group_tokens: int | None = None, on_plan: Callable[[PrecomputePlan], object] | None = None,
+    ) -> Precomputed:  # fmt: skip
+        """Make sure every chunk's KV is in the store before requests need it: in groups of similar chunks under the
+        default `chunk_context="grouped"`, else alone, or after the texts given per chunk (`Corpus.precompute`
+        describes `context`, `group_tokens`, `on_plan`). Returns (chunks stored already, chunks computed now)."""
+        self._check_open("precompute")
+        return self.corpus.precompute(chunks, question, template=template, prefix=prefix, context=context,
+                                      show_progress=show_progress, group_tokens=group_tokens,
+                                      on_plan=on_plan)  # fmt: skip
+
+    def precompute_groups(
+        self, groups: Sequence[Sequence[str]], question: str | None = None, *, template: PromptTemplate | None = None,
+        prefix: str | None = None, show_progress: bool = False,
+    ) -> Precomputed:  # fmt: skip
+        """`precompute(context="groups")` with the groups given (each a list of chunks in prefill order; a chunk in
+        one group only; `Corpus.precompute_groups`). Returns (chunks stored already, computed now)."""
+        self._check_open("precompute_groups")
+        return self.corpus.precompute_groups(groups, question, template=template, prefix=prefix,
+                                             show_progress=show_progress)  # fmt: skip
+
+    def set_chunk_context(
+        self, chunks: Sequence[str], context: ContextArg, *, question: str | None = None,
+        template: PromptTemplate | None = None, prefix: str | None = None,
+    ) -> int:  # fmt: skip
+        """Record what each chunk's KV is prefilled after, computing none: the texts given per chunk, or nothing
+        (None: isolated entries; `Corpus.set_chunk_context`). Returns how many chunks have a context."""
+        self._check_open("set_chunk_context")
+        return self.corpus.set_chunk_context(chunks, context, question=question, template=template, prefix=prefix)
 
     # -- prompts and chunk KV ---------------------------------------------------------------------------------
 
@@ -251,7 +346,7 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
         """
         request = Request(mode=mode, recompute_ratio=recompute_ratio, blend=blend)
         self._check_request(prompt, request, "prefill")
-        pre = self.run_prefill(prompt, request)
+        pre = self.prefiller.run(prompt, request)
         # the chunks a cold prefill answered without are stored now, so the next request finds them (`generate` and
         # `stream` leave that to the background: `wait_for_fills`)
         self.fills.submit(prompt.prefix_ids, pre.deferred)
@@ -302,42 +397,10 @@ class CacheBlendEngine(CorpusMethods, GenerationMethods):
             check_blend(request.blend or self.config.blend, self.lm.shape.num_layers, "blend")
             self.check_length(prompt, request.sampling.max_new_tokens if method != "prefill" else 0)
 
-    def run_prefill(
-        self,
-        prompt: TokenizedPrompt,
-        request: Request,
-        after_layer: AfterLayer | None = None,
-        buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> Prefill:
-        """The prefill of a checked request, as the scheduler runs it: the ratio the request, the engine's blend or
-        the controller gives; after any chunk of the prompt still being stored; under the engine's lock, with
-        `after_layer` between its layers; a cached mode lays the prompt's KV in `buffers` when given (the request's
-        decode slot). The entries a full prefill computed are queued to be stored at once."""
-        self._check_open("run_prefill")
-        mode = request.mode
-        pinned = request.recompute_ratio is not None or request.blend is not None
-        blend = request.blend or self.config.blend
-        if request.recompute_ratio is not None:
-            blend = blend.with_ratio(request.recompute_ratio)
-        policy = self.controller if mode is PrefillMode.BLEND and not pinned else None
-        self.fills.wait_for(prompt.chunk_ids)  # a chunk an earlier cold request is storing: wait, not recompute
-        with self._lock:
-            pre = self.prefiller.run_retrying(prompt, mode, blend, policy, self.store_tiers, after_layer, buffers)
-        # entries a full prefill computed: stored at once on the fills' thread (no compute, only the store's writes)
-        self.fills.submit(prompt.prefix_ids, pre.captured, pre.captured)
-        pre.captured = {}  # the fills' thread holds them until stored
-        return pre
-
-    def token_loop(self, request: Request) -> TokenLoop:
-        """A fresh token loop (sampling, stops, the answer's text) for a request's decoding."""
-        self._check_open("token_loop")
-        return TokenLoop(self.tokenizer, self.eos_ids, request.sampling, self.device)
-
     @property
     def store_tiers(self) -> int:
         """How many tiers the store has (1 for a single tier)."""
-        store = self.chunks.store
-        return len(store.tiers) if isinstance(store, TieredStore) else 1
+        return self.chunks.tiers
 
     def extend(self, prefill: Prefill, token_ids: Sequence[int]) -> torch.Tensor:
         """Feed tokens after a prefilled prompt in one forward (teacher forcing); -> logits [T, vocab] float32.

@@ -1,6 +1,7 @@
 """The fusion step of CacheBlend: token selection and the blended, layer-by-layer prefill."""
 
 from .fusor import FusionPlan, FusionResult, attention_mask, fuse
+from .layer_events import LayerEvents, Watcher
 from .layer_rows import EagerLayerSteps, GraphedLayerSteps, LayerRows, LayerSteps, bucket_rows
 from .prompt_kv import LayerLoader, PromptKV
 from .selection import (
@@ -17,6 +18,7 @@ __all__ = [
     "FusionPlan",
     "FusionResult",
     "GraphedLayerSteps",
+    "LayerEvents",
     "LayerLoader",
     "LayerRows",
     "LayerSteps",
@@ -30,4 +32,5 @@ __all__ = [
     "select_recompute_tokens",
     "token_deviation",
     "top_scored",
+    "Watcher",
 ]

@@ -18,7 +18,6 @@ are worked out before it (`FusionPlan`), and a check layer keeps a top-k of a si
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +25,7 @@ import torch
 
 from ..errors import CacheBlendError
 from ..models.adapter import LayerwiseModel, causal_mask, rope_rotate
+from .layer_events import LayerEvents
 from .layer_rows import EagerLayerSteps, LayerSteps
 from .prompt_kv import PromptKV
 from .selection import select_recompute_tokens, token_deviation
@@ -176,7 +176,7 @@ def fuse(
     block_size: int | None = None,
     attention_from: torch.Tensor | None = None,
     layers: int | None = None,
-    after_layer: Callable[[int], None] | None = None,
+    events: LayerEvents | None = None,
     steps: LayerSteps | None = None,
 ) -> FusionResult:
     """Run the blended prefill of one prompt over its KV `kv` (`PromptKV`, built for the plan's positions), writing
@@ -192,8 +192,8 @@ def fuse(
     those same probabilities, so the keys are read once per layer, not twice.
     `layers`: run only the first this many layers (a shallow attention probe), leaving the later layers' KV as
     loaded; there are no logits then. None: every layer.
-    `after_layer(layer_idx)` runs when a layer is done (the scheduler decodes other requests there); it must not
-    touch this prompt's tensors.
+    `events`: told when each layer but the last is done (`LayerEvents`: a cancelled request stops there, the
+    scheduler decodes other requests there); its watchers must not touch this prompt's tensors.
     `steps`: how each layer's row-wise work (norm, q/k/v, RoPE; residual, norm, MLP) runs (`layer_rows`): eagerly
     by default, or padded and replayed as CUDA graphs (`GraphedLayerSteps`).
 
@@ -318,8 +318,8 @@ def fuse(
             attn_out = attend_blocks(lm, layer_idx, query, *kv.batched(layer_idx), q_pos, positions, block_size,
                                      as_tail=as_tail, mask=layer_masks.get(window))  # fmt: skip
         work.finish(layer_idx, attn_out)
-        if after_layer is not None and layer_idx < num_layers - 1:
-            after_layer(layer_idx)
+        if events is not None and layer_idx < num_layers - 1:
+            events.layer_done(layer_idx)
 
     logits = lm.logits(work.hidden[-1:])[0] if want_logits else None
     return FusionResult(

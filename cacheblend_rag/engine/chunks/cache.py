@@ -20,10 +20,9 @@ from tqdm.auto import tqdm
 
 from ...config import normalize_dtype_name
 from ...errors import ConfigError
-from ...fusion import FusionPlan, LayerLoader, PromptKV, fuse
+from ...fusion import FusionPlan, LayerEvents, LayerLoader, PromptKV, fuse
 from ...models.adapter import LayerwiseModel
 from ...store import ChunkKV, ChunkReader, ChunkStore, CorruptEntryError, Hit, TieredStore
-from ..request.after_layer import AfterLayer
 from .context import ChunkContexts
 from .elsewhere import note, other_dtype_keys, stored_otherwise
 from .placement import EntryKeys, Placement, place_chunks
@@ -70,6 +69,11 @@ class ChunkCache:
     @store.setter
     def store(self, store: ChunkStore) -> None:
         self._store = store
+
+    @property
+    def tiers(self) -> int:
+        """How many tiers the store has (1 for a single tier)."""
+        return len(self._store.tiers) if isinstance(self._store, TieredStore) else 1
 
     def key(
         self,
@@ -167,12 +171,12 @@ class ChunkCache:
         prefix: ChunkReader | None,
         prefix_ids: Sequence[int],
         ids: Sequence[int],
-        after_layer: AfterLayer | None = None,
+        events: LayerEvents | None = None,
         *,
         isolated: bool = False,
     ) -> ChunkKV:
         """Prefill `ids` after the (cached) prefix and the chunk's recorded context (none with `isolated`), and keep
-        only their KV (`after_layer` runs between its layers).
+        only their KV (`events` told of its layers).
 
         A context that would not fit the model's positions with the prefix and the chunk is cut from its start
         (the nearest neighbour, placed last, is kept)."""
@@ -186,20 +190,20 @@ class ChunkCache:
         plan = FusionPlan(input_ids=all_ids, positions=torch.arange(n), exact=exact, reused=torch.zeros_like(exact))
         parts = [prefix] if prefix is not None else []
         result = fuse(self.lm, plan, self.prompt_kv(parts, n, keep_raw=True), want_logits=False,
-                      after_layer=after_layer)  # fmt: skip
+                      events=events)  # fmt: skip
         assert result.kv.raw_keys is not None
         keys = result.kv.raw_keys[:, :, keep:].clone()  # [L, Hkv, T, D]: the chunk's own KV, nothing else kept
         values = result.kv.values[:, :, keep:].clone()
         return ChunkKV(self.key(prefix_ids, ids, isolated=isolated), keys, values)
 
     def store_or_fill(
-        self, prefix_ids: Sequence[int], ids: Sequence[int], kv: ChunkKV | None, after_layer: AfterLayer | None = None
+        self, prefix_ids: Sequence[int], ids: Sequence[int], kv: ChunkKV | None, events: LayerEvents | None = None
     ) -> None:
         """Store chunk `ids`'s entry: `kv` when a full prefill captured it, else prefilled now (if not stored),
-        with `after_layer` between the layers of that prefill; a chunk with a recorded context gets its isolated
+        `events` told of the layers of that prefill; a chunk with a recorded context gets its isolated
         entry too (what the head of a prompt reads)."""
         if kv is None:
-            self.fill(prefix_ids, [ids], after_layer=after_layer, heads=True)
+            self.fill(prefix_ids, [ids], events=events, heads=True)
         elif kv.key not in self.store:
             self.store.put(kv)
 
@@ -238,7 +242,7 @@ class ChunkCache:
         *,
         isolated: bool,
         lazy: bool,
-        after_layer: AfterLayer | None = None,
+        events: LayerEvents | None = None,
     ) -> Loaded:
         """The chunk's KV from the first of `keys` stored (best first), or prefilled now after `prefix` (the KV of
         `prefix_ids`; after the prefix alone when `isolated`) and stored under the last of them.
@@ -258,7 +262,7 @@ class ChunkCache:
             except CorruptEntryError as exc:
                 logger.warning("chunk %s from the %s tier is damaged (%s); recomputing it", hit.kv.key[:12], hit.tier,
                                exc)  # fmt: skip
-        kv = self.prefill(prefix, prefix_ids, ids, after_layer, isolated=isolated)
+        kv = self.prefill(prefix, prefix_ids, ids, events, isolated=isolated)
         if kv.key != keys[-1]:
             raise AssertionError(f"a miss is prefilled into the last key it reads; got {kv.key[:12]}")
         self.store.put(kv)
@@ -266,11 +270,11 @@ class ChunkCache:
 
     def read(
         self, prefix: ChunkReader | None, prefix_ids: Sequence[int], placed: Placement, *, lazy: bool,
-        after_layer: AfterLayer | None = None,
+        events: LayerEvents | None = None,
     ) -> Loaded:  # fmt: skip
         """A chunk of a prompt where its plan places it: `get_or_prefill` with its keys."""
         return self.get_or_prefill(prefix, prefix_ids, placed.ids, placed.keys, isolated=placed.isolated, lazy=lazy,
-                                   after_layer=after_layer)  # fmt: skip
+                                   events=events)  # fmt: skip
 
     def load_prefix(self, prefix_ids: Sequence[int]) -> Loaded | None:
         """The shared prefix's KV, read whole (it is short, and a prefill after it needs every layer at once)."""
@@ -284,12 +288,12 @@ class ChunkCache:
         chunk_ids: Sequence[Sequence[int]],
         *,
         show_progress: bool = False,
-        after_layer: AfterLayer | None = None,
+        events: LayerEvents | None = None,
         heads: bool = False,
         progress: Callable[[int], object] | None = None,
     ) -> tuple[int, int]:
-        """Make sure each chunk's own entry (after `prefix_ids`) is stored, running `after_layer` between the layers
-        of each prefill; with `heads`, a chunk with a context gets its isolated entry too (what it is read from at
+        """Make sure each chunk's own entry (after `prefix_ids`) is stored, `events` told of the layers of each
+        prefill; with `heads`, a chunk with a context gets its isolated entry too (what it is read from at
         the head of a prompt). `progress(tokens)` is told each chunk's tokens once it is done (for a caller's own
         progress bar). -> (chunks already stored, chunks with an entry computed now)"""
         hits = misses = 0
@@ -297,11 +301,11 @@ class ChunkCache:
         prefix = None if loaded is None else loaded.kv
         for ids in tqdm(chunk_ids, desc="precomputing chunk KV", unit="chunk", disable=not show_progress):
             own = self.get_or_prefill(prefix, prefix_ids, ids, (self.keys.own(prefix_ids, ids),), isolated=False,
-                                      lazy=True, after_layer=after_layer)  # fmt: skip
+                                      lazy=True, events=events)  # fmt: skip
             stored = own.tier is not None
             if heads and self.contexts.digest(ids):
                 head = self.get_or_prefill(prefix, prefix_ids, ids, (self.keys.isolated(prefix_ids, ids),),
-                                           isolated=True, lazy=True, after_layer=after_layer)  # fmt: skip
+                                           isolated=True, lazy=True, events=events)  # fmt: skip
                 stored = stored and head.tier is not None
             hits, misses = hits + stored, misses + (not stored)
             if progress is not None:

@@ -1,6 +1,6 @@
 """A corpus's chunk KV ahead of requests: `precompute`, in groups of similar chunks or alone, and recorded contexts.
 
-`CorpusMethods` is the part of `CacheBlendEngine` that takes a corpus (a retriever's chunks) rather than a
+`Corpus` is the part of the engine (`engine.corpus`) that takes a corpus (a retriever's chunks) rather than a
 request: it stores every chunk's KV before any request needs it, from full prefills of groups of similar chunks
 (`groups`, the default), isolated, or after texts the caller gives per chunk (`chunks.context`), and records which
 context each chunk's entry is built after.
@@ -34,19 +34,31 @@ class Precomputed(NamedTuple):
     computed: int
 
 
-class CorpusMethods:
-    """The engine's methods over a corpus; `CacheBlendEngine` sets these attributes."""
+class Corpus:
+    """The engine's work over a corpus: its chunks' KV stored ahead of requests, and the context each is cached after.
+    The engine checks that it is open and delegates (`engine.precompute`, `precompute_groups`, `set_chunk_context`)."""
 
-    tokenizer: Any
-    template: PromptTemplate
-    config: EngineConfig
-    chunks: ChunkCache
-    token_cache: TokenCache
-    max_tokens: int
-    _lock: threading.RLock
-    _forks: ForkSteps
-    prefiller: Prefiller
-    _check_open: Callable[[str], None]
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: PromptTemplate,
+        config: EngineConfig,
+        chunks: ChunkCache,
+        prefiller: Prefiller,
+        token_cache: TokenCache,
+        lock: threading.RLock,
+        forks: ForkSteps,
+        max_tokens: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.template = template  # the engine's, for a call that gives none
+        self.config = config  # its chunk separator, how chunk KV is cached (`chunk_context`)
+        self.chunks = chunks
+        self.prefiller = prefiller  # grouped precompute's full prefills
+        self.token_cache = token_cache
+        self._lock = lock  # the engine's: one forward at a time
+        self._forks = forks
+        self.max_tokens = max_tokens
 
     @releasing_thread_pool
     def precompute(
@@ -74,7 +86,6 @@ class CorpusMethods:
         tokens, groups: a `PrecomputePlan`) before the first prefill, e.g. to print an estimate. Returns (chunks
         stored already, chunks computed now).
         """
-        self._check_open("precompute")
         if isinstance(context, str) and context == AUTO:
             context = GROUPS if self.config.group_tokens else None
         grouped = isinstance(context, str) and context == GROUPS
@@ -98,7 +109,6 @@ class CorpusMethods:
         """`precompute(context="groups")` with the groups given (each a list of chunks in prefill order; a chunk in
         one group only): every chunk's isolated entry, and each group's later chunks' KV from one full prefill of
         the group, stored as their captured entries (`groups`). Returns (chunks stored already, computed now)."""
-        self._check_open("precompute_groups")
         check_groups_policy(self.config.capture_policy)
         flat = [c for group in groups for c in group]
         prefix_ids, chunk_ids = self._take_corpus(flat, None, question, template, prefix)
@@ -142,7 +152,6 @@ class CorpusMethods:
         digest). Give it the whole corpus (a retriever's chunks) when an index is built or loaded. Returns how
         many chunks have a context.
         """
-        self._check_open("set_chunk_context")
         _, chunk_ids = self._take_corpus(chunks, context, question, template, prefix)
         return sum(1 for ids in chunk_ids if self.chunks.contexts.digest(ids))
 

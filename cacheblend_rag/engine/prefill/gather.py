@@ -26,8 +26,8 @@ class Gathered:
 
 def gather(chunks: ChunkCache, run: PrefillRun, plan: Sequence[Placement], *, lazy: bool) -> Gathered:
     """The prefix's KV and that of the chunks `plan` places (the prompt's first ones; `lazy`: entries on disk or in
-    Redis come back unread, for pipelined loading). A missing chunk is prefilled with the run's `after_layer` between
-    its layers, and its key added to the run's `fresh` (the entries this request computed: a later retry counts them
+    Redis come back unread, for pipelined loading). A missing chunk is prefilled with the run's `events` told of its
+    layers, and its key added to the run's `fresh` (the entries this request computed: a later retry counts them
     as misses, not hits)."""
     prompt, m, fresh = run.prompt, run.metrics, run.fresh
     prefix = chunks.load_prefix(prompt.prefix_ids)
@@ -37,7 +37,7 @@ def gather(chunks: ChunkCache, run: PrefillRun, plan: Sequence[Placement], *, la
     for placed in plan:
         t0 = time.perf_counter()
         kv, tier, stored_bytes, captured = chunks.read(prefix_kv, prompt.prefix_ids, placed, lazy=lazy,
-                                                       after_layer=run.after_layer)  # fmt: skip
+                                                       events=run.events)  # fmt: skip
         if tier is None:
             fresh.add(kv.key)
         repeat = kv.key in seen

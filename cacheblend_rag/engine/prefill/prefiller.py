@@ -1,4 +1,4 @@
-"""Building a prompt's KV cache in one of the four modes, with the request's metrics.
+"""A request's prefill: its KV cache built in one of the four modes, with the request's metrics.
 
 - full:   the model's own forward over the whole prompt (the reference; uses no cache).
 - prefix: the shared prefix and the first chunk come from the cache (exactly what prefix caching can reuse:
@@ -7,33 +7,34 @@
 - blend:  CacheBlend's selective recompute, with the rule of the request's `BlendConfig`.
 The three cached modes run through the same fusor (`fusion.fuse`) with plans from `planning`. A chunk missing
 from the store is prefilled on the spot and stored (`gather`). Chunks found on disk or in Redis are read layer by layer
-while the fusor runs (`prefetch.LayerPrefetcher`).
+while the fusor runs (`prefetch.LayerPrefetcher`). `Prefiller.run` is the one place a request's prefill runs (the
+scheduler's job step and `engine.prefill` call it): its ratio, after the chunks still being stored, under the
+engine's lock, retried when a stored chunk turns out damaged, and the entries a full prefill computed queued to be
+stored.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from ...config import BlendConfig, Guard, PrefillMode, normalize_dtype_name
-from ...fusion import FusionPlan, FusionResult, LayerSteps, PromptKV, fuse
+from ...fusion import FusionPlan, FusionResult, LayerEvents, LayerSteps, PromptKV, fuse
 from ...guard import escalate, first_token_signals
 from ...models.adapter import LayerwiseModel
 from ...store import ChunkKV, ChunkReader, CorruptEntryError
 from ..chunks.cache import ChunkCache
 from ..chunks.capture import capture
 from ..chunks.placement import Placement, missing_chunks, to_capture
-from ..request.after_layer import AfterLayer, between_layers
 from ..request.metrics import RequestMetrics
 from ..request.prompt import TokenizedPrompt
+from ..request.request import Request
 from .gather import gather
 from .planning import (
     RatioPolicy,
@@ -44,41 +45,9 @@ from .planning import (
     reuse_plan,
 )
 from .prefetch import LayerPrefetcher, LoadTiming
-from .state import PrefillRun
+from .state import Fills, Prefill, PrefillRun, Reading
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Prefill:
-    """A built KV cache, ready for decoding: a cached mode's buffers (`kv`) or a full prefill's own cache; `cache`
-    gives either as a transformers `DynamicCache`."""
-
-    logits: torch.Tensor  # [vocab] float32, of the prompt's last token
-    num_tokens: int
-    metrics: RequestMetrics
-    # chunks (token ids) that were not stored and were answered by a full prefill: store them after the answer
-    deferred: tuple[tuple[int, ...], ...] = ()
-    # entries cut from this request's full prefill (`chunks.capture`), to store at once
-    captured: dict[tuple[int, ...], ChunkKV] = field(default_factory=dict)
-    # a cached prefill's KV buffers, from which a request starts decoding (its first `num_tokens` positions)
-    kv: PromptKV | None = None
-    # the transformers cache: a full prefill's own; for a cached prefill, made over `kv` when `cache` is first read
-    # (the engine's decoding reads `kv` itself, so a request never pays for it)
-    model_cache: DynamicCache | None = None
-    model_config: Any = field(default=None, repr=False)  # what `cache` is made with
-
-    def __post_init__(self) -> None:
-        if self.kv is None and self.model_cache is None:
-            raise ValueError("a Prefill needs its KV buffers (kv) or a transformers cache (model_cache)")
-
-    @property
-    def cache(self) -> DynamicCache:
-        """The prompt's KV as a transformers `DynamicCache` (over the `kv` buffers themselves, not a copy)."""
-        if self.model_cache is None:
-            assert self.kv is not None
-            self.model_cache = decode_cache(self.model_config, self.kv)
-        return self.model_cache
 
 
 class Prefiller:
@@ -89,15 +58,23 @@ class Prefiller:
         model: torch.nn.Module,
         lm: LayerwiseModel,
         chunks: ChunkCache,
+        fills: Fills,
+        lock: threading.RLock,
         *,
-        pipelined: bool,
-        miss_policy: str,
+        blend: BlendConfig,
+        controller: RatioPolicy | None = None,
+        pipelined: bool = True,
+        miss_policy: str = "auto",
         guard: Guard | None = None,
         steps: LayerSteps | None = None,
     ) -> None:
         self.model = model
         self.lm = lm
         self.chunks = chunks
+        self.fills = fills  # the chunks cold requests skipped, stored after their answers
+        self.lock = lock  # the engine's: one forward at a time
+        self.blend = blend  # the engine's rule (EngineConfig.blend), for a request that names none
+        self.controller = controller  # chooses the ratio of a request that pins none (the loading controller)
         # stored layers are read on a thread ahead of the fusor (`prefetch`); False reads each one when the fusor
         # needs it, the reference the benchmarks and tests compare the pipeline with
         self.pipelined = pipelined
@@ -121,63 +98,76 @@ class Prefiller:
         )
         return out.logits[0].float() if all_logits else out.logits[0, -1].float()
 
-    def run_retrying(
-        self,
-        prompt: TokenizedPrompt,
-        mode: PrefillMode,
-        blend: BlendConfig,
-        policy: RatioPolicy | None,
-        tiers: int,
-        after_layer: AfterLayer | None = None,
-        buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> Prefill:
-        """`run`, again when a stored chunk turns out damaged mid-request, then as a full prefill.
-
-        A chunk read layer by layer can turn out damaged after the fusor has started; its tier has dropped it by
-        then, so trying again finds it in another tier or recomputes it. Each retry follows the removal of one
-        entry from one tier, so a prompt's entries (prefix and chunks, in each of the store's `tiers`) bound the
-        retries; past that bound the request runs as a full prefill, which reads no stored KV.
-        """
-        fresh: set[str] = set()  # chunks prefilled during this request: misses, even when found on a retry
-        for attempt in range((len(prompt.chunk_ids) + 1) * tiers + 1):
-            try:
-                return self.run(prompt, mode, blend, policy, after_layer, fresh, buffers)
-            except CorruptEntryError as exc:
-                logger.warning("prefill attempt %d read a damaged chunk (%s); trying again", attempt + 1, exc)
-        logger.warning("the store kept returning damaged chunks; answering with a full prefill")
-        return self.run(prompt, PrefillMode.FULL, blend, None, after_layer, fresh, buffers)
-
     def run(
         self,
         prompt: TokenizedPrompt,
-        mode: PrefillMode,
-        blend: BlendConfig,
-        policy: RatioPolicy | None = None,
-        after_layer: AfterLayer | None = None,
-        fresh: set[str] | None = None,
+        request: Request,
+        events: LayerEvents | None = None,
         buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Prefill:
-        """One attempt: `policy` chooses the blend ratio when given; `after_layer(layer_idx)` runs between the layers
-        of each pass over the prompt (the scheduler's decode steps for the requests already answering); `fresh`
-        collects the chunks prefilled during this request, across its attempts (`PrefillRun`); `buffers`: where a cached
-        mode lays the prompt's KV (the request's decode slot), None for buffers of its own."""
-        n = prompt.num_tokens
-        num_layers = self.lm.shape.num_layers
-        run = PrefillRun(prompt, self._metrics(mode, n), after_layer, set() if fresh is None else fresh)
-        m = run.metrics
+        """A checked request's prefill: the ratio the request, the engine's blend or the controller gives; after any
+        chunk of the prompt still being stored; under the engine's lock, `events` told of each layer (the request's
+        cancellation, the scheduler's decode steps for the requests answering); a cached mode lays the prompt's KV
+        in `buffers` when given (the request's decode slot), else in buffers of its own. The entries a full prefill
+        computed are queued to be stored at once.
 
+        A chunk read layer by layer can turn out damaged after the fusor has started; its tier has dropped it by then,
+        so the attempt is made again (`_attempts`), and the last one is a full prefill, which reads no stored KV.
+        """
+        pinned = request.recompute_ratio is not None or request.blend is not None
+        blend = request.blend or self.blend
+        if request.recompute_ratio is not None:
+            blend = blend.with_ratio(request.recompute_ratio)
+        policy = self.controller if request.mode is PrefillMode.BLEND and not pinned else None
+        self.fills.wait_for(prompt.chunk_ids)  # a chunk an earlier cold request is storing: wait, not recompute
+        with self.lock:
+            for run in self._attempts(prompt, request.mode, events):
+                try:
+                    read = self._read(run, blend, policy)
+                    if isinstance(read, Prefill):  # a full prefill: asked for, or cheaper than the missing chunks
+                        pre = read
+                        break
+                    with self._loaded(read.parts, prompt.num_tokens, buffers) as (kv, loading):
+                        result = fuse(self.lm, read.plan, kv, attention_from=read.attention_from, layers=read.layers,
+                                      events=events, steps=self.steps)  # fmt: skip
+                        if read.attention_from is not None:  # the blend of the tokens the first pass chose
+                            result = self._blend_after_probe(run, kv, read.blend, result)
+                    pre = self._cached(run, read, result, loading)
+                    break
+                except CorruptEntryError as exc:
+                    if run.last:
+                        raise
+                    logger.warning("a prefill attempt read a damaged chunk (%s); trying again", exc)
+        # entries a full prefill computed: stored at once on the fills' thread (no compute, only the store's writes)
+        self.fills.submit(prompt.prefix_ids, pre.captured, pre.captured)
+        pre.captured = {}  # the fills' thread holds them until stored
+        return pre
+
+    def _attempts(self, prompt: TokenizedPrompt, mode: PrefillMode, events: LayerEvents | None) -> Iterator[PrefillRun]:
+        """Each attempt's state, in `mode`, then as a full prefill. Each retry follows the removal of one entry from
+        one tier, so a prompt's entries (prefix and chunks, in each of the store's tiers) bound the retries."""
+        fresh: set[str] = set()  # chunks prefilled during this request: misses, even when found on a retry
+        for _ in range((len(prompt.chunk_ids) + 1) * self.chunks.tiers + 1):
+            yield PrefillRun(prompt, self._metrics(mode, prompt.num_tokens), mode, events, fresh)
+        logger.warning("the store kept returning damaged chunks; answering with a full prefill")
+        full = PrefillMode.FULL
+        yield PrefillRun(prompt, self._metrics(full, prompt.num_tokens), full, events, fresh, last=True)
+
+    def _read(self, run: PrefillRun, blend: BlendConfig, policy: RatioPolicy | None) -> Prefill | Reading:
+        """Plan the chunks and read their stored KV for the fusor; or a full prefill (the mode asked, a prompt
+        without chunks, or a cold request the miss policy answers in full). `policy` chooses the blend ratio."""
+        prompt, m, mode = run.prompt, run.metrics, run.mode
         if mode is PrefillMode.FULL or not prompt.chunk_ids:
             # Without chunks there is nothing to reuse or blend: every mode is a full prefill. It reads no stored
             # KV, and stores, at no cost, the chunks whose entries it computes exactly: a full prefill asked for
             # (a reference to measure other modes against, say) never stores its prompt's in-context KV, which
             # any later mode would read (captured entries come from cold requests and guard escalations).
-            plan = self.chunks.place(prompt.prefix_ids, prompt.chunk_ids, "exact")
-            return self._full(run, to_capture(plan))
+            return self._full(run, to_capture(self.chunks.place(prompt.prefix_ids, prompt.chunk_ids, "exact")))
         plan = self.chunks.place(prompt.prefix_ids, prompt.chunk_ids)  # which entry each chunk reads
         if any(p.found is None for p in plan):
             m.stored_otherwise = self.chunks.stored_otherwise(prompt.prefix_ids, plan)
         if mode is not PrefillMode.PREFIX and self.miss_policy != "blend":
-            cold = self._answer_cold_in_full(run, plan, mode, blend)
+            cold = self._answer_cold_in_full(run, plan, blend)
             if cold is not None:
                 return cold
 
@@ -186,17 +176,25 @@ class Prefiller:
         got = gather(self.chunks, run, plan[:n_chunks], lazy=self.pipelined)
         t_found = time.perf_counter()
         m.load_s = t_found - run.t0 - m.precompute_s  # store lookups
+        if mode is not PrefillMode.BLEND:  # prefix / reuse: every token with loaded KV is used as is
+            return Reading(got.parts, plan, reuse_plan(prompt, n_chunks), None, t_found=t_found)
+        if policy is not None:
+            decision = policy.choose_ratio(prompt.num_tokens, got.bytes_by_tier, m.hits_by_tier)
+            blend = blend.with_ratio(decision.ratio)
+            m.controller = decision.to_dict()
+        m.recompute_ratio = blend.recompute_ratio
+        if not blend.uses_attention_pass:
+            return Reading(got.parts, plan, blend_plan(prompt, blend), blend, t_found=t_found)
+        # The "attention" rule first runs a full-reuse pass that records how much the question attends to each chunk
+        # token (`_blend_after_probe` then recomputes the top ones over that pass's KV).
+        return Reading(got.parts, plan, reuse_plan(prompt), blend, question_mask(prompt),
+                       blend.probe_layers(self.lm.shape.num_layers), t_found)  # fmt: skip
 
-        blend_cfg = None  # prefix / reuse: every token with loaded KV is used as is
-        if mode is PrefillMode.BLEND:
-            if policy is not None:
-                decision = policy.choose_ratio(n, got.bytes_by_tier, m.hits_by_tier)
-                blend = blend.with_ratio(decision.ratio)
-                m.controller = decision.to_dict()
-            blend_cfg = blend
-            m.recompute_ratio = blend.recompute_ratio
-        with self._loaded(got.parts, n, buffers) as (kv, loading):
-            result = self._fuse(run, kv, n_chunks, blend_cfg)
+    def _cached(self, run: PrefillRun, read: Reading, result: FusionResult, loading: LoadTiming) -> Prefill:
+        """A cached attempt's result, its metrics filled; a guard escalation to every token captures the entries its
+        full prefill's KV holds."""
+        prompt, m = run.prompt, run.metrics
+        n, num_layers = prompt.num_tokens, self.lm.shape.num_layers
         load_s, wait_s = loading.times()
         assert result.logits is not None
         m.recomputed_per_layer = result.recomputed_per_layer
@@ -204,12 +202,12 @@ class Prefiller:
         m.load_s += load_s
         m.wait_s = wait_s
         m.pipelined = self.pipelined
-        m.compute_s = time.perf_counter() - t_found - wait_s
+        m.compute_s = time.perf_counter() - read.t_found - wait_s
         m.compute_share = sum(m.recomputed_per_layer) / (n * num_layers)
         captured: dict[tuple[int, ...], ChunkKV] = {}
         if m.escalations and m.escalations[-1] >= 1.0:  # the guard recomputed every token: a full prefill's KV
             layers = result.kv.layers()
-            todo = [p for p in to_capture(plan) if p.keys[0] not in run.fresh]  # not what this request just stored
+            todo = [p for p in to_capture(read.placements) if p.keys[0] not in run.fresh]  # not what it just stored
             captured = capture(self.chunks, prompt, layers, todo)
             m.chunks_captured = len(captured)
         return Prefill(result.logits, n, m, captured=captured, kv=result.kv, model_config=self.model.config)
@@ -233,7 +231,7 @@ class Prefiller:
         m.mode = PrefillMode.FULL.value
         # every layer's cache whole, a sliding window's too (the model masks it): what capture and decoding read
         cache = DynamicCache()
-        with between_layers(self.lm.layers, run.after_layer):
+        with run.events.hooked(self.lm.layers) if run.events is not None else nullcontext():
             logits = self.forward(prompt.input_ids(), 0, cache)
         layers = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
         captured = capture(self.chunks, prompt, layers, placements)
@@ -244,9 +242,7 @@ class Prefiller:
         m.chunks_captured = len(captured)
         return Prefill(logits, n, m, captured=captured, model_cache=cache)
 
-    def _answer_cold_in_full(
-        self, run: PrefillRun, plan: Sequence[Placement], mode: PrefillMode, blend: BlendConfig
-    ) -> Prefill | None:
+    def _answer_cold_in_full(self, run: PrefillRun, plan: Sequence[Placement], blend: BlendConfig) -> Prefill | None:
         """A full prefill when prefilling the request's missing chunks first would cost more than it (the miss
         policy). The missing chunks that prefill computes as their entries are stored from it (`Prefill.captured`);
         the others are prefilled and stored after the answer (`Prefill.deferred`). None: go on cached."""
@@ -254,7 +250,8 @@ class Prefiller:
         missing = missing_chunks(plan)
         if not missing:
             return None
-        share = cold_cost_share(prompt, missing, blend if mode is PrefillMode.BLEND else None, self.lm.shape.num_layers)
+        blended = blend if run.mode is PrefillMode.BLEND else None
+        share = cold_cost_share(prompt, missing, blended, self.lm.shape.num_layers)
         if self.miss_policy == "auto" and share < 1.0:
             return None
         pre = self._full(run, to_capture(plan))
@@ -289,25 +286,15 @@ class Prefiller:
             timing.assembly_s = time.perf_counter() - t
             yield kv, timing
 
-    def _fuse(self, run: PrefillRun, kv: PromptKV, n_loaded: int, blend: BlendConfig | None) -> FusionResult:
-        """Run the fusor over the prompt's KV `kv` (stored KV of the prefix, then of the first `n_loaded` chunks in
-        order, at the head of the prompt).
-
-        With a blend config, chunk tokens are recomputed as its rule chooses (`planning.blend_plan`); without
-        one, every loaded token is used as is (prefix caching when `n_loaded` is 1 in a longer prompt, full KV
-        reuse when it covers all). The "attention" rule first runs a full-reuse pass that records how much the
-        question attends to each chunk token, then recomputes the top ones over that pass's KV (the same buffers;
-        the choice is made on the device), records the risk signals of the result (`guard.first_token_signals`)
-        and, with a guard, escalates a risky one (`guard.escalate`) from a copy of the first pass's KV.
-        """
-        prompt, m, after_layer, steps = run.prompt, run.metrics, run.after_layer, self.steps
-        if blend is None:
-            return fuse(self.lm, reuse_plan(prompt, n_loaded), kv, after_layer=after_layer, steps=steps)
-        if not blend.uses_attention_pass:
-            return fuse(self.lm, blend_plan(prompt, blend), kv, after_layer=after_layer, steps=steps)
-        probe = fuse(self.lm, reuse_plan(prompt), kv, attention_from=question_mask(prompt), steps=steps,
-                     layers=blend.probe_layers(self.lm.shape.num_layers), after_layer=after_layer)  # fmt: skip
-        assert probe.attention is not None
+    def _blend_after_probe(
+        self, run: PrefillRun, kv: PromptKV, blend: BlendConfig | None, probe: FusionResult
+    ) -> FusionResult:
+        """The "attention" rule after its first pass (`probe`, full reuse recording how much the question attends to
+        each chunk token): recompute the top tokens over that pass's KV `kv` (the same buffers; the choice is made on
+        the device), record the risk signals of the result (`guard.first_token_signals`) and, with a guard, escalate
+        a risky one (`guard.escalate`) from a copy of the first pass's KV."""
+        prompt, m, events, steps = run.prompt, run.metrics, run.events, self.steps
+        assert blend is not None and probe.attention is not None
         scores = probe.attention
         guard = self.guard if probe.logits is not None else None  # as for the rules without a first pass
         spent = list(probe.recomputed_per_layer)  # the probe's question-only pass is part of this rule's compute
@@ -317,7 +304,7 @@ class Prefiller:
 
         def blend_at(cfg: BlendConfig, over: PromptKV) -> tuple[FusionResult, FusionPlan]:
             plan = blend_plan(prompt, cfg, scores)
-            out = fuse(self.lm, plan, over, after_layer=after_layer, steps=steps)
+            out = fuse(self.lm, plan, over, events=events, steps=steps)
             spent[:] = [a + b for a, b in zip(spent, out.recomputed_per_layer, strict=True)]
             return out, plan
 
@@ -328,22 +315,10 @@ class Prefiller:
         m.guard_reason = guard.reason(m.risk) if guard is not None else None
         if guard is not None and m.guard_reason is not None:
             assert first_pass is not None
-            result, steps = escalate(guard, result, blend.recompute_ratio,
-                                     lambda r: blend_at(blend.with_ratio(r), first_pass.copy())[0])  # fmt: skip
-            m.escalations.extend(steps)
-            if steps:
-                m.recompute_ratio = steps[-1]
+            result, ratios = escalate(guard, result, blend.recompute_ratio,
+                                      lambda r: blend_at(blend.with_ratio(r), first_pass.copy())[0])  # fmt: skip
+            m.escalations.extend(ratios)
+            if ratios:
+                m.recompute_ratio = ratios[-1]
         result.recomputed_per_layer = spent
         return result
-
-
-def decode_cache(config: Any, kv: PromptKV) -> DynamicCache:
-    """A transformers decode cache over the prompt's KV buffers as they are: each full-attention layer takes its
-    slice [1, Hkv, N, D] without a copy (other layer kinds, e.g. a sliding window's, are filled through `update`)."""
-    cache = DynamicCache(config=config)
-    for layer_idx, (layer, (k, v)) in enumerate(zip(cache.layers, kv.layers(batched=True), strict=True)):
-        if type(layer) is DynamicLayer:  # what its first `update` sets, with the slice itself instead of a copy
-            layer.keys, layer.values, layer.device, layer.is_initialized = k, v, k.device, True
-        else:
-            cache.update(k, v, layer_idx)
-    return cache

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..prefill.prefiller import Prefill
 from .batch_decode import BatchDecoder
 from .graphs import GraphedSteps
-from .jobs import Job
 from .slots import SlotPool, rounded
+
+if TYPE_CHECKING:  # a job holds its slot; the steps over jobs (`jobs.JobSteps`) hold these slots
+    from .jobs import Job
 
 
 class DecodeSlots:

@@ -164,9 +164,13 @@ class TextStream(_Events):
         raise StopIteration
 
     def collect(self) -> GenerationResult:
-        """Run to the end and return the result (what `engine.generate` does)."""
-        for _ in self:
-            pass
+        """Run to the end and return the result (what `engine.generate` does): every event read, as `next` reads
+        them, with no text handed back on the way."""
+        while not self._closed:
+            event = next(self._events, None)
+            if event is None:
+                break
+            self._take(event)
         assert self.result is not None
         return self.result
 

@@ -6,7 +6,7 @@ stored after the answer, so that the next request that retrieves them is fast. T
 answer, and it runs one chunk at a time in one of two places:
 - while the scheduler serves requests, on the scheduler's own thread, between its turns (it is the *host*:
   `host`, `run_next`), so a chunk being prefilled can let the requests decoding take steps between its layers
-  (`max_token_gap_s`) like any prefill, instead of holding the engine's lock for the whole chunk;
+  (`ServingConfig.max_token_gap_s`) like any prefill, instead of holding the engine's lock for the whole chunk;
 - otherwise on a background thread of its own, one chunk per turn of the engine's lock.
 A request that needs a chunk still queued waits for it (`wait_for`) rather than computing it twice; on the host's
 thread, waiting means storing the queued chunks there. `wait()` waits for everything (before a process exits);
@@ -23,15 +23,15 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ...fusion import LayerEvents
 from ...store import ChunkKV
-from ..request.after_layer import AfterLayer
 from .shutdown import joined, stop_at_exit
 
 logger = logging.getLogger(__name__)
 
-# (prefix ids, chunk ids, its captured entry or None, a callback between layers): store that chunk's KV (prefilling
-# it when there is no captured entry)
-Fill = Callable[[Sequence[int], Sequence[int], ChunkKV | None, AfterLayer | None], None]
+# (prefix ids, chunk ids, its captured entry or None, what watches the layers of its prefill): store that chunk's KV
+# (prefilling it when there is no captured entry)
+Fill = Callable[[Sequence[int], Sequence[int], ChunkKV | None, LayerEvents | None], None]
 IDLE_S = 5.0  # the background thread ends after this long with nothing queued
 
 Item = tuple[tuple[int, ...], tuple[int, ...], ChunkKV | None]
@@ -99,14 +99,14 @@ class DeferredFills:
                 self._host = None
             self._cond.notify_all()
 
-    def run_next(self, after_layer: AfterLayer | None = None) -> bool:
-        """Store the next queued chunk on this thread, calling `after_layer` between the layers of its prefill.
-        -> False when nothing was queued."""
+    def run_next(self, events: LayerEvents | None = None) -> bool:
+        """Store the next queued chunk on this thread, `events` told of the layers of its prefill (the scheduler's
+        decode steps for the requests answering). -> False when nothing was queued."""
         with self._cond:
             if not self._items:
                 return False
             item = self._items.popleft()
-        self._store(item, after_layer)
+        self._store(item, events)
         return True
 
     def wait_for(self, chunks: Iterable[Sequence[int]], timeout: float | None = None) -> bool:
@@ -173,22 +173,14 @@ class DeferredFills:
                 item = self._items.popleft()
             self._store(item, None)
 
-    def _store(self, item: Item, after_layer: AfterLayer | None) -> None:
+    def _store(self, item: Item, events: LayerEvents | None) -> None:
         prefix_ids, chunk, kv = item
-        hosted = 0.0  # time spent in `after_layer` (other requests' decode steps), not in this fill
-
-        def timed(layer_idx: int) -> None:
-            nonlocal hosted
-            assert after_layer is not None
-            t = time.perf_counter()
-            after_layer(layer_idx)
-            hosted += time.perf_counter() - t
-
+        spent = 0.0 if events is None else events.spent_s  # time in the events (others' decode steps): not the fill's
         t = time.perf_counter()
         failed = False
         try:
             with self._lock:
-                self._fill(prefix_ids, chunk, kv, None if after_layer is None else timed)
+                self._fill(prefix_ids, chunk, kv, events)
         except Exception as exc:  # a fill is an optimisation: report it and go on
             failed = True
             logger.warning("storing a chunk after a cold request failed (%s: %s); the next request that "
@@ -199,6 +191,7 @@ class DeferredFills:
                     self._failed += 1
                 elif kv is None:
                     self._prefilled += 1
+                    hosted = 0.0 if events is None else events.spent_s - spent
                     self._prefill_s += time.perf_counter() - t - hosted
                 else:
                     self._captured += 1

@@ -7,9 +7,10 @@ loop. One server serves them all, in turns (the worker thread, or, for a request
 2. store one chunk a cold request was answered without, if one is queued (`DeferredFills`);
 3. run one decode step for every decoding job as one batched forward (`BatchDecoder`), and hand each its text.
 A new request waits at most one decode step for its prefill, and each step reads the weights once for the batch.
-What a turn does to its jobs (start, step, finish) is `JobSteps`; this module decides which jobs, and when.
+What a turn does to its jobs (start, step, finish) is `JobSteps` (`jobs`); this module decides which jobs, and when.
 With `max_token_gap_s`, decoding requests also get a step between two layers of a prefill (or of a chunk being
-stored) once their last token is that old, so a long prefill does not stop their answers. Events reach each
+stored) once their last token is that old, so a long prefill does not stop their answers: the scheduler registers
+that step with each job's `LayerEvents` when it is queued. Events reach each
 job's reader through a `Channel` (a queue for a thread, the event loop for a task): a slow reader only lets its
 own events pile up, and a reader that leaves cancels its job, whose prefill then stops at its next layer. The
 worker exits when nothing is left and starts again with the next job; at interpreter exit `stop` (called by
@@ -25,24 +26,27 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from ...errors import EngineClosedError, PromptError
-from ..request.after_layer import AfterLayer
+from ...fusion import LayerEvents
+from ..prefill.prefiller import Prefiller
 from ..request.prompt import TokenizedPrompt
-from ..request.request import Request
+from ..request.request import Request, SamplingParams
 from .batch_decode import BatchDecoder
 from .decode_slots import DecodeSlots
-from .decoding import AsyncTextStream, Event, GenerationResult, RequestCancelled, TextStream
+from .decoding import AsyncTextStream, Event, GenerationResult, RequestCancelled, TextStream, TokenLoop
+from .deferred_fills import DeferredFills
 from .graphs import GraphedSteps
-from .job_steps import JobSteps
-from .jobs import Channel, Job, Served
+from .jobs import Channel, Job, JobSteps
 from .shutdown import joined, stop_at_exit
 from .thread_pools import release_thread_pool
 
 
 class Scheduler:
-    """The queue and the worker, over what it serves (`Served`: the engine's prefill and token loop, and its fills).
+    """The queue and the worker, over the parts it drives: the prefiller (a job's prefill), the batched decoder, the
+    token loops (`loops`: one per request's sampling settings) and the fills (the chunks stored in its turns).
 
     A job waits in the queue while one of its chunks is still being stored by a fill (later jobs may start first);
     after a job's last token, the chunks a cold request was answered without are queued to be stored.
@@ -50,8 +54,10 @@ class Scheduler:
 
     def __init__(
         self,
-        served: Served,
+        prefiller: Prefiller,
+        fills: DeferredFills,
         decoder: BatchDecoder,
+        loops: Callable[[SamplingParams], TokenLoop],
         lock: threading.RLock,
         *,
         max_batch: int,
@@ -64,7 +70,9 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_tokens = max_tokens
         self.max_token_gap_s = max_token_gap_s
-        self._served = served
+        self.fills = fills
+        # what a chunk being stored in a turn tells of its layers: the decoding jobs' steps (`max_token_gap_s`)
+        self._fill_events = None if max_token_gap_s is None else LayerEvents(self._between_layers)
         self._cond = threading.Condition()
         self._waiting: list[Job] = []
         self._active: list[Job] = []
@@ -72,7 +80,7 @@ class Scheduler:
         self._lone: Job | None = None  # the job alone in the queue whose reader serves it, while nothing else is
         self._turn = threading.Lock()  # held by whoever runs a turn: the worker or the lone job's reader
         self._stopped = False
-        self.steps = JobSteps(served, self.slots, lock)  # what a turn does to its jobs
+        self.steps = JobSteps(prefiller, fills, self.slots, lock, loops)  # what a turn does to its jobs
         stop_at_exit(self)
 
     def submit(
@@ -85,6 +93,8 @@ class Scheduler:
         """Queue a request; PromptError, before anything runs, for one whose KV could never fit `max_tokens`.
         With `serve_here` (a thread's reader), a request alone is served by its reader (`_serve_turn`)."""
         job = Job(prompt, request, Channel(loop))
+        if self.max_token_gap_s is not None:
+            job.events.watch(self._between_layers)  # after its own cancellation check
         if self.max_tokens is not None and job.positions > self.max_tokens:
             raise PromptError(
                 f"this request needs {job.positions} KV positions ({prompt.num_tokens} prompt tokens + "
@@ -120,13 +130,17 @@ class Scheduler:
         return TextStream(self._served_events(job), job.cancel)
 
     def _served_events(self, job: Job) -> Iterator[Event]:
-        """A thread's events of `job`: while the job is alone, each missing event is made here (`_serve_turn`).
-        Once this thread no longer serves, its torch thread pool is let go (`release_thread_pool`)."""
+        """A thread's events of `job`: while the job is alone, each missing event is made here, in a turn this
+        thread runs (`_lone_turn`). Once this thread no longer serves, its torch thread pool is let go
+        (`release_thread_pool`)."""
         served = False
         while True:
             event = job.channel.take()
             if event is None:
-                if self._serve_turn(job):
+                with self._lone_turn(job) as alone:
+                    if alone:
+                        self._one_turn()
+                if alone:
                     served = True
                     continue
                 if served:
@@ -139,23 +153,25 @@ class Scheduler:
                     release_thread_pool()
                 return
 
-    def _serve_turn(self, job: Job) -> bool:
-        """Run one turn for the lone `job` on the calling thread (its reader's); -> False when `job` is not alone
-        (the worker serves it, or it is over). An interruption (KeyboardInterrupt) cancels the job."""
-        with self._cond:
-            if self._lone is not job:
-                return False
+    @contextmanager
+    def _lone_turn(self, job: Job) -> Iterator[bool]:
+        """The turn, held for the lone `job`'s reader (the calling thread) for the block; -> False, and nothing is
+        held, when `job` is not alone (the worker serves it, or it is over). An interruption (KeyboardInterrupt)
+        inside the block cancels the job."""
         # Wait for the turn only while the job is still alone (the previous lone request's reader may be ending its
         # turn): once a worker serves it, a reader queued behind the worker's turns would stop reading its text.
-        while not self._turn.acquire(timeout=0.01):
+        while True:
             with self._cond:
-                if self._lone is not job:
-                    return False
+                alone = self._lone is job
+            if not alone or self._turn.acquire(timeout=0.01):
+                break
+        if not alone:
+            yield False
+            return
         try:
             with self._cond:
-                if self._lone is not job:
-                    return False
-            self._one_turn()
+                alone = self._lone is job
+            yield alone
         except BaseException:
             job.cancel()
             raise
@@ -166,7 +182,6 @@ class Scheduler:
                     self._prune()
             self.slots.free()
             self._turn.release()
-        return True
 
     def astream(self, prompt: TokenizedPrompt, request: Request) -> AsyncTextStream:
         """Queue a request for a reader on the running event loop."""
@@ -230,7 +245,7 @@ class Scheduler:
 
     def _run(self) -> None:
         """The worker thread: turns until nothing is left."""
-        self._served.fills.host(True)
+        self.fills.host(True)
         try:
             while True:
                 with self._turn:
@@ -242,7 +257,7 @@ class Scheduler:
                         self._thread = None
                         return
         finally:
-            self._served.fills.host(False)  # what is left is stored on the fills' own thread
+            self.fills.host(False)  # what is left is stored on the fills' own thread
 
     def _one_turn(self) -> bool:
         """Start a waiting job, store one queued chunk, step the decoding jobs; -> False when nothing was left to
@@ -265,10 +280,10 @@ class Scheduler:
                 if job is not None:
                     self._waiting.remove(job)
             batch = list(self._active)
-        if job is not None and self.steps.start(job, self._after_layer):
+        if job is not None and self.steps.start(job):
             with self._cond:
                 self._active.append(job)
-        stored = self._served.fills.run_next(self._after_layer)
+        stored = self.fills.run_next(self._fill_events)
         if job is None and not batch and not stored:
             with self._cond:
                 self._cond.wait(0.02)  # only jobs whose chunks the fills' thread is storing: look again soon
@@ -280,7 +295,7 @@ class Scheduler:
 
     def _ready(self, job: Job) -> bool:
         """False while one of the job's chunks is still being stored by a fill."""
-        return self._served.fills.wait_for(job.prompt.chunk_ids, timeout=0)
+        return self.fills.wait_for(job.prompt.chunk_ids, timeout=0)
 
     def _prune(self) -> None:
         """Drop the jobs no one serves any more: cancelled ones, and finished ones (under the condition's lock). A
@@ -296,11 +311,6 @@ class Scheduler:
     def _fits(self, job: Job) -> bool:
         """Whether `job`'s KV fits beside the decoding jobs' under `max_tokens` (under the condition's lock)."""
         return self.max_tokens is None or job.positions + sum(j.positions for j in self._active) <= self.max_tokens
-
-    @property
-    def _after_layer(self) -> AfterLayer | None:
-        """What a prefill (a request's, or a stored chunk's) calls between its layers: nothing without a gap."""
-        return None if self.max_token_gap_s is None else self._between_layers
 
     def _between_layers(self, layer_idx: int) -> None:
         """A prefill (or the prefill of a chunk being stored) finished a layer: the requests already decoding get a
