@@ -33,7 +33,7 @@ from benchlib.cli import add_out_argument, cpu_name, model_name  # noqa: E402
 from benchlib.load_requests import QUESTIONS  # noqa: E402
 from benchlib.timing import add_data_dir_argument, chunk_texts  # noqa: E402
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
+from cacheblend_rag import CacheBlendEngine, EngineConfig, ServingConfig  # noqa: E402
 from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache  # noqa: E402
 from cacheblend_rag.models.int8 import int8_decode_lm  # noqa: E402
 
@@ -129,13 +129,14 @@ def main() -> None:
     bf16_engine = None
     for weights in settings:
         if weights.startswith("bf16"):  # its own model copy and store: bf16 weights, bf16 chunk KV
-            config = EngineConfig(dtype="bfloat16", decode_weights="int8" if weights == "bf16-int8" else "native")
+            serving = ServingConfig(decode_weights="int8" if weights == "bf16-int8" else "native")
+            config = EngineConfig(dtype="bfloat16", serving=serving)
             engine = CacheBlendEngine.from_pretrained(args.model, config=config, show_progress=False)
             engine.precompute(pool if args.cases else chunks, QUESTIONS[0])
             bf16_engine = bf16_engine or engine
         else:
-            engine = CacheBlendEngine(base.model, base.tokenizer, config=EngineConfig(decode_weights=weights),
-                                      store=base.store)  # fmt: skip
+            config = EngineConfig(serving=ServingConfig(decode_weights=weights))
+            engine = CacheBlendEngine(base.model, base.tokenizer, config=config, store=base.store)
         engine.generate(chunks, QUESTIONS[0], max_new_tokens=4)  # warm the path
         results["settings"][weights] = timing(engine, chunks, args)
         print(weights, {k: v for k, v in results["settings"][weights].items() if k != "runs"}, flush=True)

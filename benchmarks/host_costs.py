@@ -34,7 +34,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, EngineConfig  # noqa: E402
 from cacheblend_rag.engine.chunks.context import copies_before  # noqa: E402
-from cacheblend_rag.engine.prefill.prefiller import decode_cache  # noqa: E402
+from cacheblend_rag.engine.prefill.state import decode_cache  # noqa: E402
 from cacheblend_rag.engine.request.prompt import tokenize_chunks  # noqa: E402
 from cacheblend_rag.models import default_model, load_model  # noqa: E402
 

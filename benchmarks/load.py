@@ -58,7 +58,7 @@ from benchlib.load_requests import QUESTIONS, Planned, plan_requests  # noqa: E4
 from benchlib.queueing import poisson_arrivals  # noqa: E402
 from benchlib.timing import RANDOM_SHAPES, add_data_dir_argument, build_engine, chunk_texts  # noqa: E402
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig  # noqa: E402
+from cacheblend_rag import CacheBlendEngine, EngineConfig, ServingConfig, StoreConfig  # noqa: E402
 from cacheblend_rag.config import CHUNK_CONTEXTS, MISS_POLICIES  # noqa: E402
 
 SETTINGS = {
@@ -289,10 +289,14 @@ def main(argv: list[str] | None = None) -> int:
     base.precompute(pool, QUESTIONS[0])
 
     def engine_for(spec: dict, max_batch: int, gap: float | None = None) -> CacheBlendEngine:
-        config = EngineConfig(device=args.device, dtype=args.dtype, max_batch_size=max_batch,
-                              decode_weights=spec["decode_weights"], miss_policy=args.miss_policy,
-                              chunk_context=args.chunk_context, decode_graphs=spec.get("decode_graphs", False),
-                              max_token_gap_s=gap)  # fmt: skip
+        serving = ServingConfig(
+            max_batch_size=max_batch,
+            decode_weights=spec["decode_weights"],
+            decode_graphs=spec.get("decode_graphs", False),
+            max_token_gap_s=gap,
+        )
+        config = EngineConfig(device=args.device, dtype=args.dtype, miss_policy=args.miss_policy,
+                              chunk_context=args.chunk_context, serving=serving)  # fmt: skip
         return CacheBlendEngine(base.model, base.tokenizer, config=config, store=base.store)  # same warm store
 
     alone: dict[str, CacheBlendEngine] = {}  # by decode weights: the engines of --check-serial

@@ -34,7 +34,7 @@ from benchlib.load_requests import QUESTIONS  # noqa: E402
 from benchlib.timing import chunk_texts  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
+from cacheblend_rag import CacheBlendEngine, EngineConfig, ServingConfig  # noqa: E402
 from cacheblend_rag.engine.serving import decode_slots  # noqa: E402
 from cacheblend_rag.engine.serving.batch_decode import BatchDecoder  # noqa: E402
 from cacheblend_rag.engine.serving.slots import SlotPool  # noqa: E402
@@ -140,7 +140,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(2)
     engine = CacheBlendEngine.from_pretrained(
-        None, config=EngineConfig(decode_weights="int8", dtype=args.dtype), show_progress=False
+        None, config=EngineConfig(serving=ServingConfig(decode_weights="int8"), dtype=args.dtype), show_progress=False
     )
     print(f"{cpu_name()}, dtype {args.dtype}, 2 threads")
     if args.rounds:

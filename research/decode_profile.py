@@ -28,7 +28,7 @@ from benchlib.load_requests import QUESTIONS  # noqa: E402
 from benchlib.timing import chunk_texts  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
+from cacheblend_rag import CacheBlendEngine, EngineConfig, ServingConfig  # noqa: E402
 
 
 def profiled(engine: CacheBlendEngine, chunks: list[str], tokens: int) -> tuple[dict[str, list[float]], float, int]:
@@ -54,8 +54,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the per-op table as JSON here")
     args = p.parse_args()
     base = CacheBlendEngine.from_pretrained(args.model, show_progress=False)
-    engine = CacheBlendEngine(base.model, base.tokenizer, config=EngineConfig(decode_weights=args.decode_weights),
-                              store=base.store)  # fmt: skip
+    config = EngineConfig(serving=ServingConfig(decode_weights=args.decode_weights))
+    engine = CacheBlendEngine(base.model, base.tokenizer, config=config, store=base.store)
     chunks = chunk_texts(engine.tokenizer, 6, 512, None)
     engine.precompute(chunks, QUESTIONS[0])
     engine.generate(chunks, QUESTIONS[0], max_new_tokens=4)  # warm the path

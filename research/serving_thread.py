@@ -35,7 +35,7 @@ from benchlib.cli import cpu_name  # noqa: E402
 from benchlib.load_requests import QUESTIONS  # noqa: E402
 from benchlib.timing import chunk_texts  # noqa: E402
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
+from cacheblend_rag import CacheBlendEngine, EngineConfig, ServingConfig  # noqa: E402
 from cacheblend_rag.engine.serving.thread_pools import release_thread_pool  # noqa: E402
 
 WAYS = ("caller", "second thread", "second thread, pool released")
@@ -64,7 +64,7 @@ def main() -> int:
     p.add_argument("--out", default="research/results/serving_thread")
     args = p.parse_args()
     engine = CacheBlendEngine.from_pretrained(
-        args.model, config=EngineConfig(decode_weights=args.decode_weights), show_progress=False
+        args.model, config=EngineConfig(serving=ServingConfig(decode_weights=args.decode_weights)), show_progress=False
     )
     pool = chunk_texts(engine.tokenizer, 6, 512, Path(args.data_dir) if args.data_dir else None)
     engine.precompute(pool, QUESTIONS[0])

@@ -1,4 +1,4 @@
-"""`EngineConfig.max_batch_tokens`: the KV the requests decoding together may hold bounds the batch, a request
+"""`ServingConfig.max_batch_tokens`: the KV the requests decoding together may hold bounds the batch, a request
 past it waits for room in arrival order, and one that could never fit is refused before anything runs."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag import CacheBlendEngine, EngineConfig, ServingConfig
 from cacheblend_rag.errors import ConfigError, PromptError
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
@@ -19,7 +19,9 @@ def engine_for(max_batch_tokens: int | None) -> CacheBlendEngine:
     return CacheBlendEngine(
         make_tiny_model("qwen2", mute_eos=True),
         make_tiny_tokenizer(),
-        config=EngineConfig(miss_policy="blend", chunk_separator="", max_batch_tokens=max_batch_tokens),
+        config=EngineConfig(
+            miss_policy="blend", chunk_separator="", serving=ServingConfig(max_batch_tokens=max_batch_tokens)
+        ),
     )
 
 
@@ -68,4 +70,4 @@ def test_a_request_that_could_never_fit_is_refused_and_the_engine_goes_on():
 @pytest.mark.parametrize("bad", [0, -5, 2.5, "100"])
 def test_max_batch_tokens_is_checked(bad):
     with pytest.raises(ConfigError, match="max_batch_tokens"):
-        EngineConfig(max_batch_tokens=bad)
+        ServingConfig(max_batch_tokens=bad)

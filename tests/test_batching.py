@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag import CacheBlendEngine, EngineConfig, ServingConfig
 from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.adapter import LayerwiseModel
@@ -100,7 +100,7 @@ def engine_for(max_batch: int, tmp_path=None) -> CacheBlendEngine:
     return CacheBlendEngine(
         make_tiny_model("qwen2", mute_eos=True),
         make_tiny_tokenizer(),
-        config=EngineConfig(miss_policy="blend", chunk_separator="", max_batch_size=max_batch),
+        config=EngineConfig(miss_policy="blend", chunk_separator="", serving=ServingConfig(max_batch_size=max_batch)),
     )
 
 
@@ -217,7 +217,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
 
 def test_max_batch_size_is_checked():
     with pytest.raises(ConfigError, match="max_batch_size"):
-        EngineConfig(max_batch_size=0)
+        ServingConfig(max_batch_size=0)
 
 
 def test_int8_decode_rows_are_batch_invariant_and_close_to_exact(family):
@@ -283,7 +283,7 @@ def test_an_engine_with_int8_decode_weights_keeps_the_exact_first_token():
     engine = CacheBlendEngine(
         make_tiny_model("qwen2", mute_eos=True),
         make_tiny_tokenizer(),
-        config=EngineConfig(miss_policy="blend", chunk_separator="", decode_weights="int8"),
+        config=EngineConfig(miss_policy="blend", chunk_separator="", serving=ServingConfig(decode_weights="int8")),
     )
     fast = engine.generate(chunks, **args)
     assert fast.token_ids[0] == exact.token_ids[0]  # from the prefill, which keeps the exact weights
@@ -292,9 +292,9 @@ def test_an_engine_with_int8_decode_weights_keeps_the_exact_first_token():
 
 def test_decode_weights_are_checked():
     with pytest.raises(ConfigError, match="decode_weights"):
-        EngineConfig(decode_weights="int4")
+        ServingConfig(decode_weights="int4")
     with pytest.raises(ConfigError, match="CPU"):
-        EngineConfig(device="cuda", decode_weights="int8")
+        EngineConfig(device="cuda", serving=ServingConfig(decode_weights="int8"))
 
 
 PASSAGES = [
@@ -311,9 +311,11 @@ def test_sixteen_concurrent_greedy_answers_on_a_real_model_equal_each_served_alo
     """16 threads at once on SmolLM2-135M: every greedy answer, token for token, is the one the same request gets
     with max_batch_size=1 (the load benchmark's --check-serial, on a model whose logits have near ties)."""
     engine = CacheBlendEngine.from_pretrained(
-        "smollm2-135m-instruct", config=EngineConfig(max_batch_size=16), show_progress=False
+        "smollm2-135m-instruct", config=EngineConfig(serving=ServingConfig(max_batch_size=16)), show_progress=False
     )
-    alone = CacheBlendEngine(engine.model, engine.tokenizer, config=EngineConfig(max_batch_size=1), store=engine.store)
+    alone = CacheBlendEngine(
+        engine.model, engine.tokenizer, config=EngineConfig(serving=ServingConfig(max_batch_size=1)), store=engine.store
+    )
     engine.precompute(PASSAGES)  # warm: every request blends stored chunks, alone or not
     requests = [([PASSAGES[i % 4], PASSAGES[(i + 1 + i // 4) % 4]], ASKED[i // 4]) for i in range(16)]
     serial = [alone.generate(chunks, q, max_new_tokens=12).token_ids for chunks, q in requests]

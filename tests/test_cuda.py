@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig, blend_rule
+from cacheblend_rag import CacheBlendEngine, EngineConfig, ServingConfig, blend_rule
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 pytestmark = [
@@ -171,7 +171,9 @@ def test_a_cuda_engine_with_decode_graphs_answers_concurrent_requests_as_alone()
     from concurrent.futures import ThreadPoolExecutor
 
     def engine(graphs):
-        config = EngineConfig(device="cuda", miss_policy="blend", chunk_separator="", decode_graphs=graphs)
+        config = EngineConfig(
+            device="cuda", miss_policy="blend", chunk_separator="", serving=ServingConfig(decode_graphs=graphs)
+        )
         return CacheBlendEngine(make_tiny_model("qwen2", mute_eos=True), make_tiny_tokenizer(), config=config)
 
     chunks = [random_words(400 + i, 12) for i in range(4)]

@@ -1,4 +1,4 @@
-"""Decode steps between a prefill's layers (`EngineConfig.max_token_gap_s`): where they run, and that they change
+"""Decode steps between a prefill's layers (`ServingConfig.max_token_gap_s`): where they run, and that they change
 no answer. Tiny seeded models; the timing side (how long streams stall) is measured by `benchmarks/load.py`."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_batching import POOL, request_args
 
-from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag import CacheBlendEngine, EngineConfig, ServingConfig
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.fusion import FusionPlan, LayerEvents, fuse
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
@@ -63,7 +63,11 @@ def engine_with_gap(gap: float | None, max_batch: int = 8) -> CacheBlendEngine:
     return CacheBlendEngine(
         make_tiny_model("qwen2", mute_eos=True),
         make_tiny_tokenizer(),
-        config=EngineConfig(miss_policy="blend", chunk_separator="", max_batch_size=max_batch, max_token_gap_s=gap),
+        config=EngineConfig(
+            miss_policy="blend",
+            chunk_separator="",
+            serving=ServingConfig(max_batch_size=max_batch, max_token_gap_s=gap),
+        ),
     )
 
 
@@ -117,7 +121,7 @@ def test_a_long_gap_hosts_no_step_and_a_stream_abandoned_meanwhile_frees_the_bat
 @pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), "0.5", True])
 def test_max_token_gap_s_is_checked(bad):
     with pytest.raises(ConfigError, match="max_token_gap_s"):
-        EngineConfig(max_token_gap_s=bad)
+        ServingConfig(max_token_gap_s=bad)
 
 
 def test_chunks_stored_after_a_cold_request_host_the_decode_steps_of_the_requests_still_answering():
@@ -135,7 +139,9 @@ def test_chunks_stored_after_a_cold_request_host_the_decode_steps_of_the_request
     engine = CacheBlendEngine(
         make_tiny_model("qwen2", mute_eos=True),
         make_tiny_tokenizer(),
-        config=EngineConfig(miss_policy="full", chunk_separator="", max_token_gap_s=0.0, chunk_context="isolated"),
+        config=EngineConfig(
+            miss_policy="full", chunk_separator="", serving=ServingConfig(max_token_gap_s=0.0), chunk_context="isolated"
+        ),
     )
     engine.precompute(long_chunks, prefix=long_args["prefix"])
     fills: list[tuple[str, bool]] = []

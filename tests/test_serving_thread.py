@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from cacheblend_rag import CacheBlendEngine, EngineClosedError, EngineConfig
+from cacheblend_rag import CacheBlendEngine, EngineClosedError, EngineConfig, ServingConfig
 from cacheblend_rag.engine.serving.thread_pools import release_thread_pool
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
@@ -26,7 +26,7 @@ def engine_for(max_batch: int = 4) -> CacheBlendEngine:
     engine = CacheBlendEngine(
         make_tiny_model("qwen2", mute_eos=True),
         make_tiny_tokenizer(),
-        config=EngineConfig(chunk_separator="", max_batch_size=max_batch),
+        config=EngineConfig(chunk_separator="", serving=ServingConfig(max_batch_size=max_batch)),
     )
     engine.precompute(CHUNKS, prefix=random_words(1, 3))
     return engine

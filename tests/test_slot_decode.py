@@ -162,14 +162,20 @@ def test_buckets():
 
 
 def test_decode_graphs_need_cuda_and_native_weights():
-    from cacheblend_rag import EngineConfig
+    from cacheblend_rag import EngineConfig, ServingConfig
     from cacheblend_rag.errors import ConfigError
 
-    assert EngineConfig().decode_graphs is False
+    assert EngineConfig().serving.decode_graphs is False
     with pytest.raises(ConfigError, match="needs device='cuda'"):
-        EngineConfig(decode_graphs=True)
+        EngineConfig(serving=ServingConfig(decode_graphs=True))
     with pytest.raises(ConfigError, match="True or False"):
-        EngineConfig(decode_graphs="yes")
+        ServingConfig(decode_graphs="yes")
+    with pytest.raises(ConfigError, match="decode_weights='native'"):
+        ServingConfig(decode_graphs=True, decode_weights="int8")
+    with pytest.raises(
+        ConfigError, match=r"moved to ServingConfig: EngineConfig\(serving=ServingConfig\(decode_graphs="
+    ):
+        EngineConfig(decode_graphs=True)  # the settings that moved are refused with the way to give them
 
 
 def test_memory_the_pool_never_wrote_cannot_reach_a_request(lm, monkeypatch):

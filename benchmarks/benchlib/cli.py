@@ -186,7 +186,7 @@ def number_list(
 
 
 def gap_list(p: argparse.ArgumentParser, text: str) -> list[float | None]:
-    """--token-gaps (`EngineConfig.max_token_gap_s` values): 'none' or seconds >= 0, comma-separated."""
+    """--token-gaps (`ServingConfig.max_token_gap_s` values): 'none' or seconds >= 0, comma-separated."""
     gaps: list[float | None] = []
     for item in filter(None, (x.strip() for x in text.split(","))):
         try:

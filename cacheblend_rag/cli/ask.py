@@ -27,7 +27,7 @@ __all__ = ["cmd_ask", "engine_config"]
 
 def engine_config(args: argparse.Namespace):
     """The EngineConfig `ask`'s options name, checked before any model loads."""
-    from ..config import BlendConfig, EngineConfig, StoreConfig
+    from ..config import BlendConfig, EngineConfig, ServingConfig, StoreConfig
 
     blend = BlendConfig(recompute_ratio=args.ratio) if args.ratio is not None else BlendConfig()
     check_model_name(args.model)
@@ -44,7 +44,7 @@ def engine_config(args: argparse.Namespace):
         miss_policy=args.miss_policy,
         guard=guard_from_args(args),
         chunk_context=args.chunk_context,
-        decode_weights=args.decode_weights,
+        serving=ServingConfig(decode_weights=args.decode_weights),
     )
 
 

@@ -8,12 +8,12 @@ from typing import Any
 from ..errors import ConfigError
 from ..guard import Guard
 from .blend import BlendConfig
-from .checks import check_count, check_real
+from .checks import check_count
 from .device import DEVICE_AUTO, check_device_spec, resolve_device
 from .dtype import normalize_dtype_name
+from .serving_config import SERVING_FIELDS, ServingConfig
 from .store_config import STORE_FIELDS, StoreConfig
 
-DECODE_WEIGHTS = ("native", "int8")
 MISS_POLICIES = ("auto", "blend", "full")
 # How a chunk's KV is cached (`EngineConfig.chunk_context`), with what each stores beside the chunk's isolated entry.
 CHUNK_CONTEXTS: dict[str, str] = {
@@ -27,8 +27,10 @@ DEFAULT_GROUP_TOKENS = 3072
 
 # Settings that left `EngineConfig`, and what replaces each (refused with that advice for one release).
 _MOVED_TO_STORE = "moved to StoreConfig: EngineConfig(store=StoreConfig({name}=...))"
+_MOVED_TO_SERVING = "moved to ServingConfig: EngineConfig(serving=ServingConfig({name}=...))"
 REMOVED: dict[str, str] = {
     **{name: _MOVED_TO_STORE.format(name=name) for name in STORE_FIELDS if name != "hmac_key"},
+    **{name: _MOVED_TO_SERVING.format(name=name) for name in SERVING_FIELDS},
     "store_hmac_key": "moved to StoreConfig: EngineConfig(store=StoreConfig(hmac_key=...))",
     "capture": "replaced by chunk_context: capture='all' is chunk_context='captured' (or the default 'grouped'), "
     "capture='exact' is chunk_context='isolated'",
@@ -67,25 +69,14 @@ class EngineConfig:
     guard: Guard | None = None
     chunk_separator: str = "\n\n"  # appended to each chunk's text before tokenizing (part of its cache key)
     max_prompt_tokens: int | None = None  # None: the model's context length
-    # How many requests decode together: each decode step reads the weights once for all of them. Requests past it
-    # wait in arrival order. 1 serves one request at a time (docs/configuration.md, "Serving many requests").
-    max_batch_size: int = 8
-    # The most KV positions the requests decoding together may hold (each: its prompt and room for its answer); a
-    # request that would pass it waits for room, one that could never fit is refused (PromptError). None: no bound.
-    max_batch_tokens: int | None = None
-    # The weights decode steps read: "native" (the model's, exact) or "int8" (CPU only: per-channel int8 copies of
-    # the linear layers, a quarter of the bytes; the first token stays exact, later tokens may differ).
-    decode_weights: str = "native"
-    # CUDA only: decode steps of up to 32 requests replayed as CUDA graphs (one captured per batch-size bucket, 1-32),
-    # one launch per step instead of hundreds; the same tokens as the eager step. Off until a GPU run shows its gain.
-    decode_graphs: bool = False
     # CUDA only: the row-wise half of each prefill layer (norms, q/k/v, RoPE, MLP) of up to 2,048 recomputed tokens,
     # padded to a size bucket and replayed as CUDA graphs (`fusion.GraphedLayerSteps`); the same tokens as the eager
     # layers at bf16 tolerance. Off until a GPU run shows its gain.
     prefill_graphs: bool = False
-    # While a prompt is prefilled, the requests already decoding get a step between two of its layers once their
-    # last step is this many seconds old, so their answers keep streaming through a long prefill. None: off.
-    max_token_gap_s: float | None = None
+    # How requests are served together: the decode batch and its KV bound, decode steps between a prefill's
+    # layers, the decode step's weights and CUDA graphs (`ServingConfig`; docs/configuration.md, "Serving many
+    # requests").
+    serving: ServingConfig = field(default_factory=ServingConfig)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> EngineConfig:
         gone = [name for name in kwargs if name in REMOVED]
@@ -103,26 +94,16 @@ class EngineConfig:
             raise ConfigError(f"store must be a StoreConfig, got {type(self.store).__name__}")
         if self.chunk_context not in CHUNK_CONTEXTS:
             raise ConfigError(f"chunk_context must be one of {', '.join(CHUNK_CONTEXTS)}, got {self.chunk_context!r}")
-        check_count("max_batch_size", self.max_batch_size, 1, "a number of requests (1: one at a time)")
-        if self.max_batch_tokens is not None:
-            check_count("max_batch_tokens", self.max_batch_tokens, 1, "a number of KV positions, or None")
-        if self.decode_weights not in DECODE_WEIGHTS:
-            raise ConfigError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}, got {self.decode_weights!r}")
-        if self.decode_weights == "int8" and dev != "cpu":
-            raise ConfigError("decode_weights='int8' runs on the CPU's int8 kernels; use 'native' on a GPU")
-        if not isinstance(self.decode_graphs, bool):
-            raise ConfigError(f"decode_graphs must be True or False, got {self.decode_graphs!r}")
-        if self.decode_graphs and (dev == "cpu" or self.decode_weights != "native"):
-            raise ConfigError(
-                "decode_graphs=True replays CUDA graphs: it needs device='cuda' and decode_weights='native'"
-            )
+        if not isinstance(self.serving, ServingConfig):
+            raise ConfigError(f"serving must be a ServingConfig, got {type(self.serving).__name__}")
+        if self.serving.decode_weights == "int8" and dev != "cpu":
+            raise ConfigError("serving.decode_weights='int8' runs on the CPU's int8 kernels; use 'native' on a GPU")
+        if self.serving.decode_graphs and dev == "cpu":
+            raise ConfigError("serving.decode_graphs=True replays CUDA graphs: it needs device='cuda'")
         if not isinstance(self.prefill_graphs, bool):
             raise ConfigError(f"prefill_graphs must be True or False, got {self.prefill_graphs!r}")
         if self.prefill_graphs and dev == "cpu":
             raise ConfigError("prefill_graphs=True replays CUDA graphs: it needs device='cuda'")
-        if self.max_token_gap_s is not None:
-            check_real("max_token_gap_s", self.max_token_gap_s, lambda s: s >= 0,
-                       "a number of seconds >= 0 (0: a step after every layer) or None (off)")  # fmt: skip
         if self.max_prompt_tokens is not None:
             check_count("max_prompt_tokens", self.max_prompt_tokens, 1, "a number of tokens, or None")
         if not isinstance(self.chunk_separator, str):

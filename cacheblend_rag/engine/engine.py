@@ -1,17 +1,12 @@
 """The engine: one model, one chunk store, and the four ways to prefill a prompt made of chunks.
 
 `CacheBlendEngine` is a facade over parts it builds once and holds, each a plain object that calls the ones below it
-and never back up:
-- `chunks` (`chunks/`): which stored entry each chunk of a prompt reads, found or prefilled, and the entries a full
-  prefill computes for free;
-- `prefiller` (`prefill/`): a request's prefill in one of the four modes, over the KV gathered for it;
-- `fills` (`serving/deferred_fills`): the chunks cold requests skipped, stored after their answers;
-- `scheduler` (`serving/`): one queue for every request, its job steps (prefill, first token, batched decode steps);
-- `corpus` (`corpus/`): a corpus's chunk KV ahead of requests (`precompute`, grouped or alone).
-The call path: `generate` checks a `Request` and tokenizes its prompt once -> `scheduler.stream` -> (a turn of the
-scheduler) -> `JobSteps.start` -> `Prefiller.run` -> `fusion.fuse`. One forward runs at a time (a lock): the model's
-modules are shared, and on a CPU parallel forwards only contend; concurrency comes from batching decode steps, not
-from parallel forwards.
+and never back up (docs/map.md draws them): `chunks` (`chunks/`: each chunk's stored entry, found or prefilled),
+`prefiller` (`prefill/`: a request's prefill), `fills` (chunks stored after cold answers), `scheduler` (`serving/`:
+one queue, its job steps, batched decode steps) and `corpus` (`corpus/`: precompute). The call path: `generate`
+checks a `Request` and tokenizes its prompt once -> `scheduler.stream` -> (a turn) -> `JobSteps.start` ->
+`Prefiller.run` -> `fusion.fuse`. One forward runs at a time (a lock): on a CPU parallel forwards only contend;
+concurrency comes from batching decode steps.
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ from typing_extensions import Unpack
 
 from ..config import BlendConfig, EngineConfig, PrefillMode, resolve_device, torch_dtype
 from ..cpu import warn_if_slow_bf16
-from ..errors import ConfigError, EngineClosedError
+from ..errors import EngineClosedError
 from ..fusion import GraphedLayerSteps
 from ..models.adapter import LayerwiseModel
 from ..models.fingerprint import fingerprints_by_dtype, model_fingerprint
@@ -68,15 +63,9 @@ class CacheBlendEngine:
 
     @releasing_thread_pool  # loading and quantizing ran here; requests may be served on another thread
     def __init__(
-        self,
-        model: torch.nn.Module,
-        tokenizer: Any,
-        *,
-        config: EngineConfig | None = None,
-        store: ChunkStore | None = None,
-        template: PromptTemplate | None = None,
-        controller: RatioPolicy | None = None,
-    ) -> None:
+        self, model: torch.nn.Module, tokenizer: Any, *, config: EngineConfig | None = None,
+        store: ChunkStore | None = None, template: PromptTemplate | None = None, controller: RatioPolicy | None = None,
+    ) -> None:  # fmt: skip
         check_supported(model.config)  # a family the adapter cannot read is refused before anything touches it
         self.config = config or EngineConfig()
         device, dtype = torch.device(resolve_device(self.config.device)), torch_dtype(self.config.dtype)
@@ -91,7 +80,8 @@ class CacheBlendEngine:
         self.lm = LayerwiseModel(self.model, fused_qkv=fused)
         # int8 decode weights and CUDA graphs are written for Llama's layer: other families run the exact path
         fast = self.lm.spec.llama_like
-        asked = self.config.decode_weights == "int8" or self.config.prefill_graphs or self.config.decode_graphs
+        serving = self.config.serving
+        asked = serving.decode_weights == "int8" or self.config.prefill_graphs or serving.decode_graphs
         if asked and not fast:
             logger.info("%s: int8 decode weights and CUDA graphs cover Llama-like layers only; using the exact path",
                         self.lm.spec.family)  # fmt: skip
@@ -111,30 +101,15 @@ class CacheBlendEngine:
         self._lock = threading.RLock()
         # the chunks cold requests were answered without, stored after their answers (by the scheduler while it serves)
         self.fills = DeferredFills(self.chunks.store_or_fill, self._lock)
-        self.prefiller = Prefiller(
-            self.model,
-            self.lm,
-            self.chunks,
-            self.fills,
-            self._lock,
-            blend=self.config.blend,
-            controller=controller,
-            miss_policy=self.config.miss_policy,
-            guard=self.config.guard,
-            steps=GraphedLayerSteps(self.lm) if self.config.prefill_graphs and fast else None,
-        )
-        self.scheduler = Scheduler(
-            self.prefiller,
-            self.fills,
-            # decode steps run on the model itself, or on int8 copies of its linear layers (`decode_weights`)
-            BatchDecoder(int8_decode_lm(self.model) if self.config.decode_weights == "int8" and fast else self.lm),
-            functools.partial(TokenLoop, tokenizer, self.eos_ids, device=device),  # a request's token loop
-            self._lock,
-            max_batch=self.config.max_batch_size,
-            max_tokens=self.config.max_batch_tokens,
-            max_token_gap_s=self.config.max_token_gap_s,
-            graphs=GraphedSteps(self.lm) if self.config.decode_graphs and fast else None,
-        )
+        steps = GraphedLayerSteps(self.lm) if self.config.prefill_graphs and fast else None
+        self.prefiller = Prefiller(self.model, self.lm, self.chunks, self.fills, self._lock, blend=self.config.blend,
+                                   controller=controller, miss_policy=self.config.miss_policy, guard=self.config.guard,
+                                   steps=steps)  # fmt: skip
+        # decode steps run on the model itself, or on int8 copies of its linear layers (`serving.decode_weights`)
+        decoder = BatchDecoder(int8_decode_lm(self.model) if serving.decode_weights == "int8" and fast else self.lm)
+        loops = functools.partial(TokenLoop, tokenizer, self.eos_ids, device=device)  # a request's token loop
+        graphs = GraphedSteps(self.lm) if serving.decode_graphs and fast else None
+        self.scheduler = Scheduler(self.prefiller, self.fills, decoder, loops, self._lock, serving, graphs)
         # a process that forks with this engine: the child serves too, with workers of its own (`forking`)
         workers = (self.scheduler, self.fills, self.token_cache)
         self._forks = ForkSteps(self._lock, workers, lambda: self.chunks.store, device.type == "cuda")
@@ -145,33 +120,19 @@ class CacheBlendEngine:
 
     @classmethod
     def from_pretrained(
-        cls,
-        name_or_path: str | None = None,
-        *,
-        config: EngineConfig | None = None,
-        store: ChunkStore | None = None,
-        template: PromptTemplate | None = None,
-        controller: RatioPolicy | None = None,
-        cache_dir: str | None = None,
-        revision: str | None = None,
-        local_files_only: bool = False,
-        show_progress: bool = True,
-    ) -> CacheBlendEngine:
+        cls, name_or_path: str | None = None, *, config: EngineConfig | None = None, store: ChunkStore | None = None,
+        template: PromptTemplate | None = None, controller: RatioPolicy | None = None, cache_dir: str | None = None,
+        revision: str | None = None, local_files_only: bool = False, show_progress: bool = True,
+    ) -> CacheBlendEngine:  # fmt: skip
         """Load a preset (default: the default preset), a local folder or a Hugging Face hub id of a
         model of a supported family (`models.support`; see `load_model` for `cache_dir`, `revision`,
         `local_files_only`)."""
         from ..models import default_model, load_model
 
         config = config or EngineConfig()
-        model, tokenizer = load_model(
-            name_or_path or default_model(),
-            device=config.device,
-            dtype=config.dtype,
-            cache_dir=cache_dir,
-            revision=revision,
-            local_files_only=local_files_only,
-            show_progress=show_progress,
-        )
+        model, tokenizer = load_model(name_or_path or default_model(), device=config.device, dtype=config.dtype,
+                                      cache_dir=cache_dir, revision=revision, local_files_only=local_files_only,
+                                      show_progress=show_progress)  # fmt: skip
         return cls(model, tokenizer, config=config, store=store, template=template, controller=controller)
 
     @property
@@ -187,7 +148,6 @@ class CacheBlendEngine:
             self.chunks.store = store
 
     # -- answering: a request checked and tokenized once, then the scheduler's -----------------------------------
-
     def generate(
         self, chunks: Chunks, question: str | None = None, **options: Unpack[RequestOptions]
     ) -> GenerationResult:
@@ -239,7 +199,6 @@ class CacheBlendEngine:
         return prompt, request
 
     # -- a corpus: `corpus` (`corpus/precompute.py`) says how ---------------------------------------------------
-
     def precompute(
         self, chunks: Sequence[str], question: str | None = None, *, template: PromptTemplate | None = None,
         prefix: str | None = None, context: ContextArg = AUTO, show_progress: bool = False,
@@ -272,17 +231,11 @@ class CacheBlendEngine:
         self._check_open("set_chunk_context")
         return self.corpus.set_chunk_context(chunks, context, question=question, template=template, prefix=prefix)
 
-    # -- prompts and chunk KV ---------------------------------------------------------------------------------
-
+    # -- prompts and chunk KV; prefill -------------------------------------------------------------------------
     def build_prompt(
-        self,
-        chunks: Sequence[str],
-        question: str | None = None,
-        *,
-        template: PromptTemplate | None = None,
-        prefix: str | None = None,
-        suffix: str | None = None,
-    ) -> TokenizedPrompt:
+        self, chunks: Sequence[str], question: str | None = None, *, template: PromptTemplate | None = None,
+        prefix: str | None = None, suffix: str | None = None,
+    ) -> TokenizedPrompt:  # fmt: skip
         """Tokenize a request. Either a question (rendered with the template) or an explicit prefix/suffix."""
         self._check_open("build_prompt")
         return tokenize_request(self.tokenizer, template or self.template, chunks, question, prefix, suffix,
@@ -294,13 +247,9 @@ class CacheBlendEngine:
         check_length(prompt, max_new_tokens, self.max_tokens)
 
     def chunk_key(
-        self,
-        prefix_ids: Sequence[int],
-        chunk_ids: Sequence[int],
-        *,
-        captured: bool = False,
+        self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], *, captured: bool = False,
         copies: Sequence[Sequence[int]] = (),
-    ) -> str:
+    ) -> str:  # fmt: skip
         """The store key of a chunk's KV when it follows `prefix_ids` (model fingerprint, dtype, tokens, context);
         with `captured`, of its captured entry (a full prefill's, read unless chunk_context="isolated"), cached after
         the near copies of it `copies` (token ids of overlapping windows of its text; none: the plain captured
@@ -329,16 +278,10 @@ class CacheBlendEngine:
         with self._lock:
             self.chunks.clear(tiers)
 
-    # -- prefill ----------------------------------------------------------------------------------------------
-
     def prefill(
-        self,
-        prompt: TokenizedPrompt,
-        mode: PrefillMode | str = PrefillMode.BLEND,
-        *,
-        recompute_ratio: float | None = None,
-        blend: BlendConfig | None = None,
-    ) -> Prefill:
+        self, prompt: TokenizedPrompt, mode: PrefillMode | str = PrefillMode.BLEND, *,
+        recompute_ratio: float | None = None, blend: BlendConfig | None = None,
+    ) -> Prefill:  # fmt: skip
         """Build the prompt's KV cache in the given mode. Times exclude tokenization (see `generate`).
 
         `blend` replaces the engine's `BlendConfig` for this request (another rule); `recompute_ratio` changes
@@ -383,10 +326,8 @@ class CacheBlendEngine:
     def _check_open(self, method: str) -> None:
         """EngineClosedError, naming `method`, once `close` has run."""
         if self._closed:
-            raise EngineClosedError(
-                f"{method}: the engine is closed (engine.close() ran): no new request runs, nothing more is "
-                "computed or stored; build a new engine to go on"
-            )
+            raise EngineClosedError(f"{method}: the engine is closed (engine.close() ran): no new request runs, "
+                                    "nothing more is computed or stored; build a new engine to go on")  # fmt: skip
 
     def _check_request(self, prompt: TokenizedPrompt, request: Request, method: str) -> None:
         """What a request needs of this engine: a process it can run in, a rule this model has the layers for, a
@@ -397,11 +338,6 @@ class CacheBlendEngine:
             check_blend(request.blend or self.config.blend, self.lm.shape.num_layers, "blend")
             self.check_length(prompt, request.sampling.max_new_tokens if method != "prefill" else 0)
 
-    @property
-    def store_tiers(self) -> int:
-        """How many tiers the store has (1 for a single tier)."""
-        return self.chunks.tiers
-
     def extend(self, prefill: Prefill, token_ids: Sequence[int]) -> torch.Tensor:
         """Feed tokens after a prefilled prompt in one forward (teacher forcing); -> logits [T, vocab] float32.
 
@@ -410,10 +346,4 @@ class CacheBlendEngine:
         """
         self._check_open("extend")
         self._forks.check()
-        ids = torch.as_tensor(list(token_ids), dtype=torch.long)
-        if ids.ndim != 1 or ids.numel() == 0:
-            raise ConfigError("extend needs a non-empty list of token ids")
-        with self._lock:
-            logits = self.prefiller.forward(ids, prefill.num_tokens, prefill.cache, all_logits=True)
-        prefill.num_tokens += ids.numel()
-        return logits
+        return self.prefiller.extend(prefill, token_ids)

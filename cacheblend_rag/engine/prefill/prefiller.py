@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from ...config import BlendConfig, Guard, PrefillMode, normalize_dtype_name
+from ...errors import ConfigError
 from ...fusion import FusionPlan, FusionResult, LayerEvents, LayerSteps, PromptKV, fuse
 from ...guard import escalate, first_token_signals
 from ...models.adapter import LayerwiseModel
@@ -97,6 +98,17 @@ class Prefiller:
             logits_to_keep=0 if all_logits else 1,
         )
         return out.logits[0].float() if all_logits else out.logits[0, -1].float()
+
+    def extend(self, prefill: Prefill, token_ids: Sequence[int]) -> torch.Tensor:
+        """Feed tokens after a prefilled prompt in one forward, under the engine's lock (`engine.extend`); -> logits
+        [T, vocab] float32. The prefill's cache grows by these tokens and `num_tokens` with it."""
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+        if ids.ndim != 1 or ids.numel() == 0:
+            raise ConfigError("extend needs a non-empty list of token ids")
+        with self.lock:
+            logits = self.forward(ids, prefill.num_tokens, prefill.cache, all_logits=True)
+        prefill.num_tokens += ids.numel()
+        return logits
 
     def run(
         self,

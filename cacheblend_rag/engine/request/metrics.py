@@ -39,8 +39,8 @@ class RequestMetrics:
     escalations: list[float] = field(default_factory=list)
     guard_reason: str | None = None  # why the guard escalated (None: it did not, or no guard)
     compute_s: float = 0.0  # the prefill itself, waits excluded (and the interleaved decode steps below)
-    # decode steps of requests already answering, run between this prefill's layers (`max_token_gap_s`); their
-    # time is part of this request's ttft_s
+    # decode steps of requests already answering, run between this prefill's layers
+    # (`ServingConfig.max_token_gap_s`); their time is part of this request's ttft_s
     interleaved_steps: int = 0
     ttft_s: float = 0.0  # call -> first token, everything included
     decode_s: float = 0.0

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from ...config import ServingConfig
 from ...errors import EngineClosedError, PromptError
 from ...fusion import LayerEvents
 from ..prefill.prefiller import Prefiller
@@ -59,17 +60,14 @@ class Scheduler:
         decoder: BatchDecoder,
         loops: Callable[[SamplingParams], TokenLoop],
         lock: threading.RLock,
-        *,
-        max_batch: int,
-        max_tokens: int | None = None,
-        max_token_gap_s: float | None = None,
+        serving: ServingConfig,
         graphs: GraphedSteps | None = None,
     ) -> None:
-        self.decoder = decoder
-        self.slots = DecodeSlots(decoder, graphs, max_batch)  # the decoding jobs' KV, and their steps
-        self.max_batch = max_batch
-        self.max_tokens = max_tokens
-        self.max_token_gap_s = max_token_gap_s
+        self.decoder = decoder  # each step's forward (int8 weights or the model's: `serving.decode_weights`)
+        self.max_batch = max_batch = serving.max_batch_size
+        self.max_tokens = serving.max_batch_tokens
+        self.max_token_gap_s = max_token_gap_s = serving.max_token_gap_s
+        self.slots = DecodeSlots(decoder, graphs, max_batch)  # the decoding jobs' KV, and their steps (`graphs`)
         self.fills = fills
         # what a chunk being stored in a turn tells of its layers: the decoding jobs' steps (`max_token_gap_s`)
         self._fill_events = None if max_token_gap_s is None else LayerEvents(self._between_layers)
@@ -100,7 +98,7 @@ class Scheduler:
                 f"this request needs {job.positions} KV positions ({prompt.num_tokens} prompt tokens + "
                 f"max_new_tokens={request.sampling.max_new_tokens}), more than max_batch_tokens={self.max_tokens} "
                 "allows the whole batch: ask for fewer new tokens, retrieve fewer or shorter chunks, or raise "
-                "EngineConfig.max_batch_tokens"
+                "ServingConfig.max_batch_tokens"
             )
         with self._cond:
             if self._stopped:
