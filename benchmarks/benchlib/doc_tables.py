@@ -210,9 +210,8 @@ def codecs(results: Path) -> list[str]:
 
 
 def traffic_real(results: Path) -> list[str]:
-    lines = _head("run", "requests", "hit rate (real = simulated)", "mean TTFT, real / simulated (s)")
-    lines[0] = lines[0][:-1] + "| full prefill (s) | speed-up, real / simulated | answered in full |"
-    lines[1] += "---:|---:|---:|"
+    lines = _head("run", "requests", "hit rate (real = simulated)", "mean TTFT, real / simulated (s)",
+                  "full prefill (s)", "speed-up, real / simulated", "answered in full")  # fmt: skip
     for r in (r for r in _json(results, "traffic-bf16/real_vs_simulated.json") if r["requests"] == 500):
         stream, _, budget, _ = r["run"].split("-")
         cells = [f"{r['mean_ttft_s']:.2f} / {r['sim_mean_ttft_s']:.2f}", f"{r['mean_full_s']:.2f}"]
@@ -225,9 +224,8 @@ def traffic_real(results: Path) -> list[str]:
 def traffic_simulated(results: Path) -> list[str]:
     rows = md_table(results / "traffic/report.md", "Simulated", "policy")
     by = {(r["stream"], r["budget"], r["policy"]): r for r in rows}
-    lines = _head("stream", "budget (of corpus KV)", "LRU hit rate", "LFU hit rate", "LFU, share of unbounded")
-    lines[0] = lines[0][:-1] + "| LFU speed-up |"
-    lines[1] += "---:|"
+    lines = _head("stream", "budget (of corpus KV)", "LRU hit rate", "LFU hit rate", "LFU, share of unbounded",
+                  "LFU speed-up")  # fmt: skip
     for stream, budget, _ in [k for k in by if k[2] == "lfu" and k[1] in ("10%", "25%", "50%", "100%")]:
         lru, lfu = by[stream, budget, "lru"], by[stream, budget, "lfu"]
         lines.append(_row(stream, budget, lru["hit rate (seeds: min-max)"], lfu["hit rate (seeds: min-max)"],
@@ -244,9 +242,8 @@ _LOAD_NAMES = {
 
 def load(results: Path) -> list[str]:
     report = _json(results, "load-avx512/results.json")
-    lines = _head("setting", "answers/min, per repeat", "generated tok/s, per repeat", "TTFT p90 (s), per repeat")
-    lines[0] = lines[0][:-1] + "| s per token | longest gap (s) |"
-    lines[1] += "---:|---:|"
+    lines = _head("setting", "answers/min, per repeat", "generated tok/s, per repeat", "TTFT p90 (s), per repeat",
+                  "s per token", "longest gap (s)")  # fmt: skip
     for row in report["rows"]:
         runs = row["runs"]
 
@@ -263,9 +260,8 @@ def load(results: Path) -> list[str]:
 def llamacpp(results: Path) -> list[str]:
     ours = [_json(results, f"decode-epyc-zen5/{p}results.json")["settings"]["int8"] for p in ("", "second-run/")]
     theirs = [_json(results, f"llamacpp-epyc-zen5/{p}results.json")["rows"] for p in ("", "second-run/")]
-    lines = _head("engine, weights", "TTFT, 3,143 tokens (s)", "decode tok/s, empty context")
-    lines[0] = lines[0][:-1] + "| decode tok/s, after the prompt | last token, 128 (s) | last token, 256 (s) |"
-    lines[1] += "---:|---:|---:|"
+    lines = _head("engine, weights", "TTFT, 3,143 tokens (s)", "decode tok/s, empty context",
+                  "decode tok/s, after the prompt", "last token, 128 (s)", "last token, 256 (s)")  # fmt: skip
     names = {"shipped": "llama.cpp, Q4_K_M (shipped)", "q8_0": "llama.cpp, q8_0", "f16": "llama.cpp, f16"}
     for key, name in names.items():
         runs = [t[key] for t in theirs]
@@ -284,9 +280,8 @@ def llamacpp(results: Path) -> list[str]:
 
 def sweep(results: Path) -> list[str]:
     report = _json(results, "sweep/sweep.json")
-    lines = _head("chunks x tokens", "prompt tokens", "full (ms)", "prefix (ms)", "reuse (ms)", "blend r = 0.15 (ms)")
-    lines[0] = lines[0][:-1] + "| full / blend |"
-    lines[1] += "---:|"
+    lines = _head("chunks x tokens", "prompt tokens", "full (ms)", "prefix (ms)", "reuse (ms)",
+                  "blend r = 0.15 (ms)", "full / blend")  # fmt: skip
     seen: set[tuple[int, int]] = set()
     for points in (s["points"] for s in report["sweeps"].values()):
         for p in points:
@@ -302,9 +297,7 @@ def sweep(results: Path) -> list[str]:
 
 def throughput(results: Path) -> list[str]:
     lines = _head("asks per question", "method", "own TTFT p50 (s)", "mean service (s)", "capacity (req/s)",
-                  numeric_from=2)  # fmt: skip
-    lines[0] = lines[0][:-1] + "| chunk hit rate | highest rate with p90 TTFT <= 60 s |"
-    lines[1] += "---:|---:|"
+                  "chunk hit rate", "highest rate with p90 TTFT <= 60 s", numeric_from=2)  # fmt: skip
     for folder in ("throughput", "throughput-repeats6"):
         report = _json(results, f"{folder}/results.json")
         for m in report["methods"]:
@@ -316,9 +309,7 @@ def throughput(results: Path) -> list[str]:
 
 def precompute_cost(results: Path) -> list[str]:
     lines = _head("corpus", "CPU", "chunks (tokens)", "each chunk alone (s)", "grouped, the default (s)",
-                  numeric_from=2)  # fmt: skip
-    lines[0] = lines[0][:-1] + "| grouped / alone | entries kept, alone / grouped |"
-    lines[1] += "---:|---:|"
+                  "grouped / alone", "entries kept, alone / grouped", numeric_from=2)  # fmt: skip
     for folder, corpus in (("precompute-cost", "86 Debian copyright files"), ("precompute-cost-squad", "SQuAD dev")):
         r = _json(results, f"{folder}/results.json")
         cpu = r["cpu"].split(" (")[0]
