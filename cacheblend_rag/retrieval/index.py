@@ -57,7 +57,8 @@ class RetrievedChunk:
     score: float  # cosine similarity to the query, in [-1, 1]; higher is closer
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's bytes, read in 1 MiB blocks (the saved index's check, and the kept index's per file)."""
     digest = hashlib.sha256()
     with path.open("rb") as file:
         for block in iter(lambda: file.read(1 << 20), b""):
@@ -222,7 +223,7 @@ class ChunkIndex:
             "format_version": FORMAT_VERSION,
             "embedding_model": self.model_name,
             "embedding_dim": self.dimension,
-            "index_sha256": _sha256(tmp_index),
+            "index_sha256": file_sha256(tmp_index),
             "source": self.source.to_json() if self.source is not None else None,
             "chunks": [
                 {
@@ -301,7 +302,7 @@ class ChunkIndex:
                 f"loaded with {expected!r}; {hint} with this model, or load it with the one it was built with"
             )
 
-        if _sha256(index_path) != stored_sha:
+        if file_sha256(index_path) != stored_sha:
             raise IndexFormatError(
                 f"{str(index_path)!r} does not match {CHUNKS_FILE} (checksum differs: changed or corrupt); {hint}"
             )

@@ -29,7 +29,7 @@ from cacheblend_rag.retrieval.chunking import Chunk, Tokenizer, split_documents
 from cacheblend_rag.retrieval.documents import Document, read_documents
 from cacheblend_rag.retrieval.embeddings import Embedder, embed_texts, load_embedder
 from cacheblend_rag.retrieval.faiss_file import import_faiss
-from cacheblend_rag.retrieval.index import ChunkIndex, IndexFormatError, index_folder_state
+from cacheblend_rag.retrieval.index import ChunkIndex, IndexFormatError, file_sha256, index_folder_state
 from cacheblend_rag.retrieval.sources import DocumentFiles, IndexSource
 
 FILES_FILE = "files.json"
@@ -49,14 +49,6 @@ def index_key(record: IndexSource, overlap_tokens: int = 0) -> str:
     """A short digest of `index_settings`: the name of a folder's kept index under a cache folder."""
     text = json.dumps(index_settings(record, overlap_tokens), sort_keys=True, ensure_ascii=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
