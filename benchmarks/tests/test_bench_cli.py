@@ -187,15 +187,20 @@ def test_interleaved_tier_ttft_times_each_setup_from_its_own_tier(tiny_engine, t
         timing.interleaved_tier_ttft(wrong, prompt, 0.5, repeats=1)
 
 
+def three_documents(docs):
+    """A folder of three ~120-word documents of random words (d0.txt, d1.txt, d2.txt)."""
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"d{i}.txt").write_text(random_words(900 + i, 120))
+    return docs
+
+
 @pytest.mark.real_model
 def test_precompute_cost_and_folder_warm_end_to_end_on_the_small_model(tmp_path, capsys):
     import folder_warm
     import precompute_cost
 
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i in range(3):
-        (docs / f"d{i}.txt").write_text(random_words(900 + i, 120))
+    docs = three_documents(tmp_path / "docs")
     small = ["--docs", str(docs), "--model", "smollm2-135m-instruct", "--dtype", "float32"]
     assert precompute_cost.main([*small, "--chunk-tokens", "64", "--out", str(tmp_path / "pc")]) == 0
     report = json.loads((tmp_path / "pc" / "results.json").read_text())
@@ -209,10 +214,7 @@ def test_precompute_cost_and_folder_warm_end_to_end_on_the_small_model(tmp_path,
 def test_ask_index_reuses_the_unchanged_folder_and_indexes_the_changed_file_alone(tmp_path, capsys):
     import ask_index
 
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i in range(3):
-        (docs / f"d{i}.txt").write_text(random_words(900 + i, 120))
+    docs = three_documents(tmp_path / "docs")
     argv = ["--docs", str(docs), "--model", "smollm2-135m-instruct", "--change", "d1.txt", "--out", str(tmp_path / "o")]
     assert ask_index.main(argv) == 0
     runs = json.loads((tmp_path / "o" / "results.json").read_text())["runs"]
