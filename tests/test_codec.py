@@ -27,11 +27,11 @@ def random_layer(seed: int = 0, shape=SHAPE, dtype=torch.float32) -> tuple[torch
 
 
 def round_trip(codec: KVCodec, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    key_payload, value_payload = codec.encode(k, v)
+    key_payload, value_payload = codec.encode(k, v, 0)
     spec = codec.payload_spec(tuple(k.shape), k.dtype)
     assert key_payload.dtype == value_payload.dtype == spec.dtype
     assert tuple(key_payload.shape) == spec.key_shape and tuple(value_payload.shape) == spec.value_shape
-    return codec.decode(key_payload, value_payload, tuple(k.shape), k.dtype)
+    return codec.decode(key_payload, value_payload, tuple(k.shape), k.dtype, 0)
 
 
 # Max absolute error on standard normal data (|x| < ~4.5): a 16-bit float's half ulp at that size, a quantization

@@ -43,12 +43,14 @@ class KeysPerToken:
         spec = INT4.payload_spec(shape, dtype)
         return PayloadSpec(spec.dtype, spec.value_shape, spec.value_shape)
 
-    def encode(self, k, v):
-        return INT4.encode(k, k)[1], INT4.encode(v, v)[1]
+    def encode(self, k, v, layer):
+        return INT4.encode(k, k, layer)[1], INT4.encode(v, v, layer)[1]
 
-    def decode(self, key_payload, value_payload, shape, dtype):
+    def decode(self, key_payload, value_payload, shape, dtype, layer):
         blank = torch.zeros(INT4.payload_spec(shape, dtype).key_shape, dtype=torch.uint8)
-        return INT4.decode(blank, key_payload, shape, dtype)[1], INT4.decode(blank, value_payload, shape, dtype)[1]
+        return INT4.decode(blank, key_payload, shape, dtype, layer)[1], INT4.decode(
+            blank, value_payload, shape, dtype, layer
+        )[1]
 
 
 class NibblesOneOff:
@@ -59,14 +61,14 @@ class NibblesOneOff:
     def payload_spec(self, shape, dtype) -> PayloadSpec:
         return INT4.payload_spec(shape, dtype)
 
-    def encode(self, k, v):
-        return INT4.encode(k, v)
+    def encode(self, k, v, layer):
+        return INT4.encode(k, v, layer)
 
-    def decode(self, key_payload, value_payload, shape, dtype):
+    def decode(self, key_payload, value_payload, shape, dtype, layer):
         h, t, d = shape
         # Each payload ends with its packed codes (int4 pads each quantized axis to groups of 32).
         key_codes, value_codes = h * -(-t // 32) * 32 * d // 2, h * t * -(-d // 32) * 32 // 2
-        return INT4.decode(_shift(key_payload, key_codes), _shift(value_payload, value_codes), shape, dtype)
+        return INT4.decode(_shift(key_payload, key_codes), _shift(value_payload, value_codes), shape, dtype, layer)
 
 
 def _shift(payload: torch.Tensor, code_bytes: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from store_helpers import make_kv, same
 from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.chunk_kv import ChunkKV
-from cacheblend_rag.store.codec import CODECS, KVCodec, PayloadSpec
+from cacheblend_rag.store.codec import CALIBRATED_CODECS, CODECS, KVCodec, PayloadSpec
 from cacheblend_rag.store.disk.tier import DiskStore
 from cacheblend_rag.store.lazy import LazyChunkKV
 from cacheblend_rag.store.memory import MemoryStore
@@ -117,12 +117,12 @@ class CountingCodec:
     def payload_spec(self, shape, dtype) -> PayloadSpec:
         return CODECS["int8"].payload_spec(shape, dtype)
 
-    def encode(self, k, v):
-        return CODECS["int8"].encode(k, v)
+    def encode(self, k, v, layer):
+        return CODECS["int8"].encode(k, v, layer)
 
-    def decode(self, key_payload, value_payload, shape, dtype):
+    def decode(self, key_payload, value_payload, shape, dtype, layer):
         self.decoded += 1
-        return CODECS["int8"].decode(key_payload, value_payload, shape, dtype)
+        return CODECS["int8"].decode(key_payload, value_payload, shape, dtype, layer)
 
 
 @pytest.mark.parametrize("tier", ["disk", "memory"])
@@ -208,7 +208,7 @@ def test_the_settings_name_the_codecs_the_store_ships():
 
     from cacheblend_rag.config import CODEC_NAMES
 
-    assert CODEC_NAMES == tuple(CODECS)  # config lists them so that it need not import the store
+    assert CODEC_NAMES == tuple(CODECS) + CALIBRATED_CODECS  # config lists them so that it need not import the store
     code = (
         "import sys, cacheblend_rag.config\n"
         "print(sorted(m for m in sys.modules if m.startswith(('cacheblend_rag.store', 'torch'))))"

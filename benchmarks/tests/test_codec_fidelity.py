@@ -57,10 +57,10 @@ class ValuesNegated:
     def payload_spec(self, shape, dtype) -> PayloadSpec:
         return PayloadSpec(dtype, tuple(shape), tuple(shape))
 
-    def encode(self, k, v):
+    def encode(self, k, v, layer):
         return k, v
 
-    def decode(self, key_payload, value_payload, shape, dtype):
+    def decode(self, key_payload, value_payload, shape, dtype, layer):
         return key_payload.view(shape), -value_payload.view(shape)
 
 

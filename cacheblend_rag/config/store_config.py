@@ -9,9 +9,9 @@ from typing import Any
 from ..errors import ConfigError
 from .checks import check_count, check_redis_url, mask_url
 
-# The codecs `kv_codec` and `memory_codec` may name: those of `store.codec.CODECS` (a test keeps the two equal),
-# listed here so that the settings import nothing of the store.
-CODEC_NAMES = ("native", "fp16", "bf16", "int8", "int4")
+# The codecs `kv_codec` and `memory_codec` may name: those of `store.codec.CODECS` and the ones fitted to a model,
+# `CALIBRATED_CODECS` (a test keeps them equal), listed here so that the settings import nothing of the store.
+CODEC_NAMES = ("native", "fp16", "bf16", "int8", "int4", "pca")
 # The memory tier's eviction policies (`store.eviction.EVICTION_POLICIES`, kept equal by a test).
 EVICTION_NAMES = ("lru", "lfu")
 
@@ -28,7 +28,8 @@ class StoreConfig:
     redis_budget_bytes: int = 8 * 1024**3
     # How entries are encoded (docs/configuration.md, "Stored KV: codecs and bytes per token"): "native" (the
     # compute dtype, exact), "fp16", "bf16", "int8" (keys per channel, values per token), "int4" (the same in groups
-    # of 32). An entry written with another codec is a miss and is recomputed.
+    # of 32), "pca" (each head's principal components, zstd-coded; fitted to the model when the engine starts). An
+    # entry written with another codec is a miss and is recomputed.
     kv_codec: str = "int8"  # the disk and Redis tiers (int8 is within noise of exact)
     memory_codec: str = "native"  # the memory tier (encoded entries are decoded layer by layer when read)
     # Which entry the memory tier evicts first when over budget: "lru" (least recently used) or "lfu" (least

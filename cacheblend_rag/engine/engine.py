@@ -32,6 +32,7 @@ from ..models.packed import pack_linears, packing_available
 from ..models.support import check_supported, max_blend_length
 from ..store import ChunkStore, build_store
 from .chunks.cache import ChunkCache
+from .chunks.calibrate import store_options
 from .chunks.context import ContextArg
 from .chunks.placement import Placement
 from .corpus.groups import PrecomputePlan
@@ -87,9 +88,11 @@ class CacheBlendEngine:
                         self.lm.spec.family)  # fmt: skip
         self.device, self.dtype = device, dtype
         check_blend(self.config.blend, self.lm.shape.num_layers, "blend.check_layers")
-        store = store if store is not None else build_store(**self.config.store.build_options())
         self.template = template or PromptTemplate()
         self.fingerprint = model_fingerprint(self.model)
+        if store is None:  # the configured tiers, with a codec fitted to this model where one is named ("pca")
+            store = build_store(**store_options(self.config.store, self.lm, tokenizer, self.template, self.fingerprint,
+                                                self.dtype))  # fmt: skip
         self.controller = controller
         if controller is not None:
             controller.check_model(self.fingerprint, self.config.dtype)

@@ -27,11 +27,14 @@ Shape3 = tuple[int, int, int]  # [Hkv, T, D] of one layer's keys (and values)
 
 
 class PayloadSpec(NamedTuple):
-    """What one layer's encoded keys and values are: one dtype, and a shape for each."""
+    """What one layer's encoded keys and values are: one dtype, and a shape for each. A `variable` codec's payloads
+    are 1-D and differ in length from layer to layer and entry to entry (the entry header records each); its shapes
+    are then a typical length, what sizing estimates go by."""
 
     dtype: torch.dtype
     key_shape: tuple[int, ...]
     value_shape: tuple[int, ...]
+    variable: bool = False
 
     def nbytes(self) -> tuple[int, int]:
         """Bytes of one layer's encoded keys, and of its encoded values."""
@@ -47,14 +50,14 @@ class KVCodec(Protocol):
 
     def payload_spec(self, shape: Shape3, dtype: torch.dtype) -> PayloadSpec: ...
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [Hkv, T, D] -> key payload, value payload, as `payload_spec(k.shape, k.dtype)` says."""
+    def encode(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s k, v [Hkv, T, D] -> key payload, value payload, as `payload_spec(k.shape, k.dtype)` says."""
         ...
 
     def decode(
-        self, key_payload: torch.Tensor, value_payload: torch.Tensor, shape: Shape3, dtype: torch.dtype
+        self, key_payload: torch.Tensor, value_payload: torch.Tensor, shape: Shape3, dtype: torch.dtype, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The payloads of a layer of `shape` encoded from `dtype` -> k, v [Hkv, T, D] in `dtype`."""
+        """The payloads of layer `layer`, of `shape`, encoded from `dtype` -> k, v [Hkv, T, D] in `dtype`."""
         ...
 
 
@@ -122,11 +125,11 @@ class NativeCodec:
     def payload_spec(self, shape: Shape3, dtype: torch.dtype) -> PayloadSpec:
         return PayloadSpec(dtype, tuple(shape), tuple(shape))
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v
 
     def decode(
-        self, key_payload: torch.Tensor, value_payload: torch.Tensor, shape: Shape3, dtype: torch.dtype
+        self, key_payload: torch.Tensor, value_payload: torch.Tensor, shape: Shape3, dtype: torch.dtype, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return key_payload.view(shape), value_payload.view(shape)
 
@@ -141,11 +144,11 @@ class CastCodec:
     def payload_spec(self, shape: Shape3, dtype: torch.dtype) -> PayloadSpec:
         return PayloadSpec(self.storage_dtype, tuple(shape), tuple(shape))
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return k.to(self.storage_dtype), v.to(self.storage_dtype)
 
     def decode(
-        self, key_payload: torch.Tensor, value_payload: torch.Tensor, shape: Shape3, dtype: torch.dtype
+        self, key_payload: torch.Tensor, value_payload: torch.Tensor, shape: Shape3, dtype: torch.dtype, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return key_payload.view(shape).to(dtype), value_payload.view(shape).to(dtype)
 
@@ -180,7 +183,7 @@ class GroupQuantCodec:
         nv, gv = self._groups(d)
         return PayloadSpec(torch.uint8, (self._bytes(h * nk * d, gk),), (self._bytes(h * t * nv, gv),))
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         h, t, d = k.shape
         nk, gk = self._groups(t)
         keys = _pad_to(k, 1, nk * gk).reshape(h, nk, gk, d).transpose(2, 3)  # [Hkv, nG, D, G]: per channel
@@ -196,7 +199,7 @@ class GroupQuantCodec:
         return torch.cat([scale.reshape(-1).view(torch.uint8), low.reshape(-1).view(torch.uint8), flat])
 
     def decode(
-        self, key_payload: torch.Tensor, value_payload: torch.Tensor, shape: Shape3, dtype: torch.dtype
+        self, key_payload: torch.Tensor, value_payload: torch.Tensor, shape: Shape3, dtype: torch.dtype, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, t, d = shape
         nk, gk = self._groups(t)
@@ -248,9 +251,17 @@ CODECS: Mapping[str, KVCodec] = MappingProxyType(
 TIER_CODEC = "int8"
 
 
+# Codecs fitted to a model (`transform_codec.TransformCodec`): a config may name them, and the engine builds them
+# from its model (`engine.chunks.calibrate`); on their own, a name is not enough.
+CALIBRATED_CODECS = ("pca",)
+
+
 def get_codec(codec: str | KVCodec, field: str = "codec") -> KVCodec:
     """A codec by name (one of `CODECS`), or the codec object itself; ConfigError naming `field` otherwise."""
     if isinstance(codec, str):
+        if codec in CALIBRATED_CODECS:
+            raise ConfigError(f"{field}={codec!r} is fitted to a model: name it in an engine's StoreConfig (the engine "
+                              f"calibrates it), or pass a TransformCodec(KVCalibration...) to the store")  # fmt: skip
         if codec not in CODECS:
             raise ConfigError(f"{field} must be one of {sorted(CODECS)}, got {codec!r}")
         return CODECS[codec]

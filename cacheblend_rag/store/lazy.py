@@ -76,7 +76,7 @@ class LazyChunkKV:
     @property
     def nbytes(self) -> int:
         """Bytes of keys and values as stored (encoded by the entry's codec): what reading the chunk costs."""
-        return self.layout.layer_nbytes * self.layout.num_layers
+        return self.layout.payload_nbytes
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> raw keys, values of one layer, [Hkv, T, D] each, on the CPU. Raises CorruptEntryError."""
@@ -118,7 +118,7 @@ class LazyChunkKV:
                     raise
                 for i, kv in zip(missing, decoded, strict=True):
                     self._layers[i] = kv
-                self.bytes_read += self.layout.layer_nbytes * len(missing)
+                self.bytes_read += sum(self.layout.layer_nbytes(i) for i in missing)
                 self._missing -= len(missing)
             complete = bool(missing) and self._missing == 0
             out = [self._layers[i] for i in wanted]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import itertools
 import json
 import math
 import struct
@@ -34,6 +35,9 @@ FORMAT_NAME = "cacheblend-rag/chunk-kv"
 # 3: the codec in the header, checksums over the encoded bytes. Older entries are misses and get recomputed
 # (2 stored the compute dtype with per-layer checksums; 1 had one checksum over all data).
 FORMAT_VERSION = "3"
+# 4: a codec whose payloads vary in length (`PayloadSpec.variable`): each tensor is one 1-D run of every layer's
+# bytes, and "layer_bytes" records each layer's key and value lengths. Fixed-size codecs still write (and read) 3.
+VARIABLE_VERSION = "4"
 
 # safetensors layout: an 8-byte little-endian header length, the JSON header, then the raw tensor data.
 _HEADER_LEN = struct.Struct("<Q")
@@ -94,20 +98,28 @@ def serialize_chunk(
     if not all_finite(kv.keys, kv.values):
         raise NonFiniteKVError(f"chunk {kv.key[:12]}'s KV holds NaN or infinity: not stored (the model overflowed "
                                f"in {_dtype_str(kv.dtype)}; float32 avoids that)")  # fmt: skip
-    # keys/values: [L, Hkv, T, D] -> payloads [L, *payload shape]; safetensors needs CPU, contiguous memory.
-    encoded = [codec.encode(*kv.layer(i)) for i in range(kv.num_layers)]
-    keys = torch.stack([k for k, _ in encoded]).detach().to("cpu").contiguous()
-    values = torch.stack([v for _, v in encoded]).detach().to("cpu").contiguous()
-    digests = [layer_digest(_tensor_bytes(keys[i]), _tensor_bytes(values[i])) for i in range(keys.shape[0])]
+    # keys/values: [L, Hkv, T, D] -> payloads [L, *payload shape] (or, variable, one 1-D run of every layer's);
+    # safetensors needs CPU, contiguous memory.
+    encoded = [[p.detach().to("cpu").reshape(-1) for p in codec.encode(*kv.layer(i), i)] for i in range(kv.num_layers)]
+    digests = [layer_digest(_tensor_bytes(k), _tensor_bytes(v)) for k, v in encoded]
+    variable = codec.payload_spec(kv.shape[1:], kv.dtype).variable
+    if variable:
+        keys, values = (torch.cat([layer[j] for layer in encoded]) for j in (0, 1))
+    else:
+        spec = codec.payload_spec(kv.shape[1:], kv.dtype)
+        keys = torch.stack([k.view(spec.key_shape) for k, _ in encoded]).contiguous()
+        values = torch.stack([v.view(spec.value_shape) for _, v in encoded]).contiguous()
     metadata = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": VARIABLE_VERSION if variable else FORMAT_VERSION,
         "key": kv.key,
         "codec": codec.name,
         "dtype": _dtype_str(kv.dtype),
         "shape": _shape_str(kv.shape),
         "layer_sha256": ",".join(digests),
     }
+    if variable:
+        metadata["layer_bytes"] = ",".join(f"{k.numel()}:{v.numel()}" for k, v in encoded)
     if fingerprint is not None:
         metadata["fingerprint"] = fingerprint
     if hmac_key is not None:
@@ -138,6 +150,9 @@ class EntryLayout:
     values_start: int
     layer_sha256: tuple[str, ...]
     total_bytes: int  # the whole entry: header and data
+    # where each layer's payloads start, from keys_start and values_start, and the end ([L + 1] each)
+    key_offsets: tuple[int, ...]
+    value_offsets: tuple[int, ...]
 
     @property
     def num_layers(self) -> int:
@@ -145,29 +160,34 @@ class EntryLayout:
 
     @functools.cached_property
     def payload(self) -> PayloadSpec:
-        """The dtype and shapes of one layer's encoded keys and values."""
+        """The dtype and shapes of one layer's encoded keys and values (a typical length, for a variable codec)."""
         return self.codec.payload_spec(self.shape[1:], self.dtype)
 
     @property
-    def layer_nbytes(self) -> int:
+    def payload_nbytes(self) -> int:
+        """Stored bytes of every layer's encoded keys and values."""
+        return self.key_offsets[-1] + self.value_offsets[-1]
+
+    def layer_nbytes(self, layer_idx: int) -> int:
         """Stored bytes of one layer: encoded keys and values together."""
-        return sum(self.payload.nbytes())
+        (k0, k1), (v0, v1) = self.layer_ranges(layer_idx)
+        return k1 - k0 + v1 - v0
 
     def layer_ranges(self, layer_idx: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """[start, end) of layer `layer_idx`'s encoded keys and of its encoded values."""
         if not 0 <= layer_idx < self.num_layers:
             raise IndexError(f"layer {layer_idx} out of range for an entry of {self.num_layers} layers")
-        key_bytes, value_bytes = self.payload.nbytes()
-        k = self.keys_start + layer_idx * key_bytes
-        v = self.values_start + layer_idx * value_bytes
-        return (k, k + key_bytes), (v, v + value_bytes)
+        k, v = self.keys_start, self.values_start
+        ko, vo = self.key_offsets, self.value_offsets
+        return (k + ko[layer_idx], k + ko[layer_idx + 1]), (v + vo[layer_idx], v + vo[layer_idx + 1])
 
     def decode_layer(
         self, layer_idx: int, key_bytes: bytes | memoryview, value_bytes: bytes | memoryview, *, verify: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Check one layer's bytes (length, and with `verify` its checksum) and decode them: -> k, v [Hkv, T, D]."""
         spec = self.payload
-        want_k, want_v = spec.nbytes()
+        (k0, k1), (v0, v1) = self.layer_ranges(layer_idx)
+        want_k, want_v = k1 - k0, v1 - v0
         if len(key_bytes) != want_k or len(value_bytes) != want_v:
             raise CorruptEntryError(
                 f"entry {self.key[:12]}: layer {layer_idx} read {len(key_bytes)}+{len(value_bytes)} bytes, "
@@ -175,9 +195,10 @@ class EntryLayout:
             )
         if verify and layer_digest(key_bytes, value_bytes) != self.layer_sha256[layer_idx]:
             raise CorruptEntryError(f"entry {self.key[:12]}: layer {layer_idx} fails its sha256 check")
-        key_payload = _from_bytes(key_bytes, spec.dtype, spec.key_shape)
-        value_payload = _from_bytes(value_bytes, spec.dtype, spec.value_shape)
-        k, v = self.codec.decode(key_payload, value_payload, self.shape[1:], self.dtype)
+        key_shape, value_shape = ((want_k,), (want_v,)) if spec.variable else (spec.key_shape, spec.value_shape)
+        key_payload = _from_bytes(key_bytes, spec.dtype, key_shape)
+        value_payload = _from_bytes(value_bytes, spec.dtype, value_shape)
+        k, v = self.codec.decode(key_payload, value_payload, self.shape[1:], self.dtype, layer_idx)
         # Checksums catch damage, not forgery: a forged scale (NaN, inf) must not turn into NaN logits.
         if not all_finite(k, v):
             raise CorruptEntryError(f"entry {self.key[:12]}: layer {layer_idx} decodes to NaN or infinity")
@@ -236,10 +257,10 @@ def _layout_from_header(
     meta = header.get("__metadata__")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CorruptEntryError(f"entry {key[:12]} is not a {FORMAT_NAME} entry (header metadata {str(meta)[:200]})")
-    if meta.get("version") != FORMAT_VERSION:
+    if meta.get("version") not in (FORMAT_VERSION, VARIABLE_VERSION):
         raise CorruptEntryError(
             f"entry {key[:12]} has format version {str(meta.get('version'))[:20]!r}, "
-            f"this build reads {FORMAT_VERSION!r}"
+            f"this build reads {FORMAT_VERSION!r} and {VARIABLE_VERSION!r}"
         )
     if meta.get("key") != key:
         raise CorruptEntryError(f"entry stored under {key[:12]} belongs to chunk {str(meta.get('key'))[:12]}")
@@ -265,10 +286,16 @@ def _layout_from_header(
     if set(header) != {"__metadata__", "keys", "values"}:
         raise CorruptEntryError(f"entry {key[:12]} must hold exactly 'keys' and 'values', got {sorted(header)[:8]}")
     spec = codec.payload_spec(shape[1:], dtype)  # type: ignore[arg-type]
-    starts, ends = {}, []
-    for name, payload_shape, layer_bytes in zip(
-        ("keys", "values"), (spec.key_shape, spec.value_shape), spec.nbytes(), strict=True
+    if meta["version"] != (VARIABLE_VERSION if spec.variable else FORMAT_VERSION):
+        raise CorruptEntryError(f"entry {key[:12]} has format version {str(meta['version'])!r}, which codec "
+                                f"{codec.name!r} does not write")  # fmt: skip
+    sizes = _layer_sizes(meta, spec, shape[0]) if spec.variable else None
+    starts, ends, offsets_of = {}, [], {}
+    for j, (name, payload_shape, layer_bytes) in enumerate(
+        zip(("keys", "values"), (spec.key_shape, spec.value_shape), spec.nbytes(), strict=True)
     ):
+        lengths = [s[j] for s in sizes] if sizes is not None else [layer_bytes] * shape[0]  # bytes per layer
+        want_shape = [sum(lengths)] if sizes is not None else [shape[0], *payload_shape]
         info = header.get(name)
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
         if (
@@ -276,17 +303,27 @@ def _layout_from_header(
             or len(offsets) != 2
             or any(type(o) is not int or o < 0 for o in offsets)
             or info.get("dtype") != _ST_DTYPES[spec.dtype]
-            or info.get("shape") != [shape[0], *payload_shape]
-            or offsets[1] - offsets[0] != layer_bytes * shape[0]
+            or info.get("shape") != want_shape
+            or offsets[1] - offsets[0] != sum(lengths)
         ):
             raise CorruptEntryError(f"entry {key[:12]} lacks a valid '{name}' tensor (header entry {str(info)[:200]})")
         starts[name] = n + offsets[0]
         ends.append(n + offsets[1])
+        offsets_of[name] = tuple(itertools.accumulate(lengths, initial=0))  # bytes (variable payloads are uint8)
     if max(ends) != total_bytes:
         raise CorruptEntryError(
             f"entry {key[:12]} holds {total_bytes} bytes, its header describes {max(ends)}: truncated"
         )
-    return EntryLayout(key, codec, dtype, shape, starts["keys"], starts["values"], digests, total_bytes)  # type: ignore[arg-type]
+    return EntryLayout(key, codec, dtype, shape, starts["keys"], starts["values"], digests, total_bytes,  # type: ignore[arg-type]
+                       offsets_of["keys"], offsets_of["values"])  # fmt: skip
+
+
+def _layer_sizes(meta: dict[str, object], spec: PayloadSpec, num_layers: int) -> list[tuple[int, int]]:
+    """A variable entry's "layer_bytes" ("k0:v0,k1:v1,...") -> [(key bytes, value bytes)] per layer."""
+    sizes = [tuple(int(x) for x in pair.split(":")) for pair in str(meta.get("layer_bytes", "")).split(",")]
+    if len(sizes) != num_layers or any(len(s) != 2 or min(s) < 0 for s in sizes):
+        raise CorruptEntryError(f"entry {str(meta.get('key'))[:12]} has an invalid layer_bytes field")
+    return sizes  # type: ignore[return-value]
 
 
 def deserialize_chunk(data: bytes, key: str, *, codec: KVCodec = NATIVE, hmac_key: bytes | None = None) -> ChunkKV:

@@ -28,6 +28,9 @@ _DB_FILES = ("cache.db", "cache.db-wal", "cache.db-shm", "cache.db-journal")
 _VALUE_FOLDER = re.compile(r"[0-9a-f]{2}")
 _MARKER_TMP = re.compile(re.escape(MARKER) + r"\.\d+\.tmp")  # another process writing the marker right now
 _NOT_CONTENT = {"lost+found"}  # what a freshly made filesystem holds: its root still counts as empty
+# The codec calibrations the engine keeps beside the tier's entries (`engine.chunks.calibrate`), written before the
+# tier first opens the folder: ours, not a stranger's content.
+CALIBRATION_FOLDER = "calibration"
 _FIX = "give the disk tier an empty or new folder (it creates a missing one)"
 
 
@@ -52,7 +55,7 @@ def claim_folder(directory: str) -> bool:
     if MARKER in entries:
         _check_marker(directory, entries[MARKER])
         return False
-    others = sorted(n for n in entries if not _is_diskcache_name(n) and n not in _NOT_CONTENT)
+    others = sorted(n for n in entries if not _is_diskcache_name(n) and n not in _NOT_CONTENT | {CALIBRATION_FOLDER})
     others = [n for n in others if not _MARKER_TMP.fullmatch(n)]
     if others:
         shown = ", ".join(repr(n) for n in others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")

@@ -1,0 +1,214 @@
+"""The `pca` codec: chunk KV turned into each head's principal components, quantized with one step per layer, and
+entropy-coded with zstd. About 3.5 bits per stored value, with a rounding error near int4's.
+
+Keys (before RoPE) and values of one head at one layer are points in D dimensions that fill few of them: a few
+directions carry most of the variance. A calibration (`KVCalibration`, fitted once per model on KV of a fixed text)
+keeps, per layer, kind (keys or values) and KV head, the mean and the eigenvectors of those points. Encoding
+subtracts the mean, projects on the eigenvectors and rounds every coordinate to a multiple of one step, the same for
+all of them, so each coordinate gets the same rounding error (what minimises the total error for the bits spent:
+reverse water-filling). Low-variance coordinates then round to mostly zero and cost almost nothing once coded.
+The step is set from the calibration's variance so that the mean squared error is a fixed share of it
+(`REL_MSE`: 0.4% for keys, 0.8% for values, about what int4 in groups of 32 leaves).
+
+A layer's payload (keys or values) is a few bytes: a struct `<II` (how many codes fell outside int8, the length of
+the zstd frame), those codes' flat positions (int32) and values (int32), then one zstd frame of the int8 codes in
+component-major order ([H, D, T]: each component's tokens side by side, so similar values are adjacent).
+Payloads differ in length from entry to entry; the entry header records each layer's (`serialize.py`, format 4).
+
+An entry records the codec's name, which names the calibration's digest: an entry written under another
+calibration is a miss, never decoded in the wrong basis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import zstandard
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from ..errors import CorruptEntryError
+from .codec import PayloadSpec, Shape3
+
+CALIBRATION_FORMAT = "cacheblend-rag/kv-calibration"
+CALIBRATION_VERSION = "1"
+REL_MSE = (0.004, 0.008)  # the rounding error of keys and of values, as a share of their variance
+_HEAD = struct.Struct("<II")
+_ZSTD_LEVEL = 3
+
+
+@dataclass(frozen=True, eq=False)
+class KVCalibration:
+    """Per layer, kind (0 keys, 1 values) and KV head: the mean [L, 2, H, D], the eigenvectors as columns in
+    decreasing variance [L, 2, H, D, D], the rounding step [L, 2, H], and the bits a value took on the calibration
+    text once coded [L, 2] (what sizing estimates go by). float32 throughout."""
+
+    mean: torch.Tensor
+    basis: torch.Tensor
+    step: torch.Tensor
+    bits: torch.Tensor
+    digest: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        L, two, H, D = self.mean.shape
+        shapes = [tuple(t.shape) for t in (self.mean, self.basis, self.step, self.bits)]
+        if two != 2 or shapes[1:] != [(L, 2, H, D, D), (L, 2, H), (L, 2)]:
+            raise ValueError(f"calibration tensors disagree: mean, basis, step, bits of shapes {shapes}")
+        h = hashlib.sha256(CALIBRATION_VERSION.encode())
+        for t in (self.mean, self.basis, self.step):
+            h.update(t.contiguous().numpy().tobytes())
+        object.__setattr__(self, "digest", h.hexdigest())
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head dim) the calibration is for."""
+        L, _, H, D = self.mean.shape
+        return L, H, D
+
+    @classmethod
+    def fit(cls, keys: torch.Tensor, values: torch.Tensor, rel_mse: tuple[float, float] = REL_MSE) -> KVCalibration:
+        """From sample KV [L, H, N, D] (keys before RoPE): each head's mean, eigenvectors and step per layer."""
+        if keys.shape != values.shape or keys.dim() != 4 or keys.shape[2] < 2 * keys.shape[3]:
+            raise ValueError(f"calibration needs keys and values [L, H, N, D] of one shape with N >= 2 D, "
+                             f"got {tuple(keys.shape)} and {tuple(values.shape)}")  # fmt: skip
+        L, H, _, D = keys.shape
+        mean = torch.empty(L, 2, H, D)
+        basis = torch.empty(L, 2, H, D, D)
+        step = torch.empty(L, 2, H)
+        bits = torch.empty(L, 2)
+        for kind, (x, rel) in enumerate(((keys, rel_mse[0]), (values, rel_mse[1]))):
+            x = x.double()
+            mu = x.mean(2)  # [L, H, D]
+            centred = x - mu[:, :, None]
+            cov = centred.transpose(2, 3) @ centred / (x.shape[2] - 1)  # [L, H, D, D]
+            _, vectors = torch.linalg.eigh(cov)  # ascending
+            mean[:, kind] = mu.float()
+            basis[:, kind] = vectors.flip(-1).float()
+            # the mean variance per coordinate, floored so a constant head still gets a usable step
+            variance = centred.pow(2).mean((2, 3)).clamp_min(1e-12)  # [L, H]
+            step[:, kind] = (12 * rel * variance).sqrt().float()
+        calibration = cls(mean, basis, step, bits)
+        codec = TransformCodec(calibration)
+        for layer in range(L):
+            for kind, x in enumerate((keys, values)):
+                codes = codec.codes(x[layer], layer, kind)
+                bits[layer, kind] = len(codec.pack(codes)) * 8 / codes.numel()
+        return calibration
+
+    def save(self, path: str | Path) -> None:
+        tensors = {"mean": self.mean, "basis": self.basis, "step": self.step, "bits": self.bits}
+        meta = {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, "digest": self.digest}
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: str | Path) -> KVCalibration:
+        """A saved calibration; ValueError when the file is not one, or not the one its header says."""
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+            if meta.get("format") != CALIBRATION_FORMAT or meta.get("version") != CALIBRATION_VERSION:
+                raise ValueError(f"{path} is not a version-{CALIBRATION_VERSION} KV calibration (header {meta})")
+            t = load_file(str(path))
+            calibration = cls(t["mean"].float(), t["basis"].float(), t["step"].float(), t["bits"].float())
+        except (SafetensorError, KeyError) as exc:
+            raise ValueError(f"{path} is not a readable KV calibration: {exc}") from exc
+        if calibration.digest != meta.get("digest"):
+            raise ValueError(f"{path} does not match its own digest: damaged")
+        return calibration
+
+
+class TransformCodec:
+    """The `pca` codec over one calibration (`KVCalibration`): a `KVCodec` whose payloads vary in length."""
+
+    def __init__(self, calibration: KVCalibration) -> None:
+        self.calibration = calibration
+        self.name = f"pca-{calibration.digest[:16]}"
+
+    def _check(self, shape: Shape3) -> None:
+        L, H, D = self.calibration.shape
+        if shape[0] != H or shape[2] != D:
+            raise ValueError(f"this calibration is for {H} KV heads of {D} dims, got a layer of shape {tuple(shape)}")
+
+    def payload_spec(self, shape: Shape3, dtype: torch.dtype) -> PayloadSpec:
+        """Variable payloads; their typical length (the calibration's bits per value, whole layers averaged)."""
+        self._check(shape)
+        per_layer = self.calibration.bits.mean(0)  # [2]
+        n = math.prod(shape)
+        typical = [int(math.ceil(n * float(b) / 8)) + _HEAD.size for b in per_layer]
+        return PayloadSpec(torch.uint8, (typical[0],), (typical[1],), variable=True)
+
+    # -- one layer -----------------------------------------------------------------------------------------------
+    def codes(self, x: torch.Tensor, layer: int, kind: int) -> torch.Tensor:
+        """x [H, T, D] -> integer codes [H, D, T] (int32, component-major) of its coordinates in the basis."""
+        c = self.calibration
+        mean = c.mean[layer, kind].to(x.device)[:, None, :]
+        basis = c.basis[layer, kind].to(x.device)
+        step = c.step[layer, kind].to(x.device)[:, None, None]
+        z = torch.matmul(x.float() - mean, basis).div_(step)  # [H, T, D]
+        return z.round_().clamp_(-(2**30), 2**30).to(torch.int32).transpose(1, 2).contiguous()
+
+    def pack(self, codes: torch.Tensor) -> bytes:
+        """Codes [H, D, T] -> the payload bytes: outliers, then one zstd frame of int8 codes."""
+        flat = codes.reshape(-1).cpu()
+        wide = (flat.abs() > 127).nonzero().squeeze(1)
+        small = flat.clamp(-127, 127).to(torch.int8).numpy()
+        frame = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(small.tobytes())
+        positions = wide.to(torch.int32).numpy().tobytes()
+        wide_values = flat[wide].numpy().astype("<i4").tobytes()
+        return _HEAD.pack(len(wide), len(frame)) + positions + wide_values + frame
+
+    def unpack(self, payload: bytes | memoryview | torch.Tensor, shape: Shape3) -> torch.Tensor:
+        """Payload bytes of a layer of `shape` [H, T, D] -> codes [H, D, T] (float32); CorruptEntryError if they do
+        not hold exactly that many codes."""
+        data = memoryview(payload.numpy()) if isinstance(payload, torch.Tensor) else memoryview(payload)
+        h, t, d = shape
+        n = h * t * d
+        if len(data) < _HEAD.size:
+            raise CorruptEntryError(f"pca payload of {len(data)} bytes is too short for its header")
+        n_wide, n_frame = _HEAD.unpack_from(data)
+        start = _HEAD.size + 8 * n_wide
+        if n_wide > n or start + n_frame != len(data):
+            raise CorruptEntryError(f"pca payload holds {len(data)} bytes, its header says {start + n_frame}")
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(bytes(data[start:]), max_output_size=n)
+        except zstandard.ZstdError as exc:
+            raise CorruptEntryError(f"pca payload's zstd frame is damaged: {exc}") from exc
+        if len(raw) != n:
+            raise CorruptEntryError(f"pca payload decodes to {len(raw)} codes, a layer of {tuple(shape)} has {n}")
+        codes = torch.from_numpy(np.frombuffer(raw, dtype=np.int8).copy()).to(torch.float32)
+        if n_wide:
+            positions = torch.from_numpy(np.frombuffer(data[_HEAD.size : _HEAD.size + 4 * n_wide], "<i4").copy())
+            if int(positions.min()) < 0 or int(positions.max()) >= n:
+                raise CorruptEntryError("pca payload names an outlier outside its layer")
+            wide = np.frombuffer(data[_HEAD.size + 4 * n_wide : start], "<i4").astype(np.float32)
+            codes[positions.long()] = torch.from_numpy(wide)
+        return codes.view(h, d, t)
+
+    def values_of(self, codes: torch.Tensor, layer: int, kind: int, dtype: torch.dtype) -> torch.Tensor:
+        """Codes [H, D, T] -> x [H, T, D] in `dtype`: back from the basis."""
+        c = self.calibration
+        z = codes.transpose(1, 2).mul(c.step[layer, kind].to(codes.device)[:, None, None])  # [H, T, D]
+        x = torch.matmul(z, c.basis[layer, kind].to(codes.device).transpose(1, 2))
+        return x.add_(c.mean[layer, kind].to(codes.device)[:, None, :]).to(dtype)
+
+    # -- the KVCodec protocol ---------------------------------------------------------------------------------------
+    def encode(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check(tuple(k.shape))
+        payloads = [self.pack(self.codes(x, layer, kind)) for kind, x in enumerate((k, v))]
+        return tuple(torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in payloads)  # type: ignore[return-value]
+
+    def decode(
+        self, key_payload: torch.Tensor, value_payload: torch.Tensor, shape: Shape3, dtype: torch.dtype, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check(shape)
+        if not 0 <= layer < self.calibration.shape[0]:
+            raise CorruptEntryError(f"pca entry has a layer {layer}; the calibration has {self.calibration.shape[0]}")
+        k = self.values_of(self.unpack(key_payload, shape), layer, 0, dtype)
+        v = self.values_of(self.unpack(value_payload, shape), layer, 1, dtype)
+        return k, v
