@@ -41,27 +41,30 @@ CALIBRATION_VERSION = "1"
 REL_MSE = (0.004, 0.008)  # the rounding error of keys and of values, as a share of their variance
 _HEAD = struct.Struct("<II")
 _ZSTD_LEVEL = 3
+_TENSORS = ("mean", "encode", "decode", "step", "bits")  # a calibration's, in the constructor's order
 
 
 @dataclass(frozen=True, eq=False)
 class KVCalibration:
-    """Per layer, kind (0 keys, 1 values) and KV head: the mean [L, 2, H, D], the eigenvectors as columns in
-    decreasing variance [L, 2, H, D, D], the rounding step [L, 2, H], and the bits a value took on the calibration
-    text once coded [L, 2] (what sizing estimates go by). float32 throughout."""
+    """Per layer, kind (0 keys, 1 values) and KV head: the mean [L, 2, H, D], the matrix into the coded coordinates
+    and the one back [L, 2, H, D, D] (an orthonormal basis and its transpose, or with weights a weighted basis and
+    its inverse), the rounding step [L, 2, H], and the bits a value took on the calibration text once coded [L, 2]
+    (what sizing estimates go by). float32 throughout."""
 
     mean: torch.Tensor
-    basis: torch.Tensor
+    encode: torch.Tensor
+    decode: torch.Tensor
     step: torch.Tensor
     bits: torch.Tensor
     digest: str = field(init=False)
 
     def __post_init__(self) -> None:
         L, two, H, D = self.mean.shape
-        shapes = [tuple(t.shape) for t in (self.mean, self.basis, self.step, self.bits)]
-        if two != 2 or shapes[1:] != [(L, 2, H, D, D), (L, 2, H), (L, 2)]:
-            raise ValueError(f"calibration tensors disagree: mean, basis, step, bits of shapes {shapes}")
+        shapes = [tuple(t.shape) for t in (self.mean, self.encode, self.decode, self.step, self.bits)]
+        if two != 2 or shapes[1:] != [(L, 2, H, D, D), (L, 2, H, D, D), (L, 2, H), (L, 2)]:
+            raise ValueError(f"calibration tensors disagree: mean, encode, decode, step, bits of shapes {shapes}")
         h = hashlib.sha256(CALIBRATION_VERSION.encode())
-        for t in (self.mean, self.basis, self.step):
+        for t in (self.mean, self.encode, self.decode, self.step):
             h.update(t.contiguous().numpy().tobytes())
         object.__setattr__(self, "digest", h.hexdigest())
 
@@ -72,37 +75,51 @@ class KVCalibration:
         return L, H, D
 
     @classmethod
-    def fit(cls, keys: torch.Tensor, values: torch.Tensor, rel_mse: tuple[float, float] = REL_MSE) -> KVCalibration:
-        """From sample KV [L, H, N, D] (keys before RoPE): each head's mean, eigenvectors and step per layer."""
+    def fit(
+        cls, keys: torch.Tensor, values: torch.Tensor, rel_mse: tuple[float, float] = REL_MSE,
+        weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> KVCalibration:  # fmt: skip
+        """From sample KV [L, H, N, D] (keys before RoPE): each head's mean, basis and step per layer.
+
+        Without `weights` every coordinate's error counts the same and each layer's step makes its error `rel_mse`
+        of that layer's variance. `weights` ([L, H, D, D] for keys and for values, symmetric, positive definite)
+        say what an error e costs, e^T W e: the basis is then the principal axes of the weighted KV, and one step per
+        kind over every layer makes the weighted error `rel_mse` of the mean weighted variance, so layers whose
+        error costs more get finer steps."""
         if keys.shape != values.shape or keys.dim() != 4 or keys.shape[2] < 2 * keys.shape[3]:
             raise ValueError(f"calibration needs keys and values [L, H, N, D] of one shape with N >= 2 D, "
                              f"got {tuple(keys.shape)} and {tuple(values.shape)}")  # fmt: skip
         L, H, _, D = keys.shape
-        mean = torch.empty(L, 2, H, D)
-        basis = torch.empty(L, 2, H, D, D)
-        step = torch.empty(L, 2, H)
-        bits = torch.empty(L, 2)
+        mean, step = torch.empty(L, 2, H, D), torch.empty(L, 2, H)
+        encode, decode = torch.empty(L, 2, H, D, D), torch.empty(L, 2, H, D, D)
         for kind, (x, rel) in enumerate(((keys, rel_mse[0]), (values, rel_mse[1]))):
             x = x.double()
             mu = x.mean(2)  # [L, H, D]
             centred = x - mu[:, :, None]
-            cov = centred.transpose(2, 3) @ centred / (x.shape[2] - 1)  # [L, H, D, D]
-            _, vectors = torch.linalg.eigh(cov)  # ascending
+            if weights is None:
+                into = back = torch.eye(D, dtype=torch.float64).expand(L, H, D, D)
+            else:
+                into, back = _matrix_roots(weights[kind].double())  # W^(1/2), W^(-1/2)
+            y = centred @ into
+            _, vectors = torch.linalg.eigh(y.transpose(2, 3) @ y / (x.shape[2] - 1))  # ascending
+            vectors = vectors.flip(-1)
             mean[:, kind] = mu.float()
-            basis[:, kind] = vectors.flip(-1).float()
-            # the mean variance per coordinate, floored so a constant head still gets a usable step
-            variance = centred.pow(2).mean((2, 3)).clamp_min(1e-12)  # [L, H]
-            step[:, kind] = (12 * rel * variance).sqrt().float()
-        calibration = cls(mean, basis, step, bits)
+            encode[:, kind] = (into @ vectors).float()
+            decode[:, kind] = (vectors.transpose(2, 3) @ back).float()
+            variance = y.pow(2).mean((2, 3))  # [L, H]: per coordinate, weighted or not
+            reference = variance if weights is None else variance.mean().expand(L, H)
+            step[:, kind] = (12 * rel * reference.clamp_min(1e-12)).sqrt().float()
+        bits = torch.empty(L, 2)
+        calibration = cls(mean, encode, decode, step, bits)
         codec = TransformCodec(calibration)
         for layer in range(L):
             for kind, x in enumerate((keys, values)):
                 codes = codec.codes(x[layer], layer, kind)
                 bits[layer, kind] = len(codec.pack(codes)) * 8 / codes.numel()
-        return calibration
+        return cls(mean, encode, decode, step, bits)
 
     def save(self, path: str | Path) -> None:
-        tensors = {"mean": self.mean, "basis": self.basis, "step": self.step, "bits": self.bits}
+        tensors = {name: getattr(self, name) for name in _TENSORS}
         meta = {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, "digest": self.digest}
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
 
@@ -115,7 +132,7 @@ class KVCalibration:
             if meta.get("format") != CALIBRATION_FORMAT or meta.get("version") != CALIBRATION_VERSION:
                 raise ValueError(f"{path} is not a version-{CALIBRATION_VERSION} KV calibration (header {meta})")
             t = load_file(str(path))
-            calibration = cls(t["mean"].float(), t["basis"].float(), t["step"].float(), t["bits"].float())
+            calibration = cls(*(t[name].float() for name in _TENSORS))
         except (SafetensorError, KeyError) as exc:
             raise ValueError(f"{path} is not a readable KV calibration: {exc}") from exc
         if calibration.digest != meta.get("digest"):
@@ -148,9 +165,8 @@ class TransformCodec:
         """x [H, T, D] -> integer codes [H, D, T] (int32, component-major) of its coordinates in the basis."""
         c = self.calibration
         mean = c.mean[layer, kind].to(x.device)[:, None, :]
-        basis = c.basis[layer, kind].to(x.device)
         step = c.step[layer, kind].to(x.device)[:, None, None]
-        z = torch.matmul(x.float() - mean, basis).div_(step)  # [H, T, D]
+        z = torch.matmul(x.float() - mean, c.encode[layer, kind].to(x.device)).div_(step)  # [H, T, D]
         return z.round_().clamp_(-(2**30), 2**30).to(torch.int32).transpose(1, 2).contiguous()
 
     def pack(self, codes: torch.Tensor) -> bytes:
@@ -194,7 +210,7 @@ class TransformCodec:
         """Codes [H, D, T] -> x [H, T, D] in `dtype`: back from the basis."""
         c = self.calibration
         z = codes.transpose(1, 2).mul(c.step[layer, kind].to(codes.device)[:, None, None])  # [H, T, D]
-        x = torch.matmul(z, c.basis[layer, kind].to(codes.device).transpose(1, 2))
+        x = torch.matmul(z, c.decode[layer, kind].to(codes.device))
         return x.add_(c.mean[layer, kind].to(codes.device)[:, None, :]).to(dtype)
 
     # -- the KVCodec protocol ---------------------------------------------------------------------------------------
@@ -212,3 +228,12 @@ class TransformCodec:
         k = self.values_of(self.unpack(key_payload, shape), layer, 0, dtype)
         v = self.values_of(self.unpack(value_payload, shape), layer, 1, dtype)
         return k, v
+
+
+def _matrix_roots(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric positive (semi)definite [..., D, D] -> its square root and inverse square root (eigenvalues floored
+    at a millionth of the largest, so a direction that costs nothing still decodes)."""
+    e, q = torch.linalg.eigh(w)
+    e = e.clamp_min(e.amax(-1, keepdim=True) * 1e-6)
+    qt = q.transpose(-1, -2)
+    return (q * e.sqrt().unsqueeze(-2)) @ qt, (q * e.rsqrt().unsqueeze(-2)) @ qt
