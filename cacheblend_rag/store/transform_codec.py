@@ -47,8 +47,8 @@ _TENSORS = ("mean", "encode", "decode", "step", "bits")  # a calibration's, in t
 @dataclass(frozen=True, eq=False)
 class KVCalibration:
     """Per layer, kind (0 keys, 1 values) and KV head: the mean [L, 2, H, D], the matrix into the coded coordinates
-    and the one back [L, 2, H, D, D] (an orthonormal basis and its transpose, or with weights a weighted basis and
-    its inverse), the rounding step [L, 2, H], and the bits a value took on the calibration text once coded [L, 2]
+    and the one back [L, 2, H, D, D] (the principal axes as columns, and their transpose), the rounding step
+    [L, 2, H], and the bits a value took on the calibration text once coded [L, 2]
     (what sizing estimates go by). float32 throughout."""
 
     mean: torch.Tensor
@@ -75,17 +75,9 @@ class KVCalibration:
         return L, H, D
 
     @classmethod
-    def fit(
-        cls, keys: torch.Tensor, values: torch.Tensor, rel_mse: tuple[float, float] = REL_MSE,
-        weights: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> KVCalibration:  # fmt: skip
-        """From sample KV [L, H, N, D] (keys before RoPE): each head's mean, basis and step per layer.
-
-        Without `weights` every coordinate's error counts the same and each layer's step makes its error `rel_mse`
-        of that layer's variance. `weights` ([L, H, D, D] for keys and for values, symmetric, positive definite)
-        say what an error e costs, e^T W e: the basis is then the principal axes of the weighted KV, and one step per
-        kind over every layer makes the weighted error `rel_mse` of the mean weighted variance, so layers whose
-        error costs more get finer steps."""
+    def fit(cls, keys: torch.Tensor, values: torch.Tensor, rel_mse: tuple[float, float] = REL_MSE) -> KVCalibration:
+        """From sample KV [L, H, N, D] (keys before RoPE): each head's mean, principal axes, and a step per layer
+        that makes the rounding error `rel_mse` of that layer's variance (keys, values)."""
         if keys.shape != values.shape or keys.dim() != 4 or keys.shape[2] < 2 * keys.shape[3]:
             raise ValueError(f"calibration needs keys and values [L, H, N, D] of one shape with N >= 2 D, "
                              f"got {tuple(keys.shape)} and {tuple(values.shape)}")  # fmt: skip
@@ -96,22 +88,15 @@ class KVCalibration:
             x = x.double()
             mu = x.mean(2)  # [L, H, D]
             centred = x - mu[:, :, None]
-            if weights is None:
-                into = back = torch.eye(D, dtype=torch.float64).expand(L, H, D, D)
-            else:
-                into, back = _matrix_roots(weights[kind].double())  # W^(1/2), W^(-1/2)
-            y = centred @ into
-            _, vectors = torch.linalg.eigh(y.transpose(2, 3) @ y / (x.shape[2] - 1))  # ascending
+            _, vectors = torch.linalg.eigh(centred.transpose(2, 3) @ centred / (x.shape[2] - 1))  # ascending
             vectors = vectors.flip(-1)
             mean[:, kind] = mu.float()
-            encode[:, kind] = (into @ vectors).float()
-            decode[:, kind] = (vectors.transpose(2, 3) @ back).float()
-            variance = y.pow(2).mean((2, 3))  # [L, H]: per coordinate, weighted or not
-            reference = variance if weights is None else variance.mean().expand(L, H)
-            step[:, kind] = (12 * rel * reference.clamp_min(1e-12)).sqrt().float()
+            encode[:, kind] = vectors.float()
+            decode[:, kind] = vectors.transpose(2, 3).float()
+            variance = centred.pow(2).mean((2, 3)).clamp_min(1e-12)  # [L, H], per coordinate
+            step[:, kind] = (12 * rel * variance).sqrt().float()
         bits = torch.empty(L, 2)
-        calibration = cls(mean, encode, decode, step, bits)
-        codec = TransformCodec(calibration)
+        codec = TransformCodec(cls(mean, encode, decode, step, bits))
         for layer in range(L):
             for kind, x in enumerate((keys, values)):
                 codes = codec.codes(x[layer], layer, kind)
@@ -146,6 +131,8 @@ class TransformCodec:
     def __init__(self, calibration: KVCalibration) -> None:
         self.calibration = calibration
         self.name = f"pca-{calibration.digest[:16]}"
+        # decoding in one product from the codes: the way back with the step folded in, [L, 2, H, D, D]
+        self._back = calibration.decode * calibration.step[..., None, None]
 
     def _check(self, shape: Shape3) -> None:
         L, H, D = self.calibration.shape
@@ -208,10 +195,9 @@ class TransformCodec:
 
     def values_of(self, codes: torch.Tensor, layer: int, kind: int, dtype: torch.dtype) -> torch.Tensor:
         """Codes [H, D, T] -> x [H, T, D] in `dtype`: back from the basis."""
-        c = self.calibration
-        z = codes.transpose(1, 2).mul(c.step[layer, kind].to(codes.device)[:, None, None])  # [H, T, D]
-        x = torch.matmul(z, c.decode[layer, kind].to(codes.device))
-        return x.add_(c.mean[layer, kind].to(codes.device)[:, None, :]).to(dtype)
+        h, d, t = codes.shape
+        mean = self.calibration.mean[layer, kind].to(codes.device)[:, None, :].expand(h, t, d)
+        return torch.baddbmm(mean, codes.transpose(1, 2), self._back[layer, kind].to(codes.device)).to(dtype)
 
     # -- the KVCodec protocol ---------------------------------------------------------------------------------------
     def encode(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,11 +215,3 @@ class TransformCodec:
         v = self.values_of(self.unpack(value_payload, shape), layer, 1, dtype)
         return k, v
 
-
-def _matrix_roots(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric positive (semi)definite [..., D, D] -> its square root and inverse square root (eigenvalues floored
-    at a millionth of the largest, so a direction that costs nothing still decodes)."""
-    e, q = torch.linalg.eigh(w)
-    e = e.clamp_min(e.amax(-1, keepdim=True) * 1e-6)
-    qt = q.transpose(-1, -2)
-    return (q * e.sqrt().unsqueeze(-2)) @ qt, (q * e.rsqrt().unsqueeze(-2)) @ qt

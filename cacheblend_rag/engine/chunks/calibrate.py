@@ -16,13 +16,13 @@ import os
 from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from ...config import StoreConfig
+from ...fusion import FusionPlan, PromptKV, fuse
 from ...models.adapter import LayerwiseModel
-from ...models.rope import signed_sin
 from ...store.codec import CALIBRATED_CODECS
 from ...store.disk.folder import CALIBRATION_FOLDER
 from ...store.transform_codec import KVCalibration, TransformCodec
@@ -37,62 +37,25 @@ def calibration_paragraphs() -> list[str]:
     return [p.strip() for p in text.split("\n\n") if p.strip()]
 
 
-class CalibrationSamples(NamedTuple):
-    """What the calibration text gives: keys before RoPE and values [L, Hkv, N, D], and the mean square of the
-    queries before RoPE per layer, query head and channel [L, H, D] (float32, CPU)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    query_energy: torch.Tensor
-
-
 @torch.inference_mode()
-def calibration_samples(lm: LayerwiseModel, tokenizer: Any, prefix_ids: Sequence[int]) -> CalibrationSamples:
-    """Every calibration paragraph prefilled after `prefix_ids`, layer by layer with the adapter's own steps (the
-    fusor's full prefill, written out so that the queries can be read too); the prefix's tokens left out."""
-    keys, values, energy, count = [], [], None, 0
-    for paragraph in calibration_paragraphs():
-        ids = torch.tensor([*prefix_ids, *encode(tokenizer, paragraph)], device=lm.device)
-        p = len(prefix_ids)
-        cos, sin = lm.rope(torch.arange(ids.shape[0], device=lm.device))
-        cos, sin_signed = cos[:, None], signed_sin(sin, lm.shape.head_dim)[:, None]
-        hidden = lm.embed(ids)
-        layer_keys, layer_values, layer_energy = [], [], []
-        for layer in range(lm.shape.num_layers):
-            x = lm.normed_input(layer, hidden)
-            raw_q, raw_k, v = lm.project_raw_qkv(layer, x)  # [H, T, D], [Hkv, T, D] x 2
-            layer_keys.append(raw_k[:, p:].float().cpu())
-            layer_values.append(v[:, p:].float().cpu())
-            layer_energy.append(raw_q[:, p:].float().pow(2).sum(1).cpu())  # [H, D]
-            q, k, v = lm.rotated_qkv(layer, x, cos, sin_signed)  # [T, H or Hkv, D]
-            out = lm.attend(layer, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), None)
-            hidden = lm.finish_layer(layer, hidden, out)
-        keys.append(torch.stack(layer_keys))
-        values.append(torch.stack(layer_values))
-        energy = torch.stack(layer_energy) if energy is None else energy + torch.stack(layer_energy)
-        count += ids.shape[0] - p
-    assert energy is not None
-    return CalibrationSamples(torch.cat(keys, dim=2), torch.cat(values, dim=2), energy / count)
-
-
-def error_weights(lm: LayerwiseModel, query_energy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What an error in a stored key or value costs, per layer and KV head ([L, Hkv, D, D] each).
-
-    A key error e moves the logit of every query q of its group by q . e after both are turned by RoPE, by angles
-    that differ from token to token: on average each rotated pair of channels (c, c + D/2) weighs the same, the
-    mean of the queries' square on the two. A value error e moves the attention output of each query head of the
-    group by its output projection's columns W_g e: it costs e^T (sum_g W_g^T W_g) e."""
+def calibration_kv(lm: LayerwiseModel, tokenizer: Any, prefix_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys before RoPE and values of every calibration paragraph prefilled after `prefix_ids`, the paragraphs'
+    tokens side by side: [L, Hkv, N, D] each, float32, on the CPU."""
     s = lm.shape
-    group, half = s.num_heads // s.num_kv_heads, s.head_dim // 2
-    per_head = query_energy.view(s.num_layers, s.num_kv_heads, group, s.head_dim).sum(2).double()
-    paired = (per_head[..., :half] + per_head[..., half:]) / 2
-    key_w = torch.diag_embed(torch.cat([paired, paired], -1))
-    value_w = torch.empty(s.num_layers, s.num_kv_heads, s.head_dim, s.head_dim, dtype=torch.float64)
-    for layer in range(s.num_layers):
-        w = lm.layers[layer].self_attn.o_proj.weight.detach().double().cpu()  # [hidden, H * D]
-        cols = w.view(w.shape[0], s.num_kv_heads, group, s.head_dim)
-        value_w[layer] = torch.einsum("ohgd,ohge->hde", cols, cols)
-    return key_w, value_w
+    keys, values = [], []
+    for paragraph in calibration_paragraphs():
+        ids = [*prefix_ids, *encode(tokenizer, paragraph)]
+        n, p = len(ids), len(prefix_ids)
+        none = torch.zeros(n, dtype=torch.bool)
+        plan = FusionPlan(input_ids=torch.tensor(ids), positions=torch.arange(n), exact=none, reused=none.clone())
+        cos, sin = lm.rope(torch.arange(n, device=lm.device))
+        kv = PromptKV.whole([], n, cos, sin, shape=(s.num_layers, s.num_kv_heads, s.head_dim), keep_raw=True,
+                            rope_blocks=lm.rope_blocks)  # fmt: skip
+        result = fuse(lm, plan, kv, want_logits=False)
+        assert result.kv.raw_keys is not None
+        keys.append(result.kv.raw_keys[:, :, p:].float().cpu())
+        values.append(result.kv.values[:, :, p:].float().cpu())
+    return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
 
 def calibration_path(disk_dir: str | os.PathLike[str], fingerprint: str, dtype: torch.dtype) -> Path:
@@ -115,8 +78,7 @@ def pca_codec(
         except (OSError, ValueError, KeyError) as exc:  # safetensors' own errors are ValueErrors or OSErrors
             logger.warning("KV calibration %s is unreadable (%s): fitting it again", path, exc)
         path.unlink(missing_ok=True)  # the entries written under it are misses from now on
-    samples = calibration_samples(lm, tokenizer, prefix_ids)
-    calibration = KVCalibration.fit(samples.keys, samples.values, weights=error_weights(lm, samples.query_energy))
+    calibration = KVCalibration.fit(*calibration_kv(lm, tokenizer, prefix_ids))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
