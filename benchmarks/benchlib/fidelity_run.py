@@ -27,7 +27,7 @@ from cacheblend_rag.errors import CacheBlendError, ConfigError
 from cacheblend_rag.evaluation.datasets import Case, Dataset, TaskSpec
 from cacheblend_rag.evaluation.fidelity import Reference, measure_with_logits, prepare_case
 from cacheblend_rag.guard import kl
-from cacheblend_rag.store.codec import CODECS
+from cacheblend_rag.store.codec import CALIBRATED_CODECS, CODECS
 
 RESULTS_FILE = "fidelity.jsonl"
 # Fills a variant engine's store for a case: (engine, spec, case, prompt) -> fields added to the variant's records
@@ -82,11 +82,13 @@ def split_codec(name: str) -> tuple[str, str]:
 
 def parse_codecs(text: str) -> list[str]:
     """ "int8,int4" -> ['native', 'int8', 'int4']: the uncompressed store always comes first, as every codec's
-    measures are paired against it. ConfigError naming a codec that `store.codec.CODECS` does not have."""
+    measures are paired against it. ConfigError naming a codec that `store.codec.CODECS` does not have (nor
+    `CALIBRATED_CODECS`, which the engines fit to the model)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CODECS]
+    known = [*CODECS, *CALIBRATED_CODECS]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ConfigError(f"--kv-codec: unknown codec {unknown[0]!r}; choose among {', '.join(CODECS)}")
+        raise ConfigError(f"--kv-codec: unknown codec {unknown[0]!r}; choose among {', '.join(known)}")
     return list(dict.fromkeys([NATIVE, *names]))
 
 
