@@ -196,7 +196,8 @@ CHUNKS = [random_words(501, 40), random_words(502, 30), random_words(503, 50)]
 
 
 def test_config_names_the_codec_field_value_and_choices():
-    with pytest.raises(ConfigError, match=r"kv_codec must be one of \['bf16', 'fp16', 'int4', 'int8', 'native'\]"):
+    names = r"\['bf16', 'fp16', 'int4', 'int8', 'native', 'pca'\]"
+    with pytest.raises(ConfigError, match="kv_codec must be one of " + names):
         EngineConfig(store=StoreConfig(kv_codec="int3"))
     with pytest.raises(ConfigError, match="memory_codec must be one of .* got 'zstd'"):
         EngineConfig(store=StoreConfig(memory_codec="zstd"))

@@ -215,4 +215,3 @@ class TransformCodec:
         k = self.values_of(self.unpack(key_payload, shape), layer, 0, dtype)
         v = self.values_of(self.unpack(value_payload, shape), layer, 1, dtype)
         return k, v
-
