@@ -15,6 +15,7 @@ the first case's entries, read from the native folder, through each codec (MB of
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine.store.flush()
                 spent[name] += time.perf_counter() - t
         values = corpus_values(base, cases)
+        report: dict[str, dict[str, float]] = {name: {} for name in codecs}
         say(f"corpus: {values:,} values (distinct chunks' tokens x layers x KV heads x head dim x 2)")
         say(f"{'codec':<8} {'entries':>8} {'MiB':>8} {'bits/corpus value':>18} {'precompute s':>13} {'/int8':>6}")
         for name, engine in engines.items():
@@ -107,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             ratio = f"{spent[name] / spent['int8']:.2f}" if "int8" in spent else "-"
             say(f"{name:<8} {len(disk):8d} {disk.nbytes / 2**20:8.1f} {8 * disk.nbytes / values:18.2f} "
                 f"{spent[name]:13.1f} {ratio:>6}")  # fmt: skip
+            report[name].update(entries=len(disk), bytes=disk.nbytes, bits_per_corpus_value=8 * disk.nbytes / values,
+                                precompute_s=spent[name])  # fmt: skip
         ttfts = {name: [] for name in codecs}
         first = {name: [] for name in codecs}
         for _ in range(args.repeats):
@@ -121,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"\nwarm blend r={args.ratio}, every chunk from disk, {args.repeats} rounds over the cases:")
         for name in codecs:
             same = sum(a == b for a, b in zip(first[name], first["native"], strict=True)) // args.repeats
+            report[name].update(ttft_s=statistics.median(ttfts[name]), first_token_as_native=same, cases=len(cases))
             say(f"  {name:<8} median TTFT {statistics.median(ttfts[name]) * 1000:7.0f} ms   "
                 f"first token = native's in {same}/{len(cases)} cases")  # fmt: skip
         say("\nencode / decode of the first case's entries (MB of KV in the compute dtype per second, one thread's "
@@ -139,9 +144,13 @@ def main(argv: list[str] | None = None) -> int:
                     deserialize_chunk(blob, kv.key, codec=codec)
                 dec.append(time.perf_counter() - t)
             say(f"  {name:<8} encode {mb / min(enc):7.0f} MB/s   decode {mb / min(dec):7.0f} MB/s")
+            report[name].update(encode_mb_s=mb / min(enc), decode_mb_s=mb / min(dec))
         for engine in engines.values():
             engine.close()
     say.write(args.out)
+    run = {"cpu": cpu_name(), "dtype": str(base.dtype).removeprefix("torch."), "datasets": args.datasets,
+           "cases": args.cases, "repeats": args.repeats, "ratio": args.ratio, "corpus_values": values}  # fmt: skip
+    (args.out / "results.json").write_text(json.dumps({"run": run, "codecs": report}, indent=1))
     return 0
 
 

@@ -8,8 +8,8 @@ A generated table sits between two markers in the doc, `<!-- table:NAME -->` and
 builders are in `benchlib/doc_tables.py`, one per table, each reading `benchmarks/results/<folder>/`. A new run
 written to the same folder replaces the table's rows: rerun this script and commit the doc with the results.
 
-Generated here: ttft, ttft-bf16, dtype-fidelity, fidelity, guard, guard-grouped, codecs, traffic-real,
-traffic-simulated, load, llamacpp, sweep, throughput, ask-index, precompute-cost.
+Generated here: ttft, ttft-bf16, dtype-fidelity, fidelity, guard, guard-grouped, codecs, codecs-pca, codec-bytes,
+traffic-real, traffic-simulated, load, llamacpp, sweep, throughput, ask-index, precompute-cost.
 
 Still written by hand in the doc (their figures come from text reports, research scripts or runs whose files
 hold no table): the GPU check (`gpu-h200/check-3/*.txt`), the operation counts per layer (`research/opcount_*.py`),

@@ -7,44 +7,15 @@ the files it reads. `benchmarks/tables.py` writes them into the doc and checks t
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-SETS = ("multi_news", "musique", "samsum", "wikimqa")
-SET_NAMES = {"multi_news": "MultiNews", "musique": "MuSiQue", "samsum": "SAMSum", "wikimqa": "2WikiMQA"}
-
-
-@dataclass(frozen=True)
-class Table:
-    """One generated table: the results files it reads (relative to benchmarks/results) and its builder."""
-
-    sources: tuple[str, ...]
-    build: Callable[[Path], list[str]]  # results folder -> the table's lines
-
-
-def _json(results: Path, name: str) -> Any:
-    return json.loads((results / name).read_text(encoding="utf-8"))
-
-
-def _row(*cells: object) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
-
-
-def _head(*names: str, numeric_from: int = 1) -> list[str]:
-    rule = ["---" if i < numeric_from else "---:" for i in range(len(names))]
-    return [_row(*names), "|" + "|".join(rule) + "|"]
-
-
-def _ci(value: float, ci: list[float], digits: int = 3) -> str:
-    return f"{value:.{digits}f} [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
-
-
-def _signed_ci(value: float, ci: list[float], digits: int = 4) -> str:
-    return f"{value:+.{digits}f} [{ci[0]:+.{digits}f}, {ci[1]:+.{digits}f}]"
+from benchlib.doc_cells import SET_NAMES, SETS, Table
+from benchlib.doc_cells import ci as _ci
+from benchlib.doc_cells import head as _head
+from benchlib.doc_cells import json_file as _json
+from benchlib.doc_cells import row as _row
+from benchlib.doc_cells import signed_ci as _signed_ci
 
 
 def md_tables(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
@@ -191,18 +162,41 @@ def guard_grouped(results: Path) -> list[str]:
     return lines
 
 
-def codecs(results: Path) -> list[str]:
-    rows = {(r["dataset"], r["codec"], r["method"]): r for r in _json(results, "guard/codecs.json")}
-    lines = _head("set (cases)", "method", "KL uncompressed", "int8 - native [95% CI]", "int4 - native [95% CI]",
+def _codec_table(results: Path, path: str, codecs: tuple[str, str], base: tuple[str, str],
+                 cells: list[tuple[str, str]]) -> list[str]:  # fmt: skip
+    """Each (set, method) of `cells`: the KL with exact KV (named base[0]) and each codec's paired difference from
+    it (named `codec - base[1]`)."""
+    rows = {(r["dataset"], r["codec"], r["method"]): r for r in _json(results, path)}
+    lines = _head("set (cases)", "method", f"KL {base[0]}", *(f"{c} - {base[1]} [95% CI]" for c in codecs),
                   numeric_from=2)  # fmt: skip
-    for s in ("pooled", *SETS):
-        for method in ("reuse", "attention@0.05", "attention@0.15"):
-            if s != "pooled" and method != "attention@0.15":
-                continue
-            i8, i4 = rows[s, "int8", method], rows[s, "int4", method]
-            name = f"{SET_NAMES.get(s, 'all')} ({i8['n']})"
-            cells = [_signed_ci(r["kl_diff"], r["kl_diff_ci"]) for r in (i8, i4)]
-            lines.append(_row(name, method, f"{i8['kl_native']:.4f}", *cells))
+    for s, method in cells:
+        pair = [rows[s, c, method] for c in codecs]
+        name = f"{SET_NAMES.get(s, 'all')} ({pair[0]['n']})"
+        lines.append(_row(name, method, f"{pair[0]['kl_native']:.4f}",
+                          *(_signed_ci(r["kl_diff"], r["kl_diff_ci"]) for r in pair)))  # fmt: skip
+    return lines
+
+
+def codecs(results: Path) -> list[str]:
+    pooled = [("pooled", m) for m in ("reuse", "attention@0.05", "attention@0.15")]
+    return _codec_table(results, "guard/codecs.json", ("int8", "int4"), ("uncompressed", "native"),
+                        pooled + [(s, "attention@0.15") for s in SETS])  # fmt: skip
+
+
+def codecs_pca(results: Path) -> list[str]:
+    """int8 and pca against exact KV on one bf16 run: each set at r = 0.15 and full reuse, then all sets pooled."""
+    cells = [(s, m) for s in (*SETS, "pooled") for m in ("attention@0.15", "reuse")]
+    return _codec_table(results, "fidelity-pca/codecs.json", ("int8", "pca"), ("exact KV", "exact"), cells)
+
+
+def codec_bytes(results: Path) -> list[str]:
+    report = _json(results, "codec-bytes/results.json")
+    lines = _head("codec", "bits per corpus value", "precompute (s)", "warm TTFT from disk (ms)",
+                  "first token = exact KV's", "encode / decode (MB/s)", numeric_from=1)  # fmt: skip
+    for name, r in report["codecs"].items():
+        lines.append(_row(f"`{name}`", f"{r['bits_per_corpus_value']:.2f}", f"{r['precompute_s']:.1f}",
+                          f"{r['ttft_s'] * 1000:.0f}", f"{r['first_token_as_native']}/{r['cases']}",
+                          f"{r['encode_mb_s']:.0f} / {r['decode_mb_s']:.0f}"))  # fmt: skip
     return lines
 
 
@@ -337,6 +331,8 @@ TABLES: dict[str, Table] = {
     "guard": Table(("guard/guard.md",), guard),
     "guard-grouped": Table(("guard-grouped-apart/guard.md",), guard_grouped),
     "codecs": Table(("guard/codecs.json",), codecs),
+    "codecs-pca": Table(("fidelity-pca/codecs.json",), codecs_pca),
+    "codec-bytes": Table(("codec-bytes/results.json",), codec_bytes),
     "traffic-real": Table(("traffic-bf16/real_vs_simulated.json",), traffic_real),
     "traffic-simulated": Table(("traffic/report.md",), traffic_simulated),
     "load": Table(("load-avx512/results.json",), load),
