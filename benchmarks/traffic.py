@@ -84,8 +84,10 @@ def cmd_real(args) -> None:
 def cmd_simulate(args) -> None:
     squad, _, shape, found, lengths = _setup(args)
     costs = CostModel.load(args.costs or args.out / "costs.json")
-    rows = simulate_grid(args.streams, args.seeds, SHARES, args.policies, squad.question_article, found, lengths,
+    shares = tuple(args.grid_shares) if args.grid_shares else SHARES
+    rows = simulate_grid(args.streams, args.seeds, shares, args.policies, squad.question_article, found, lengths,
                          shape, costs, length=args.questions)  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "simulated.json"
     meta = dict(machine=machine_name(), corpus_bytes=corpus_bytes(lengths, shape),
                 bytes_per_token=shape.bytes_per_token, chunks=len(lengths.chunks), questions=len(squad.questions),
@@ -120,6 +122,9 @@ def main() -> None:
     p.add_argument("--questions", type=int, default=None, help="requests per stream (default: real 500, simulate all)")
     p.add_argument("--streams", nargs="+", default=None, choices=STREAMS)
     p.add_argument("--shares", nargs="+", type=float, default=[0.25, 1.0], help="real runs' budgets (of corpus KV)")
+    p.add_argument("--grid-shares", nargs="+", type=float,
+                   help="simulate's budgets (of corpus KV; default: 5, 10, 25, 50, 100%% and unbounded); e.g. a "
+                   "smaller codec's 25%% of int8's bytes is 25%% x (int8 bytes / its bytes) of its corpus")  # fmt: skip
     p.add_argument("--eviction", default="lfu", help="the real runs' memory_eviction (default: %(default)s)")
     p.add_argument("--policies", nargs="+", default=["lru", "lfu"], help="simulated eviction policies")
     p.add_argument("--seed", type=int, default=0, help="the real runs' stream seed")
