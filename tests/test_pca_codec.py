@@ -173,3 +173,17 @@ def test_the_calibration_pass_reads_the_keys_and_values_a_chunk_prefill_stores()
     n = len(first)
     assert torch.allclose(keys[:, :, :n], kv.keys.float(), atol=1e-4)
     assert torch.allclose(values[:, :, :n], kv.values.float(), atol=1e-4)
+
+
+def test_the_memory_tier_can_keep_pca_entries_without_a_disk_folder():
+    chunks = [random_words(i + 10, 25) for i in range(2)]
+    config = EngineConfig(chunk_separator="", store=StoreConfig(memory_codec="pca"))
+    engine = CacheBlendEngine(make_tiny_model("llama"), make_tiny_tokenizer(), config=config)
+    codec = engine.store.tiers[0].codec
+    assert isinstance(codec, TransformCodec)
+    engine.precompute(chunks, "why?")
+    prompt = engine.build_prompt(chunks, "why?")
+    result = engine.prefill(prompt, "reuse")
+    assert result.metrics.hits_by_tier == {"memory": len(chunks)}
+    full = engine.prefill(prompt, "full").logits
+    assert torch.allclose(result.logits, full, atol=0.2 * full.abs().max().item())
