@@ -39,6 +39,18 @@ class Loaded(NamedTuple):
     captured: bool = False  # read from one of the chunk's captured entries, not its own
 
 
+def whole_prompt_kv(
+    lm: LayerwiseModel, kept: Sequence[tuple[torch.Tensor, torch.Tensor]], total: int, *, keep_raw: bool = False,
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> PromptKV:  # fmt: skip
+    """The KV buffers of a prompt of `total` tokens whose head is the KV `kept` in memory ((keys before RoPE, values)
+    per part, laid end to end and rotated at once; none: a prompt computed whole): `PromptKV.whole` for `lm`."""
+    s = lm.shape
+    cos, sin = lm.rope(torch.arange(total, device=lm.device))
+    return PromptKV.whole(kept, total, cos, sin, shape=(s.num_layers, s.num_kv_heads, s.head_dim), keep_raw=keep_raw,
+                          buffers=buffers, rope_blocks=lm.rope_blocks)  # fmt: skip
+
+
 class ChunkCache:
     """The chunk KV of one model in one dtype, backed by a store (any tier or stack of tiers)."""
 
@@ -134,16 +146,15 @@ class ChunkCache:
         fusor first needs it.
         `keep_raw`: keep the keys before RoPE too (what a chunk's entry stores). `buffers`: where to lay the KV
         (`PromptKV.whole`)."""
-        s = self.lm.shape
-        cos, sin = self.lm.rope(torch.arange(total, device=self.lm.device))
-        shape = (s.num_layers, s.num_kv_heads, s.head_dim)
         whole = self.in_memory(parts) if load is None else None
         if whole is not None:
-            kept = [(w.keys, w.values) for w in whole]
-            return PromptKV.whole(kept, total, cos, sin, shape=shape, keep_raw=keep_raw, buffers=buffers,
+            return whole_prompt_kv(self.lm, [(w.keys, w.values) for w in whole], total, keep_raw=keep_raw,
+                                   buffers=buffers)  # fmt: skip
+        s = self.lm.shape
+        cos, sin = self.lm.rope(torch.arange(total, device=self.lm.device))
+        return PromptKV.layerwise(load or self.layer_loader(parts), total, cos, sin, keep_raw=keep_raw,
+                                  shape=(s.num_layers, s.num_kv_heads, s.head_dim), buffers=buffers,
                                   rope_blocks=self.lm.rope_blocks)  # fmt: skip
-        return PromptKV.layerwise(load or self.layer_loader(parts), total, cos, sin, shape=shape, keep_raw=keep_raw,
-                                  buffers=buffers, rope_blocks=self.lm.rope_blocks)  # fmt: skip
 
     @staticmethod
     def in_memory(parts: Sequence[ChunkReader]) -> list[ChunkKV] | None:

@@ -21,12 +21,13 @@ from typing import Any
 import torch
 
 from ...config import StoreConfig
-from ...fusion import FusionPlan, PromptKV, fuse
+from ...fusion import FusionPlan, fuse
 from ...models.adapter import LayerwiseModel
 from ...store.codec import CALIBRATED_CODECS
 from ...store.disk.folder import CALIBRATION_FOLDER
 from ...store.transform_codec import KVCalibration, TransformCodec
 from ..request.prompt import PromptTemplate, encode, tokenize_prefix
+from .cache import whole_prompt_kv
 
 logger = logging.getLogger(__name__)
 
@@ -41,17 +42,13 @@ def calibration_paragraphs() -> list[str]:
 def calibration_kv(lm: LayerwiseModel, tokenizer: Any, prefix_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys before RoPE and values of every calibration paragraph prefilled after `prefix_ids`, the paragraphs'
     tokens side by side: [L, Hkv, N, D] each, float32, on the CPU."""
-    s = lm.shape
     keys, values = [], []
     for paragraph in calibration_paragraphs():
         ids = [*prefix_ids, *encode(tokenizer, paragraph)]
         n, p = len(ids), len(prefix_ids)
         none = torch.zeros(n, dtype=torch.bool)
         plan = FusionPlan(input_ids=torch.tensor(ids), positions=torch.arange(n), exact=none, reused=none.clone())
-        cos, sin = lm.rope(torch.arange(n, device=lm.device))
-        kv = PromptKV.whole([], n, cos, sin, shape=(s.num_layers, s.num_kv_heads, s.head_dim), keep_raw=True,
-                            rope_blocks=lm.rope_blocks)  # fmt: skip
-        result = fuse(lm, plan, kv, want_logits=False)
+        result = fuse(lm, plan, whole_prompt_kv(lm, [], n, keep_raw=True), want_logits=False)
         assert result.kv.raw_keys is not None
         keys.append(result.kv.raw_keys[:, :, p:].float().cpu())
         values.append(result.kv.values[:, :, p:].float().cpu())
