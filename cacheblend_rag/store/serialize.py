@@ -104,11 +104,11 @@ def serialize_chunk(
     # safetensors needs CPU, contiguous memory.
     encoded = [[p.detach().to("cpu").reshape(-1) for p in codec.encode(*kv.layer(i), i)] for i in range(kv.num_layers)]
     digests = [layer_digest(_tensor_bytes(k), _tensor_bytes(v)) for k, v in encoded]
-    variable = codec.payload_spec(kv.shape[1:], kv.dtype).variable
+    spec = codec.payload_spec(kv.shape[1:], kv.dtype)
+    variable = spec.variable
     if variable:
         keys, values = (torch.cat([layer[j] for layer in encoded]) for j in (0, 1))
     else:
-        spec = codec.payload_spec(kv.shape[1:], kv.dtype)
         keys = torch.stack([k.view(spec.key_shape) for k, _ in encoded]).contiguous()
         values = torch.stack([v.view(spec.value_shape) for _, v in encoded]).contiguous()
     metadata = {

@@ -181,12 +181,12 @@ class TransformCodec:
         if n_wide > n or start + n_frame != len(data):
             raise CorruptEntryError(f"pca payload holds {len(data)} bytes, its header says {start + n_frame}")
         try:
-            raw = zstandard.ZstdDecompressor().decompress(bytes(data[start:]), max_output_size=n)
+            raw = zstandard.ZstdDecompressor().decompress(data[start:], max_output_size=n)
         except zstandard.ZstdError as exc:
             raise CorruptEntryError(f"pca payload's zstd frame is damaged: {exc}") from exc
         if len(raw) != n:
             raise CorruptEntryError(f"pca payload decodes to {len(raw)} codes, a layer of {tuple(shape)} has {n}")
-        codes = torch.from_numpy(np.frombuffer(raw, dtype=np.int8).copy()).to(torch.float32)
+        codes = torch.from_numpy(np.frombuffer(raw, dtype=np.int8).astype(np.float32))  # one pass: widened, writable
         if n_wide:
             positions = torch.from_numpy(np.frombuffer(data[_HEAD.size : _HEAD.size + 4 * n_wide], "<i4").copy())
             if int(positions.min()) < 0 or int(positions.max()) >= n:
