@@ -1,6 +1,6 @@
 """Linear layers packed for oneDNN (`models.packed`), which a bf16 engine on a CPU uses: every prefill mode gives the
-plain engine's values bit for bit, a second engine over the packed model still fuses q/k/v, and a weight changed after
-packing runs the plain product."""
+plain engine's values bit for bit (both attending with `blocked_attention`), a second engine over the packed model
+still fuses q/k/v, and a weight changed after packing runs the plain product."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 import cacheblend_rag.engine.engine as engine_module
 from cacheblend_rag import CacheBlendEngine, EngineConfig
+from cacheblend_rag.models.attention import use_blocked_attention
 from cacheblend_rag.models.packed import PackedFusedQKV, PackedLinear, packing_available
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
@@ -24,6 +25,7 @@ def bf16_engine(family: str, monkeypatch=None) -> CacheBlendEngine:
     engine = CacheBlendEngine(make_tiny_model(family, seed=3), make_tiny_tokenizer(), config=BF16)
     if monkeypatch is not None:
         monkeypatch.undo()
+        use_blocked_attention(engine.model)  # the packed engine's attention too: only the products differ
     return engine
 
 

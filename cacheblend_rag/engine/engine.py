@@ -25,6 +25,7 @@ from ..cpu import warn_if_slow_bf16
 from ..errors import EngineClosedError
 from ..fusion import GraphedLayerSteps
 from ..models.adapter import LayerwiseModel
+from ..models.attention import use_blocked_attention
 from ..models.fingerprint import fingerprints_by_dtype, model_fingerprint
 from ..models.fused import fuse_qkv
 from ..models.int8 import int8_decode_lm
@@ -77,7 +78,9 @@ class CacheBlendEngine:
         self.tokenizer = tokenizer
         self.token_cache = TokenCache(tokenizer)  # chunk texts -> ids: a chunk retrieved again is not tokenized again
         fused = fuse_qkv(self.model)  # q/k/v in one product; bf16 on a CPU: weights packed once for oneDNN
-        fused = pack_linears(self.model, fused) if packing_available(device, dtype) else fused
+        if packing_available(device, dtype):  # and attention as bf16 products over blocks of queries
+            fused = pack_linears(self.model, fused)
+            use_blocked_attention(self.model)
         self.lm = LayerwiseModel(self.model, fused_qkv=fused)
         # int8 decode weights and CUDA graphs are written for Llama's layer: other families run the exact path
         fast = self.lm.spec.llama_like

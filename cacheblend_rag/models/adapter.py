@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from .attention import attention_kernels, attention_probs, causal_mask, fused_attention, written_out_attention
+from .attention import (
+    BLOCKED_ATTENTION,
+    attend_queries,
+    attention_kernels,
+    attention_probs,
+    causal_mask,
+    written_out_attention,
+)
 from .layer_spec import LayerSpec, read_spec
 from .rope import no_rotation, rope_rotate, rotate_keys, signed_sin, unrotate_keys
 from .support import check_supported
@@ -111,6 +118,12 @@ class LayerwiseModel:
     @property
     def dtype(self) -> torch.dtype:
         return self.base.embed_tokens.weight.dtype
+
+    @property
+    def blocked(self) -> bool:
+        """Whether attention runs as `blocked_attention`: the model's own forward was told to (`use_blocked_attention`,
+        bf16 on a CPU), so that the blend's recomputed rows attend as a full prefill does."""
+        return self.model.config._attn_implementation == BLOCKED_ATTENTION
 
     # -- pieces of one forward ------------------------------------------------------------------------------
 
@@ -246,9 +259,7 @@ class LayerwiseModel:
         once for many calls); mask: [A, N] (or [1, 1, A, N], made once for many calls), bool (True = may attend) or
         additive (0 / -inf, in the query's dtype), which in a windowed layer must hold its window (`causal_mask`); or
         None when the queries are the last A of the N tokens, in order: causal (within the layer's window), aligned
-        at the end. Then, in a layer without a window, the queries are padded to the causal square (A == N is that
-        square), which the fused kernels run without any mask, skipping the scores above the diagonal; the padded
-        rows' outputs are dropped. Returns [A, hidden].
+        at the end (`attention.attend_queries` says how each case runs). Returns [A, hidden].
         """
         attn, layer = self.layers[layer_idx].self_attn, self.spec.layers[layer_idx]
         a, n = query.shape[1], keys.shape[-2]
@@ -259,24 +270,7 @@ class LayerwiseModel:
             out = written_out_attention(query, keys, values, mask, attn.scaling, softcap=layer.softcap,
                                         sinks=layer.sinks)  # fmt: skip
             return attn.o_proj(out.reshape(-1, a, out.shape[-1]).transpose(0, 1).reshape(a, -1))
-        padded = mask is None and a < n
-        if padded:
-            query = torch.cat((query.new_zeros(query.shape[0], n - a, query.shape[2]), query), dim=1)
-        if keys.dim() == 3:
-            keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-        with attention_kernels(query.device):
-            out = fused_attention(
-                query.unsqueeze(0),
-                keys,
-                values,
-                mask if mask is None or mask.dim() == 4 else mask[None, None],
-                attn.scaling,
-                is_causal=mask is None,
-                enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
-            )  # [1, H, A (or N, padded), D]
-        if padded:
-            out = out[:, :, -a:]
-        return attn.o_proj(out.transpose(1, 2).reshape(a, -1))
+        return attn.o_proj(attend_queries(query, keys, values, mask, attn.scaling, blocked=self.blocked))
 
     def attend_each(
         self, layer_idx: int, query: torch.Tensor, keys_values: list[tuple[torch.Tensor, torch.Tensor]]

@@ -11,6 +11,15 @@ On a CPU in bf16, the fused kernel works through the queries in tiles (32 rows b
 256 above) and a tile of one row takes a slow path: at 3,143 keys, one query costs 2.0 ms and two 0.5 ms, 65
 queries 7.4 ms and 66 6.0 ms (14 query heads, 2 KV heads, the 2-core AVX-512 EPYC; fp32 and fp16 do not show it).
 `fused_attention` gives such a block one more row, a copy of its last, and drops its output.
+
+That kernel also runs bf16 at a small share of the CPU's bf16 product rate (a causal prefill of ~1,400 tokens of the
+default model: 26 ms a layer, against 3.4 ms of products at the packed-linear rate). `blocked_attention` writes the
+same attention as bf16 products over blocks of queries: each block's scores against only the keys its rows may see
+(the causal square is never filled), masked on the block's last keys, softmax, then the values: 10-12 ms a layer.
+A query head's group (grouped-query attention) shares its KV head's products. Its scores are rounded to bf16
+before the softmax (torch's CPU matrix products have no bf16-in, float32-out form); over a whole forward that moves
+the next-token distribution ~0.0002 nats further from float32's (measured on the default model, docs/benchmarks.md,
+"Against vLLM's CPU build").
 """
 
 from __future__ import annotations
@@ -62,6 +71,128 @@ def fused_attention(
         query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
     )
     return out[..., :-1, :] if pad else out
+
+
+ATTENTION_BLOCK = 64  # query rows per block: 32-256 measured; 64 the fastest at 300-3,100 keys on AVX-512
+_ABOVE_DIAGONAL = torch.ones(ATTENTION_BLOCK, ATTENTION_BLOCK, dtype=torch.bool).triu(1)
+
+
+def blocked_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Attention as products over blocks of ATTENTION_BLOCK queries, for bf16 on a CPU (see the module's note).
+
+    query: [H, A, D]; keys, values: [Hkv, N, D] (H a multiple of Hkv); mask: [A, N] bool (True = may attend), or
+    None when the queries are the last A of the N keys' tokens, in order (causal, aligned at the end). A query row
+    that may see no key gets NaN, as torch's kernel gives. -> [A, H, D], each query's heads side by side.
+    """
+    h, a, d = query.shape
+    hkv, n = keys.shape[0], keys.shape[1]
+    groups = h // hkv
+    # [Hkv, A, groups, D]: a block of queries is then one contiguous [Hkv, rows x groups, D] operand; the scale is
+    # applied here, once per query (exact where it is a power of two, as for head size 64)
+    q = torch.mul(query.view(hkv, groups, a, d).transpose(1, 2), scale,
+                  out=query.new_empty(hkv, a, groups, d))  # fmt: skip
+    keys_t = keys.transpose(1, 2)
+    out = query.new_empty(a, hkv, groups, d)
+    offset = n - a
+    for start in range(0, a, ATTENTION_BLOCK):
+        stop = min(a, start + ATTENTION_BLOCK)
+        rows = stop - start
+        if mask is None:
+            seen = offset + stop
+        else:
+            allowed = mask[start:stop].any(0).nonzero()
+            seen = int(allowed[-1]) + 1 if allowed.numel() else 1
+        scores = torch.bmm(q[:, start:stop].view(hkv, rows * groups, d), keys_t[:, :, :seen])
+        scores = scores.view(hkv, rows, groups, seen)
+        if mask is None:  # only the block's own square has keys after some of its rows
+            scores[..., offset + start :].masked_fill_(_ABOVE_DIAGONAL[:rows, None, :rows], float("-inf"))
+        else:
+            scores.masked_fill_(~mask[start:stop, None, :seen], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(hkv, rows * groups, seen)
+        out[start:stop] = torch.bmm(probs, values[:, :seen]).view(hkv, rows, groups, d).transpose(0, 1)
+    return out.view(a, h, d)
+
+
+def attend_queries(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    *,
+    blocked: bool,
+) -> torch.Tensor:
+    """Attention of queries [H, A, D] over keys and values [Hkv, N, D] (or [1, Hkv, N, D]) -> [A, H x D], each
+    query's heads side by side (what the output projection takes). mask: [A, N] (or [1, 1, A, N]), bool or additive
+    (0 / -inf in the query's dtype), or None when the queries are the last A of the N tokens, in order (causal,
+    aligned at the end). `blocked` (bf16 on a CPU, where the model's own forward attends so too): `blocked_attention`
+    for a bool mask or none. Otherwise torch's fused kernel; queries aligned at the end are padded to the causal
+    square (A == N is that square), which it runs without a mask, skipping the scores above the diagonal; the padded
+    rows' outputs are dropped.
+    """
+    a, n = query.shape[1], keys.shape[-2]
+    if blocked and query.dtype == torch.bfloat16 and (mask is None or mask.dtype == torch.bool):
+        out = blocked_attention(query, keys.view(keys.shape[-3:]), values.view(values.shape[-3:]),
+                                mask if mask is None else mask.view(mask.shape[-2:]), scale)  # fmt: skip
+        return out.view(a, -1)
+    padded = mask is None and a < n
+    if padded:
+        query = torch.cat((query.new_zeros(query.shape[0], n - a, query.shape[2]), query), dim=1)
+    if keys.dim() == 3:
+        keys, values = keys.unsqueeze(0), values.unsqueeze(0)
+    with attention_kernels(query.device):
+        out = fused_attention(query.unsqueeze(0), keys, values, mask if mask is None or mask.dim() == 4 else
+                              mask[None, None], scale, is_causal=mask is None,
+                              enable_gqa=query.shape[0] != keys.shape[1])  # fmt: skip
+    if padded:
+        out = out[:, :, -a:]
+    return out.transpose(1, 2).reshape(a, -1)  # [1, H, A, D] -> [A, H x D]
+
+
+BLOCKED_ATTENTION = "cacheblend_blocked"  # the name the model's own forward knows `blocked_attention` by
+
+
+def _blocked_model_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention call ([B, H, T, D] queries, [B, Hkv, N, D] keys and values -> [B, T, H, D]):
+    `blocked_attention` for one sequence in bf16 on a CPU attending causally without a mask (transformers leaves the
+    mask out exactly then); every other call goes to transformers' own SDPA attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (
+        attention_mask is None
+        and is_causal is not False
+        and query.shape[0] == 1
+        and query.device.type == "cpu"
+        and query.dtype == torch.bfloat16
+        and kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None
+    ):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return blocked_attention(query[0], key[0], value[0], None, scale).unsqueeze(0), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+
+
+def use_blocked_attention(model: torch.nn.Module) -> None:
+    """Make `model`'s own forward attend with `blocked_attention` where it applies (and the layer-wise adapter with
+    it, which reads the model's choice): the engine does this for bf16 on a CPU. The model keeps SDPA's masks."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(BLOCKED_ATTENTION, _blocked_model_attention)
+    AttentionMaskInterface.register(BLOCKED_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(BLOCKED_ATTENTION)
 
 
 def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
