@@ -143,6 +143,7 @@ def settings(engine: CacheBlendEngine, vllm_ready: dict) -> dict[str, str]:
     env = vllm_ready["env"]
     preload = ", ".join(Path(p).name for p in (env.get("LD_PRELOAD") or "").split(":") if p) or "nothing"
     packed = ", linears packed for oneDNN" if packing_available(engine.device, engine.dtype) else ""
+    packed += ", blocked attention" if engine.lm.blocked else ""
     ours = (f"{engine.dtype}{packed}, {torch.get_num_threads()} threads, rule {engine.config.blend.rule} "
             f"r={engine.config.blend.recompute_ratio}, chunk_context {engine.config.chunk_context}")  # fmt: skip
     return {

@@ -7,13 +7,17 @@
 2. `variants`: in one process, alternated, median of --repeats: the plain model; its linears packed once for oneDNN
    (`models.packed.pack_linears`, what the engine does now); with --compile, the plain model under torch.compile's CPU
    inductor with freezing. Each one's logits are compared with the plain model's, bit for bit.
-3. `runtimes`: `variants` again in child processes under each OpenMP set-up: libgomp as torch ships it, libgomp with
+3. `attention`: the default model's own forward over --prompts prompts of the peer benchmark, packed, attending with
+   torch's SDPA and with the engine's `blocked_attention`, alternated, median of --repeats rounds; and each one's
+   next-token distribution against the float32 model's (KL, and whether the top token agrees).
+4. `runtimes`: `variants` again in child processes under each OpenMP set-up: libgomp as torch ships it, libgomp with
    threads bound to cores (OMP_PROC_BIND, OMP_PLACES), libgomp's threads sleeping at once when idle
    (OMP_WAIT_POLICY=PASSIVE), Intel's libiomp5 preloaded (--iomp PATH) with vLLM's binding (KMP_AFFINITY,
    KMP_BLOCKTIME=5).
 
     python research/prefill_cpu_paths.py --data-dir DATA profile
     python research/prefill_cpu_paths.py --data-dir DATA variants --repeats 5 [--compile]
+    python research/prefill_cpu_paths.py --data-dir DATA attention --prompts 10 --repeats 2
     python research/prefill_cpu_paths.py --data-dir DATA runtimes --iomp /path/to/vllm-venv/lib/libiomp5.so
 """
 
@@ -40,6 +44,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
 from cacheblend_rag.models import default_model, load_model  # noqa: E402
+from cacheblend_rag.models.attention import BLOCKED_ATTENTION, use_blocked_attention  # noqa: E402
 from cacheblend_rag.models.packed import pack_linears  # noqa: E402
 
 LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::linear", "mkldnn::_linear_pointwise")
@@ -141,6 +146,31 @@ def run_variants(model: torch.nn.Module, ids: torch.Tensor, repeats: int, compil
     return out
 
 
+def run_attention(plain: torch.nn.Module, prompts: list[torch.Tensor], repeats: int) -> dict:
+    fp32 = load_model(default_model(), dtype="float32", show_progress=False)[0]
+    model = copy.deepcopy(plain)
+    pack_linears(model, None)
+    use_blocked_attention(model)  # registers the kernel under BLOCKED_ATTENTION
+    kinds = ("sdpa", BLOCKED_ATTENTION)
+    out: dict = {k: {"times": [], "kl": [], "top_agrees": 0} for k in kinds}
+    for i, ids in enumerate(prompts):
+        reference = torch.log_softmax(full_prefill(fp32, ids).float(), -1)
+        for kind in kinds:
+            model.set_attn_implementation(kind)
+            got = torch.log_softmax(full_prefill(model, ids).float(), -1)
+            out[kind]["kl"].append(float((reference.exp() * (reference - got)).sum()))
+            out[kind]["top_agrees"] += int(got.argmax() == reference.argmax())
+        for r in range(repeats):
+            for kind in kinds if (i + r) % 2 == 0 else kinds[::-1]:
+                model.set_attn_implementation(kind)
+                t0 = time.perf_counter()
+                full_prefill(model, ids)
+                out[kind]["times"].append(time.perf_counter() - t0)
+    for row in out.values():
+        row["median_s"], row["mean_kl"] = statistics.median(row["times"]), statistics.mean(row["kl"])
+    return out
+
+
 RUNTIMES = {
     "libgomp (torch's)": {},
     "libgomp, bound": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
@@ -174,6 +204,9 @@ def main() -> None:
     v = sub.add_parser("variants")
     v.add_argument("--repeats", type=int, default=5)
     v.add_argument("--compile", action="store_true")
+    a = sub.add_parser("attention")
+    a.add_argument("--prompts", type=int, default=10)
+    a.add_argument("--repeats", type=int, default=2)
     r = sub.add_parser("runtimes")
     r.add_argument("--repeats", type=int, default=5)
     r.add_argument("--iomp", help="libiomp5.so to preload (e.g. the intel-openmp wheel's)")
@@ -183,9 +216,13 @@ def main() -> None:
     else:
         plain, tokenizer = load_model(default_model(), dtype="bfloat16", show_progress=False)  # nothing packed
         engine = CacheBlendEngine(copy.deepcopy(plain), tokenizer, config=EngineConfig(dtype="bfloat16"))
-        ids = rag_prompts(engine, Path(args.data_dir), 1, 1300, 1420)[0].prompt.input_ids()
+        count = args.prompts if args.what == "attention" else 1
+        prompts = [p.prompt.input_ids() for p in rag_prompts(engine, Path(args.data_dir), count, 1300, 1420)]
+        ids = prompts[0]
         del engine
-        if args.what == "profile":
+        if args.what == "attention":
+            result = {"attention": run_attention(plain, prompts, args.repeats)}
+        elif args.what == "profile":
             result = run_profile(plain, ids)
         else:
             result = {"variants": run_variants(plain, ids, args.repeats, args.compile)}

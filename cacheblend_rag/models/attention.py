@@ -101,15 +101,17 @@ def blocked_attention(
         rows = stop - start
         if mask is None:
             seen = offset + stop
-        else:
+        else:  # keys up to the last one a row may see; the mask applied from the first one a row may not
             allowed = mask[start:stop].any(0).nonzero()
             seen = int(allowed[-1]) + 1 if allowed.numel() else 1
+            hidden = mask[start:stop, :seen].logical_not().any(0).nonzero()
+            first_hidden = int(hidden[0]) if hidden.numel() else seen
         scores = torch.bmm(q[:, start:stop].view(hkv, rows * groups, d), keys_t[:, :, :seen])
         scores = scores.view(hkv, rows, groups, seen)
         if mask is None:  # only the block's own square has keys after some of its rows
             scores[..., offset + start :].masked_fill_(_ABOVE_DIAGONAL[:rows, None, :rows], float("-inf"))
-        else:
-            scores.masked_fill_(~mask[start:stop, None, :seen], float("-inf"))
+        elif first_hidden < seen:
+            scores[..., first_hidden:].masked_fill_(~mask[start:stop, None, first_hidden:seen], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(hkv, rows * groups, seen)
         out[start:stop] = torch.bmm(probs, values[:, :seen]).view(hkv, rows, groups, d).transpose(0, 1)
     return out.view(a, h, d)
@@ -224,9 +226,13 @@ def attention_probs(
     query: [..., H, A, D]; keys: [..., Hkv, N, D]; mask: broadcastable to [..., H, A, N], bool (True = may attend) or
     additive; sinks: [H]. -> [..., H, A, N] float32; each query's row sums to 1 (less its sink's share).
     """
-    groups = query.shape[-3] // keys.shape[-3]
-    keys = keys.repeat_interleave(groups, dim=-3) if groups > 1 else keys
-    scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scale  # [..., H, A, N]
+    *lead, h, a, d = query.shape
+    hkv = keys.shape[-3]
+    # each KV head's query heads as one block of rows ([..., Hkv, groups x A, D]): one product per KV head, and the
+    # keys are not copied out to every query head
+    grouped = query.reshape(*lead, hkv, (h // hkv) * a, d)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2))
+    scores = scores.view(*scores.shape[:-3], h, a, -1).float() * scale  # [..., H, A, N]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
