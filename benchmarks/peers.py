@@ -7,7 +7,9 @@ with no chunk stored (cold: the store is emptied first) and with the prompt's ch
 question, of --min-tokens..--max-tokens tokens (default model, bf16, one output token). Each repeat runs every engine
 over every prompt, in an order that rotates from repeat to repeat (an idle vLLM takes under 1% of a core); its prefix
 cache is emptied before each of its rounds, so a prompt finds there only the template's header. Every
-engine's first tokens are checked against the others'. Writes OUT/results.json and OUT/summary.md.
+engine's first tokens are checked against the others'. Then, with --decode-tokens N, every prompt is answered
+greedily with up to N tokens by vLLM and by our default warm blend: tokens per second after the first token.
+Writes OUT/results.json and OUT/summary.md.
 
     python benchmarks/peers.py --data-dir DATA --vllm-venv ~/vllm-venv --prompts 10 --repeats 3
     python benchmarks/peers.py --data-dir DATA --vllm-venv ~/vllm-venv --prompts 2 --repeats 1 --out /tmp/peers
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -69,6 +72,16 @@ def time_ours(engine: CacheBlendEngine, rag: RagPrompt) -> dict[str, tuple[float
         out[name] = (result.metrics.ttft_s, result.token_ids[0], result.metrics.mode)
         engine.wait_for_fills()  # what the request stores afterwards is not left to run under the next timing
     return out
+
+
+def decode_ours(engine: CacheBlendEngine, rag: RagPrompt, new_tokens: int) -> tuple[float, int]:
+    """(tokens per second after the first, tokens generated) of a greedy answer of up to `new_tokens` tokens after
+    the default warm blend of the prompt."""
+    engine.clear_store()
+    engine.precompute(rag.texts, rag.question)
+    result = engine.generate(rag.prompt, mode="blend", max_new_tokens=new_tokens)
+    n = result.metrics.generated_tokens
+    return (n - 1) / max(result.metrics.decode_s, 1e-9), n
 
 
 def agreement(tokens: dict[str, list[int | None]]) -> list[str]:
@@ -128,13 +141,21 @@ def run(args: argparse.Namespace) -> int:
                     times[LANGCHAIN].append([r[0] for r in rows])
                     tokens[LANGCHAIN] = [r[1] for r in rows]
                 print(f"repeat {rep + 1}: {group} in {time.perf_counter() - t0:.0f} s", flush=True)
+        decode = {}
+        if args.decode_tokens > 0:  # after the first token: the same prompts, greedy, up to --decode-tokens tokens
+            got = worker.decode(args.decode_tokens)
+            decode[VLLM] = list(zip(got["tokens_per_s"], got["tokens"], strict=True))
+            decode[OURS[2]] = [decode_ours(engine, rag, args.decode_tokens) for rag in prompts]
+            rates = {k: statistics.median(r[0] for r in v) for k, v in decode.items()}
+            print("decoding, tokens/s:", {k: round(v, 1) for k, v in rates.items()}, flush=True)
     finally:
         worker.close()
     agree = agreement(tokens)
     report = dict(cpu=cpu_name(), model=model_name(args.model), dtype=args.dtype, threads=torch.get_num_threads(),
                   prompt_tokens=[len(i) for i in ids], repeats=args.repeats, vllm=vllm_ready,
                   langchain_same_token_ids=same_ids, times_s=times, first_tokens=tokens, agreement=agree,
-                  cold_modes=cold_modes, settings=settings(engine, vllm_ready))  # fmt: skip
+                  cold_modes=cold_modes, settings=settings(engine, vllm_ready), decode_tokens=args.decode_tokens,
+                  decode={k: [list(r) for r in v] for k, v in decode.items()})  # fmt: skip
     write_results(args.out, report, summary(report))
     return 0
 
@@ -167,6 +188,16 @@ def summary(report: dict) -> str:
         med, lo, hi = median_interval([t for rep in reps for t in rep])
         lines.append(f"| {name} | {med:.3f} | {lo:.3f}-{hi:.3f} | {vllm_median / med:.2f} | "
                      f"{report['settings'][name]} |")  # fmt: skip
+    if report.get("decode"):
+        lines += ["", f"Decoding after the first token (greedy, up to {report['decode_tokens']} tokens, every prompt "
+                  "once; tokens per second less the first token's time):", "",
+                  "| engine | tokens/s, median | range | tokens, median | engine / vLLM |",
+                  "|---|---:|---|---:|---:|"]  # fmt: skip
+        vllm_rate = statistics.median(r[0] for r in report["decode"][VLLM])
+        for name, rows in report["decode"].items():
+            rates, med = [r[0] for r in rows], statistics.median(r[0] for r in rows)
+            lines.append(f"| {name} | {med:.1f} | {min(rates):.1f}-{max(rates):.1f} | "
+                         f"{statistics.median(r[1] for r in rows):.0f} | {med / vllm_rate:.2f} |")  # fmt: skip
     lines += ["", "First tokens (last repeat):", *[f"- {line}" for line in report["agreement"]]]
     lines.append(f"- ours, blend cold ran as: {', '.join(report['cold_modes'])} (`miss_policy` auto)")
     same, off = report["langchain_same_token_ids"]
@@ -191,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-tokens", type=int, default=1300)
     p.add_argument("--max-tokens", type=int, default=1420)
     p.add_argument("--vllm-venv", type=Path, required=True, help="vLLM's venv (built there when it holds no vLLM)")
+    p.add_argument("--decode-tokens", type=int, default=64, help="decoding round after the first token (0: none)")
     p.add_argument("--kv-cache-gib", type=int, default=2, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     add_data_dir_argument(p)
     p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/peers-<cpu>")

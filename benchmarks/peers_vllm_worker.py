@@ -3,7 +3,9 @@
 Imports only vLLM and the standard library: the benchmark's venv pins vLLM's own torch and transformers. Loads the
 model once, warms up, then waits on stdin: each line `run N` times every prompt once (one at a time, max_tokens=1,
 greedy), prefix cache emptied first so that a prompt finds only what the other prompts of the same round left (the
-shared template header), and writes OUT/vllm-run-N.json ({"ttft_s": [...], "first_token": [...]}) by rename. The
+shared template header), and writes OUT/vllm-run-N.json ({"ttft_s": [...], "first_token": [...]}) by rename;
+`decode N` answers every prompt greedily with up to N tokens and writes OUT/vllm-decode.json (tokens per second
+after the first token, and how many). The
 environment (thread binding, LD_PRELOAD) is set by the parent; this script records what it saw.
 
     python peers_vllm_worker.py --model HF_FOLDER --prompts prompts.json --out DIR   # then "run 0" on stdin
@@ -38,6 +40,19 @@ def first_token(llm: LLM, ids: list[int], params: SamplingParams) -> tuple[float
     return time.perf_counter() - t0, out[0].outputs[0].token_ids[0]
 
 
+def decode_rate(llm: LLM, ids: list[int], new_tokens: int) -> tuple[float, int]:
+    """(tokens per second after the first, tokens generated) of a greedy answer of up to `new_tokens` tokens: its
+    time less the first token's, each call from an emptied prefix cache (so both prefill the whole prompt)."""
+    llm.reset_prefix_cache()
+    first, _ = first_token(llm, ids, SamplingParams(max_tokens=1, temperature=0.0))
+    llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=new_tokens, temperature=0.0),
+                       use_tqdm=False)  # fmt: skip
+    total, n = time.perf_counter() - t0, len(out[0].outputs[0].token_ids)
+    return (n - 1) / max(total - first, 1e-9), n
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face folder")
@@ -62,6 +77,11 @@ def main() -> int:
                                                   load_s=load_s, warm_up_s=warm_s))  # fmt: skip
     for line in sys.stdin:
         words = line.split()
+        if words[:1] == ["decode"] and len(words) == 2:
+            rows = [decode_rate(llm, ids, int(words[1])) for ids in prompts]
+            write_json(args.out / "vllm-decode.json", dict(tokens_per_s=[r[0] for r in rows],
+                                                           tokens=[r[1] for r in rows]))  # fmt: skip
+            continue
         if words[:1] != ["run"] or len(words) != 2:
             continue
         llm.reset_prefix_cache()

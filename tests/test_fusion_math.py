@@ -247,6 +247,32 @@ def test_recording_the_questions_attention_leaves_the_reuse_pass_unchanged(famil
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+def test_logits_left_for_later_come_from_one_lm_head_product_as_they_would_alone():
+    # The attention rule fuses its first pass and its blend with `logits_later`, then reads both results' logits
+    # from one LM head product (`logits_of`): the logits each fuse gives by itself.
+    from cacheblend_rag.engine.prefill.planning import reuse_plan
+    from cacheblend_rag.errors import CacheBlendError
+    from cacheblend_rag.fusion import logits_of
+
+    engine = CacheBlendEngine(
+        make_tiny_model("llama"), make_tiny_tokenizer(), config=EngineConfig(miss_policy="blend", chunk_separator="")
+    )
+    prompt = three_chunk_prompt(engine, chunk_len=40)
+    engine.prefill(prompt, "reuse")  # fills the store
+    parts = [engine.store.get(k) for k in engine.prompt_keys(prompt)]
+    plans = [reuse_plan(prompt), chunks_reused_plan(prompt, keep=12)]
+    alone = [fuse(engine.lm, plan, engine.chunks.prompt_kv(parts, prompt.num_tokens)) for plan in plans]
+    later = [fuse(engine.lm, plan, engine.chunks.prompt_kv(parts, prompt.num_tokens), logits_later=True)
+             for plan in plans]  # fmt: skip
+    assert all(r.logits is None and r.hidden is not None for r in later)
+    logits_of(engine.lm, later)
+    for a, b in zip(later, alone, strict=True):
+        assert a.hidden is None
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=0)
+    with pytest.raises(CacheBlendError, match="logits_later"):
+        logits_of(engine.lm, alone)
+
+
 def test_attention_output_from_recorded_weights_equals_attend(family):
     # `attend_from_weights` over `attention_weights`' probabilities is `attend` under the same mask, grouped
     # query heads included.

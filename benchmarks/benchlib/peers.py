@@ -170,6 +170,13 @@ class VllmWorker:
         self.proc.stdin.flush()
         return self._wait_for(f"vllm-run-{n}.json", timeout)
 
+    def decode(self, new_tokens: int, timeout: float = 1800) -> dict[str, Any]:
+        """Greedy answers of up to `new_tokens` tokens: {"tokens_per_s": [...], "tokens": [...]}, per prompt."""
+        assert self.proc.stdin is not None, "the worker is started with a stdin pipe"
+        self.proc.stdin.write(f"decode {new_tokens}\n")
+        self.proc.stdin.flush()
+        return self._wait_for("vllm-decode.json", timeout)
+
     def close(self) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()

@@ -1,6 +1,6 @@
 """The fusion step of CacheBlend: token selection and the blended, layer-by-layer prefill."""
 
-from .fusor import FusionPlan, FusionResult, attention_mask, fuse
+from .fusor import FusionPlan, FusionResult, attention_mask, fuse, logits_of
 from .layer_events import LayerEvents, Watcher
 from .layer_rows import EagerLayerSteps, GraphedLayerSteps, LayerRows, LayerSteps, bucket_rows
 from .prompt_kv import LayerLoader, PromptKV
@@ -29,6 +29,7 @@ __all__ = [
     "bucket_rows",
     "fuse",
     "keep_counts",
+    "logits_of",
     "select_recompute_tokens",
     "token_deviation",
     "top_scored",

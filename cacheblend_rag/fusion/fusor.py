@@ -18,6 +18,7 @@ are worked out before it (`FusionPlan`), and a check layer keeps a top-k of a si
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,6 +92,7 @@ class FusionResult:
     recomputed_per_layer: list[int]  # tokens whose KV was recomputed on each layer
     selected_positions: torch.Tensor  # [R] positions recomputed on the last layer
     attention: torch.Tensor | None = None  # [N] float32: mean attention paid to each token, when asked for
+    hidden: torch.Tensor | None = None  # [hidden]: the last token's output of the last layer, with `logits_later`
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -167,12 +169,23 @@ def attend_blocks(
 
 
 @torch.inference_mode()
+def logits_of(lm: LayerwiseModel, results: Sequence[FusionResult]) -> None:
+    """Set the logits of results fused with `logits_later` from their `hidden`, in one LM head product."""
+    hidden = [r.hidden for r in results if r.hidden is not None]
+    if len(hidden) != len(results):
+        raise CacheBlendError("logits_of takes results fused with logits_later=True that ran their last layer")
+    for r, logits in zip(results, lm.logits(torch.stack(hidden)), strict=True):
+        r.logits, r.hidden = logits, None
+
+
+@torch.inference_mode()
 def fuse(
     lm: LayerwiseModel,
     plan: FusionPlan,
     kv: PromptKV,
     *,
     want_logits: bool = True,
+    logits_later: bool = False,
     block_size: int | None = None,
     attention_from: torch.Tensor | None = None,
     layers: int | None = None,
@@ -182,6 +195,9 @@ def fuse(
     """Run the blended prefill of one prompt over its KV `kv` (`PromptKV`, built for the plan's positions), writing
     the recomputed tokens' KV into it. See the module docstring for the rule.
 
+    `logits_later`: with `want_logits`, leave the LM head to the caller: `FusionResult.hidden` holds the last token's
+    output of the last layer and `logits` is None, so that `logits_of` can give several results' logits from one
+    read of the LM head's weights (on a CPU as long as the last layer of the default model).
     `block_size`: queries are attended in groups of this many positions (see `attend_blocks`); 0 attends them in
     one call (unmasked as the tail of the causal square when they are the prompt's last tokens). By default 512
     on a CPU, where the masked-away half of the scores is real work, and 0 on a GPU, where each block costs a host
@@ -321,10 +337,11 @@ def fuse(
         if events is not None and layer_idx < num_layers - 1:
             events.layer_done(layer_idx)
 
-    logits = lm.logits(work.hidden[-1:])[0] if want_logits else None
+    last = work.hidden[-1:] if want_logits else None
     return FusionResult(
         kv=kv,
-        logits=logits,
+        logits=None if last is None or logits_later else lm.logits(last)[0],
+        hidden=last[0].clone() if last is not None and logits_later else None,  # the rows' buffers may be reused
         recomputed_per_layer=counts + [0] * (num_layers - depth),  # a shallow probe recomputes nothing past its layers
         selected_positions=positions[selected],
         attention=None if attention_from is None else attn_sum / max(attn_layers, 1),

@@ -93,7 +93,7 @@ def blocked_attention(
     # applied here, once per query (exact where it is a power of two, as for head size 64)
     q = torch.mul(query.view(hkv, groups, a, d).transpose(1, 2), scale,
                   out=query.new_empty(hkv, a, groups, d))  # fmt: skip
-    keys_t = keys.transpose(1, 2)
+    keys_t = keys.transpose(1, 2).contiguous()  # once: a product over transposed keys would copy them every block
     out = query.new_empty(a, hkv, groups, d)
     offset = n - a
     for start in range(0, a, ATTENTION_BLOCK):

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 
 from ...config import BlendConfig, Guard, PrefillMode, normalize_dtype_name
 from ...errors import ConfigError
-from ...fusion import FusionPlan, FusionResult, LayerEvents, LayerSteps, PromptKV, fuse
+from ...fusion import FusionPlan, FusionResult, LayerEvents, LayerSteps, PromptKV, fuse, logits_of
 from ...guard import escalate, first_token_signals
 from ...models.adapter import LayerwiseModel
 from ...store import ChunkKV, ChunkReader, CorruptEntryError
@@ -141,7 +141,8 @@ class Prefiller:
                         break
                     with self._loaded(read.parts, prompt.num_tokens, buffers) as (kv, loading):
                         result = fuse(self.lm, read.plan, kv, attention_from=read.attention_from, layers=read.layers,
-                                      events=events, steps=self.steps)  # fmt: skip
+                                      events=events, steps=self.steps,
+                                      logits_later=read.attention_from is not None)  # fmt: skip
                         if read.attention_from is not None:  # the blend of the tokens the first pass chose
                             result = self._blend_after_probe(run, kv, read.blend, result)
                     pre = self._cached(run, read, result, loading)
@@ -308,21 +309,23 @@ class Prefiller:
         prompt, m, events, steps = run.prompt, run.metrics, run.events, self.steps
         assert blend is not None and probe.attention is not None
         scores = probe.attention
-        guard = self.guard if probe.logits is not None else None  # as for the rules without a first pass
+        reused = probe.hidden is not None  # a shallow first pass has no full-reuse logits to read the risk from
+        guard = self.guard if reused else None  # as for the rules without a first pass
         spent = list(probe.recomputed_per_layer)  # the probe's question-only pass is part of this rule's compute
         _, chunks = prefix_and_chunk_masks(prompt)
         # The fusor writes into the KV it reads: a guard that may blend again keeps a copy of the probe's.
         first_pass = kv.copy() if guard is not None else None
 
-        def blend_at(cfg: BlendConfig, over: PromptKV) -> tuple[FusionResult, FusionPlan]:
+        def blend_at(cfg: BlendConfig, over: PromptKV, logits_later: bool = False) -> tuple[FusionResult, FusionPlan]:
             plan = blend_plan(prompt, cfg, scores)
-            out = fuse(self.lm, plan, over, events=events, steps=steps)
+            out = fuse(self.lm, plan, over, events=events, steps=steps, logits_later=logits_later)
             spent[:] = [a + b for a, b in zip(spent, out.recomputed_per_layer, strict=True)]
             return out, plan
 
-        result, plan = blend_at(blend, kv)
-        assert result.logits is not None and plan.chosen is not None
-        if probe.logits is not None:  # a shallow first pass has no full-reuse logits to read the risk from
+        result, plan = blend_at(blend, kv, logits_later=reused)
+        if reused:  # the blend's and the first pass's logits from one read of the LM head's weights
+            logits_of(self.lm, [result, probe])
+            assert probe.logits is not None and result.logits is not None and plan.chosen is not None
             m.risk = first_token_signals(result.logits, probe.logits, scores, chunks, plan.chosen)
         m.guard_reason = guard.reason(m.risk) if guard is not None else None
         if guard is not None and m.guard_reason is not None:
