@@ -308,7 +308,7 @@ class LayerwiseModel:
         [H, A, N] float32.
         """
         attn, layer = self.layers[layer_idx].self_attn, self.spec.layers[layer_idx]
-        return attention_probs(query.float(), keys.float(), mask, attn.scaling, softcap=layer.softcap,
+        return attention_probs(query.float() * attn.scaling, keys.float(), mask, 1.0, softcap=layer.softcap,
                                sinks=layer.sinks)  # fmt: skip
 
     def attend_from_weights(self, layer_idx: int, probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

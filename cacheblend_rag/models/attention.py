@@ -232,11 +232,17 @@ def attention_probs(
     # keys are not copied out to every query head
     grouped = query.reshape(*lead, hkv, (h // hkv) * a, d)
     scores = torch.matmul(grouped, keys.transpose(-1, -2))
-    scores = scores.view(*scores.shape[:-3], h, a, -1).float() * scale  # [..., H, A, N]
+    scores = scores.view(*scores.shape[:-3], h, a, -1).float()  # [..., H, A, N], a tensor of its own from here
+    if scale != 1.0:  # float32 queries may come scaled already (`scale` 1): a pass over the scores less
+        scores.mul_(scale)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    if mask is not None and mask.dim() > scores.dim():  # the shape broadcasting with the mask gives
+        scores = scores.view((1,) * (mask.dim() - scores.dim()) + tuple(scores.shape))
+    if mask is not None and mask.dtype == torch.bool:
+        scores.masked_fill_(mask.logical_not(), float("-inf"))
+    elif mask is not None:
+        scores.add_(mask)
     if sinks is None:
         return torch.softmax(scores, dim=-1)
     sink = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
