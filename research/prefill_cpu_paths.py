@@ -14,11 +14,17 @@
    threads bound to cores (OMP_PROC_BIND, OMP_PLACES), libgomp's threads sleeping at once when idle
    (OMP_WAIT_POLICY=PASSIVE), Intel's libiomp5 preloaded (--iomp PATH) with vLLM's binding (KMP_AFFINITY,
    KMP_BLOCKTIME=5).
+5. `fused`: what torch offers to fuse the rest, against the engine's eager path (packed, blocked attention): one
+   layer's causal attention (the default model's heads, the prompt's length) as flex attention compiled by inductor's
+   CPU template, as `blocked_attention` and as SDPA; then the whole forward under torch.compile (inductor, freezing)
+   with blocked attention (no KV cache kept, both), alternated with the eager path, median of --repeats, and their
+   logits' largest difference.
 
     python research/prefill_cpu_paths.py --data-dir DATA profile
     python research/prefill_cpu_paths.py --data-dir DATA variants --repeats 5 [--compile]
     python research/prefill_cpu_paths.py --data-dir DATA attention --prompts 10 --repeats 2
     python research/prefill_cpu_paths.py --data-dir DATA runtimes --iomp /path/to/vllm-venv/lib/libiomp5.so
+    python research/prefill_cpu_paths.py --data-dir DATA fused --repeats 5
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
 from cacheblend_rag.models import default_model, load_model  # noqa: E402
-from cacheblend_rag.models.attention import BLOCKED_ATTENTION, use_blocked_attention  # noqa: E402
+from cacheblend_rag.models.attention import BLOCKED_ATTENTION, blocked_attention, use_blocked_attention  # noqa: E402
 from cacheblend_rag.models.packed import pack_linears  # noqa: E402
 
 LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::linear", "mkldnn::_linear_pointwise")
@@ -171,6 +177,63 @@ def run_attention(plain: torch.nn.Module, prompts: list[torch.Tensor], repeats: 
     return out
 
 
+def median_ms(f, repeats: int = 20) -> float:
+    for _ in range(3):
+        f()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def run_fused(plain: torch.nn.Module, ids: torch.Tensor, repeats: int) -> dict:
+    import torch._inductor.config as inductor
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    cfg, n = plain.config, ids.shape[0]
+    d = cfg.hidden_size // cfg.num_attention_heads
+    torch.manual_seed(0)
+    q = torch.randn(1, cfg.num_attention_heads, n, d).bfloat16()
+    k, v = (torch.randn(1, cfg.num_key_value_heads, n, d).bfloat16() for _ in range(2))
+    mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, 1, 1, n, n, device="cpu")
+    flex = torch.compile(flex_attention, dynamic=False)
+    t0 = time.perf_counter()
+    flex(q, k, v, block_mask=mask, enable_gqa=True)
+    layer = {"flex_compile_s": time.perf_counter() - t0}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with torch.inference_mode():
+        layer["flex_ms"] = median_ms(lambda: flex(q, k, v, block_mask=mask, enable_gqa=True))
+        layer["blocked_ms"] = median_ms(lambda: blocked_attention(q[0], k[0], v[0], None, d**-0.5))
+        layer["sdpa_ms"] = median_ms(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True))
+    eager = copy.deepcopy(plain)
+    pack_linears(eager, None)
+    use_blocked_attention(eager)
+    inductor.freezing = True
+    compiled_model = copy.deepcopy(plain)
+    use_blocked_attention(compiled_model)
+    compiled = torch.compile(compiled_model, dynamic=False)
+
+    def forward_only(m: torch.nn.Module) -> torch.Tensor:  # no KV cache kept: inductor fails on blocked attention's
+        with torch.inference_mode():  # query view when the forward also fills a DynamicCache (torch 2.13)
+            return m(input_ids=ids[None], use_cache=False, logits_to_keep=1).logits[0, -1]
+
+    t0 = time.perf_counter()
+    got = forward_only(compiled)
+    forward: dict = {"compile_s": time.perf_counter() - t0, "compiled": [], "eager": []}
+    reference = forward_only(eager)
+    forward["max_abs_logit_diff"] = float((got.float() - reference.float()).abs().max())
+    for _ in range(repeats):
+        for name, m in (("compiled", compiled), ("eager", eager)):
+            t0 = time.perf_counter()
+            forward_only(m)
+            forward[name].append(time.perf_counter() - t0)
+    forward["compiled_median_s"] = statistics.median(forward["compiled"])
+    forward["eager_median_s"] = statistics.median(forward["eager"])
+    return {"layer_attention": layer, "forward": forward}
+
+
 RUNTIMES = {
     "libgomp (torch's)": {},
     "libgomp, bound": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
@@ -207,6 +270,8 @@ def main() -> None:
     a = sub.add_parser("attention")
     a.add_argument("--prompts", type=int, default=10)
     a.add_argument("--repeats", type=int, default=2)
+    f = sub.add_parser("fused")
+    f.add_argument("--repeats", type=int, default=5)
     r = sub.add_parser("runtimes")
     r.add_argument("--repeats", type=int, default=5)
     r.add_argument("--iomp", help="libiomp5.so to preload (e.g. the intel-openmp wheel's)")
@@ -222,6 +287,8 @@ def main() -> None:
         del engine
         if args.what == "attention":
             result = {"attention": run_attention(plain, prompts, args.repeats)}
+        elif args.what == "fused":
+            result = run_fused(plain, ids, args.repeats)
         elif args.what == "profile":
             result = run_profile(plain, ids)
         else:
