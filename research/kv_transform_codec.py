@@ -137,6 +137,18 @@ def zstd_bits(codes: torch.Tensor) -> int:
     return 8 * len(zstandard.ZstdCompressor(level=3).compress(codes.clamp(-127, 127).to(torch.int8).numpy().tobytes()))
 
 
+GROUPS = (0, 4, 8, 16, 32, 64)  # component ranks coded as one zstd frame each (variance falls by rank)
+
+
+def grouped_bits(codes: torch.Tensor) -> int:
+    """Codes [H, T, D] (components in rising variance, as `fit` orders them) as one zstd frame per group of component
+    ranks counted from the largest, each component-major: zstd keeps one Huffman table per group, not per layer."""
+    falling = codes.flip(-1)
+    return sum(
+        zstd_bits(falling[..., a:b].transpose(1, 2).contiguous()) for a, b in zip(GROUPS, GROUPS[1:], strict=False)
+    )
+
+
 def rates(path: str, specs: str) -> None:
     """Bits per stored value of each variant on the collected entries, and of the in-context entries coded as the
     difference of their codes from their isolated entry's (the pairs: same tokens, layer-0 keys equal)."""
@@ -155,17 +167,19 @@ def rates(path: str, specs: str) -> None:
     for spec in specs.split(","):
         name, kind_of, rk, rv = spec.split(":")
         codec = Lossy(name, fit(kind_of, float(rk), float(rv)))
-        alone = delta = n = 0
+        alone = delta = alone_g = delta_g = n = 0
         for i, j in pairs[:20]:
             for layer in range(data[i][2].shape[0]):
                 for kind in (0, 1):
-                    a = torch.stack(codec.codes(data[i][2 + kind][layer], layer, kind)).transpose(1, 2)
-                    b = torch.stack(codec.codes(data[j][2 + kind][layer], layer, kind)).transpose(1, 2)
-                    alone += zstd_bits(b)
-                    delta += zstd_bits(b - a)
+                    a = torch.stack(codec.codes(data[i][2 + kind][layer], layer, kind))
+                    b = torch.stack(codec.codes(data[j][2 + kind][layer], layer, kind))
+                    alone += zstd_bits(b.transpose(1, 2).contiguous())
+                    delta += zstd_bits((b - a).transpose(1, 2).contiguous())
+                    alone_g += grouped_bits(b)
+                    delta_g += grouped_bits(b - a)
                     n += b.numel()
         print(f"{name}: {alone / n:.3f} bits per stored value; the in-context entry against the isolated one "
-              f"{delta / n:.3f}")  # fmt: skip
+              f"{delta / n:.3f}; a frame per group of components {alone_g / n:.3f} and {delta_g / n:.3f}")  # fmt: skip
 
 
 def screen(specs: str, fidelity_args: list[str]) -> None:
