@@ -4,9 +4,11 @@ calibrated error, damage and foreign calibrations as misses, and the engine fitt
 from __future__ import annotations
 
 import logging
+import struct
 
 import pytest
 import torch
+import zstandard
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
 from cacheblend_rag.errors import ConfigError, CorruptEntryError
@@ -20,7 +22,7 @@ from cacheblend_rag.store.serialize import (
     parse_layout,
     serialize_chunk,
 )
-from cacheblend_rag.store.transform_codec import REL_MSE, KVCalibration, TransformCodec
+from cacheblend_rag.store.transform_codec import REL_MSE, KVCalibration, TransformCodec, component_groups
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
 
 L, H, D = 3, 2, 16
@@ -102,6 +104,33 @@ def test_damage_a_foreign_calibration_and_an_unknown_version_are_corrupt_entries
     assert unknown != data
     with pytest.raises(CorruptEntryError, match="format version '9'"):
         deserialize_chunk(unknown, kv.key, codec=codec)
+
+
+def test_each_group_of_component_ranks_is_a_frame_of_its_own_and_the_header_must_agree(codec):
+    assert component_groups(16) == [(0, 4), (4, 8), (8, 16)]
+    assert component_groups(64) == [(0, 4), (4, 8), (8, 16), (16, 32), (32, 64)] and component_groups(3) == [(0, 3)]
+    k, _ = structured_kv(40, seed=7)
+    codes = codec.codes(k[1], 1, 0)  # [H, D, T]
+    payload = codec.pack(codes)
+    n_wide, *lengths = struct.unpack_from("<4I", payload)
+    start = 16 + 8 * n_wide
+    for (a, b), length in zip(component_groups(D), lengths, strict=True):  # ranks a..b-1 of every head, in order
+        raw = zstandard.ZstdDecompressor().decompress(payload[start : start + length])
+        assert raw == codes[:, a:b].clamp(-127, 127).to(torch.int8).contiguous().numpy().tobytes()
+        start += length
+    assert start == len(payload) and torch.equal(codec.unpack(payload, (H, 40, D)), codes.float())
+    swapped = struct.pack("<4I", n_wide, lengths[1], lengths[0], lengths[2]) + payload[16:]
+    with pytest.raises(CorruptEntryError, match="pca payload"):
+        codec.unpack(swapped, (H, 40, D))
+
+
+def test_entries_of_the_one_frame_layout_are_misses_not_misread(codec):
+    kv = ChunkKV("f" * 64, *structured_kv(30, seed=8))
+    writer = TransformCodec(codec.calibration)
+    assert writer.name == codec.name and codec.name.startswith("pca2-")
+    writer.name = f"pca-{codec.calibration.digest[:16]}"  # the name entries of the one-frame layout were written under
+    with pytest.raises(CorruptEntryError, match="written with codec"):
+        deserialize_chunk(serialize_chunk(kv, codec=writer), kv.key, codec=codec)
 
 
 def test_a_layer_of_another_shape_is_refused_and_the_name_alone_needs_an_engine(codec):

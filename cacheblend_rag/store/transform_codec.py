@@ -12,13 +12,16 @@ The step is set from the calibration's variance so that the mean squared error i
 (`REL_MSE`: 0.07% for keys, 0.14% for values; int4 in groups of 32 leaves ~0.4% and ~0.8%, which costs the blend
 fidelity; the study is `research/kv_transform_codec.py`).
 
-A layer's payload (keys or values) is a few bytes: a struct `<II` (how many codes fell outside int8, the length of
-the zstd frame), those codes' flat positions (int32) and values (int32), then one zstd frame of the int8 codes in
-component-major order ([H, D, T]: each component's tokens side by side, so similar values are adjacent).
-Payloads differ in length from entry to entry; the entry header records each layer's (`serialize.py`, format 4).
+A layer's payload (keys or values) is a few bytes: a `<I` (how many codes fell outside int8), one `<I` per group of
+component ranks (the length of its zstd frame), the outside codes' flat positions (int32) and values (int32), then
+the int8 codes in component-major order ([H, D, T]: each component's tokens side by side, so similar values are
+adjacent), one zstd frame per group of ranks (0-3, 4-7, 8-15, 16-31, ... up to D). The first components spread over
+many codes and the last over a few: a frame each gives each group a Huffman table fitted to its spread (0.16 bit a
+value fewer than one frame per layer on the default model). Payloads differ in length from entry to entry; the entry
+header records each layer's (`serialize.py`, format 4).
 
-An entry records the codec's name, which names the calibration's digest: an entry written under another
-calibration is a miss, never decoded in the wrong basis.
+An entry records the codec's name, which names the payload's layout and the calibration's digest: an entry written
+under another calibration or layout is a miss, never decoded in the wrong basis.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from .codec import PayloadSpec, Shape3
 CALIBRATION_FORMAT = "cacheblend-rag/kv-calibration"
 CALIBRATION_VERSION = "1"
 REL_MSE = (0.0007, 0.0014)  # the rounding error of keys and of values, as a share of their variance
-_HEAD = struct.Struct("<II")
+PAYLOAD_LAYOUT = 2  # 2: a zstd frame per group of component ranks (1: one frame per layer; read as misses)
+_COUNT = struct.Struct("<I")
 _ZSTD_LEVEL = 3
 _TENSORS = ("mean", "encode", "decode", "step", "bits")  # a calibration's, in the constructor's order
 
@@ -127,12 +131,22 @@ class KVCalibration:
         return calibration
 
 
+def component_groups(head_dim: int) -> list[tuple[int, int]]:
+    """[start, end) ranks of the components coded as one zstd frame each: 0-3, 4-7, 8-15, ... doubling up to
+    head_dim (ranks count from the largest variance)."""
+    edges = [0]
+    while edges[-1] < head_dim:
+        edges.append(min(head_dim, max(4, 2 * edges[-1])))
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
 class TransformCodec:
     """The `pca` codec over one calibration (`KVCalibration`): a `KVCodec` whose payloads vary in length."""
 
     def __init__(self, calibration: KVCalibration) -> None:
         self.calibration = calibration
-        self.name = f"pca-{calibration.digest[:16]}"
+        self.name = f"pca{PAYLOAD_LAYOUT}-{calibration.digest[:16]}"
+        self._groups = component_groups(calibration.shape[2])
         # decoding in one product from the codes: the way back with the step folded in, [L, 2, H, D, D]
         self._back = calibration.decode * calibration.step[..., None, None]
 
@@ -145,8 +159,8 @@ class TransformCodec:
         """Variable payloads; their typical length (the calibration's bits per value, whole layers averaged)."""
         self._check(shape)
         per_layer = self.calibration.bits.mean(0)  # [2]
-        n = math.prod(shape)
-        typical = [int(math.ceil(n * float(b) / 8)) + _HEAD.size for b in per_layer]
+        n, head = math.prod(shape), _COUNT.size * (1 + len(self._groups))
+        typical = [int(math.ceil(n * float(b) / 8)) + head for b in per_layer]
         return PayloadSpec(torch.uint8, (typical[0],), (typical[1],), variable=True)
 
     # -- one layer -----------------------------------------------------------------------------------------------
@@ -159,14 +173,16 @@ class TransformCodec:
         return z.round_().clamp_(-(2**30), 2**30).to(torch.int32).transpose(1, 2).contiguous()
 
     def pack(self, codes: torch.Tensor) -> bytes:
-        """Codes [H, D, T] -> the payload bytes: outliers, then one zstd frame of int8 codes."""
+        """Codes [H, D, T] -> the payload bytes: the frames' lengths, outliers, then a zstd frame per group of ranks."""
         flat = codes.reshape(-1).cpu()
         wide = (flat.abs() > 127).nonzero().squeeze(1)
-        small = flat.clamp(-127, 127).to(torch.int8).numpy()
-        frame = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(small.tobytes())
+        small = codes.cpu().clamp(-127, 127).to(torch.int8)
+        zstd = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+        frames = [zstd.compress(small[:, a:b].contiguous().numpy().tobytes()) for a, b in self._groups]
+        head = struct.pack(f"<{1 + len(frames)}I", len(wide), *(len(f) for f in frames))
         positions = wide.to(torch.int32).numpy().tobytes()
         wide_values = flat[wide].numpy().astype("<i4").tobytes()
-        return _HEAD.pack(len(wide), len(frame)) + positions + wide_values + frame
+        return b"".join((head, positions, wide_values, *frames))
 
     def unpack(self, payload: bytes | memoryview | torch.Tensor, shape: Shape3) -> torch.Tensor:
         """Payload bytes of a layer of `shape` [H, T, D] -> codes [H, D, T] (float32); CorruptEntryError if they do
@@ -174,26 +190,34 @@ class TransformCodec:
         data = memoryview(payload.numpy()) if isinstance(payload, torch.Tensor) else memoryview(payload)
         h, t, d = shape
         n = h * t * d
-        if len(data) < _HEAD.size:
+        head = struct.Struct(f"<{1 + len(self._groups)}I")
+        if len(data) < head.size:
             raise CorruptEntryError(f"pca payload of {len(data)} bytes is too short for its header")
-        n_wide, n_frame = _HEAD.unpack_from(data)
-        start = _HEAD.size + 8 * n_wide
-        if n_wide > n or start + n_frame != len(data):
-            raise CorruptEntryError(f"pca payload holds {len(data)} bytes, its header says {start + n_frame}")
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(data[start:], max_output_size=n)
-        except zstandard.ZstdError as exc:
-            raise CorruptEntryError(f"pca payload's zstd frame is damaged: {exc}") from exc
-        if len(raw) != n:
-            raise CorruptEntryError(f"pca payload decodes to {len(raw)} codes, a layer of {tuple(shape)} has {n}")
-        codes = torch.from_numpy(np.frombuffer(raw, dtype=np.int8).astype(np.float32))  # one pass: widened, writable
+        n_wide, *frame_lengths = head.unpack_from(data)
+        start = head.size + 8 * n_wide
+        if n_wide > n or start + sum(frame_lengths) != len(data):
+            raise CorruptEntryError(
+                f"pca payload holds {len(data)} bytes, its header says {start + sum(frame_lengths)}"
+            )
+        codes = torch.empty(h, d, t)
+        zstd = zstandard.ZstdDecompressor()
+        for (a, b), length in zip(self._groups, frame_lengths, strict=True):
+            want = h * (b - a) * t
+            try:
+                raw = zstd.decompress(data[start : start + length], max_output_size=want)
+            except zstandard.ZstdError as exc:
+                raise CorruptEntryError(f"pca payload's zstd frame is damaged: {exc}") from exc
+            if len(raw) != want:
+                raise CorruptEntryError(f"pca payload decodes to {len(raw)} codes for ranks {a}-{b - 1}, not {want}")
+            codes[:, a:b] = torch.from_numpy(np.frombuffer(raw, np.int8).astype(np.float32).reshape(h, b - a, t))
+            start += length
         if n_wide:
-            positions = torch.from_numpy(np.frombuffer(data[_HEAD.size : _HEAD.size + 4 * n_wide], "<i4").copy())
+            positions = torch.from_numpy(np.frombuffer(data[head.size : head.size + 4 * n_wide], "<i4").copy())
             if int(positions.min()) < 0 or int(positions.max()) >= n:
                 raise CorruptEntryError("pca payload names an outlier outside its layer")
-            wide = np.frombuffer(data[_HEAD.size + 4 * n_wide : start], "<i4").astype(np.float32)
-            codes[positions.long()] = torch.from_numpy(wide)
-        return codes.view(h, d, t)
+            wide = np.frombuffer(data[head.size + 4 * n_wide : head.size + 8 * n_wide], "<i4").astype(np.float32)
+            codes.view(-1)[positions.long()] = torch.from_numpy(wide)
+        return codes
 
     def values_of(self, codes: torch.Tensor, layer: int, kind: int, dtype: torch.dtype) -> torch.Tensor:
         """Codes [H, D, T] -> x [H, T, D] in `dtype`: back from the basis."""
