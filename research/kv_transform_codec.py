@@ -167,7 +167,8 @@ def rates(path: str, specs: str) -> None:
     for spec in specs.split(","):
         name, kind_of, rk, rv = spec.split(":")
         codec = Lossy(name, fit(kind_of, float(rk), float(rv)))
-        alone = delta = alone_g = delta_g = n = 0
+        alone = delta = n = 0
+        grouped = torch.zeros(2, 2)  # [keys / values, the entry alone / against its isolated one]
         for i, j in pairs[:20]:
             for layer in range(data[i][2].shape[0]):
                 for kind in (0, 1):
@@ -175,11 +176,12 @@ def rates(path: str, specs: str) -> None:
                     b = torch.stack(codec.codes(data[j][2 + kind][layer], layer, kind))
                     alone += zstd_bits(b.transpose(1, 2).contiguous())
                     delta += zstd_bits((b - a).transpose(1, 2).contiguous())
-                    alone_g += grouped_bits(b)
-                    delta_g += grouped_bits(b - a)
+                    grouped[kind] += torch.tensor([grouped_bits(b), grouped_bits(b - a)])
                     n += b.numel()
+        g = grouped / (n / 2)  # per value of each kind
         print(f"{name}: {alone / n:.3f} bits per stored value; the in-context entry against the isolated one "
-              f"{delta / n:.3f}; a frame per group of components {alone_g / n:.3f} and {delta_g / n:.3f}")  # fmt: skip
+              f"{delta / n:.3f}; a frame per group of components {g.mean(0)[0]:.3f} and {g.mean(0)[1]:.3f} "
+              f"(keys {g[0, 0]:.3f} / {g[0, 1]:.3f}, values {g[1, 0]:.3f} / {g[1, 1]:.3f})")  # fmt: skip
 
 
 def screen(specs: str, fidelity_args: list[str]) -> None:
