@@ -3,6 +3,7 @@ against the isolated one would save (the study behind `store/transform_codec.py`
 
     python research/kv_transform_codec.py collect --data-dir DATA --out /tmp/kv.pt     # entries of 3 cases per set
     python research/kv_transform_codec.py rates /tmp/kv.pt                              # bits per variant, delta
+    python research/kv_transform_codec.py entropy /tmp/kv.pt                            # what a coder could save
     python research/kv_transform_codec.py screen NAME:p|w:RHO_K:RHO_V,... -- FIDELITY ARGS
 
 Variants: `p` each head's principal axes with one step per layer (the product's); `w` the axes of the KV weighted by
@@ -184,6 +185,29 @@ def rates(path: str, specs: str) -> None:
               f"(keys {g[0, 0]:.3f} / {g[0, 1]:.3f}, values {g[1, 0]:.3f} / {g[1, 1]:.3f})")  # fmt: skip
 
 
+def entropy(path: str, spec: str = "p1:p:0.0007:0.0014") -> None:
+    """Against zstd over one frame per layer, on every third collected entry (40): the static entropy of each
+    (layer, kind, head, component)'s codes pooled over the entries (what an ideal coder with fixed tables would
+    reach), and zstd over the codes' differences from one token to the next (CacheGen's token locality)."""
+    data = torch.load(path)[::3][:40]
+    name, kind_of, rk, rv = spec.split(":")
+    codec = Lossy(name, fit(kind_of, float(rk), float(rv)))
+    plain = tokens = ideal = n = 0
+    for layer in range(data[0][2].shape[0]):
+        for kind in (0, 1):
+            per_entry = [torch.stack(codec.codes(d[2 + kind][layer], layer, kind)).transpose(1, 2) for d in data]
+            for c in per_entry:  # [H, D, T]
+                plain += zstd_bits(c.contiguous())
+                tokens += zstd_bits(torch.cat([c[..., :1], c.diff(dim=-1)], -1).contiguous())
+            pooled = torch.cat(per_entry, dim=-1)
+            for row in pooled.reshape(-1, pooled.shape[-1]):
+                p = torch.unique(row, return_counts=True)[1].double() / row.numel()
+                ideal += float(-(p * p.log2()).sum()) * row.numel()
+            n += pooled.numel()
+    print(f"{name}, {len(data)} entries: zstd {plain / n:.3f} bits per value, over token differences "
+          f"{tokens / n:.3f}, static entropy per component {ideal / n:.3f}")  # fmt: skip
+
+
 def screen(specs: str, fidelity_args: list[str]) -> None:
     import benchlib.fidelity_run as fidelity_run
 
@@ -207,6 +231,8 @@ if __name__ == "__main__":
         collect(rest[rest.index("--data-dir") + 1], rest[rest.index("--out") + 1])
     elif command == "rates":
         rates(rest[0], rest[1] if len(rest) > 1 else "pB:p:0.002:0.004,pC:p:0.001:0.002")
+    elif command == "entropy":
+        entropy(rest[0])
     elif command == "screen":
         screen(rest[0], rest[rest.index("--") + 1 :])
     else:
