@@ -138,16 +138,14 @@ def zstd_bits(codes: torch.Tensor) -> int:
     return 8 * len(zstandard.ZstdCompressor(level=3).compress(codes.clamp(-127, 127).to(torch.int8).numpy().tobytes()))
 
 
-GROUPS = (0, 4, 8, 16, 32, 64)  # component ranks coded as one zstd frame each (variance falls by rank)
-
-
 def grouped_bits(codes: torch.Tensor) -> int:
-    """Codes [H, T, D] (components in rising variance, as `fit` orders them) as one zstd frame per group of component
-    ranks counted from the largest, each component-major: zstd keeps one Huffman table per group, not per layer."""
+    """Codes [H, T, D] (components in rising variance, as `fit` orders them) as the `pca` codec frames them: one zstd
+    frame per group of component ranks counted from the largest (`component_groups`), each component-major."""
+    from cacheblend_rag.store.transform_codec import component_groups
+
     falling = codes.flip(-1)
-    return sum(
-        zstd_bits(falling[..., a:b].transpose(1, 2).contiguous()) for a, b in zip(GROUPS, GROUPS[1:], strict=False)
-    )
+    groups = component_groups(codes.shape[-1])
+    return sum(zstd_bits(falling[..., a:b].transpose(1, 2).contiguous()) for a, b in groups)
 
 
 def rates(path: str, specs: str) -> None:

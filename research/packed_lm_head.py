@@ -12,7 +12,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,20 +21,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from benchlib.cli import cpu_name  # noqa: E402
 from benchlib.peers import rag_prompts  # noqa: E402
+from benchlib.timing import median_ms  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
 from cacheblend_rag.models import default_model  # noqa: E402
 from cacheblend_rag.models.packed import PackedLinear  # noqa: E402
-
-
-def median_ms(fn, repeats: int = 30) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -54,8 +44,8 @@ def main() -> None:
         for rows in (1, 2, 8):
             x = torch.randn(rows, packed.in_features).bfloat16()
             same = torch.equal(packed(x), F.linear(x, plain.weight))
-            print(f"LM head, {rows} rows: packed {median_ms(lambda x=x: packed(x)):.2f} ms, plain "
-                  f"{median_ms(lambda x=x: plain(x)):.2f} ms, bit-equal {same}")  # fmt: skip
+            print(f"LM head, {rows} rows: packed {median_ms(lambda x=x: packed(x), 30):.2f} ms, plain "
+                  f"{median_ms(lambda x=x: plain(x), 30):.2f} ms, bit-equal {same}")  # fmt: skip
     got: dict[str, dict[str, list[float]]] = {k: {"ttft": [], "rate": []} for k in ("packed", "plain")}
     prompts = rag_prompts(engine, Path(args.data_dir), args.prompts, 1300, 1420)
     for round_ in range(2):

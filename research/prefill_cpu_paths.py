@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import torch  # noqa: E402
 from benchlib.cli import cpu_name  # noqa: E402
 from benchlib.peers import rag_prompts  # noqa: E402
+from benchlib.timing import median_ms  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig  # noqa: E402
@@ -58,10 +59,10 @@ ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::sca
                  "aten::_scaled_dot_product_attention_math", "aten::_scaled_dot_product_flash_attention")  # fmt: skip
 
 
-def full_prefill(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def full_prefill(model: torch.nn.Module, ids: torch.Tensor, use_cache: bool = True) -> torch.Tensor:
     """The model's own forward over the prompt (the engine's full mode), -> the last token's logits."""
     with torch.inference_mode():
-        return model(input_ids=ids[None], use_cache=True, logits_to_keep=1).logits[0, -1]
+        return model(input_ids=ids[None], use_cache=use_cache, logits_to_keep=1).logits[0, -1]
 
 
 def flops(model: torch.nn.Module, n: int) -> dict[str, float]:
@@ -177,17 +178,6 @@ def run_attention(plain: torch.nn.Module, prompts: list[torch.Tensor], repeats: 
     return out
 
 
-def median_ms(f, repeats: int = 20) -> float:
-    for _ in range(3):
-        f()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def run_fused(plain: torch.nn.Module, ids: torch.Tensor, repeats: int) -> dict:
     import torch._inductor.config as inductor
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -204,9 +194,9 @@ def run_fused(plain: torch.nn.Module, ids: torch.Tensor, repeats: int) -> dict:
     layer = {"flex_compile_s": time.perf_counter() - t0}
     sdpa = torch.nn.functional.scaled_dot_product_attention
     with torch.inference_mode():
-        layer["flex_ms"] = median_ms(lambda: flex(q, k, v, block_mask=mask, enable_gqa=True))
-        layer["blocked_ms"] = median_ms(lambda: blocked_attention(q[0], k[0], v[0], None, d**-0.5))
-        layer["sdpa_ms"] = median_ms(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True))
+        layer["flex_ms"] = median_ms(lambda: flex(q, k, v, block_mask=mask, enable_gqa=True), warmup=3)
+        layer["blocked_ms"] = median_ms(lambda: blocked_attention(q[0], k[0], v[0], None, d**-0.5), warmup=3)
+        layer["sdpa_ms"] = median_ms(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True), warmup=3)
     eager = copy.deepcopy(plain)
     pack_linears(eager, None)
     use_blocked_attention(eager)
@@ -214,20 +204,17 @@ def run_fused(plain: torch.nn.Module, ids: torch.Tensor, repeats: int) -> dict:
     compiled_model = copy.deepcopy(plain)
     use_blocked_attention(compiled_model)
     compiled = torch.compile(compiled_model, dynamic=False)
-
-    def forward_only(m: torch.nn.Module) -> torch.Tensor:  # no KV cache kept: inductor fails on blocked attention's
-        with torch.inference_mode():  # query view when the forward also fills a DynamicCache (torch 2.13)
-            return m(input_ids=ids[None], use_cache=False, logits_to_keep=1).logits[0, -1]
-
+    # no KV cache kept, both ways: inductor fails on blocked attention's query view when the forward also fills a
+    # DynamicCache (torch 2.13)
     t0 = time.perf_counter()
-    got = forward_only(compiled)
+    got = full_prefill(compiled, ids, use_cache=False)
     forward: dict = {"compile_s": time.perf_counter() - t0, "compiled": [], "eager": []}
-    reference = forward_only(eager)
+    reference = full_prefill(eager, ids, use_cache=False)
     forward["max_abs_logit_diff"] = float((got.float() - reference.float()).abs().max())
     for _ in range(repeats):
         for name, m in (("compiled", compiled), ("eager", eager)):
             t0 = time.perf_counter()
-            forward_only(m)
+            full_prefill(m, ids, use_cache=False)
             forward[name].append(time.perf_counter() - t0)
     forward["compiled_median_s"] = statistics.median(forward["compiled"])
     forward["eager_median_s"] = statistics.median(forward["eager"])

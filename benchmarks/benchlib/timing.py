@@ -37,6 +37,18 @@ def model_label(args: argparse.Namespace) -> str:
 MODES = ("full", "prefix", "reuse")
 
 
+def median_ms(fn, repeats: int = 20, warmup: int = 1) -> float:
+    """Median wall time of `fn()` in ms over `repeats` calls, after `warmup` calls that are not timed."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
 def chunk_texts(tokenizer, count: int, tokens: int, data_dir: Path | None) -> list[str]:
     """`count` texts of exactly `tokens` tokens each (as the engine tokenizes them, separator excluded)."""
     source = ""

@@ -45,7 +45,6 @@ CALIBRATION_FORMAT = "cacheblend-rag/kv-calibration"
 CALIBRATION_VERSION = "1"
 REL_MSE = (0.0007, 0.0014)  # the rounding error of keys and of values, as a share of their variance
 PAYLOAD_LAYOUT = 2  # 2: a zstd frame per group of component ranks (1: one frame per layer; read as misses)
-_COUNT = struct.Struct("<I")
 _ZSTD_LEVEL = 3
 _TENSORS = ("mean", "encode", "decode", "step", "bits")  # a calibration's, in the constructor's order
 
@@ -147,6 +146,7 @@ class TransformCodec:
         self.calibration = calibration
         self.name = f"pca{PAYLOAD_LAYOUT}-{calibration.digest[:16]}"
         self._groups = component_groups(calibration.shape[2])
+        self._head = struct.Struct(f"<{1 + len(self._groups)}I")  # outside codes, then each frame's length
         # decoding in one product from the codes: the way back with the step folded in, [L, 2, H, D, D]
         self._back = calibration.decode * calibration.step[..., None, None]
 
@@ -159,8 +159,8 @@ class TransformCodec:
         """Variable payloads; their typical length (the calibration's bits per value, whole layers averaged)."""
         self._check(shape)
         per_layer = self.calibration.bits.mean(0)  # [2]
-        n, head = math.prod(shape), _COUNT.size * (1 + len(self._groups))
-        typical = [int(math.ceil(n * float(b) / 8)) + head for b in per_layer]
+        n = math.prod(shape)
+        typical = [int(math.ceil(n * float(b) / 8)) + self._head.size for b in per_layer]
         return PayloadSpec(torch.uint8, (typical[0],), (typical[1],), variable=True)
 
     # -- one layer -----------------------------------------------------------------------------------------------
@@ -174,12 +174,13 @@ class TransformCodec:
 
     def pack(self, codes: torch.Tensor) -> bytes:
         """Codes [H, D, T] -> the payload bytes: the frames' lengths, outliers, then a zstd frame per group of ranks."""
-        flat = codes.reshape(-1).cpu()
+        codes = codes.cpu()
+        flat = codes.reshape(-1)
         wide = (flat.abs() > 127).nonzero().squeeze(1)
-        small = codes.cpu().clamp(-127, 127).to(torch.int8)
+        small = codes.clamp(-127, 127).to(torch.int8)
         zstd = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
         frames = [zstd.compress(small[:, a:b].contiguous().numpy().tobytes()) for a, b in self._groups]
-        head = struct.pack(f"<{1 + len(frames)}I", len(wide), *(len(f) for f in frames))
+        head = self._head.pack(len(wide), *(len(f) for f in frames))
         positions = wide.to(torch.int32).numpy().tobytes()
         wide_values = flat[wide].numpy().astype("<i4").tobytes()
         return b"".join((head, positions, wide_values, *frames))
@@ -190,7 +191,7 @@ class TransformCodec:
         data = memoryview(payload.numpy()) if isinstance(payload, torch.Tensor) else memoryview(payload)
         h, t, d = shape
         n = h * t * d
-        head = struct.Struct(f"<{1 + len(self._groups)}I")
+        head = self._head
         if len(data) < head.size:
             raise CorruptEntryError(f"pca payload of {len(data)} bytes is too short for its header")
         n_wide, *frame_lengths = head.unpack_from(data)
