@@ -35,6 +35,7 @@ from transformers import DynamicCache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from benchlib.cli import cpu_name  # noqa: E402
+from benchlib.timing import median_ms  # noqa: E402
 
 from cacheblend_rag.engine.serving.batch_decode import BatchDecoder, DecodeCache  # noqa: E402
 from cacheblend_rag.models import load_model  # noqa: E402
@@ -131,15 +132,6 @@ def random_prompt_caches(lm: LayerwiseModel, batch: int, length: int) -> list[Dy
     return out
 
 
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
-
-
 @torch.inference_mode()
 def floor(lm: LayerwiseModel, batch: int, length: int, repeats: int) -> dict[str, float]:
     """The step's int8 products alone (q/k/v, MLP, LM head), and its attention with the output projection alone."""
@@ -158,7 +150,10 @@ def floor(lm: LayerwiseModel, batch: int, length: int, repeats: int) -> dict[str
         for i in range(s.num_layers):
             lm.attend_each(i, q, kv)
 
-    return {"int8_products_ms": median_ms(products, repeats), "attention_and_o_proj_ms": median_ms(attention, repeats)}
+    return {
+        "int8_products_ms": median_ms(products, repeats, warmup=0),
+        "attention_and_o_proj_ms": median_ms(attention, repeats, warmup=0),
+    }
 
 
 def main() -> int:
@@ -189,8 +184,8 @@ def main() -> int:
         difference = float((compiled_logits - eager.step(tokens, caches)).abs().max())
         eager_ms, compiled_ms = [], []
         for _ in range(args.repeats):  # alternating, so drifts of the machine's speed fall on both alike
-            eager_ms.append(median_ms(functools.partial(eager.step, tokens, caches), 1))
-            compiled_ms.append(median_ms(functools.partial(compiled.step, tokens, twins), 1))
+            eager_ms.append(median_ms(functools.partial(eager.step, tokens, caches), 1, warmup=0))
+            compiled_ms.append(median_ms(functools.partial(compiled.step, tokens, twins), 1, warmup=0))
         row = {"batch": batch, "cache_tokens": args.cache_tokens, "first_compiled_step_s": compile_s,
                "eager_ms": statistics.median(eager_ms), "compiled_ms": statistics.median(compiled_ms),
                "max_logit_difference": difference}  # fmt: skip
