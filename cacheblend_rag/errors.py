@@ -43,6 +43,11 @@ class EntryGoneError(CorruptEntryError):
     The engine recomputes the chunk as for a damaged one; the tier counts it apart (`TierStats.vanished`)."""
 
 
+class OrphanedEntryError(EntryGoneError):
+    """An entry coded against another (a captured entry against its isolated one) whose base is gone or was
+    replaced: a miss counted as `vanished`, and the entry is deleted, since it can never be decoded again."""
+
+
 class EngineClosedError(CacheBlendError, RuntimeError):
     """The engine was stopped (`CacheBlendEngine.close()`, or the interpreter is exiting): it takes no request, and
     the requests it had not answered end with this error. Build a new engine to go on."""

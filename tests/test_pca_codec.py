@@ -9,6 +9,7 @@ import struct
 import pytest
 import torch
 import zstandard
+from store_helpers import D, H, L, structured_kv
 
 from cacheblend_rag import CacheBlendEngine, EngineConfig, StoreConfig
 from cacheblend_rag.errors import ConfigError, CorruptEntryError
@@ -24,20 +25,6 @@ from cacheblend_rag.store.serialize import (
 )
 from cacheblend_rag.store.transform_codec import REL_MSE, KVCalibration, TransformCodec, component_groups
 from cacheblend_rag.testing import make_tiny_model, make_tiny_tokenizer, random_words
-
-L, H, D = 3, 2, 16
-
-
-def structured_kv(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """KV [L, H, T, D] whose variance sits in a few directions, with an outlier channel in the keys (as real keys
-    before RoPE have), the same directions for every seed."""
-    mix = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(99)))[0]
-    scales = torch.logspace(1, -2, D)
-    g = torch.Generator().manual_seed(seed)
-    keys = (torch.randn(L, H, tokens, D, generator=g) * scales) @ mix.T
-    keys[..., 3] += 30.0
-    values = (torch.randn(L, H, tokens, D, generator=g) * scales) @ mix.T
-    return keys, values
 
 
 @pytest.fixture(scope="module")

@@ -47,11 +47,14 @@ class ChunkKV:
 
     keys:   [L, Hkv, T, D] before RoPE
     values: [L, Hkv, T, D]
+    base:   the key of the chunk's isolated entry when this is another entry of the same chunk (a captured one);
+            a tier may store this entry coded against that one ("" for none)
     """
 
     key: str
     keys: torch.Tensor
     values: torch.Tensor
+    base: str = ""
 
     def __post_init__(self) -> None:
         if self.keys.shape != self.values.shape or self.keys.dim() != 4:
@@ -105,4 +108,4 @@ class ChunkKV:
     def to(self, device: torch.device | str) -> ChunkKV:
         if self.keys.device == torch.device(device):
             return self
-        return ChunkKV(self.key, self.keys.to(device), self.values.to(device))
+        return ChunkKV(self.key, self.keys.to(device), self.values.to(device), self.base)

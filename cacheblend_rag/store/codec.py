@@ -61,6 +61,37 @@ class KVCodec(Protocol):
         ...
 
 
+@runtime_checkable
+class CodesCodec(KVCodec, Protocol):
+    """A codec whose payloads hold integer codes, so that an entry can be stored as the difference of its codes
+    from another entry's of the same shape (a chunk's captured entry against its isolated one: `store/layout.py`).
+    Decoding base + difference gives the same codes, bit for bit, as the entry coded alone."""
+
+    def codes_of(
+        self, key_payload: torch.Tensor, value_payload: torch.Tensor, shape: Shape3, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payloads of layer `layer`, of `shape` -> its key codes and value codes (float32, on the CPU)."""
+        ...
+
+    def encode_against(
+        self, k: torch.Tensor, v: torch.Tensor, layer: int, base: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like `encode`, of the codes' difference from `base` (another entry's `codes_of` for this layer)."""
+        ...
+
+    def decode_against(
+        self,
+        key_payload: torch.Tensor,
+        value_payload: torch.Tensor,
+        shape: Shape3,
+        dtype: torch.dtype,
+        layer: int,
+        base: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like `decode`, of payloads `encode_against` wrote against `base`."""
+        ...
+
+
 # ------------------------------------------------------------------------------------------- pure tensor functions
 
 

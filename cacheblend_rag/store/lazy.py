@@ -7,6 +7,7 @@ used (the engine then drops the entry and redoes the request with the chunk reco
 
 A layer is decoded (by the entry's codec) inside the same call that reads it, so on the loading pipeline's thread
 layer l+1 is fetched, checked and decoded while the fusor works on layer l; nothing decodes a whole entry up front.
+An entry coded against a base (`layout.py`) reads the base's layer beside its own.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import torch
 
 from ..errors import CorruptEntryError
 from .chunk_kv import ChunkKV
-from .serialize import EntryLayout
+from .layout import BaseReader, EntryLayout, RangeReader
+from .serialize import check_base
 
-# Reads the given [start, end) byte ranges of the entry; returns one buffer per range (shorter if the entry
-# is gone or cut, which `decode_layer` reports as a truncated entry).
-RangeReader = Callable[[Sequence[tuple[int, int]]], Sequence[bytes | memoryview]]
+__all__ = ["LazyChunkKV", "RangeReader"]
 
 
 class LazyChunkKV:
@@ -32,7 +32,9 @@ class LazyChunkKV:
     store uses it to promote the chunk into faster tiers without a second read). Callbacks given to
     `when_corrupt` run when a layer fails its check (the owning tier drops the entry and counts it). Layers may be
     asked for in any order, each as often as wanted; a layer read twice is fetched once. Thread-safe.
-    `verify=False` skips the checksums (for bytes that never left the process); lengths are still checked.
+    `verify=False` skips the checksums (for bytes that never left the process); lengths are still checked. A
+    dependent entry takes its `base` (checked against what the entry recorded of it: `OrphanedEntryError` if it is
+    not the same), closed with it.
     """
 
     def __init__(
@@ -42,12 +44,16 @@ class LazyChunkKV:
         *,
         close: Callable[[], None] | None = None,
         verify: bool = True,
+        base: BaseReader | None = None,
     ) -> None:
+        if layout.base:
+            check_base(layout, base)
         self.layout = layout
         self.key = layout.key
         self._read_ranges = read_ranges
         self._close = close
         self._verify = verify
+        self._base = base if layout.base else None
         self._on_whole: list[Callable[[ChunkKV], None]] = []
         self._on_corrupt: list[Callable[[CorruptEntryError], None]] = []
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layout.num_layers
@@ -75,8 +81,9 @@ class LazyChunkKV:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of keys and values as stored (encoded by the entry's codec): what reading the chunk costs."""
-        return self.layout.payload_nbytes
+        """Bytes of keys and values as stored (encoded by the entry's codec, its base's included): what reading the
+        chunk costs."""
+        return self.layout.payload_nbytes + (0 if self._base is None else self._base.layout.payload_nbytes)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> raw keys, values of one layer, [Hkv, T, D] each, on the CPU. Raises CorruptEntryError."""
@@ -107,8 +114,11 @@ class LazyChunkKV:
                         ) from exc
                     if len(buffers) != len(ranges):
                         raise CorruptEntryError(f"entry {self.key[:12]}: {len(buffers)} reads for {len(ranges)} ranges")
+                    bases = [None] * len(missing) if self._base is None else self._base.codes(missing)
                     decoded = [
-                        self.layout.decode_layer(i, buffers[2 * j], buffers[2 * j + 1], verify=self._verify)
+                        self.layout.decode_layer(
+                            i, buffers[2 * j], buffers[2 * j + 1], verify=self._verify, base=bases[j]
+                        )
                         for j, i in enumerate(missing)
                     ]
                 except CorruptEntryError as exc:
@@ -118,7 +128,8 @@ class LazyChunkKV:
                     raise
                 for i, kv in zip(missing, decoded, strict=True):
                     self._layers[i] = kv
-                self.bytes_read += sum(self.layout.layer_nbytes(i) for i in missing)
+                read = [self.layout] if self._base is None else [self.layout, self._base.layout]
+                self.bytes_read += sum(layout.layer_nbytes(i) for layout in read for i in missing)
                 self._missing -= len(missing)
             complete = bool(missing) and self._missing == 0
             out = [self._layers[i] for i in wanted]
@@ -154,13 +165,15 @@ class LazyChunkKV:
         layers = self._layers
         keys = torch.stack([layer[0] for layer in layers if layer is not None])  # [L, Hkv, T, D]
         values = torch.stack([layer[1] for layer in layers if layer is not None])
-        return ChunkKV(self.key, keys, values)
+        return ChunkKV(self.key, keys, values, self.layout.base)
 
     def close(self) -> None:
         """Release the underlying file or connection; later layer reads are an error unless already cached."""
         close, self._close = self._close, None
         if close is not None:
             close()
+        if self._base is not None:
+            self._base.close()
 
     def __del__(self) -> None:
         try:

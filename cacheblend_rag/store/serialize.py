@@ -15,23 +15,19 @@ unpickles: safetensors only ever builds plain tensors.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
 import itertools
 import json
-import math
 import struct
-from collections.abc import Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 from safetensors.torch import save as _st_save
 
-from ..errors import CacheBlendError, CorruptEntryError, NonFiniteKVError
+from ..errors import CacheBlendError, CorruptEntryError, NonFiniteKVError, OrphanedEntryError
 from .chunk_kv import ChunkKV
-from .codec import NATIVE, KVCodec, PayloadSpec
+from .codec import NATIVE, CodesCodec, KVCodec, PayloadSpec
+from .layout import BaseReader, EntryLayout, all_finite, layer_digest
 
 FORMAT_NAME = "cacheblend-rag/chunk-kv"
 # 3: the codec in the header, checksums over the encoded bytes. Older entries are misses and get recomputed
@@ -40,6 +36,8 @@ FORMAT_VERSION = "3"
 # 4: a codec whose payloads vary in length (`PayloadSpec.variable`): each tensor is one 1-D run of every layer's
 # bytes, and "layer_bytes" records each layer's key and value lengths. Fixed-size codecs still write (and read) 3.
 VARIABLE_VERSION = "4"
+# 5: as 4, coded against a base entry (`layout.py`): "base" names it and "base_sha256" records its `base_digest`.
+DEPENDENT_VERSION = "5"
 
 # safetensors layout: an 8-byte little-endian header length, the JSON header, then the raw tensor data.
 _HEADER_LEN = struct.Struct("<Q")
@@ -64,13 +62,6 @@ def _dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def layer_digest(key_bytes: memoryview | bytes, value_bytes: memoryview | bytes) -> str:
-    h = hashlib.sha256()
-    h.update(key_bytes)
-    h.update(value_bytes)
-    return h.hexdigest()
-
-
 def stored_name(key: str, codec: KVCodec, hmac_key: bytes | None) -> str:
     """The name a shared tier keeps chunk `key`'s entry under: the key, the codec and, for signed entries, which
     signing key (a digest of it, which tells nothing of the key). Workers that write another codec or sign with
@@ -89,20 +80,37 @@ def _signature(meta: dict[str, str], hmac_key: bytes) -> str:
 
 
 def serialize_chunk(
-    kv: ChunkKV, *, codec: KVCodec = NATIVE, fingerprint: str | None = None, hmac_key: bytes | None = None
+    kv: ChunkKV,
+    *,
+    codec: KVCodec = NATIVE,
+    fingerprint: str | None = None,
+    hmac_key: bytes | None = None,
+    base: BaseReader | None = None,
 ) -> bytes:
     """Encode a chunk's KV layer by layer with `codec` as safetensors bytes, with a self-describing header and one
     checksum per layer (of the encoded bytes).
 
     `fingerprint` (the model's) is recorded for inspection only: the key already hashes it. With `hmac_key` the
-    header is signed, so a reader holding the key can tell entries written by someone without it.
+    header is signed, so a reader holding the key can tell entries written by someone without it. With `base` (a
+    stored entry of the same shape and codec, a `CodesCodec`), each layer is coded as its codes' difference from the
+    base's, and the entry can only be read beside that base.
     """
     if not all_finite(kv.keys, kv.values):
         raise NonFiniteKVError(f"chunk {kv.key[:12]}'s KV holds NaN or infinity: not stored (the model overflowed "
                                f"in {_dtype_str(kv.dtype)}; float32 avoids that)")  # fmt: skip
     # keys/values: [L, Hkv, T, D] -> payloads [L, *payload shape] (or, variable, one 1-D run of every layer's);
     # safetensors needs CPU, contiguous memory.
-    encoded = [[p.detach().to("cpu").reshape(-1) for p in codec.encode(*kv.layer(i), i)] for i in range(kv.num_layers)]
+    if base is None:
+        encoded = [[p.detach().cpu().reshape(-1) for p in codec.encode(*kv.layer(i), i)] for i in range(kv.num_layers)]
+    else:
+        if not isinstance(codec, CodesCodec) or base.layout.codec.name != codec.name or base.layout.shape != kv.shape:
+            raise ValueError(f"chunk {kv.key[:12]} ({_shape_str(kv.shape)}, codec {codec.name!r}) cannot be coded "
+                             f"against entry {base.layout.key[:12]} ({_shape_str(base.layout.shape)}, "
+                             f"{base.layout.codec.name!r})")  # fmt: skip
+        encoded = [
+            [p.reshape(-1) for p in codec.encode_against(*kv.layer(i), i, base.codes([i])[0])]
+            for i in range(kv.num_layers)
+        ]
     digests = [layer_digest(_tensor_bytes(k), _tensor_bytes(v)) for k, v in encoded]
     spec = codec.payload_spec(kv.shape[1:], kv.dtype)
     variable = spec.variable
@@ -113,7 +121,7 @@ def serialize_chunk(
         values = torch.stack([v.view(spec.value_shape) for _, v in encoded]).contiguous()
     metadata = {
         "format": FORMAT_NAME,
-        "version": VARIABLE_VERSION if variable else FORMAT_VERSION,
+        "version": DEPENDENT_VERSION if base is not None else VARIABLE_VERSION if variable else FORMAT_VERSION,
         "key": kv.key,
         "codec": codec.name,
         "dtype": _dtype_str(kv.dtype),
@@ -122,6 +130,8 @@ def serialize_chunk(
     }
     if variable:
         metadata["layer_bytes"] = ",".join(f"{k.numel()}:{v.numel()}" for k, v in encoded)
+    if base is not None:
+        metadata["base"], metadata["base_sha256"] = base.layout.key, base.digest
     if fingerprint is not None:
         metadata["fingerprint"] = fingerprint
     if hmac_key is not None:
@@ -137,89 +147,6 @@ def header_length(head: bytes | memoryview, key: str) -> int:
     if n > _MAX_HEADER_BYTES:
         raise CorruptEntryError(f"entry {key[:12]} declares a {n}-byte header: garbled")
     return _HEADER_LEN.size + n
-
-
-@dataclass(frozen=True)
-class EntryLayout:
-    """Where each layer of a stored entry lies, the checksum it must have and how to decode it. Offsets are from
-    the entry start."""
-
-    key: str
-    codec: KVCodec
-    dtype: torch.dtype  # the compute dtype the layers decode to
-    shape: tuple[int, int, int, int]  # [L, Hkv, T, D]
-    keys_start: int
-    values_start: int
-    layer_sha256: tuple[str, ...]
-    total_bytes: int  # the whole entry: header and data
-    # where each layer's payloads start, from keys_start and values_start, and the end ([L + 1] each)
-    key_offsets: tuple[int, ...]
-    value_offsets: tuple[int, ...]
-
-    @property
-    def num_layers(self) -> int:
-        return self.shape[0]
-
-    @functools.cached_property
-    def payload(self) -> PayloadSpec:
-        """The dtype and shapes of one layer's encoded keys and values (a typical length, for a variable codec)."""
-        return self.codec.payload_spec(self.shape[1:], self.dtype)
-
-    @property
-    def payload_nbytes(self) -> int:
-        """Stored bytes of every layer's encoded keys and values."""
-        return self.key_offsets[-1] + self.value_offsets[-1]
-
-    def layer_nbytes(self, layer_idx: int) -> int:
-        """Stored bytes of one layer: encoded keys and values together."""
-        (k0, k1), (v0, v1) = self.layer_ranges(layer_idx)
-        return k1 - k0 + v1 - v0
-
-    def layer_ranges(self, layer_idx: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """[start, end) of layer `layer_idx`'s encoded keys and of its encoded values."""
-        if not 0 <= layer_idx < self.num_layers:
-            raise IndexError(f"layer {layer_idx} out of range for an entry of {self.num_layers} layers")
-        k, v = self.keys_start, self.values_start
-        ko, vo = self.key_offsets, self.value_offsets
-        return (k + ko[layer_idx], k + ko[layer_idx + 1]), (v + vo[layer_idx], v + vo[layer_idx + 1])
-
-    def decode_layer(
-        self, layer_idx: int, key_bytes: bytes | memoryview, value_bytes: bytes | memoryview, *, verify: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Check one layer's bytes (length, and with `verify` its checksum) and decode them: -> k, v [Hkv, T, D]."""
-        spec = self.payload
-        (k0, k1), (v0, v1) = self.layer_ranges(layer_idx)
-        want_k, want_v = k1 - k0, v1 - v0
-        if len(key_bytes) != want_k or len(value_bytes) != want_v:
-            raise CorruptEntryError(
-                f"entry {self.key[:12]}: layer {layer_idx} read {len(key_bytes)}+{len(value_bytes)} bytes, "
-                f"expected {want_k}+{want_v}: truncated, or evicted while being read"
-            )
-        if verify and layer_digest(key_bytes, value_bytes) != self.layer_sha256[layer_idx]:
-            raise CorruptEntryError(f"entry {self.key[:12]}: layer {layer_idx} fails its sha256 check")
-        key_shape, value_shape = ((want_k,), (want_v,)) if spec.variable else (spec.key_shape, spec.value_shape)
-        key_payload = _from_bytes(key_bytes, spec.dtype, key_shape)
-        value_payload = _from_bytes(value_bytes, spec.dtype, value_shape)
-        k, v = self.codec.decode(key_payload, value_payload, self.shape[1:], self.dtype, layer_idx)
-        # Checksums catch damage, not forgery: a forged scale (NaN, inf) must not turn into NaN logits.
-        if not all_finite(k, v):
-            raise CorruptEntryError(f"entry {self.key[:12]}: layer {layer_idx} decodes to NaN or infinity")
-        return k, v
-
-
-def all_finite(*tensors: torch.Tensor) -> bool:
-    """True when no element is NaN or infinite, read from one float32 sum per tensor (a tenth of the time of
-    `isfinite().all()` on a 512-token layer: 36 us against 388 us). An infinity or a NaN makes the sum infinite or
-    NaN; finite values so large that their sum overflows float32 (above ~1e34 each) count as not finite too, which
-    errs on the safe side: the entry is recomputed."""
-    return all(math.isfinite(float(t.sum(dtype=torch.float32))) for t in tensors)
-
-
-def _from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    # A fresh, aligned tensor (a copy): the codec may view parts of it as wider dtypes.
-    out = torch.empty(tuple(shape), dtype=dtype)
-    out.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
-    return out
 
 
 def parse_layout(
@@ -259,10 +186,10 @@ def _layout_from_header(
     meta = header.get("__metadata__")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CorruptEntryError(f"entry {key[:12]} is not a {FORMAT_NAME} entry (header metadata {str(meta)[:200]})")
-    if meta.get("version") not in (FORMAT_VERSION, VARIABLE_VERSION):
+    if meta.get("version") not in (FORMAT_VERSION, VARIABLE_VERSION, DEPENDENT_VERSION):
         raise CorruptEntryError(
             f"entry {key[:12]} has format version {str(meta.get('version'))[:20]!r}, "
-            f"this build reads {FORMAT_VERSION!r} and {VARIABLE_VERSION!r}"
+            f"this build reads {FORMAT_VERSION!r} to {DEPENDENT_VERSION!r}"
         )
     if meta.get("key") != key:
         raise CorruptEntryError(f"entry stored under {key[:12]} belongs to chunk {str(meta.get('key'))[:12]}")
@@ -288,7 +215,12 @@ def _layout_from_header(
     if set(header) != {"__metadata__", "keys", "values"}:
         raise CorruptEntryError(f"entry {key[:12]} must hold exactly 'keys' and 'values', got {sorted(header)[:8]}")
     spec = codec.payload_spec(shape[1:], dtype)  # type: ignore[arg-type]
-    if meta["version"] != (VARIABLE_VERSION if spec.variable else FORMAT_VERSION):
+    dependent = meta["version"] == DEPENDENT_VERSION
+    base, base_sha = (str(meta.get("base", "")), str(meta.get("base_sha256", ""))) if dependent else ("", "")
+    if dependent and not (isinstance(codec, CodesCodec) and len(base) == len(key) and len(base_sha) == 64):
+        raise CorruptEntryError(f"entry {key[:12]} is coded against another entry, which codec {codec.name!r} "
+                                f"cannot decode, or names its base wrongly ({base[:20]!r})")  # fmt: skip
+    if meta["version"] not in ((VARIABLE_VERSION, DEPENDENT_VERSION) if spec.variable else (FORMAT_VERSION,)):
         raise CorruptEntryError(f"entry {key[:12]} has format version {str(meta['version'])!r}, which codec "
                                 f"{codec.name!r} does not write")  # fmt: skip
     sizes = _layer_sizes(meta, spec, shape[0]) if spec.variable else None
@@ -317,7 +249,7 @@ def _layout_from_header(
             f"entry {key[:12]} holds {total_bytes} bytes, its header describes {max(ends)}: truncated"
         )
     return EntryLayout(key, codec, dtype, shape, starts["keys"], starts["values"], digests, total_bytes,  # type: ignore[arg-type]
-                       offsets_of["keys"], offsets_of["values"])  # fmt: skip
+                       offsets_of["keys"], offsets_of["values"], base, base_sha)  # fmt: skip
 
 
 def _layer_sizes(meta: dict[str, object], spec: PayloadSpec, num_layers: int) -> list[tuple[int, int]]:
@@ -328,22 +260,53 @@ def _layer_sizes(meta: dict[str, object], spec: PayloadSpec, num_layers: int) ->
     return sizes  # type: ignore[return-value]
 
 
-def deserialize_chunk(data: bytes, key: str, *, codec: KVCodec = NATIVE, hmac_key: bytes | None = None) -> ChunkKV:
-    """Decode bytes written by `serialize_chunk` with `codec`, checking that they are whole and belong to `key`.
+def deserialize_chunk(
+    data: bytes,
+    key: str,
+    *,
+    codec: KVCodec = NATIVE,
+    hmac_key: bytes | None = None,
+    base: BaseReader | None = None,
+) -> ChunkKV:
+    """Decode bytes written by `serialize_chunk` with `codec`, checking that they are whole and belong to `key`; a
+    dependent entry with its `base` (`read_base`).
 
     Raises `CorruptEntryError` naming what is wrong; never returns a partly valid entry.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CorruptEntryError(f"entry {key[:12]} holds a {type(data).__name__}, not bytes")
     layout = parse_layout(data, key, len(data), codec=codec, hmac_key=hmac_key)
+    if layout.base:
+        check_base(layout, base)
     # Each layer is checked against its sha256 straight from the buffer (memoryview slices, no copy), then decoded:
     # the layout checked offsets and lengths, the checksums check the bytes themselves.
     view = memoryview(data)
     layers = []
     for i in range(layout.num_layers):
         (k0, k1), (v0, v1) = layout.layer_ranges(i)
-        layers.append(layout.decode_layer(i, view[k0:k1], view[v0:v1]))
+        codes = base.codes([i])[0] if layout.base and base is not None else None
+        layers.append(layout.decode_layer(i, view[k0:k1], view[v0:v1], base=codes))
     try:
-        return ChunkKV(key, torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers]))  # [L, Hkv, T, D]
+        return ChunkKV(key, torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers]),  # [L, Hkv, T, D]
+                       base=layout.base)  # fmt: skip
     except (CacheBlendError, RuntimeError) as exc:
         raise CorruptEntryError(f"entry {key[:12]} does not describe a chunk: {exc}") from exc
+
+
+def read_base(data: bytes, key: str, *, codec: KVCodec, hmac_key: bytes | None = None) -> BaseReader:
+    """The codes of entry `key` held in `data`, as a base that dependents decode against (CorruptEntryError if the
+    entry is damaged or cannot be a base)."""
+    view = memoryview(data)
+    layout = parse_layout(view, key, len(view), codec=codec, hmac_key=hmac_key)
+    return BaseReader(layout, lambda ranges: [view[a:b] for a, b in ranges])
+
+
+def check_base(layout: EntryLayout, base: BaseReader | None) -> None:
+    """That `base` is the entry the dependent `layout` was coded against, as it was then; else CorruptEntryError
+    (`OrphanedEntryError` when it is missing or was replaced: the dependent is a miss, as if evicted)."""
+    if base is None:
+        raise OrphanedEntryError(f"entry {layout.key[:12]} is coded against entry {layout.base[:12]}, which is not "
+                             f"stored any more")  # fmt: skip
+    if base.layout.key != layout.base or base.digest != layout.base_digest or base.layout.shape != layout.shape:
+        raise OrphanedEntryError(f"entry {layout.key[:12]} is coded against entry {layout.base[:12]}, which was "
+                             f"replaced since")  # fmt: skip

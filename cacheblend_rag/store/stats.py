@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import EntryGoneError
+from ..errors import EntryGoneError, OrphanedEntryError
 from .base import Hit, StoreStats
 from .codec import CODECS
 from .serialize import stored_name
@@ -139,7 +139,7 @@ class CountedTier(ABC):
     def _drop_corrupt(self, key: str, exc: CorruptEntryError, *, was_hit: bool = False) -> None:
         """Count a corrupt entry as a miss (taking back the hit `open` counted for it) and delete it. An entry that
         went away while it was read (`EntryGoneError`) is a miss counted apart (`vanished`), with nothing to
-        delete."""
+        delete; one whose base went away (`OrphanedEntryError`) is counted the same way, and deleted."""
         gone = isinstance(exc, EntryGoneError)
         if gone:
             self._logger.info("%s: %s; it will be recomputed", self._label, exc)
@@ -154,5 +154,5 @@ class CountedTier(ABC):
             self.stats.misses += 1
             if was_hit:
                 self.stats.hits -= 1
-        if not gone:
+        if not gone or isinstance(exc, OrphanedEntryError):
             self._delete(key)

@@ -235,9 +235,42 @@ class TransformCodec:
     def decode(
         self, key_payload: torch.Tensor, value_payload: torch.Tensor, shape: Shape3, dtype: torch.dtype, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.codes_of(key_payload, value_payload, shape, layer)
+        return self.values_of(k, layer, 0, dtype), self.values_of(v, layer, 1, dtype)
+
+    # -- the CodesCodec protocol: an entry coded against another (a chunk's captured entry against its isolated one)
+    def codes_of(
+        self, key_payload: torch.Tensor, value_payload: torch.Tensor, shape: Shape3, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(shape)
         if not 0 <= layer < self.calibration.shape[0]:
             raise CorruptEntryError(f"pca entry has a layer {layer}; the calibration has {self.calibration.shape[0]}")
-        k = self.values_of(self.unpack(key_payload, shape), layer, 0, dtype)
-        v = self.values_of(self.unpack(value_payload, shape), layer, 1, dtype)
-        return k, v
+        return self.unpack(key_payload, shape), self.unpack(value_payload, shape)
+
+    def encode_against(
+        self, k: torch.Tensor, v: torch.Tensor, layer: int, base: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check(tuple(k.shape))
+        payloads = []
+        for kind, (x, b) in enumerate(zip((k, v), base, strict=True)):
+            codes = self.codes(x, layer, kind).cpu()
+            if b.shape != codes.shape:
+                raise ValueError(f"base codes of shape {tuple(b.shape)} for a layer coded as {tuple(codes.shape)}")
+            payloads.append(self.pack(codes - b.to(torch.int32)))
+        return tuple(torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in payloads)  # type: ignore[return-value]
+
+    def decode_against(
+        self,
+        key_payload: torch.Tensor,
+        value_payload: torch.Tensor,
+        shape: Shape3,
+        dtype: torch.dtype,
+        layer: int,
+        base: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        delta = self.codes_of(key_payload, value_payload, shape, layer)
+        if any(b.shape != d.shape for b, d in zip(base, delta, strict=True)):
+            raise CorruptEntryError(f"pca entry's base codes are of shape {tuple(base[0].shape)}, its own of "
+                                    f"{tuple(delta[0].shape)}")  # fmt: skip
+        k, v = (d.add_(b) for d, b in zip(delta, base, strict=True))
+        return self.values_of(k, layer, 0, dtype), self.values_of(v, layer, 1, dtype)

@@ -205,7 +205,9 @@ class ChunkCache:
         assert result.kv.raw_keys is not None
         keys = result.kv.raw_keys[:, :, keep:].clone()  # [L, Hkv, T, D]: the chunk's own KV, nothing else kept
         values = result.kv.values[:, :, keep:].clone()
-        return ChunkKV(self.key(prefix_ids, ids, isolated=isolated), keys, values)
+        key, alone = self.key(prefix_ids, ids, isolated=isolated), self.key(prefix_ids, ids, isolated=True)
+        return ChunkKV(key, keys, values, base=alone if key != alone else "")  # an entry after a context: may be coded
+        # against the chunk's isolated one
 
     def store_or_fill(
         self, prefix_ids: Sequence[int], ids: Sequence[int], kv: ChunkKV | None, events: LayerEvents | None = None

@@ -3,7 +3,8 @@ costs nothing but the write (no chunk is prefilled a second time).
 
 Which chunks those are is the request's plan (`Placement.capture`: the first chunk's isolated entry; under the
 capture policy "all", every later chunk's captured entry; under "exact", a later chunk whose recorded context is
-exactly the chunks before it); `capture` cuts their entries out of the prefill's KV, keys turned back to raw.
+exactly the chunks before it); `capture` cuts their entries out of the prefill's KV, keys turned back to raw. A
+later chunk's entry names the chunk's isolated entry as its base (`ChunkKV.base`): the two share most of their codes.
 """
 
 from __future__ import annotations
@@ -41,5 +42,6 @@ def capture(chunks: ChunkCache, prompt: TokenizedPrompt, layers: Sequence[tuple[
             for i, (k, _) in enumerate(layers)
         ])  # fmt: skip
         values = torch.stack([v[:, s:e] for _, v in layers])
-        out[placed.ids] = ChunkKV(placed.keys[0], keys, values)
+        alone = chunks.key(prompt.prefix_ids, placed.ids, isolated=True)  # a tier may code the entry against it
+        out[placed.ids] = ChunkKV(placed.keys[0], keys, values, base=alone if placed.keys[0] != alone else "")
     return out

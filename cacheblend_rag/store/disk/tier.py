@@ -12,11 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ...errors import ConfigError, CorruptEntryError, NonFiniteKVError
 from ..base import Hit
 from ..chunk_kv import ChunkKV
-from ..codec import TIER_CODEC, KVCodec, get_codec
+from ..codec import TIER_CODEC, CodesCodec, KVCodec, get_codec
+from ..layout import BaseReader, EntryLayout, RangeReader
 from ..lazy import LazyChunkKV
 from ..serialize import header_length, parse_layout, serialize_chunk
 from ..stats import CountedTier
@@ -63,6 +66,20 @@ def _open_index(directory: str, budget_bytes: int, timeout_s: float) -> tuple[Gu
             index.close()
             raise
     return index, None
+
+
+@dataclass
+class OpenEntry:
+    """An entry whose header was read: where its layers lie, a reader of its byte ranges, and what closes its file."""
+
+    layout: EntryLayout
+    read_ranges: RangeReader
+    closer: Callable[[], None] | None
+
+    def close(self) -> None:
+        closer, self.closer = self.closer, None
+        if closer is not None:
+            closer()
 
 
 def check_disk_dir(directory: str | os.PathLike[str]) -> None:
@@ -161,7 +178,46 @@ class DiskStore(CountedTier):
         return self._hand_out(key, lazy)
 
     def _read_header(self, key: str) -> LazyChunkKV | None:
-        """The entry with only its header read and checked; None (counted) on a miss or a bad entry."""
+        """The entry with only its header read and checked (and its base's, for a dependent entry); None (counted)
+        on a miss or a bad entry."""
+        opened: list[OpenEntry | BaseReader] = []  # what must be closed if the entry turns out unusable
+        try:
+            entry = self._open_entry(key)
+            if entry is None:
+                self._count_miss()
+                return None
+            opened.append(entry)
+            base = self._open_base(entry.layout.base) if entry.layout.base else None
+            if base is not None:
+                opened.append(base)
+            lazy = LazyChunkKV(entry.layout, entry.read_ranges, close=entry.close, base=base)
+        except (CorruptEntryError, *self._backend_errors) as exc:
+            for reader in opened:
+                reader.close()
+            if isinstance(exc, CorruptEntryError):
+                self._drop_corrupt(key, exc)
+            else:
+                self._count_error("get", key, exc)
+            return None
+        return lazy
+
+    def _open_base(self, key: str) -> BaseReader | None:
+        """The base entry a dependent is coded against, its header read (reading it keeps it recently used); None
+        if it is not stored, or damaged (dropped and counted)."""
+        try:
+            entry = self._open_entry(key)
+        except CorruptEntryError as exc:
+            self._drop_corrupt(key, exc)
+            return None
+        try:
+            return None if entry is None else BaseReader(entry.layout, entry.read_ranges, close=entry.close)
+        except CorruptEntryError:  # an entry a dependent cannot be coded against (itself a dependent): not a base
+            entry.close()  # type: ignore[union-attr]
+            return None
+
+    def _open_entry(self, key: str) -> OpenEntry | None:
+        """The entry's header read and checked, its bytes left to read by range; None if it is not stored.
+        Raises CorruptEntryError for a bad entry, and the backend's errors."""
         handle = None
         try:
             name = self.entry_name(key)
@@ -173,30 +229,23 @@ class DiskStore(CountedTier):
                 )
             handle = None if inline is None else self._read(name)
             if handle is None:
-                self._count_miss()
                 return None
             if type(handle) is bytes:  # a small value kept inside SQLite: already in memory
                 data = memoryview(handle)
                 layout = parse_layout(data, key, len(data), codec=self.codec, hmac_key=self.hmac_key)
-                reader, close = (lambda ranges: [data[a:b] for a, b in ranges]), None
-            else:
-                fd = handle.fileno()
-                size = os.fstat(fd).st_size
-                if size > max(self.budget_bytes, 1 << 20):
-                    raise CorruptEntryError(f"entry {key[:12]} is {size} bytes, more than the tier's budget")
-                head = os.pread(fd, 8, 0)
-                head += os.pread(fd, header_length(head, key) - 8, 8)
-                layout = parse_layout(head, key, size, codec=self.codec, hmac_key=self.hmac_key)
-                reader, close = (lambda ranges: [os.pread(fd, b - a, a) for a, b in ranges]), handle.close
-        except (CorruptEntryError, *self._backend_errors) as exc:
+                return OpenEntry(layout, lambda ranges: [data[a:b] for a, b in ranges], None)
+            fd = handle.fileno()
+            size = os.fstat(fd).st_size
+            if size > max(self.budget_bytes, 1 << 20):
+                raise CorruptEntryError(f"entry {key[:12]} is {size} bytes, more than the tier's budget")
+            head = os.pread(fd, 8, 0)
+            head += os.pread(fd, header_length(head, key) - 8, 8)
+            layout = parse_layout(head, key, size, codec=self.codec, hmac_key=self.hmac_key)
+            return OpenEntry(layout, lambda ranges: [os.pread(fd, b - a, a) for a, b in ranges], handle.close)
+        except BaseException:
             if handle is not None and type(handle) is not bytes:
                 handle.close()
-            if isinstance(exc, CorruptEntryError):
-                self._drop_corrupt(key, exc)
-            else:
-                self._count_error("get", key, exc)
-            return None
-        return LazyChunkKV(layout, reader, close=close)
+            raise
 
     def _read(self, name: str) -> object:
         """The bytes or open value file of the entry kept as `name`, moved to the most recently used end unless
@@ -221,11 +270,18 @@ class DiskStore(CountedTier):
     def put(self, kv: ChunkKV) -> None:
         if self._skipped():
             return
+        base = self._base_for(kv)
         try:
-            data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key)
+            data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key, base=base)
         except NonFiniteKVError as exc:
             logger.warning("%s", exc)
             return
+        except CorruptEntryError as exc:  # the base turned out damaged while it was read: store the entry alone
+            self._drop_corrupt(kv.key if base is None else base.layout.key, exc)
+            data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key)
+        finally:
+            if base is not None:
+                base.close()
         try:
             if len(data) > self.budget_bytes:
                 # Storing it would evict everything else and then itself; drop any older copy instead.
@@ -240,6 +296,21 @@ class DiskStore(CountedTier):
             self.stats.puts += 1
             self.stats.evictions += evicted
         self._pause.succeeded()
+
+    def _base_for(self, kv: ChunkKV) -> BaseReader | None:
+        """The stored entry `kv` can be coded against (its `base`, of the same shape, under a codec that codes
+        integer codes), or None: `kv` is stored alone."""
+        if not kv.base or kv.base == kv.key or not isinstance(self.codec, CodesCodec):
+            return None
+        try:
+            base = self._open_base(kv.base)
+        except self._backend_errors as exc:
+            self._count_error("base read", kv.base, exc, miss=False)
+            return None
+        if base is not None and base.layout.shape != kv.shape:
+            base.close()
+            return None
+        return base
 
     def _delete(self, key: str) -> None:
         if self._skipped():
