@@ -179,3 +179,28 @@ def test_grouped_precompute_stores_captured_entries_against_their_isolated_ones(
         assert kv is not None and kv.base  # stored against the chunk's isolated entry
     assert results[0].metrics.hits_by_tier.get("disk") == len(chunks)
     torch.testing.assert_close(results[0].logits, results[1].logits)  # float32 rounding apart (4.8e-7 of 3.1)
+
+
+def test_the_redis_tier_codes_against_a_base_it_holds_and_orphans_when_it_goes(redis_server, codec):
+    from cacheblend_rag.store.redis_store import RedisStore
+
+    base, dep = pair()
+    store = RedisStore(redis_server.url, 10 * 1024**2, namespace=f"dependents-{id(codec)}", codec=codec)
+    store.put(dep)  # no base yet: stored alone
+    alone = store.open(DEP)
+    assert alone is not None and not alone.kv.layout.base
+    alone_bytes = alone.kv.layout.total_bytes
+    store.put(base)
+    store.put(dep)  # now against the base
+    want = deserialize_chunk(serialize_chunk(dep, codec=codec), DEP, codec=codec)
+    hit = store.open(DEP)
+    assert hit is not None and hit.kv.layout.base == BASE and hit.kv.layout.total_bytes < 0.8 * alone_bytes
+    for i in (1, 2, 0):
+        k, v = hit.kv.layer(i)
+        assert torch.equal(k, want.keys[i]) and torch.equal(v, want.values[i])
+    whole = store.get(DEP)
+    assert whole is not None and torch.equal(whole.values, want.values) and whole.base == BASE
+    store.discard(BASE)
+    assert store.open(DEP) is None and store.get(DEP) is None
+    assert store.stats.vanished == 1 and DEP not in store and store.stats.corrupt == 0
+    store.clear()

@@ -17,44 +17,30 @@ import time
 import zlib
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from ..config.checks import check_redis_url, mask_url
 from ..errors import ConfigError, CorruptEntryError, EntryGoneError, NonFiniteKVError
 from . import redis_scripts
 from .base import Hit
 from .chunk_kv import ChunkKV
-from .codec import CODECS, TIER_CODEC, KVCodec, get_codec
+from .codec import CODECS, TIER_CODEC, CodesCodec, KVCodec, get_codec
+from .layout import BaseReader, EntryLayout, RangeReader
 from .lazy import LazyChunkKV
+from .redis_connect import cluster_client, import_redis, split_cluster_flag
 from .serialize import deserialize_chunk, header_length, parse_layout, serialize_chunk, stored_name
 from .stats import CountedTier
 
 logger = logging.getLogger(__name__)
 
+
+class _CallFailed(Exception):
+    """A Redis call failed (already logged and counted by `RedisStore._call`): a miss, nothing to delete."""
+
+
 # How much of an entry `open` fetches with its first call: enough for the header of any model we support.
 _HEAD_BYTES = 64 * 1024
 _CLUSTER_SHARDS = 16  # default shards on a cluster: enough to spread over a few masters
-
-
-def _import_redis() -> Any:
-    try:
-        import redis
-    except ImportError as exc:
-        raise ImportError("the Redis tier needs redis-py; install it with `pip install 'redis>=5.0'`") from exc
-    return redis
-
-
-def split_cluster_flag(url: str) -> tuple[str, bool]:
-    """`redis://host:7000/0?cluster=1` -> (`redis://host:7000/0`, True): the flag is ours, not redis-py's."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    flags = [v for k, v in query if k == "cluster"]
-    if not flags:
-        return url, False
-    if flags[-1].lower() not in ("1", "true", "yes", "0", "false", "no"):
-        raise ConfigError(f"the redis URL's cluster= must be 1/true/yes or 0/false/no, got {flags[-1]!r}")
-    rest = urlencode([(k, v) for k, v in query if k != "cluster"])
-    return urlunsplit(parts._replace(query=rest)), flags[-1].lower() in ("1", "true", "yes")
 
 
 class RedisStore(CountedTier):
@@ -98,7 +84,7 @@ class RedisStore(CountedTier):
         shards = (_CLUSTER_SHARDS if cluster else 1) if shards is None else shards
         if type(shards) is not int or shards < 1:
             raise ConfigError(f"shards must be an integer >= 1, got {shards!r}")
-        redis = _import_redis()
+        redis = import_redis()
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
@@ -117,7 +103,7 @@ class RedisStore(CountedTier):
         # The client connects lazily, so a server that is down at start-up is just an outage on the first call.
         timeouts = {"socket_connect_timeout": connect_timeout_s, "socket_timeout": read_timeout_s}
         if cluster:
-            self._client = self._cluster_client(redis, url, timeouts)
+            self._client = cluster_client(redis, url, timeouts)
         else:
             try:
                 self._client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **timeouts)
@@ -136,23 +122,6 @@ class RedisStore(CountedTier):
         self._scripts = {op: self._client.register_script(script) for op, script in scripts.items()}
         self._down_until = 0.0  # time.monotonic() before which the server is not asked again
         self._in_outage = False
-
-    @staticmethod
-    def _cluster_client(redis: Any, url: str, timeouts: dict[str, float]) -> Any:
-        from redis.cluster import RedisCluster
-
-        if urlsplit(url).path not in ("", "/", "/0"):
-            raise ConfigError(f"a Redis Cluster has database 0 only; drop the /N from {mask_url(url)!r}")
-        try:
-            # Connecting here learns the slot map; an unreachable cluster makes the tier an outage until it is up.
-            return RedisCluster.from_url(url, cluster_error_retry_attempts=1, **timeouts)
-        except (redis.RedisError, redis.exceptions.RedisClusterException, ValueError) as exc:
-            # redis-py raises RedisClusterUnreachableError (not a RedisError) when no node answers
-            raise ConfigError(
-                f"cannot reach the Redis Cluster at {mask_url(url)} ({type(exc).__name__}: {exc}): check that a node "
-                "of the cluster listens at that host and port with cluster mode on (`redis-cli -h HOST -p PORT "
-                "cluster info`), or drop ?cluster=1 for a single Redis server"
-            ) from None
 
     # -- key layout -----------------------------------------------------------------------------------------
 
@@ -225,42 +194,79 @@ class RedisStore(CountedTier):
         if data is None:
             self._count_miss()
             return None
+        base = None
         try:
-            kv = deserialize_chunk(data, key, codec=self.codec, hmac_key=self.hmac_key)
+            head = parse_layout(data, key, len(data), codec=self.codec, hmac_key=self.hmac_key)
+            base = self._open_base(head.base) if head.base else None
+            kv = deserialize_chunk(data, key, codec=self.codec, hmac_key=self.hmac_key, base=base)
+        except _CallFailed:
+            self._count_miss()
+            return None
         except CorruptEntryError as exc:
             self._drop_corrupt(key, exc)
             return None
+        finally:
+            if base is not None:
+                base.close()
         self._count_hit(len(data))
         return kv
 
     def open(self, key: str) -> Hit | None:
-        """Like `get`, but fetch only the header now and each layer (two GETRANGEs) when it is asked for.
+        """Like `get`, but fetch only the header now and each layer (two GETRANGEs) when it is asked for; an entry
+        coded against a base (`layout.py`) has the base's header fetched too, and its layers beside its own.
 
         The entry can be evicted or replaced while its layers are read; a layer that then comes back short or
         different fails its check, and the engine recomputes the chunk.
         """
-        args = [self.entry_name(key), _HEAD_BYTES]
-        found = self._call("open", lambda: self._scripts["open"](keys=self._keys(key), args=args), None)
-        if not found:
+        try:
+            entry = self._open_entry(key)
+            if entry is None:
+                self._count_miss()
+                return None
+            base = self._open_base(entry[0].base) if entry[0].base else None
+            lazy = LazyChunkKV(*entry, base=base)  # OrphanedEntryError when the base is gone or was replaced
+        except _CallFailed:
             self._count_miss()
             return None
-        value_key = self.value_key(key)
-        try:
-            if not isinstance(found, list) or len(found) != 2 or not isinstance(found[1], bytes):
-                raise CorruptEntryError(f"entry {key[:12]} is not a string value")
-            total, head = int(found[0]), found[1]
-            need = header_length(head, key)
-            if need > len(head):
-                start = len(head)
-                more = self._call("open", lambda: self._client.getrange(value_key, start, need - 1), None)
-                if more is None:
-                    self._count_miss()
-                    return None  # the failure is logged and counted by _call
-                head += more
-            layout = parse_layout(head, key, total, codec=self.codec, hmac_key=self.hmac_key)
         except CorruptEntryError as exc:
             self._drop_corrupt(key, exc)
             return None
+        return self._hand_out(key, lazy)
+
+    def _open_base(self, key: str) -> BaseReader | None:
+        """The base entry a dependent is coded against, its header fetched (which keeps it recently used); None if
+        it is not stored, or damaged (dropped and counted), or cannot be a base."""
+        try:
+            entry = self._open_entry(key)
+        except CorruptEntryError as exc:
+            self._drop_corrupt(key, exc)
+            return None
+        try:
+            return None if entry is None else BaseReader(*entry)
+        except CorruptEntryError:  # itself coded against another entry: not a base
+            return None
+
+    def _open_entry(self, key: str) -> tuple[EntryLayout, RangeReader] | None:
+        """The entry's header fetched and checked, and a reader of its byte ranges; None if it is not stored.
+        Raises CorruptEntryError, and `_CallFailed` when a call fails (logged and counted by `_call`)."""
+        args = [self.entry_name(key), _HEAD_BYTES]
+        found = self._call("open", lambda: self._scripts["open"](keys=self._keys(key), args=args), _CallFailed)
+        if found is _CallFailed:
+            raise _CallFailed
+        if not found:
+            return None
+        value_key = self.value_key(key)
+        if not isinstance(found, list) or len(found) != 2 or not isinstance(found[1], bytes):
+            raise CorruptEntryError(f"entry {key[:12]} is not a string value")
+        total, head = int(found[0]), found[1]
+        need = header_length(head, key)
+        if need > len(head):
+            start = len(head)
+            more = self._call("open", lambda: self._client.getrange(value_key, start, need - 1), None)
+            if more is None:
+                raise _CallFailed
+            head += more
+        layout = parse_layout(head, key, total, codec=self.codec, hmac_key=self.hmac_key)
 
         def read_ranges(ranges: Sequence[tuple[int, int]]) -> list[bytes]:
             pipe = self._client.pipeline(transaction=False)
@@ -274,16 +280,20 @@ class RedisStore(CountedTier):
                 raise EntryGoneError(f"entry {key[:12]} went away while its layers were read")
             return out
 
-        return self._hand_out(key, LazyChunkKV(layout, read_ranges))
+        return layout, read_ranges
 
     def put(self, kv: ChunkKV) -> None:
         if not self.available:
             return  # skip serializing for a server we are not going to ask
+        base = self._base_for(kv)
         try:
-            data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key)
+            data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key, base=base)
         except NonFiniteKVError as exc:
             logger.warning("%s", exc)
             return
+        except CorruptEntryError as exc:  # the base went away or turned out damaged while it was read: alone
+            self._drop_corrupt(kv.base, exc)
+            data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key)
         budget = self.budget_bytes // self.shards
         if len(data) > budget:
             # Storing it would evict everything else and then itself; drop any older copy instead.
@@ -296,6 +306,17 @@ class RedisStore(CountedTier):
             with self._lock:
                 self.stats.puts += 1
                 self.stats.evictions += int(evicted)
+
+    def _base_for(self, kv: ChunkKV) -> BaseReader | None:
+        """The stored entry `kv` can be coded against (its `base`, of the same shape, under a `CodesCodec`), or
+        None: `kv` is stored alone."""
+        if not kv.base or kv.base == kv.key or not isinstance(self.codec, CodesCodec):
+            return None
+        try:
+            base = self._open_base(kv.base)
+        except _CallFailed:
+            return None
+        return base if base is not None and base.layout.shape == kv.shape else None
 
     def _delete(self, key: str) -> None:
         keys, name = self._keys(key)[:4], self.entry_name(key)
