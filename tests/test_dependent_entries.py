@@ -204,3 +204,27 @@ def test_the_redis_tier_codes_against_a_base_it_holds_and_orphans_when_it_goes(r
     assert store.open(DEP) is None and store.get(DEP) is None
     assert store.stats.vanished == 1 and DEP not in store and store.stats.corrupt == 0
     store.clear()
+
+
+def test_a_failed_read_of_the_base_is_a_miss_that_keeps_the_dependent(tmp_path, codec, monkeypatch):
+    import sqlite3
+
+    from cacheblend_rag.store.disk.index import GuardedIndex
+
+    base, dep = pair()
+    store = DiskStore(tmp_path / "kv", 10 * 1024**2, codec=codec)
+    store.put(base)
+    store.put(dep)
+    read = GuardedIndex.read
+
+    def base_unreadable(self, name):  # noqa: ANN001
+        if name.startswith(BASE):
+            raise sqlite3.OperationalError("disk I/O error")
+        return read(self, name)
+
+    monkeypatch.setattr(GuardedIndex, "read", base_unreadable)
+    assert store.open(DEP) is None and store.stats.errors == 1
+    assert DEP in store and store.stats.vanished == 0  # a failure, not an orphan: kept
+    monkeypatch.setattr(GuardedIndex, "read", read)
+    hit = store.open(DEP)
+    assert hit is not None and hit.kv.materialize().base == BASE

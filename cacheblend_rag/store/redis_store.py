@@ -169,13 +169,9 @@ class RedisStore(CountedTier):
                 first = not self._in_outage
                 self._in_outage = True
             if first:
-                logger.warning(
-                    "Redis tier at %s is unreachable (%s: %s); serving from the other tiers, retrying every %.1f s",
-                    self.where,
-                    type(exc).__name__,
-                    exc,
-                    self.backoff_s,
-                )
+                why = f"{type(exc).__name__}: {exc}"
+                logger.warning("Redis tier at %s is unreachable (%s); serving from the other tiers, retrying every "
+                               "%.1f s", self.where, why, self.backoff_s)  # fmt: skip
             return default
         except self._redis_error as exc:
             # The server answered with an error (out of memory, a wrong key type, ...): this call fails, the tier stays.
@@ -241,8 +237,10 @@ class RedisStore(CountedTier):
         except CorruptEntryError as exc:
             self._drop_corrupt(key, exc)
             return None
+        if entry is None:
+            return None
         try:
-            return None if entry is None else BaseReader(*entry)
+            return BaseReader(*entry)
         except CorruptEntryError:  # itself coded against another entry: not a base
             return None
 

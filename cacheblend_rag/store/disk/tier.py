@@ -209,10 +209,12 @@ class DiskStore(CountedTier):
         except CorruptEntryError as exc:
             self._drop_corrupt(key, exc)
             return None
+        if entry is None:
+            return None
         try:
-            return None if entry is None else BaseReader(entry.layout, entry.read_ranges, close=entry.close)
+            return BaseReader(entry.layout, entry.read_ranges, close=entry.close)
         except CorruptEntryError:  # an entry a dependent cannot be coded against (itself a dependent): not a base
-            entry.close()  # type: ignore[union-attr]
+            entry.close()
             return None
 
     def _open_entry(self, key: str) -> OpenEntry | None:
@@ -277,7 +279,7 @@ class DiskStore(CountedTier):
             logger.warning("%s", exc)
             return
         except CorruptEntryError as exc:  # the base turned out damaged while it was read: store the entry alone
-            self._drop_corrupt(kv.key if base is None else base.layout.key, exc)
+            self._drop_corrupt(kv.base, exc)
             data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key)
         finally:
             if base is not None:
