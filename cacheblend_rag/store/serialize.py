@@ -3,7 +3,8 @@
 The bytes are a safetensors file of two tensors, `keys` and `values`: each layer's K and V as its codec encoded
 them (`codec.py`), stacked by layer ([L, Hkv, T, D] in the compute dtype for the `native` codec, [L, bytes] of
 uint8 for the quantized ones; for a codec whose payloads vary in length, `pca`, one 1-D uint8 run of every layer's,
-with each layer's lengths in the header, format 4). The header metadata records a format version, the chunk key,
+with each layer's lengths in the header, format 4; format 5 when its codes are stored against another entry's,
+whose key and digest the header records: `layout.py`). The header metadata records a format version, the chunk key,
 the codec, the compute dtype, the shape and one sha256 per layer (of that layer's encoded key bytes then value
 bytes). Because each tensor is contiguous by layer, layer l is two known byte ranges: a reader can fetch, check and
 decode one layer at a time (`EntryLayout`, used by the pipelined loader) or the whole entry at once
