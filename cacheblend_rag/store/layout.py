@@ -125,6 +125,21 @@ class EntryLayout:
         return k, v
 
 
+@dataclass
+class OpenEntry:
+    """A stored entry whose header was read: where its layers lie, a reader of its byte ranges, and what closes its
+    file (None: nothing to close)."""
+
+    layout: EntryLayout
+    read_ranges: RangeReader
+    closer: Callable[[], None] | None = None
+
+    def close(self) -> None:
+        closer, self.closer = self.closer, None
+        if closer is not None:
+            closer()
+
+
 def base_digest(layout: EntryLayout) -> str:
     """What a dependent records of its base: a digest of the base's codec and layer checksums. A base rewritten
     with other bytes (recomputed on another machine, re-signed) no longer matches, and the dependent is a miss."""

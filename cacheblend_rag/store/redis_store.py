@@ -25,7 +25,7 @@ from . import redis_scripts
 from .base import Hit
 from .chunk_kv import ChunkKV
 from .codec import CODECS, TIER_CODEC, CodesCodec, KVCodec, get_codec
-from .layout import BaseReader, EntryLayout, RangeReader
+from .layout import BaseReader, OpenEntry
 from .lazy import LazyChunkKV
 from .redis_connect import cluster_client, import_redis, split_cluster_flag
 from .serialize import deserialize_chunk, header_length, parse_layout, serialize_chunk, stored_name
@@ -219,8 +219,9 @@ class RedisStore(CountedTier):
             if entry is None:
                 self._count_miss()
                 return None
-            base = self._open_base(entry[0].base) if entry[0].base else None
-            lazy = LazyChunkKV(*entry, base=base)  # OrphanedEntryError when the base is gone or was replaced
+            base = self._open_base(entry.layout.base) if entry.layout.base else None
+            # OrphanedEntryError when the base is gone or was replaced
+            lazy = LazyChunkKV(entry.layout, entry.read_ranges, base=base)
         except _CallFailed:
             self._count_miss()
             return None
@@ -229,22 +230,7 @@ class RedisStore(CountedTier):
             return None
         return self._hand_out(key, lazy)
 
-    def _open_base(self, key: str) -> BaseReader | None:
-        """The base entry a dependent is coded against, its header fetched (which keeps it recently used); None if
-        it is not stored, or damaged (dropped and counted), or cannot be a base."""
-        try:
-            entry = self._open_entry(key)
-        except CorruptEntryError as exc:
-            self._drop_corrupt(key, exc)
-            return None
-        if entry is None:
-            return None
-        try:
-            return BaseReader(*entry)
-        except CorruptEntryError:  # itself coded against another entry: not a base
-            return None
-
-    def _open_entry(self, key: str) -> tuple[EntryLayout, RangeReader] | None:
+    def _open_entry(self, key: str) -> OpenEntry | None:
         """The entry's header fetched and checked, and a reader of its byte ranges; None if it is not stored.
         Raises CorruptEntryError, and `_CallFailed` when a call fails (logged and counted by `_call`)."""
         args = [self.entry_name(key), _HEAD_BYTES]
@@ -278,7 +264,7 @@ class RedisStore(CountedTier):
                 raise EntryGoneError(f"entry {key[:12]} went away while its layers were read")
             return out
 
-        return layout, read_ranges
+        return OpenEntry(layout, read_ranges)
 
     def put(self, kv: ChunkKV) -> None:
         if not self.available:

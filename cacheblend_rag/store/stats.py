@@ -14,13 +14,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import EntryGoneError, OrphanedEntryError
+from ..errors import CorruptEntryError, EntryGoneError, OrphanedEntryError
 from .base import Hit, StoreStats
 from .codec import CODECS
+from .layout import BaseReader, OpenEntry
 from .serialize import stored_name
 
 if TYPE_CHECKING:
-    from ..errors import CorruptEntryError
     from .codec import KVCodec
     from .lazy import LazyChunkKV
 
@@ -68,11 +68,12 @@ class UnreadHits:
 
 
 class CountedTier(ABC):
-    """The `stats`, unread-hit tracking and `discard` of a tier of serialized entries (disk, Redis).
+    """The `stats`, unread-hit tracking, `discard` and base opening of a tier of serialized entries (disk, Redis).
 
-    A subclass implements `_delete` (which logs and counts its own failures, never raises) and the reads and
-    writes; it counts through `_count_hit`, `_count_miss` and `_count_failure`, hands a lazily read hit out
-    through `_hand_out`, and drops a damaged entry through `_drop_corrupt`.
+    A subclass implements `_delete` (which logs and counts its own failures, never raises), `_open_entry` (what
+    `_open_base` opens a dependent's base with) and the reads and writes; it counts through `_count_hit`,
+    `_count_miss` and `_count_failure`, hands a lazily read hit out through `_hand_out`, and drops a damaged entry
+    through `_drop_corrupt`.
     """
 
     codec: KVCodec  # set by the subclass: how its entries are encoded
@@ -101,6 +102,27 @@ class CountedTier(ABC):
     @abstractmethod
     def _has_entry(self, key: str, name: str) -> bool:
         """Whether chunk `key` has an entry stored under `name` (a failure is False, never raised)."""
+
+    @abstractmethod
+    def _open_entry(self, key: str) -> OpenEntry | None:
+        """`key`'s entry with its header read and checked, its layers left to read by range; None if it is not
+        stored. Raises CorruptEntryError for a bad entry, and the tier's own errors for a failed call."""
+
+    def _open_base(self, key: str) -> BaseReader | None:
+        """The entry a dependent is coded against (`layout.py`), its header read, which keeps it recently used; None
+        if it is not stored, cannot be a base (itself a dependent), or is damaged (dropped and counted)."""
+        try:
+            entry = self._open_entry(key)
+        except CorruptEntryError as exc:
+            self._drop_corrupt(key, exc)
+            return None
+        if entry is None:
+            return None
+        try:
+            return BaseReader(entry.layout, entry.read_ranges, close=entry.close)
+        except CorruptEntryError:
+            entry.close()
+            return None
 
     @abstractmethod
     def _delete(self, key: str) -> None:

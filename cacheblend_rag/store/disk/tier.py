@@ -12,14 +12,12 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from ...errors import ConfigError, CorruptEntryError, NonFiniteKVError
 from ..base import Hit
 from ..chunk_kv import ChunkKV
 from ..codec import TIER_CODEC, CodesCodec, KVCodec, get_codec
-from ..layout import BaseReader, EntryLayout, RangeReader
+from ..layout import BaseReader, OpenEntry
 from ..lazy import LazyChunkKV
 from ..serialize import header_length, parse_layout, serialize_chunk
 from ..stats import CountedTier
@@ -66,20 +64,6 @@ def _open_index(directory: str, budget_bytes: int, timeout_s: float) -> tuple[Gu
             index.close()
             raise
     return index, None
-
-
-@dataclass
-class OpenEntry:
-    """An entry whose header was read: where its layers lie, a reader of its byte ranges, and what closes its file."""
-
-    layout: EntryLayout
-    read_ranges: RangeReader
-    closer: Callable[[], None] | None
-
-    def close(self) -> None:
-        closer, self.closer = self.closer, None
-        if closer is not None:
-            closer()
 
 
 def check_disk_dir(directory: str | os.PathLike[str]) -> None:
@@ -200,22 +184,6 @@ class DiskStore(CountedTier):
                 self._count_error("get", key, exc)
             return None
         return lazy
-
-    def _open_base(self, key: str) -> BaseReader | None:
-        """The base entry a dependent is coded against, its header read (reading it keeps it recently used); None
-        if it is not stored, or damaged (dropped and counted)."""
-        try:
-            entry = self._open_entry(key)
-        except CorruptEntryError as exc:
-            self._drop_corrupt(key, exc)
-            return None
-        if entry is None:
-            return None
-        try:
-            return BaseReader(entry.layout, entry.read_ranges, close=entry.close)
-        except CorruptEntryError:  # an entry a dependent cannot be coded against (itself a dependent): not a base
-            entry.close()
-            return None
 
     def _open_entry(self, key: str) -> OpenEntry | None:
         """The entry's header read and checked, its bytes left to read by range; None if it is not stored.
