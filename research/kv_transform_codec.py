@@ -5,12 +5,16 @@ against the isolated one would save (the study behind `store/transform_codec.py`
     python research/kv_transform_codec.py rates /tmp/kv.pt                              # bits per variant, delta
     python research/kv_transform_codec.py entropy /tmp/kv.pt                            # what a coder could save
     python research/kv_transform_codec.py screen NAME:p|w:RHO_K:RHO_V,... -- FIDELITY ARGS
+    python research/kv_transform_codec.py divergence NAME:p:RHO_K:RHO_V,... --data-dir DATA [--cases 10]
 
 Variants: `p` each head's principal axes with one step per layer (the product's); `w` the axes of the KV weighted by
 what an error costs (keys by their queries' energy per RoPE pair, values by the output projection), one step per
 kind over all layers. Both are fitted on the packaged calibration text. `screen` runs `benchmarks/fidelity.py` with
 each variant as a lossy memory codec (the KV rounded and restored; its bits measured by `rates`), e.g.
 `--datasets wikimqa,samsum --rules attention --ratios 0.15 --no-reuse --kv-codec pB,pC --limit 8`.
+`divergence` measures each variant against exact KV directly: KL(first answer token's distribution read from exact KV
+|| read from the variant's), at full reuse and at r = 0.15, per case of every set; unlike each one's KL to full
+prefill, it grows with the rounding error instead of moving a case's distance to full either way.
 """
 
 from __future__ import annotations
@@ -223,6 +227,59 @@ def screen(specs: str, fidelity_args: list[str]) -> None:
     runpy.run_path(str(ROOT / "benchmarks" / "fidelity.py"), run_name="__main__")
 
 
+def divergence(specs: str, data_dir: str, cases: int, ratio: float = 0.15) -> None:
+    """Per set and variant, the mean KL(exact || variant) of the first answer token [95% CI] at full reuse and at
+    `ratio`, then the per-case agreement of the variants' divergences (Spearman)."""
+    from statistics import mean
+
+    from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.evaluation.datasets import load_dataset
+    from cacheblend_rag.evaluation.fidelity import bootstrap_ci
+    from cacheblend_rag.store import MemoryStore
+
+    exact = CacheBlendEngine.from_pretrained(show_progress=False)
+    variants = {}
+    for spec in specs.split(","):
+        name, kind_of, rk, rv = spec.split(":")
+        store = MemoryStore(64 * 2**30, codec=Lossy(name, fit(kind_of, float(rk), float(rv))))
+        variants[name] = CacheBlendEngine(exact.model, exact.tokenizer, config=exact.config, store=store)
+    modes = {"reuse": ("reuse", None), f"r={ratio}": ("blend", ratio)}
+    found: dict[tuple[str, str, str], list[float]] = {}
+    for set_name in ("multi_news", "musique", "samsum", "wikimqa"):
+        for case in load_dataset(set_name, data_dir, limit=cases).cases:
+            exact.clear_store()
+            exact.precompute(list(case.chunks), case.question)
+            prompt = exact.build_prompt(list(case.chunks), case.question)
+            for engine in variants.values():
+                engine.clear_store()
+                for key in exact.prompt_keys(prompt):
+                    kv = exact.store.get(key)
+                    if kv is not None:
+                        engine.store.put(kv)
+            for label, (mode, r) in modes.items():
+                want = exact.prefill(prompt, mode, recompute_ratio=r).logits.float().log_softmax(-1)
+                for name, engine in variants.items():
+                    got = engine.prefill(prompt, mode, recompute_ratio=r).logits.float().log_softmax(-1)
+                    kl = float((want.exp() * (want - got)).sum())
+                    found.setdefault((label, set_name, name), []).append(kl)
+                    found.setdefault((label, "all", name), []).append(kl)
+    for label in modes:
+        print(f"\nKL(exact || variant) of the first answer token, {label}, mean [95% CI]")
+        print("| set | " + " | ".join(variants) + " |")
+        for set_name in ("multi_news", "musique", "samsum", "wikimqa", "all"):
+            cells = []
+            for name in variants:
+                values = found[label, set_name, name]
+                lo, hi = bootstrap_ci(values)
+                cells.append(f"{mean(values):.4f} [{lo:.4f}, {hi:.4f}]")
+            print(f"| {set_name} ({len(values)}) | " + " | ".join(cells) + " |")
+        names = list(variants)
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                x, y = (torch.tensor(found[label, "all", n]).argsort().argsort().float() for n in (a, b))
+                print(f"  per-case rank correlation {a} ~ {b}: {float(torch.corrcoef(torch.stack([x, y]))[0, 1]):.2f}")
+
+
 if __name__ == "__main__":
     command, rest = sys.argv[1], sys.argv[2:]
     if command == "collect":
@@ -233,5 +290,8 @@ if __name__ == "__main__":
         entropy(rest[0])
     elif command == "screen":
         screen(rest[0], rest[rest.index("--") + 1 :])
+    elif command == "divergence":
+        cases = int(rest[rest.index("--cases") + 1]) if "--cases" in rest else 10
+        divergence(rest[0], rest[rest.index("--data-dir") + 1], cases)
     else:
         sys.exit(__doc__)
