@@ -6,7 +6,7 @@ against the isolated one would save (the study behind `store/transform_codec.py`
     python research/kv_transform_codec.py entropy /tmp/kv.pt                            # what a coder could save
     python research/kv_transform_codec.py screen NAME:p|w:RHO_K:RHO_V,... -- FIDELITY ARGS
     python research/kv_transform_codec.py divergence NAME:p:RHO_K:RHO_V,... --data-dir DATA [--cases 10]
-    python research/kv_transform_codec.py steps RHO_K:RHO_V -- FIDELITY ARGS   # the product's pca at other steps
+    python research/kv_transform_codec.py steps RHO_K:RHO_V [fidelity|codec_bytes] -- ARGS   # pca at other steps
 
 Variants: `p` each head's principal axes with one step per layer (the product's); `w` the axes of the KV weighted by
 what an error costs (keys by their queries' energy per RoPE pair, values by the output projection), one step per
@@ -228,14 +228,14 @@ def screen(specs: str, fidelity_args: list[str]) -> None:
     runpy.run_path(str(ROOT / "benchmarks" / "fidelity.py"), run_name="__main__")
 
 
-def steps(rel_mse: str, fidelity_args: list[str]) -> None:
-    """`benchmarks/fidelity.py` with the product's `pca` calibrated to other steps (its `REL_MSE`), e.g.
-    `steps 0.0028:0.0028 -- --datasets multi_news --rules attention --ratios 0.15 --kv-codec pca --limit 30`."""
+def steps(rel_mse: str, bench: str, args: list[str]) -> None:
+    """`benchmarks/<bench>.py` (fidelity or codec_bytes) with the product's `pca` calibrated to other steps (its
+    `REL_MSE`), e.g. `steps 0.0028:0.0028 -- --datasets multi_news --rules attention --ratios 0.15 --kv-codec pca`."""
     from cacheblend_rag.store.transform_codec import KVCalibration
 
     KVCalibration.fit.__func__.__defaults__ = (tuple(float(x) for x in rel_mse.split(":")),)
-    sys.argv = ["fidelity.py", *fidelity_args]
-    runpy.run_path(str(ROOT / "benchmarks" / "fidelity.py"), run_name="__main__")
+    sys.argv = [f"{bench}.py", *args]
+    runpy.run_path(str(ROOT / "benchmarks" / f"{bench}.py"), run_name="__main__")
 
 
 def divergence(specs: str, data_dir: str, cases: int, ratio: float = 0.15) -> None:
@@ -302,7 +302,8 @@ if __name__ == "__main__":
     elif command == "screen":
         screen(rest[0], rest[rest.index("--") + 1 :])
     elif command == "steps":
-        steps(rest[0], rest[rest.index("--") + 1 :])
+        bench = rest[1] if rest[1] != "--" else "fidelity"
+        steps(rest[0], bench, rest[rest.index("--") + 1 :])
     elif command == "divergence":
         cases = int(rest[rest.index("--cases") + 1]) if "--cases" in rest else 10
         divergence(rest[0], rest[rest.index("--data-dir") + 1], cases)
