@@ -152,6 +152,12 @@ def test_a_base_reader_reads_only_the_layers_asked_for(codec):
     codes = BaseReader(layout, read).codes([1])
     assert asked == list(layout.layer_ranges(1)) and codes[0][0].shape == (2, 16, 200)
 
+    def failing(ranges):
+        raise OSError("I/O error")
+
+    with pytest.raises(CorruptEntryError, match="could not be read"):  # a failed read is the entry's miss, not a crash
+        BaseReader(layout, failing).codes([0])
+
 
 def test_grouped_precompute_stores_captured_entries_against_their_isolated_ones(tmp_path):
     """The engine's captured entries on a pca disk tier are dependents, and a blend from them gives the logits of

@@ -169,7 +169,13 @@ class BaseReader:
         """The codes of `layers`, read in one batch of range reads. Raises CorruptEntryError."""
         layout = self.layout
         ranges = [r for i in layers for r in layout.layer_ranges(i)]
-        buffers = self._read_ranges(ranges)
+        try:
+            buffers = self._read_ranges(ranges)
+        except CorruptEntryError:
+            raise
+        except Exception as exc:  # the file or server failed mid-read: the base cannot be used now
+            raise CorruptEntryError(f"base entry {layout.key[:12]}: layers {layers[0]}.. could not be read "
+                                    f"({type(exc).__name__}: {exc})") from exc  # fmt: skip
         if len(buffers) != len(ranges):
             raise CorruptEntryError(f"base entry {layout.key[:12]}: {len(buffers)} reads for {len(ranges)} ranges")
         out = []
