@@ -24,11 +24,11 @@ from ..errors import ConfigError, CorruptEntryError, EntryGoneError, NonFiniteKV
 from . import redis_scripts
 from .base import Hit
 from .chunk_kv import ChunkKV
-from .codec import CODECS, TIER_CODEC, CodesCodec, KVCodec, get_codec
-from .layout import BaseReader, OpenEntry
+from .codec import CODECS, TIER_CODEC, KVCodec, get_codec
+from .layout import OpenEntry
 from .lazy import LazyChunkKV
 from .redis_connect import cluster_client, import_redis, split_cluster_flag
-from .serialize import deserialize_chunk, header_length, parse_layout, serialize_chunk, stored_name
+from .serialize import deserialize_chunk, header_length, parse_layout, stored_name
 from .stats import CountedTier
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,8 @@ class RedisStore(CountedTier):
     and the signing key's digest (`serialize.stored_name`), so a worker with another codec or signing key keeps its
     own entries beside these. Safe to share between threads.
     """
+
+    _failed_calls = (_CallFailed,)
 
     def __init__(
         self,
@@ -269,15 +271,11 @@ class RedisStore(CountedTier):
     def put(self, kv: ChunkKV) -> None:
         if not self.available:
             return  # skip serializing for a server we are not going to ask
-        base = self._base_for(kv)
         try:
-            data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key, base=base)
+            data = self._entry_bytes(kv)
         except NonFiniteKVError as exc:
             logger.warning("%s", exc)
             return
-        except CorruptEntryError as exc:  # the base went away or turned out damaged while it was read: alone
-            self._drop_corrupt(kv.base, exc)
-            data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key)
         budget = self.budget_bytes // self.shards
         if len(data) > budget:
             # Storing it would evict everything else and then itself; drop any older copy instead.
@@ -291,16 +289,8 @@ class RedisStore(CountedTier):
                 self.stats.puts += 1
                 self.stats.evictions += int(evicted)
 
-    def _base_for(self, kv: ChunkKV) -> BaseReader | None:
-        """The stored entry `kv` can be coded against (its `base`, of the same shape, under a `CodesCodec`), or
-        None: `kv` is stored alone."""
-        if not kv.base or kv.base == kv.key or not isinstance(self.codec, CodesCodec):
-            return None
-        try:
-            base = self._open_base(kv.base)
-        except _CallFailed:
-            return None
-        return base if base is not None and base.layout.shape == kv.shape else None
+    def _base_read_failed(self, key: str, exc: BaseException) -> None:
+        """Nothing to count: `_call` counted the failed call."""
 
     def _delete(self, key: str) -> None:
         keys, name = self._keys(key)[:4], self.entry_name(key)

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 
 from ..errors import CorruptEntryError, EntryGoneError, OrphanedEntryError
 from .base import Hit, StoreStats
-from .codec import CODECS
+from .chunk_kv import ChunkKV
+from .codec import CODECS, CodesCodec
 from .layout import BaseReader, OpenEntry
-from .serialize import stored_name
+from .serialize import serialize_chunk, stored_name
 
 if TYPE_CHECKING:
     from .codec import KVCodec
@@ -71,13 +72,15 @@ class CountedTier(ABC):
     """The `stats`, unread-hit tracking, `discard` and base opening of a tier of serialized entries (disk, Redis).
 
     A subclass implements `_delete` (which logs and counts its own failures, never raises), `_open_entry` (what
-    `_open_base` opens a dependent's base with) and the reads and writes; it counts through `_count_hit`,
+    `_open_base` opens a dependent's base with; `_entry_bytes` codes an entry against its base) and the reads and
+    writes; it counts through `_count_hit`,
     `_count_miss` and `_count_failure`, hands a lazily read hit out through `_hand_out`, and drops a damaged entry
     through `_drop_corrupt`.
     """
 
     codec: KVCodec  # set by the subclass: how its entries are encoded
     hmac_key: bytes | None  # set by the subclass: the key its entries are signed with, if any
+    _failed_calls: tuple[type[BaseException], ...]  # set by the subclass: what `_open_entry` raises when a call fails
 
     def __init__(self, name: str, label: str, logger: logging.Logger) -> None:
         self.name = name
@@ -107,6 +110,33 @@ class CountedTier(ABC):
     def _open_entry(self, key: str) -> OpenEntry | None:
         """`key`'s entry with its header read and checked, its layers left to read by range; None if it is not
         stored. Raises CorruptEntryError for a bad entry, and the tier's own errors for a failed call."""
+
+    @abstractmethod
+    def _base_read_failed(self, key: str, exc: BaseException) -> None:
+        """A call of the tier's (one of `_failed_calls`) failed while `_entry_bytes` read base `key`: counted as a
+        failed call, not a miss, unless the call counted itself. The entry is then stored alone."""
+
+    def _entry_bytes(self, kv: ChunkKV) -> bytes:
+        """`kv` serialized for this tier: coded against its base (`ChunkKV.base`) where the tier holds that entry, of
+        the same shape, under a `CodesCodec`; else alone. A base that fails its checks while read is dropped, and the
+        entry stored alone. Raises NonFiniteKVError."""
+        base = None
+        if kv.base and kv.base != kv.key and isinstance(self.codec, CodesCodec):
+            try:
+                base = self._open_base(kv.base)
+            except self._failed_calls as exc:
+                self._base_read_failed(kv.base, exc)
+            if base is not None and base.layout.shape != kv.shape:
+                base.close()
+                base = None
+        try:
+            return serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key, base=base)
+        except CorruptEntryError as exc:  # the base went away or turned out damaged while it was read
+            self._drop_corrupt(kv.base, exc)
+            return serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key)
+        finally:
+            if base is not None:
+                base.close()
 
     def _open_base(self, key: str) -> BaseReader | None:
         """The entry a dependent is coded against (`layout.py`), its header read, which keeps it recently used; None

@@ -16,10 +16,10 @@ import sqlite3
 from ...errors import ConfigError, CorruptEntryError, NonFiniteKVError
 from ..base import Hit
 from ..chunk_kv import ChunkKV
-from ..codec import TIER_CODEC, CodesCodec, KVCodec, get_codec
+from ..codec import TIER_CODEC, KVCodec, get_codec
 from ..layout import BaseReader, OpenEntry
 from ..lazy import LazyChunkKV
-from ..serialize import header_length, parse_layout, serialize_chunk
+from ..serialize import header_length, parse_layout
 from ..stats import CountedTier
 from .files import import_diskcache
 from .folder import claim_folder, write_marker
@@ -128,6 +128,7 @@ class DiskStore(CountedTier):
             self._pause.failed(full)
         # Failures of the backend itself, as opposed to bad data in it.
         self._backend_errors: tuple[type[BaseException], ...] = (OSError, sqlite3.Error, diskcache.Timeout)
+        self._failed_calls = self._backend_errors
 
     @property
     def nbytes(self) -> int:
@@ -240,18 +241,11 @@ class DiskStore(CountedTier):
     def put(self, kv: ChunkKV) -> None:
         if self._skipped():
             return
-        base = self._base_for(kv)
         try:
-            data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key, base=base)
+            data = self._entry_bytes(kv)
         except NonFiniteKVError as exc:
             logger.warning("%s", exc)
             return
-        except CorruptEntryError as exc:  # the base turned out damaged while it was read: store the entry alone
-            self._drop_corrupt(kv.base, exc)
-            data = serialize_chunk(kv, codec=self.codec, hmac_key=self.hmac_key)
-        finally:
-            if base is not None:
-                base.close()
         try:
             if len(data) > self.budget_bytes:
                 # Storing it would evict everything else and then itself; drop any older copy instead.
@@ -267,20 +261,8 @@ class DiskStore(CountedTier):
             self.stats.evictions += evicted
         self._pause.succeeded()
 
-    def _base_for(self, kv: ChunkKV) -> BaseReader | None:
-        """The stored entry `kv` can be coded against (its `base`, of the same shape, under a codec that codes
-        integer codes), or None: `kv` is stored alone."""
-        if not kv.base or kv.base == kv.key or not isinstance(self.codec, CodesCodec):
-            return None
-        try:
-            base = self._open_base(kv.base)
-        except self._backend_errors as exc:
-            self._count_error("base read", kv.base, exc, miss=False)
-            return None
-        if base is not None and base.layout.shape != kv.shape:
-            base.close()
-            return None
-        return base
+    def _base_read_failed(self, key: str, exc: BaseException) -> None:
+        self._count_error("base read", key, exc, miss=False)
 
     def _delete(self, key: str) -> None:
         if self._skipped():
