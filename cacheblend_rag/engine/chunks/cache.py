@@ -103,6 +103,12 @@ class ChunkCache:
             return self.keys.captured(prefix_ids, chunk_ids, copies)
         return self.keys.isolated(prefix_ids, chunk_ids) if isolated else self.keys.own(prefix_ids, chunk_ids)
 
+    def base_key(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], key: str) -> str:
+        """The entry a tier may code the chunk's entry `key` against (`ChunkKV.base`): the chunk's isolated entry,
+        which its other entries share most of their codes with; "" when `key` is that entry."""
+        alone = self.key(prefix_ids, chunk_ids, isolated=True)
+        return alone if key != alone else ""
+
     def place(
         self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], policy: str | None = None
     ) -> tuple[Placement, ...]:
@@ -205,9 +211,8 @@ class ChunkCache:
         assert result.kv.raw_keys is not None
         keys = result.kv.raw_keys[:, :, keep:].clone()  # [L, Hkv, T, D]: the chunk's own KV, nothing else kept
         values = result.kv.values[:, :, keep:].clone()
-        key, alone = self.key(prefix_ids, ids, isolated=isolated), self.key(prefix_ids, ids, isolated=True)
-        return ChunkKV(key, keys, values, base=alone if key != alone else "")  # an entry after a context: may be coded
-        # against the chunk's isolated one
+        key = self.key(prefix_ids, ids, isolated=isolated)
+        return ChunkKV(key, keys, values, base=self.base_key(prefix_ids, ids, key))
 
     def store_or_fill(
         self, prefix_ids: Sequence[int], ids: Sequence[int], kv: ChunkKV | None, events: LayerEvents | None = None

@@ -42,6 +42,6 @@ def capture(chunks: ChunkCache, prompt: TokenizedPrompt, layers: Sequence[tuple[
             for i, (k, _) in enumerate(layers)
         ])  # fmt: skip
         values = torch.stack([v[:, s:e] for _, v in layers])
-        alone = chunks.key(prompt.prefix_ids, placed.ids, isolated=True)  # a tier may code the entry against it
-        out[placed.ids] = ChunkKV(placed.keys[0], keys, values, base=alone if placed.keys[0] != alone else "")
+        base = chunks.base_key(prompt.prefix_ids, placed.ids, placed.keys[0])
+        out[placed.ids] = ChunkKV(placed.keys[0], keys, values, base=base)
     return out
