@@ -229,15 +229,12 @@ class TransformCodec:
 
     # -- the KVCodec protocol ---------------------------------------------------------------------------------------
     def encode(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check(tuple(k.shape))
-        payloads = [self.pack(self.codes(x, layer, kind)) for kind, x in enumerate((k, v))]
-        return tuple(torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in payloads)  # type: ignore[return-value]
+        return self._encode(k, v, layer, None)
 
     def decode(
         self, key_payload: torch.Tensor, value_payload: torch.Tensor, shape: Shape3, dtype: torch.dtype, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.codes_of(key_payload, value_payload, shape, layer)
-        return self.values_of(k, layer, 0, dtype), self.values_of(v, layer, 1, dtype)
+        return self._values(self.codes_of(key_payload, value_payload, shape, layer), layer, dtype)
 
     # -- the CodesCodec protocol: an entry coded against another (a chunk's captured entry against its isolated one)
     def codes_of(
@@ -251,14 +248,7 @@ class TransformCodec:
     def encode_against(
         self, k: torch.Tensor, v: torch.Tensor, layer: int, base: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check(tuple(k.shape))
-        payloads = []
-        for kind, (x, b) in enumerate(zip((k, v), base, strict=True)):
-            codes = self.codes(x, layer, kind).cpu()
-            if b.shape != codes.shape:
-                raise ValueError(f"base codes of shape {tuple(b.shape)} for a layer coded as {tuple(codes.shape)}")
-            payloads.append(self.pack(codes - b.to(torch.int32)))
-        return tuple(torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in payloads)  # type: ignore[return-value]
+        return self._encode(k, v, layer, base)
 
     def decode_against(
         self,
@@ -273,5 +263,26 @@ class TransformCodec:
         if any(b.shape != d.shape for b, d in zip(base, delta, strict=True)):
             raise CorruptEntryError(f"pca entry's base codes are of shape {tuple(base[0].shape)}, its own of "
                                     f"{tuple(delta[0].shape)}")  # fmt: skip
-        k, v = (d.add_(b) for d, b in zip(delta, base, strict=True))
-        return self.values_of(k, layer, 0, dtype), self.values_of(v, layer, 1, dtype)
+        return self._values((delta[0].add_(base[0]), delta[1].add_(base[1])), layer, dtype)
+
+    def _encode(
+        self, k: torch.Tensor, v: torch.Tensor, layer: int, base: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payloads of k and v: their codes, less `base`'s (another entry's codes of this layer) when given."""
+        self._check(tuple(k.shape))
+        payloads = []
+        for kind, x in enumerate((k, v)):
+            codes = self.codes(x, layer, kind).cpu()
+            if base is not None:
+                if base[kind].shape != codes.shape:
+                    raise ValueError(f"base codes of shape {tuple(base[kind].shape)} for a layer coded as "
+                                     f"{tuple(codes.shape)}")  # fmt: skip
+                codes = codes - base[kind].to(torch.int32)
+            payloads.append(self.pack(codes))
+        return tuple(torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in payloads)  # type: ignore[return-value]
+
+    def _values(
+        self, codes: tuple[torch.Tensor, torch.Tensor], layer: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key codes and value codes [H, D, T] -> k, v [H, T, D] in `dtype`."""
+        return self.values_of(codes[0], layer, 0, dtype), self.values_of(codes[1], layer, 1, dtype)
